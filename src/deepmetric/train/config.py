@@ -1,0 +1,560 @@
+"""Typed, validated training configuration.
+
+A run is described by one YAML file that maps onto the nested dataclasses below
+(``Config`` at the top).  ``load_config(path, overrides)`` reads the YAML, applies
+``key.sub=value`` overrides (values are parsed as YAML, so ``optim.lr=1e-3`` is a float and
+``eval.ks=[1,10]`` a list), and validates every key and type:
+
+* an unknown or misspelt key is a ``ConfigError`` naming its full path and suggesting the
+  closest valid key (``difflib``), e.g. ``unknown config key 'optim.lrr' (did you mean
+  'optim.lr'?)``;
+* a value of the wrong type is a ``ConfigError`` naming the key and the expected type.
+
+``save_config(cfg, path)`` writes the resolved configuration (every default filled in) so a
+run directory always records exactly what was trained.  The YAML layout (see
+docs/training.md for every key)::
+
+    data:     {name, root, options, train_split, transform, transform_options, num_workers}
+    model:    {name, options}
+    loss:     [{name, weight, input: embedding|logits, options, gather}, ...]
+    optim:    {name: sgd|adam|adamw, lr, momentum, weight_decay, new_layer_lr_mult, ...}
+    schedule: {lr: {name: constant|step|multistep|poly, ...},
+               temperature: {name: none|heat_up|gradual|auto_plateau, ...}}
+    train:    {epochs | iterations, batch_size, sampler, m, n, amp, seed, out_dir, ...}
+    eval:     {every, split, gallery_split, ks, metrics, best_metric, ...}
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "LossTermConfig",
+    "ParamGroupConfig",
+    "OptimConfig",
+    "LrScheduleConfig",
+    "TemperatureScheduleConfig",
+    "ScheduleConfig",
+    "TrainConfig",
+    "EvalConfig",
+    "Config",
+    "config_from_dict",
+    "config_to_dict",
+    "apply_overrides",
+    "load_config",
+    "save_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid (unknown key, wrong type, bad value)."""
+
+
+# --------------------------------------------------------------------------- sections
+@dataclass
+class DataConfig:
+    """Which dataset to train on and how to load it (``deepmetric.data.build_dataset``)."""
+
+    name: str = "glyphs"
+    root: Optional[str] = None
+    #: extra keyword arguments for ``build_dataset`` (e.g. ``protocol: classification``).
+    options: dict[str, Any] = field(default_factory=dict)
+    train_split: str = "train"
+    #: ``build_transform`` name; ``null`` leaves the dataset's own default.
+    transform: Optional[str] = None
+    transform_options: dict[str, Any] = field(default_factory=dict)
+    num_workers: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """``deepmetric.models.create_model(name, **options)``.
+
+    ``num_classes`` is filled in from the training split when the model accepts it and the
+    options do not set it (e.g. the two-head model).
+    """
+
+    name: str = "glyph_resnet"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LossTermConfig:
+    """One weighted term of the total loss: ``weight * build_loss(name, **options)(input, y)``.
+
+    ``input`` picks the model output the term reads: ``embedding`` or ``logits`` (the
+    two-head model's classifier, for ``cross_entropy``).  ``num_classes`` and
+    ``embedding_dim`` are filled in automatically when the loss accepts them.
+    ``gather`` (distributed training only) makes the term see the embeddings of all ranks;
+    ``null`` = automatic: terms without trainable parameters (triplet, N-pair, ALMN,
+    contrastive, lifted, centre) are gathered, classifier terms stay local.
+    """
+
+    name: str = "heated_softmax"
+    weight: float = 1.0
+    input: Literal["embedding", "logits"] = "embedding"
+    options: dict[str, Any] = field(default_factory=dict)
+    gather: Optional[bool] = None
+
+
+@dataclass
+class ParamGroupConfig:
+    """An explicit parameter group: parameters whose qualified name matches the regular
+    expression ``pattern`` (names look like ``model.backbone.conv1.weight`` or
+    ``loss.0.weight``) get this lr multiplier and/or weight decay.  First match wins."""
+
+    pattern: str = ""
+    lr_mult: Optional[float] = None
+    weight_decay: Optional[float] = None
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser and its parameter groups.
+
+    Parameters of the model whose names start with one of ``new_layers`` (default: every
+    model parameter outside ``backbone``) and all loss parameters (heated-softmax ``W``,
+    Proxy-NCA proxies, learnable alpha) train with ``lr * new_layer_lr_mult`` (ALMN uses
+    10x for the embedding layer); ``loss_lr_mult`` overrides the multiplier for the loss.
+    """
+
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    new_layer_lr_mult: float = 1.0
+    new_layers: Optional[list[str]] = None
+    loss_lr_mult: Optional[float] = None
+    param_groups: list[ParamGroupConfig] = field(default_factory=list)
+
+
+@dataclass
+class LrScheduleConfig:
+    """Base learning-rate schedule (a multiplier of ``optim.lr``).
+
+    * ``constant``;
+    * ``step``: ``gamma ** (t // step_size)``;
+    * ``multistep``: ``gamma ** (number of milestones <= t)``;
+    * ``poly``: ``end_factor + (1 - end_factor) * (1 - t / T) ** power`` (two-head paper:
+      power 1 from lr to 0 over the run).
+    ``unit`` says whether ``t`` counts epochs or iterations.  ``warmup`` linear warm-up
+    iterations (0 = none).
+    """
+
+    name: Literal["constant", "step", "multistep", "poly"] = "constant"
+    unit: Literal["epoch", "iteration"] = "epoch"
+    step_size: int = 10
+    gamma: float = 0.1
+    milestones: list[int] = field(default_factory=list)
+    power: float = 1.0
+    end_factor: float = 0.0
+    warmup: int = 0
+
+
+@dataclass
+class TemperatureScheduleConfig:
+    """Temperature (alpha) schedule of heated-softmax style losses (heated-up paper, Sec. 3.4).
+
+    * ``none``;
+    * ``heat_up``: at epoch/iteration ``at`` multiply alpha by ``alpha_factor`` (default
+      1/4: 16 -> 4) and the learning rate by ``lr_factor`` (default 1/10).  With a learnable
+      alpha the factor is applied to its learned value (paper Table 5);
+    * ``gradual``: every ``every`` epochs/iterations (until ``until``) multiply alpha by
+      ``alpha_factor`` (default 1/1.41) and lr by ``lr_factor`` (default 0.562), the
+      official code's gradual variant;
+    * ``auto_plateau`` (ours): heat up (as ``heat_up``) when ``monitor`` (``train_loss``
+      or an evaluation metric such as ``recall@1``) has not improved by ``min_delta`` for
+      ``patience`` consecutive observations; at most ``max_heatups`` times.
+    ``losses`` restricts the schedule to these loss-term indices (default: every term
+    with an ``alpha``).
+    """
+
+    name: Literal["none", "heat_up", "gradual", "auto_plateau"] = "none"
+    unit: Literal["epoch", "iteration"] = "epoch"
+    at: Optional[int] = None
+    every: Optional[int] = None
+    until: Optional[int] = None
+    alpha_factor: Optional[float] = None
+    lr_factor: Optional[float] = None
+    monitor: str = "train_loss"
+    mode: Literal["auto", "min", "max"] = "auto"
+    patience: int = 3
+    min_delta: float = 0.0
+    max_heatups: int = 1
+    losses: Optional[list[int]] = None
+
+
+@dataclass
+class ScheduleConfig:
+    lr: LrScheduleConfig = field(default_factory=LrScheduleConfig)
+    temperature: TemperatureScheduleConfig = field(default_factory=TemperatureScheduleConfig)
+
+
+@dataclass
+class TrainConfig:
+    """Run length, batching, precision and bookkeeping.
+
+    Give exactly one of ``epochs`` / ``iterations``.  ``sampler: random`` draws batches of
+    ``batch_size`` (heated-up paper); ``class_balanced`` draws ``m`` classes x ``n`` images
+    (ALMN m x n, two-head P x K).  ``warmup_epochs`` > 0 starts with a warm-up:
+    ``warmup_mode: new_layers`` trains only the new layers and the loss (backbone lr 0,
+    batch-norm statistics still update); ``bn_stats`` runs forward passes only, to
+    re-estimate batch-norm statistics before any weight changes.
+    """
+
+    epochs: Optional[int] = None
+    iterations: Optional[int] = None
+    batch_size: int = 32
+    sampler: Literal["random", "class_balanced"] = "random"
+    m: Optional[int] = None
+    n: Optional[int] = None
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    channels_last: bool = False
+    grad_accum: int = 1
+    grad_clip: Optional[float] = None
+    warmup_epochs: int = 0
+    warmup_mode: Literal["new_layers", "bn_stats"] = "new_layers"
+    seed: int = 0
+    deterministic: bool = False
+    device: str = "auto"
+    out_dir: str = "runs/run"
+    checkpoint_every: int = 1
+    progress: bool = True
+    sync_bn: bool = True
+
+
+@dataclass
+class EvalConfig:
+    """Zero-shot evaluation during training with ``deepmetric.evaluate``.
+
+    Every ``every`` epochs (0 = only at the end; the end is always evaluated) the model
+    embeds ``split``; with ``gallery_split`` (In-shop: ``split: query``,
+    ``gallery_split: gallery``) queries are ranked against the gallery.  The checkpoint
+    with the best ``best_metric`` is kept as ``best.pt``.  ``at_start`` also evaluates the
+    untrained model.  ``classification`` adds top-1 / mean-per-class accuracy of the
+    model's (or the loss's) classifier on ``split``.
+    """
+
+    every: int = 1
+    at_start: bool = False
+    split: str = "test"
+    gallery_split: Optional[str] = None
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    metrics: Optional[list[str]] = None
+    best_metric: str = "recall@1"
+    batch_size: int = 256
+    classification: bool = False
+
+
+@dataclass
+class Config:
+    """A whole run.  ``description`` is free text (recipes name their paper table row)."""
+
+    name: str = "run"
+    description: str = ""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: list[LossTermConfig] = field(default_factory=lambda: [LossTermConfig()])
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# --------------------------------------------------------------------------- validation
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner = " or ".join(_type_name(a) for a in args)
+        return f"{inner} or null" if len(args) < len(typing.get_args(tp)) else inner
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        return f"list of {_type_name(arg)}"
+    if origin is dict:
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    if tp is Any:
+        return "any value"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the type hint ``tp`` and return the typed value."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"config key '{path}': expected {_type_name(tp)}, got null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(exc)
+        # A single non-null alternative: its own message is the most precise.
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(f"config key '{path}': expected {_type_name(tp)}, got {_describe(value)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"config key '{path}': expected {_type_name(tp)}, got {value!r}{hint}"
+            )
+        return value
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{path}': expected {_type_name(tp)}, got {_describe(value)}")
+        return [_convert(v, arg, f"{path}.{i}") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{path}': expected a mapping, got {_describe(value)}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _build_dataclass(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{path}': expected bool (true/false), got {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"config key '{path}': expected int, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML 1.1 reads '1e-3' (no dot) as a string; accept numeric strings.
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"config key '{path}': expected float, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{path}': expected str, got {_describe(value)}")
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at '{path}'")  # programming error
+
+
+def _build_dataclass(cls: type, value: Any, path: str) -> Any:
+    if value is None:
+        value = {}
+    if dataclasses.is_dataclass(value) and isinstance(value, cls):
+        value = config_to_dict(value)
+    if not isinstance(value, dict):
+        where = f"config key '{path}'" if path else "config"
+        raise ConfigError(f"{where}: expected a mapping, got {_describe(value)}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, val in value.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            if close:
+                hint = f" (did you mean '{path + '.' if path else ''}{close[0]}'?)"
+            else:
+                hint = f"; valid keys{' of ' + repr(path) if path else ''}: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{full}'{hint}")
+        kwargs[key] = _convert(val, hints[key], full)
+    return cls(**kwargs)
+
+
+def _check_values(cfg: Config) -> None:
+    """Cross-field checks that the types alone cannot express."""
+    t = cfg.train
+    if (t.epochs is None) == (t.iterations is None):
+        raise ConfigError("config: give exactly one of 'train.epochs' and 'train.iterations'")
+    for key in ("epochs", "iterations"):
+        v = getattr(t, key)
+        if v is not None and v <= 0:
+            raise ConfigError(f"config key 'train.{key}': must be positive, got {v}")
+    if t.sampler == "class_balanced" and (t.m is None or t.n is None):
+        raise ConfigError(
+            "config: 'train.sampler: class_balanced' needs 'train.m' (classes per batch) and "
+            "'train.n' (images per class)"
+        )
+    for key in ("batch_size", "grad_accum", "checkpoint_every"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"config key 'train.{key}': must be >= 1, got {getattr(t, key)}")
+    for key in ("m", "n"):
+        v = getattr(t, key)
+        if v is not None and v < 1:
+            raise ConfigError(f"config key 'train.{key}': must be >= 1, got {v}")
+    if t.warmup_epochs < 0:
+        raise ConfigError(f"config key 'train.warmup_epochs': must be >= 0, got {t.warmup_epochs}")
+    if not cfg.loss:
+        raise ConfigError("config key 'loss': needs at least one loss term")
+    if cfg.optim.lr < 0:
+        raise ConfigError(f"config key 'optim.lr': must be >= 0, got {cfg.optim.lr}")
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"config key 'optim.betas': expected two floats, got {cfg.optim.betas}")
+    if cfg.eval.every < 0:
+        raise ConfigError(f"config key 'eval.every': must be >= 0, got {cfg.eval.every}")
+    if not cfg.eval.ks or any(k < 1 for k in cfg.eval.ks):
+        raise ConfigError(f"config key 'eval.ks': expected positive ints, got {cfg.eval.ks}")
+    s = cfg.schedule.lr
+    if s.name == "step" and s.step_size < 1:
+        raise ConfigError(f"config key 'schedule.lr.step_size': must be >= 1, got {s.step_size}")
+    if s.name == "multistep" and not s.milestones:
+        raise ConfigError("config key 'schedule.lr.milestones': 'multistep' needs milestones")
+    tc = cfg.schedule.temperature
+    if tc.name == "heat_up" and tc.at is None:
+        raise ConfigError("config key 'schedule.temperature.at': 'heat_up' needs the epoch/iteration to heat up at")
+    if tc.name == "gradual" and (tc.every is None or tc.every < 1):
+        raise ConfigError("config key 'schedule.temperature.every': 'gradual' needs a positive interval")
+    if tc.name == "auto_plateau" and tc.patience < 1:
+        raise ConfigError(f"config key 'schedule.temperature.patience': must be >= 1, got {tc.patience}")
+    if tc.losses is not None:
+        for i in tc.losses:
+            if not 0 <= i < len(cfg.loss):
+                raise ConfigError(
+                    f"config key 'schedule.temperature.losses': index {i} out of range for "
+                    f"{len(cfg.loss)} loss term(s)"
+                )
+    # Resolve the factor defaults (they depend on the schedule kind).
+    if tc.alpha_factor is None:
+        tc.alpha_factor = 1 / 1.41 if tc.name == "gradual" else 0.25
+    if tc.lr_factor is None:
+        tc.lr_factor = 0.562 if tc.name == "gradual" else 0.1
+
+
+def config_from_dict(raw: dict | None) -> Config:
+    """Validate a plain mapping (as read from YAML) into a ``Config``."""
+    raw = dict(raw or {})
+    if isinstance(raw.get("loss"), dict):  # one term may be written without the list
+        raw["loss"] = [raw["loss"]]
+    cfg = _build_dataclass(Config, raw, "")
+    _check_values(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """The configuration as plain Python data (YAML/JSON/``torch.save`` safe)."""
+    return dataclasses.asdict(cfg)
+
+
+# --------------------------------------------------------------------------- overrides
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optim.lr=0.001")
+    key, _, raw = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...] | None) -> dict:
+    """Apply ``a.b.c=value`` overrides to a raw config mapping (in place) and return it.
+
+    Integer path parts index lists (``loss.0.weight=2``).  Unknown keys are created here and
+    then rejected, with a suggestion, by validation.
+    """
+    for text in overrides or ():
+        parts, value = _parse_override(text)
+        node: Any = raw
+        for depth, part in enumerate(parts[:-1]):
+            where = ".".join(parts[: depth + 1])
+            if isinstance(node, list):
+                node = node[_list_index(node, part, where, text)]
+                continue
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: '{'.'.join(parts[:depth])}' is not a mapping")
+            if node.get(part) is None:
+                node[part] = [] if part == "loss" else {}
+                if part == "loss":
+                    node[part] = [dict(config_to_dict(LossTermConfig()))]
+            node = node[part]
+        last = parts[-1]
+        if isinstance(node, list):
+            node[_list_index(node, last, text, text)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise ConfigError(f"override {text!r}: '{'.'.join(parts[:-1])}' is not a mapping")
+    return raw
+
+
+def _list_index(node: list, part: str, where: str, text: str) -> int:
+    try:
+        i = int(part)
+    except ValueError:
+        raise ConfigError(f"override {text!r}: '{where}' indexes a list; use an integer") from None
+    if not -len(node) <= i < len(node):
+        raise ConfigError(f"override {text!r}: index {i} out of range (list has {len(node)} items)")
+    return i
+
+
+# --------------------------------------------------------------------------- files
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or start from defaults when ``path`` is None), apply overrides,
+    validate, and return the ``Config``."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file not found: {p}")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p}: invalid YAML ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping, got {type(raw).__name__}")
+    apply_overrides(raw, overrides)
+    try:
+        return config_from_dict(raw)
+    except ConfigError as exc:
+        if path is not None:
+            raise ConfigError(f"{path}: {exc}") from None
+        raise
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved configuration as YAML (keys in dataclass order)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None))
+    return p
