@@ -47,11 +47,43 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     return run_evaluate_cli(args)
 
 
+# --------------------------------------------------------------------------- report
+def _add_report_parser(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="figures and a Markdown report of a run (RUN_DIR/report/)",
+        description=(
+            "Write PNG figures (training curves from log.jsonl; with --embeddings also "
+            "Recall@K, cosine-similarity histograms, a 2-d embedding scatter, and Fig. 1 / "
+            "two-head diagnostics when the .npz holds the needed arrays) and report.md into "
+            "RUN_DIR/report/. See docs/report.md for the .npz keys."
+        ),
+    )
+    p.add_argument("run_dir", help="the run directory (holds log.jsonl and config.yaml)")
+    p.add_argument("--embeddings", default=None,
+                   help="embeddings .npz (default: RUN_DIR/embeddings.npz if present)")
+    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+    p.add_argument("--max-pairs", type=int, default=1_000_000,
+                   help="pairs per cosine histogram before sampling (default 1000000)")
+    p.add_argument("--seed", type=int, default=0, help="seed for pair sampling / subsampling")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from deepmetric.report import make_report
+
+    path = make_report(args.run_dir, args.embeddings, out_dir=args.out,
+                       max_pairs=args.max_pairs, seed=args.seed)
+    print(f"report written to {path}")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepmetric", description="Deep metric learning toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_evaluate_parser(sub)
+    _add_report_parser(sub)
     return parser
 
 

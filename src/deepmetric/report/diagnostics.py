@@ -1,0 +1,607 @@
+"""Numbers behind the report's plots, computed from plain arrays (no matplotlib here).
+
+Each function reproduces the quantity of one figure or statistic of the three papers:
+
+* :func:`gradient_norm_vs_alpha` - heated-up paper, Fig. 1: ``||d loss / d f_hat||`` as a
+  function of the temperature parameter alpha (Eq. 1-3 with l2-normalised features and
+  class weights); :func:`select_paper_samples` picks the "incorrect", "boundary" and
+  "centroid" samples (Sec. 3.2) from a trained classifier, :func:`synthetic_paper_samples`
+  builds textbook ones when no trained model is at hand.
+* :func:`pair_cosine_histograms` - heated-up paper, Fig. 4 (Appendix C): normalised
+  histograms of the cosine similarity of same-class and different-class pairs; exact for
+  small sets, an unbiased random sample of pairs otherwise (memory stays O(chunk x N)).
+* :func:`embedding_2d` - heated-up paper, Fig. 2: the 2-d coordinates to scatter.
+* :func:`recall_curve` - Recall@K for a range of K (REFERENCE.md section 5).
+* :func:`misclassified_neighbours` - two-head paper, Sec. 4.3 / Fig. 10: for misclassified
+  test images the nearest training image, and the share whose neighbour carries the
+  predicted label (79.34% on Flowers-102 in the paper).
+* :func:`read_log` - the training loop's JSON-lines log, tolerant of missing keys.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "read_log",
+    "TrainingLog",
+    "gradient_norm_vs_alpha",
+    "closed_form_gradient_norm",
+    "select_paper_samples",
+    "synthetic_paper_samples",
+    "pair_cosine_histograms",
+    "embedding_2d",
+    "recall_curve",
+    "misclassified_neighbours",
+]
+
+
+# --------------------------------------------------------------------------- input checks
+def _as_2d_float(x: Any, name: str) -> np.ndarray:
+    arr = np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be a 2-d array (N x d), got shape {arr.shape}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name} must not be empty, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.number):
+        raise TypeError(f"{name} must be numeric, got dtype {arr.dtype}")
+    arr = arr.astype(np.float64 if arr.dtype == np.float64 else np.float32, copy=False)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return arr
+
+
+def _as_labels(y: Any, n: int, name: str = "labels") -> np.ndarray:
+    arr = np.asarray(y.detach().cpu() if isinstance(y, torch.Tensor) else y)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-d array, got shape {arr.shape}")
+    if arr.shape[0] != n:
+        raise ValueError(f"{name} has {arr.shape[0]} entries but there are {n} embeddings")
+    if not np.issubdtype(arr.dtype, np.integer):
+        if np.issubdtype(arr.dtype, np.floating) and np.all(arr == np.round(arr)):
+            arr = arr.astype(np.int64)
+        else:
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _l2n(x: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(norms, 1e-12)
+
+
+# --------------------------------------------------------------------------- training log
+class TrainingLog:
+    """The records of one ``log.jsonl``: ``steps`` and ``evals`` as lists of dicts.
+
+    :meth:`column` returns one key as a float array with NaN where a record lacks it, so
+    plots cope with logs written by older / newer versions of the training loop.
+    """
+
+    def __init__(self, steps: list[dict], evals: list[dict], other: list[dict] | None = None):
+        self.steps = steps
+        self.evals = evals
+        self.other = other or []
+
+    def column(self, kind: str, key: str) -> np.ndarray:
+        records = self.steps if kind == "step" else self.evals
+        out = np.full(len(records), np.nan)
+        for i, rec in enumerate(records):
+            v = rec.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[i] = float(v)
+        return out
+
+    def has(self, kind: str, key: str) -> bool:
+        return bool(np.isfinite(self.column(kind, key)).any())
+
+    def metric_keys(self) -> list[str]:
+        """Numeric keys of the evaluation records other than the bookkeeping ones."""
+        skip = {"type", "epoch", "step", "time", "wall_time", "elapsed", "rank", "split"}
+        keys: list[str] = []
+        for rec in self.evals:
+            for k, v in rec.items():
+                if k in skip or k in keys:
+                    continue
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    keys.append(k)
+        return keys
+
+    def x_axis(self, kind: str) -> tuple[np.ndarray, str]:
+        """Best available x values: the global step, else the epoch, else the record index."""
+        n = len(self.steps if kind == "step" else self.evals)
+        for key in ("step", "epoch"):
+            col = self.column(kind, key)
+            if n and np.isfinite(col).all():
+                return col, key
+        return np.arange(n, dtype=float), "record"
+
+
+def read_log(path: str | Path) -> TrainingLog:
+    """Read the training loop's JSON-lines log (``RUN_DIR/log.jsonl``).
+
+    One JSON object per line; ``{"type": "step", ...}`` per optimisation step and
+    ``{"type": "eval", ...}`` per evaluation. Records without ``type`` are classified by
+    their keys (a ``loss`` -> step; any ``recall@``/``nmi`` key -> eval). A truncated last
+    line (a run killed while writing) is skipped with a warning; any other malformed line
+    is an error naming the file and line number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"training log not found: {path}")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    steps: list[dict] = []
+    evals: list[dict] = []
+    other: list[dict] = []
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if i == last:
+                warnings.warn(f"{path}:{i + 1}: skipping truncated last line ({exc.msg})")
+                continue
+            raise ValueError(f"{path}:{i + 1}: not valid JSON ({exc.msg}): {line[:80]!r}") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {type(rec).__name__}")
+        kind = rec.get("type")
+        if kind is None:
+            if any(k.startswith(("recall@", "nmi", "map@r", "f1", "top1")) for k in rec):
+                kind = "eval"
+            elif "loss" in rec:
+                kind = "step"
+        if kind == "step":
+            steps.append(rec)
+        elif kind == "eval":
+            evals.append(rec)
+        else:
+            other.append(rec)
+    return TrainingLog(steps, evals, other)
+
+
+# --------------------------------------------------------------------------- Fig. 1
+def closed_form_gradient_norm(f_hat: np.ndarray, w_hat: np.ndarray, label: int, alpha: float,
+                              bias: np.ndarray | None = None) -> float:
+    """``||alpha * sum_m (p_m - q_m) w_hat_m||`` (heated-up paper Eq. 3 on normalised
+    ``f_hat`` (k,) and ``w_hat`` (C, k)); the reference the autograd curves are checked
+    against."""
+    z = alpha * (w_hat @ f_hat) + (0.0 if bias is None else bias)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    q = np.zeros_like(p)
+    q[label] = 1.0
+    return float(np.linalg.norm(alpha * (p - q) @ w_hat))
+
+
+def _classifier_from_loss(loss: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Class weights (C, k) and bias of a classifier-type loss (e.g. HeatedSoftmaxLoss)."""
+    weight = None
+    for name in ("weight", "weights", "W", "proxies"):
+        t = getattr(loss, name, None)
+        if isinstance(t, torch.Tensor) and t.ndim == 2:
+            weight = t
+            break
+    if weight is None:
+        raise TypeError(f"{type(loss).__name__} exposes no 2-d 'weight' tensor (class weights)")
+    bias = getattr(loss, "bias", None)
+    return weight, bias if isinstance(bias, torch.Tensor) else None
+
+
+def gradient_norm_vs_alpha(
+    embeddings: Any,
+    labels: Any,
+    alphas: Sequence[float],
+    *,
+    weights: Any = None,
+    bias: Any = None,
+    loss: torch.nn.Module | None = None,
+    normalize_weights: bool = True,
+) -> np.ndarray:
+    """Gradient norm of the softmax cross-entropy w.r.t. the l2-normalised embedding,
+    for every sample and every alpha (heated-up paper, Fig. 1 and Eq. 1-3).
+
+    Returns an array (N, len(alphas)) of ``||d l / d f_hat||_2``, computed by autograd.
+
+    * With ``loss`` (a classifier-type loss exposing ``.logits(embeddings)`` and a settable
+      ``.alpha``, e.g. ``deepmetric.losses.HeatedSoftmaxLoss``), the loss's own logits are
+      differentiated, so the figure diagnoses exactly what training optimises; its alpha is
+      restored afterwards.
+    * Otherwise ``weights`` (C, k) (and optional ``bias`` (C,)) define
+      ``z = alpha * <f_hat, w_hat_c> + b_c`` (columns l2-normalised unless
+      ``normalize_weights=False``).
+
+    The embeddings are l2-normalised first (the figure is drawn for f_hat); Property 1-2 of
+    the paper: the norm vanishes as alpha -> 0, and as alpha -> inf for correctly
+    classified samples, while it grows without bound for incorrect ones.
+    """
+    x = _as_2d_float(embeddings, "embeddings")
+    y = _as_labels(labels, x.shape[0])
+    alphas_arr = np.asarray(list(alphas), dtype=np.float64)
+    if alphas_arr.ndim != 1 or alphas_arr.size == 0:
+        raise ValueError("alphas must be a non-empty 1-d sequence of numbers")
+    if not np.all(np.isfinite(alphas_arr)) or np.any(alphas_arr < 0):
+        raise ValueError(f"alphas must be finite and >= 0, got {alphas_arr.tolist()}")
+    f_hat = torch.as_tensor(_l2n(x.astype(np.float64)))
+    yt = torch.as_tensor(y)
+    out = np.empty((x.shape[0], alphas_arr.size))
+
+    if loss is not None:
+        if not hasattr(loss, "logits") or not hasattr(loss, "alpha"):
+            raise TypeError(f"loss {type(loss).__name__} must expose .logits(embeddings) and .alpha")
+        old_alpha, was_training = loss.alpha, loss.training
+        param = next(iter(loss.parameters()), None)
+        dtype = param.dtype if param is not None else torch.float32
+        device = param.device if param is not None else torch.device("cpu")
+        loss.eval()
+        try:
+            for j, a in enumerate(alphas_arr):
+                _set_alpha(loss, float(a))
+                f = f_hat.to(device=device, dtype=dtype).clone().requires_grad_(True)
+                logits = loss.logits(f)
+                n_cls = logits.shape[1]
+                if int(y.max()) >= n_cls or int(y.min()) < 0:
+                    raise ValueError(f"labels must lie in [0, {n_cls - 1}] for this loss")
+                ce = F.cross_entropy(logits.double(), yt.to(device), reduction="sum")
+                (g,) = torch.autograd.grad(ce, f)
+                out[:, j] = g.double().norm(dim=1).cpu().numpy()
+        finally:
+            _set_alpha(loss, old_alpha)
+            loss.train(was_training)
+        return out
+
+    if weights is None:
+        raise ValueError("give either loss= (a classifier-type loss) or weights= (C x k)")
+    w = torch.as_tensor(_as_2d_float(weights, "weights").astype(np.float64))
+    if w.shape[1] != x.shape[1]:
+        if w.shape[0] == x.shape[1]:
+            raise ValueError(f"weights must be (C, k) = (classes, {x.shape[1]}); got {tuple(w.shape)} "
+                             f"- pass weights.T if you hold them as (k, C)")
+        raise ValueError(f"weights have {w.shape[1]} dims but embeddings have {x.shape[1]}")
+    if int(y.max()) >= w.shape[0] or int(y.min()) < 0:
+        raise ValueError(f"labels must lie in [0, {w.shape[0] - 1}] (one weight row per class)")
+    if normalize_weights:
+        w = F.normalize(w, dim=1)
+    b = None
+    if bias is not None:
+        b = torch.as_tensor(np.asarray(bias, dtype=np.float64)).reshape(-1)
+        if b.shape[0] != w.shape[0]:
+            raise ValueError(f"bias has {b.shape[0]} entries but there are {w.shape[0]} classes")
+    for j, a in enumerate(alphas_arr):
+        f = f_hat.clone().requires_grad_(True)
+        z = float(a) * f @ w.T
+        if b is not None:
+            z = z + b
+        ce = F.cross_entropy(z, yt, reduction="sum")  # per-sample gradients: rows independent
+        (g,) = torch.autograd.grad(ce, f)
+        out[:, j] = g.norm(dim=1).numpy()
+    return out
+
+
+def _set_alpha(loss: torch.nn.Module, value: float) -> None:
+    # a learnable alpha is a Parameter: write into it without recording the op
+    cur = getattr(loss, "alpha")
+    if isinstance(cur, torch.Tensor):
+        with torch.no_grad():
+            cur.fill_(float(value))
+    else:
+        loss.alpha = value
+
+
+def _cosine_logits(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    z = _l2n(x.astype(np.float64)) @ _l2n(w.astype(np.float64)).T
+    return z if bias is None else z + np.asarray(bias, dtype=np.float64)
+
+
+def select_paper_samples(embeddings: Any, labels: Any, weights: Any,
+                         bias: Any = None) -> dict[str, int | None]:
+    """Pick one "incorrect", "boundary" and "centroid" sample (heated-up paper, Sec. 3.2).
+
+    With cosine logits ``z_m = <f_hat, w_hat_m>``, the margin of a sample is
+    ``z_y - max_{m != y} z_m``: *incorrect* samples have margin <= 0 (the one with the
+    median margin among them is returned), *boundary* is the correct sample with the
+    smallest positive margin, *centroid* the correct sample with the largest margin.
+    A type with no member maps to ``None``.
+    """
+    x = _as_2d_float(embeddings, "embeddings")
+    y = _as_labels(labels, x.shape[0])
+    w = _as_2d_float(weights, "weights")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"weights have {w.shape[1]} dims but embeddings have {x.shape[1]}")
+    if w.shape[0] < 2:
+        raise ValueError("need at least 2 classes (weight rows) to define a margin")
+    if int(y.max()) >= w.shape[0] or int(y.min()) < 0:
+        raise ValueError(f"labels must lie in [0, {w.shape[0] - 1}]")
+    z = _cosine_logits(x, w, None if bias is None else np.asarray(bias))
+    rows = np.arange(len(y))
+    zy = z[rows, y]
+    z_other = z.copy()
+    z_other[rows, y] = -np.inf
+    margin = zy - z_other.max(axis=1)
+    out: dict[str, int | None] = {"incorrect": None, "boundary": None, "centroid": None}
+    wrong = np.flatnonzero(margin <= 0)
+    if wrong.size:
+        order = wrong[np.argsort(margin[wrong], kind="stable")]
+        out["incorrect"] = int(order[(order.size - 1) // 2])
+    right = np.flatnonzero(margin > 0)
+    if right.size:
+        out["boundary"] = int(right[np.argmin(margin[right])])
+        out["centroid"] = int(right[np.argmax(margin[right])])
+    return out
+
+
+def synthetic_paper_samples(num_classes: int = 10, dim: int = 64, seed: int = 0,
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Textbook samples for Fig. 1 without a trained model.
+
+    Returns ``(weights (C, k), embeddings (3, k), labels (3,))`` with class-0 samples in the
+    order incorrect, boundary, centroid: the centroid sample is ``w_hat_0`` itself, the
+    boundary one lies just on class 0's side of the bisector of ``w_hat_0`` and
+    ``w_hat_1``, the incorrect one just on class 1's side.
+    """
+    if num_classes < 2 or dim < 2:
+        raise ValueError("synthetic_paper_samples needs num_classes >= 2 and dim >= 2")
+    rng = np.random.default_rng(seed)
+    w = _l2n(rng.standard_normal((num_classes, dim)))
+    w0, w1 = w[0], w[1]
+    centroid = w0
+    boundary = _l2n((0.6 * w0 + 0.4 * w1)[None])[0]
+    incorrect = _l2n((0.4 * w0 + 0.6 * w1)[None])[0]
+    x = np.stack([incorrect, boundary, centroid])
+    return w, x, np.zeros(3, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- Fig. 4
+def pair_cosine_histograms(
+    embeddings: Any,
+    labels: Any,
+    *,
+    bins: int = 100,
+    value_range: tuple[float, float] = (-1.0, 1.0),
+    max_pairs: int = 2_000_000,
+    seed: int = 0,
+    chunk_size: int | None = None,
+) -> dict[str, Any]:
+    """Histograms of the cosine similarity of same-class and different-class pairs
+    (heated-up paper, Fig. 4 / Appendix C).
+
+    If the set has at most ``max_pairs`` unordered pairs ``{i, j}, i != j``, every pair is
+    counted exactly, in row chunks so memory stays ``O(chunk_size x N)``. Otherwise the
+    same-class pairs are still all counted when there are at most ``max_pairs`` of them
+    (SOP, In-shop: a few per class), else ``max_pairs`` of them are drawn uniformly at
+    random (with replacement); ``max_pairs`` different-class pairs are drawn uniformly at
+    random. Each population is handled on its own, so the *normalised* histograms are
+    unbiased even when same-class pairs are rare (SOP: ~1 in 10^4 pairs).
+
+    Returns ``{"edges", "same", "diff", "same_density", "diff_density", "exact",
+    "same_exact", "diff_exact", "n_same_pairs", "n_diff_pairs", "n_same_counted",
+    "n_diff_counted"}``; counts are int64
+    arrays of length ``bins``; ``n_*_pairs`` are the population sizes.
+    """
+    x = _l2n(_as_2d_float(embeddings, "embeddings").astype(np.float32))
+    y = _as_labels(labels, x.shape[0])
+    n = x.shape[0]
+    if n < 2:
+        raise ValueError("need at least 2 embeddings to form a pair")
+    if int(bins) < 1:
+        raise ValueError(f"bins must be >= 1, got {bins}")
+    if int(max_pairs) < 1:
+        raise ValueError(f"max_pairs must be >= 1, got {max_pairs}")
+    lo, hi = float(value_range[0]), float(value_range[1])
+    if not lo < hi:
+        raise ValueError(f"value_range must be (low, high) with low < high, got {value_range}")
+    edges = np.linspace(lo, hi, int(bins) + 1)
+    _, counts = np.unique(y, return_counts=True)
+    n_same = int((counts.astype(np.int64) * (counts - 1) // 2).sum())
+    n_total = n * (n - 1) // 2
+    n_diff = n_total - n_same
+
+    same = np.zeros(int(bins), dtype=np.int64)
+    diff = np.zeros(int(bins), dtype=np.int64)
+    exact = n_total <= max_pairs
+    if exact:
+        cs = chunk_size or max(1, min(n, 8_000_000 // max(n, 1)))
+        for s in range(0, n, cs):
+            e = min(n, s + cs)
+            sims = np.clip(x[s:e] @ x.T, lo, hi)  # clip: rounding may give 1.0000001
+            cols = np.arange(n)
+            upper = cols[None, :] > np.arange(s, e)[:, None]
+            is_same = y[s:e, None] == y[None, :]
+            same += np.histogram(sims[upper & is_same], bins=edges)[0]
+            diff += np.histogram(sims[upper & ~is_same], bins=edges)[0]
+        same_exact = diff_exact = True
+    else:
+        rng = np.random.default_rng(seed)
+        same_exact, diff_exact = n_same <= max_pairs, False
+        if n_same and same_exact:  # rare pairs (SOP, In-shop): count every one of them
+            i, j = _all_same_pairs(y)
+            same = _hist_pairs(x, i, j, edges, lo, hi)
+        elif n_same:
+            i, j = _sample_same_pairs(y, int(max_pairs), rng)
+            same = _hist_pairs(x, i, j, edges, lo, hi)
+        if n_diff:
+            i, j = _sample_diff_pairs(y, int(max_pairs), rng)
+            diff = _hist_pairs(x, i, j, edges, lo, hi)
+    width = np.diff(edges)
+
+    def density(c: np.ndarray) -> np.ndarray:
+        tot = c.sum()
+        return c / (tot * width) if tot else np.zeros_like(width)
+
+    return {
+        "edges": edges, "same": same, "diff": diff,
+        "same_density": density(same), "diff_density": density(diff),
+        "exact": exact, "same_exact": same_exact, "diff_exact": diff_exact,
+        "n_same_pairs": n_same, "n_diff_pairs": n_diff,
+        "n_same_counted": int(same.sum()), "n_diff_counted": int(diff.sum()),
+    }
+
+
+def _hist_pairs(x: np.ndarray, i: np.ndarray, j: np.ndarray, edges: np.ndarray,
+                lo: float, hi: float, chunk: int = 1 << 18) -> np.ndarray:
+    out = np.zeros(len(edges) - 1, dtype=np.int64)
+    for s in range(0, len(i), chunk):
+        sims = np.einsum("ij,ij->i", x[i[s:s + chunk]], x[j[s:s + chunk]])
+        out += np.histogram(np.clip(sims, lo, hi), bins=edges)[0]
+    return out
+
+
+def _all_same_pairs(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every same-class unordered pair {i, j}, i != j."""
+    order = np.argsort(y, kind="stable")
+    _, starts, counts = np.unique(y[order], return_index=True, return_counts=True)
+    ii: list[np.ndarray] = []
+    jj: list[np.ndarray] = []
+    for c in np.unique(counts[counts > 1]):  # one triu per class size, not per class
+        a, b = np.triu_indices(int(c), 1)
+        st = starts[counts == c]
+        ii.append(order[(st[:, None] + a[None]).ravel()])
+        jj.append(order[(st[:, None] + b[None]).ravel()])
+    if not ii:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(ii), np.concatenate(jj)
+
+
+def _sample_same_pairs(y: np.ndarray, k: int, rng: np.random.Generator):
+    """k pairs drawn uniformly from all same-class unordered pairs."""
+    order = np.argsort(y, kind="stable")
+    classes, starts, counts = np.unique(y[order], return_index=True, return_counts=True)
+    w = counts.astype(np.float64) * (counts - 1) / 2
+    cls = rng.choice(len(classes), size=k, p=w / w.sum())
+    c = counts[cls]
+    a = rng.integers(0, c)
+    b = rng.integers(0, c - 1)
+    b = b + (b >= a)
+    return order[starts[cls] + a], order[starts[cls] + b]
+
+
+def _sample_diff_pairs(y: np.ndarray, k: int, rng: np.random.Generator):
+    """k pairs drawn uniformly from all different-class pairs (rejection sampling)."""
+    n = len(y)
+    got_i: list[np.ndarray] = []
+    got_j: list[np.ndarray] = []
+    have = 0
+    for _ in range(10_000):
+        m = max(1024, int(1.5 * (k - have)))
+        i = rng.integers(0, n, size=m)
+        j = rng.integers(0, n, size=m)
+        keep = y[i] != y[j]
+        got_i.append(i[keep])
+        got_j.append(j[keep])
+        have += int(keep.sum())
+        if have >= k:
+            break
+    return np.concatenate(got_i)[:k], np.concatenate(got_j)[:k]
+
+
+# --------------------------------------------------------------------------- Fig. 2
+def embedding_2d(embeddings: Any, *, normalize: bool = False, seed: int = 0,
+                 ) -> tuple[np.ndarray, str]:
+    """2-d coordinates for the scatter of Fig. 2 and a description of how they were made.
+
+    2-d embeddings (the paper's LeNet bottleneck) are returned as they are (or
+    l2-normalised onto the unit circle, Fig. 2(b)); higher-dimensional ones are projected
+    on their first two principal components (scikit-learn PCA) after optional
+    normalisation.
+    """
+    x = _as_2d_float(embeddings, "embeddings").astype(np.float64)
+    if normalize:
+        x = _l2n(x)
+    if x.shape[1] == 2:
+        return x, "l2-normalised embedding" if normalize else "embedding"
+    if x.shape[1] == 1 or x.shape[0] < 2:
+        raise ValueError(f"cannot draw a 2-d scatter of embeddings with shape {x.shape}")
+    from sklearn.decomposition import PCA
+
+    pca = PCA(n_components=2, random_state=seed)
+    xy = pca.fit_transform(x)
+    ev = pca.explained_variance_ratio_.sum()
+    what = "l2-normalised " if normalize else ""
+    return xy, f"PCA of {what}{x.shape[1]}-d embedding ({100 * ev:.0f}% variance)"
+
+
+# --------------------------------------------------------------------------- retrieval
+def recall_curve(embeddings: Any, labels: Any, ks: Iterable[int] = (1, 2, 4, 8, 16, 32), *,
+                 is_query: Any = None, is_gallery: Any = None) -> dict[int, float]:
+    """Recall@K for every K in ``ks`` via :func:`deepmetric.evaluate.evaluate` (cosine,
+    query excluded by index; In-shop style query/gallery masks are passed through)."""
+    from deepmetric.evaluate import evaluate
+
+    ks = sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1:
+        raise ValueError(f"ks must be positive integers, got {ks}")
+    x = _as_2d_float(embeddings, "embeddings")
+    y = _as_labels(labels, x.shape[0])
+    res = evaluate(x, y, is_query=is_query, is_gallery=is_gallery, ks=tuple(ks), metrics=["recall"])
+    return {k: float(res[f"recall@{k}"]) for k in ks}
+
+
+def misclassified_neighbours(
+    train_embeddings: Any,
+    train_labels: Any,
+    test_embeddings: Any,
+    test_labels: Any,
+    test_predictions: Any,
+) -> dict[str, Any]:
+    """Two-head paper, Sec. 4.3 / Fig. 10: explain misclassifications by the nearest
+    training image in the embedding space (cosine).
+
+    ``test_predictions`` are class ids, or logits (N, C) whose arg-max is taken. Labels of
+    train and test must use the same class ids (classification protocol).
+
+    Returns ``{"misclassified": test indices, "neighbour": nearest-train indices,
+    "neighbour_label", "predicted", "true", "n_test", "n_misclassified",
+    "share_neighbour_is_predicted", "share_neighbour_is_true"}`` (shares are NaN when
+    nothing is misclassified). The paper reports 79.34% for the first share on
+    Flowers-102.
+    """
+    xtr = _as_2d_float(train_embeddings, "train_embeddings")
+    ytr = _as_labels(train_labels, xtr.shape[0], "train_labels")
+    xte = _as_2d_float(test_embeddings, "test_embeddings")
+    yte = _as_labels(test_labels, xte.shape[0], "test_labels")
+    if xtr.shape[1] != xte.shape[1]:
+        raise ValueError(f"train embeddings have {xtr.shape[1]} dims, test embeddings {xte.shape[1]}")
+    pred = np.asarray(test_predictions.detach().cpu() if isinstance(test_predictions, torch.Tensor)
+                      else test_predictions)
+    if pred.ndim == 2:
+        if pred.shape[0] != xte.shape[0]:
+            raise ValueError(f"test logits have {pred.shape[0]} rows but there are {xte.shape[0]} test embeddings")
+        pred = pred.argmax(axis=1)
+    pred = _as_labels(pred, xte.shape[0], "test_predictions")
+    wrong = np.flatnonzero(pred != yte)
+    nb = _nearest(xtr, xte[wrong]) if wrong.size else np.zeros(0, dtype=np.int64)
+    nb_label = ytr[nb]
+    n_wrong = int(wrong.size)
+    return {
+        "misclassified": wrong, "neighbour": nb, "neighbour_label": nb_label,
+        "predicted": pred[wrong], "true": yte[wrong],
+        "n_test": int(xte.shape[0]), "n_misclassified": n_wrong,
+        "share_neighbour_is_predicted": float(np.mean(nb_label == pred[wrong])) if n_wrong else math.nan,
+        "share_neighbour_is_true": float(np.mean(nb_label == yte[wrong])) if n_wrong else math.nan,
+    }
+
+
+def _nearest(reference: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Index of the nearest reference (cosine) for each query."""
+    ref = _l2n(reference.astype(np.float32))
+    q = _l2n(queries.astype(np.float32))
+    try:
+        from deepmetric.evaluate import knn
+    except ImportError:  # evaluation engine not installed: a chunked exact search
+        knn = None
+    if knn is not None:
+        res = knn(q, ref, 1)
+        idx = res[1] if isinstance(res, tuple) else res
+        return np.asarray(idx).reshape(len(q), -1)[:, 0].astype(np.int64)
+    out = np.empty(len(q), dtype=np.int64)
+    for s in range(0, len(q), 4096):
+        out[s:s + 4096] = np.argmax(q[s:s + 4096] @ ref.T, axis=1)
+    return out

@@ -1,0 +1,304 @@
+"""Matplotlib figures of a run and of the papers' diagnostics (Agg backend, files only).
+
+Every ``plot_*`` function takes plain arrays (or the results of
+:mod:`deepmetric.report.diagnostics`), writes one PNG to ``out`` and returns its path.
+They never open a window, so they work on headless machines and inside training jobs.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed (must precede pyplot)
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from . import diagnostics as dg  # noqa: E402
+
+__all__ = [
+    "plot_training_curves",
+    "plot_grad_norm_vs_alpha",
+    "plot_embedding_2d",
+    "plot_cosine_histograms",
+    "plot_recall_curve",
+    "plot_misclassified_neighbours",
+]
+
+_DPI = 110
+
+
+def _save(fig, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=_DPI, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def _smooth(y: np.ndarray, window: int) -> np.ndarray:
+    """Moving average that ignores NaN (missing keys) and keeps the array length."""
+    if window <= 1 or y.size < 3:
+        return y
+    ok = np.isfinite(y).astype(float)
+    v = np.where(ok > 0, y, 0.0)
+    k = np.ones(window)
+    num = np.convolve(v, k, mode="same")
+    den = np.convolve(ok, k, mode="same")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(ok > 0, num / np.maximum(den, 1), np.nan)
+
+
+# --------------------------------------------------------------------------- training
+def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
+                         metrics: Sequence[str] | None = None, title: str | None = None) -> Path:
+    """Loss, learning rate, alpha (per step) and evaluation metrics (per evaluation).
+
+    ``log`` is a :class:`~deepmetric.report.diagnostics.TrainingLog` or the path of a
+    ``log.jsonl``. Panels whose keys never occur are left out; a log without any usable
+    record still yields a figure saying so. ``metrics`` picks the evaluation keys (default:
+    every ``recall@K`` plus ``nmi``, ``map@r``, ``f1`` and ``top1`` present).
+    """
+    if not isinstance(log, dg.TrainingLog):
+        log = dg.read_log(log)
+    panels: list[tuple[str, Any]] = []
+    xs, xname = log.x_axis("step")
+    for key, label in (("loss", "training loss"), ("lr", "learning rate"), ("alpha", "alpha (1/T)")):
+        if log.has("step", key):
+            panels.append((label, ("step", key)))
+    eval_keys = list(metrics) if metrics is not None else [
+        k for k in log.metric_keys()
+        if k.startswith("recall@") or k in ("nmi", "map@r", "r_precision", "f1", "top1", "mean_per_class")
+    ]
+    eval_keys = [k for k in eval_keys if log.has("eval", k)]
+    if eval_keys:
+        panels.append(("evaluation", ("eval", eval_keys)))
+
+    n = max(1, len(panels))
+    cols = min(2, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
+    flat = axes.ravel()
+    if not panels:
+        flat[0].text(0.5, 0.5, "no step or evaluation records in the log", ha="center", va="center")
+        flat[0].set_axis_off()
+    for ax, (label, (kind, key)) in zip(flat, panels):
+        if kind == "step":
+            y = log.column("step", key)
+            ok = np.isfinite(y)
+            if key == "loss":
+                ax.plot(xs[ok], y[ok], lw=0.6, alpha=0.35, color="C0", label="per step")
+                w = max(1, int(ok.sum()) // 50)
+                ax.plot(xs[ok], _smooth(y, w)[ok], lw=1.6, color="C0", label=f"mean of {w}")
+                ax.legend(fontsize=8)
+            else:
+                ax.plot(xs[ok], y[ok], lw=1.4, color="C1" if key == "lr" else "C3")
+                if key == "lr" and np.all(y[ok] > 0) and y[ok].max() / y[ok].min() > 20:
+                    ax.set_yscale("log")
+            ax.set_xlabel(xname)
+        else:
+            ex, exname = log.x_axis("eval")
+            epoch = log.column("eval", "epoch")
+            if np.isfinite(epoch).all() and epoch.size:
+                ex, exname = epoch, "epoch"
+            for i, k in enumerate(key):
+                y = log.column("eval", k)
+                ok = np.isfinite(y)
+                ax.plot(ex[ok], y[ok], marker="o", ms=3.5, lw=1.3, color=f"C{i}", label=k)
+            ax.set_xlabel(exname)
+            ax.legend(fontsize=8)
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    for ax in flat[len(panels) or 1:]:
+        ax.set_axis_off()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+# --------------------------------------------------------------------------- Fig. 1
+def plot_grad_norm_vs_alpha(alphas: Sequence[float], curves: Mapping[str, np.ndarray],
+                            out: str | Path, *, marks: Sequence[float] = (4.0, 16.0),
+                            title: str | None = None) -> Path:
+    """Heated-up paper, Fig. 1 (a-c): ``||d l / d f_hat||`` against alpha, one panel per
+    sample type (e.g. ``{"incorrect": g1, "boundary": g2, "centroid": g3}``; each value a
+    1-d curve or a 2-d (samples, alphas) array drawn as thin lines with their median).
+    Vertical dashed lines mark the alphas in ``marks`` (16 -> 4 of heating-up)."""
+    a = np.asarray(alphas, dtype=float)
+    names = list(curves)
+    if not names:
+        raise ValueError("curves is empty: give at least one sample type")
+    fig, axes = plt.subplots(1, len(names), figsize=(4.0 * len(names), 3.3), squeeze=False)
+    for ax, name, color in zip(axes[0], names, ("C3", "C1", "C2", "C0", "C4")):
+        g = np.atleast_2d(np.asarray(curves[name], dtype=float))
+        if g.shape[1] != a.size:
+            raise ValueError(f"curve {name!r} has {g.shape[1]} points but there are {a.size} alphas")
+        if g.shape[0] > 1:
+            for row in g:
+                ax.plot(a, row, color=color, lw=0.5, alpha=0.25)
+            ax.plot(a, np.median(g, axis=0), color=color, lw=2, label=f"median of {g.shape[0]}")
+        else:
+            ax.plot(a, g[0], color=color, lw=2)
+        for m, ls in zip(marks, ("--", ":", "-.")):
+            ax.axvline(m, color="grey", ls=ls, lw=1, label=f"alpha = {m:g}")
+        ax.legend(fontsize=7)
+        if np.all(a > 0) and a.max() / a.min() > 20:
+            ax.set_xscale("log")
+        ax.set_xlabel("alpha")
+        ax.set_title(f'"{name}" sample')
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(r"$\|\partial \ell / \partial \hat f\|_2$")
+    fig.suptitle(title or "Gradient norm w.r.t. the normalised embedding (heated-up Fig. 1)")
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+# --------------------------------------------------------------------------- Fig. 2
+def plot_embedding_2d(embeddings: Any, labels: Any, out: str | Path, *, normalize: bool = False,
+                      class_weights: Any = None, max_points: int = 20_000, seed: int = 0,
+                      title: str | None = None) -> Path:
+    """Heated-up paper, Fig. 2: scatter of 2-d embeddings coloured by class (PCA when
+    the embedding has more dimensions). ``class_weights`` (C, 2) are drawn as diamonds,
+    scaled to sit inside the cloud as in the paper. At most ``max_points`` random points
+    are drawn."""
+    x = dg._as_2d_float(embeddings, "embeddings")
+    y = dg._as_labels(labels, x.shape[0])
+    if x.shape[0] > max_points:
+        keep = np.sort(np.random.default_rng(seed).choice(x.shape[0], max_points, replace=False))
+        x, y = x[keep], y[keep]
+    xy, what = dg.embedding_2d(x, normalize=normalize, seed=seed)
+    classes = np.unique(y)
+    if len(classes) <= 20:  # qualitative palette, indexed by integer
+        cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20")
+        colors = {c: cmap(i) for i, c in enumerate(classes)}
+    else:  # many classes: spread them around the hue circle
+        cmap = plt.get_cmap("hsv")
+        colors = {c: cmap(i / len(classes)) for i, c in enumerate(classes)}
+    fig, ax = plt.subplots(figsize=(5.6, 5.2))
+    for c in classes:
+        m = y == c
+        ax.scatter(xy[m, 0], xy[m, 1], s=4, alpha=0.6, color=colors[c],
+                   label=str(c) if len(classes) <= 20 else None, linewidths=0)
+    if class_weights is not None and x.shape[1] == 2:
+        w = dg._as_2d_float(class_weights, "class_weights").astype(float)
+        if normalize:
+            w = dg._l2n(w)
+        # place the diamonds inside the cloud (the paper moves them towards the origin)
+        r = np.percentile(np.linalg.norm(xy, axis=1), 75) / max(np.linalg.norm(w, axis=1).max(), 1e-12)
+        for c in range(w.shape[0]):
+            ax.scatter(w[c, 0] * r, w[c, 1] * r, marker="D", s=60, edgecolors="k",
+                       color=colors.get(c, "k"), zorder=3)
+    if normalize and x.shape[1] == 2:
+        ax.set_aspect("equal")
+    if len(classes) <= 20:
+        ax.legend(markerscale=3, fontsize=7, ncol=2, loc="best", title="class")
+    ax.set_title(title or what)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+# --------------------------------------------------------------------------- Fig. 4
+def plot_cosine_histograms(hists: Mapping[str, Mapping[str, Any]], out: str | Path, *,
+                           title: str | None = None) -> Path:
+    """Heated-up paper, Fig. 4: normalised histograms of the cosine similarity of
+    same-class (red) and different-class (blue) pairs, one panel per entry of ``hists``
+    (e.g. ``{"train": h1, "test": h2}``, each from
+    :func:`~deepmetric.report.diagnostics.pair_cosine_histograms`)."""
+    if not hists:
+        raise ValueError("hists is empty: give at least one histogram set (e.g. {'test': h})")
+    fig, axes = plt.subplots(1, len(hists), figsize=(4.6 * len(hists), 3.4), squeeze=False)
+    for ax, (name, h) in zip(axes[0], hists.items()):
+        e = np.asarray(h["edges"])
+        mid, width = (e[:-1] + e[1:]) / 2, np.diff(e)
+        ax.bar(mid, h["diff_density"], width=width, color="tab:blue", alpha=0.55,
+               label=f"different class ({h['n_diff_counted']:,} pairs)")
+        ax.bar(mid, h["same_density"], width=width, color="tab:red", alpha=0.55,
+               label=f"same class ({h['n_same_counted']:,} pairs)")
+        ax.set_xlabel("cosine similarity")
+        ax.set_ylabel("density")
+        how = "all pairs" if h["exact"] else ("all same-class, sampled different-class pairs"
+                                              if h.get("same_exact") else "sampled pairs")
+        ax.set_title(f"{name} ({how})", fontsize=10)
+        ax.legend(fontsize=8, loc="best")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title or "Cosine similarity of pairs (heated-up Fig. 4)")
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+# --------------------------------------------------------------------------- retrieval
+def plot_recall_curve(curves: Mapping[str, Mapping[int, float]], out: str | Path, *,
+                      title: str | None = None) -> Path:
+    """Recall@K against K (log2 axis) for one or more runs: ``{"name": {K: recall}}``,
+    recall as a fraction in [0, 1]."""
+    if not curves:
+        raise ValueError("curves is empty: give at least one {K: recall} mapping")
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    for i, (name, c) in enumerate(curves.items()):
+        ks = sorted(int(k) for k in c)
+        r = [100 * float(c[k]) for k in ks]
+        ax.plot(ks, r, marker="o", color=f"C{i}", label=name)
+        for k, v in zip(ks, r):
+            ax.annotate(f"{v:.1f}", (k, v), textcoords="offset points", xytext=(0, 5),
+                        ha="center", fontsize=7)
+        if ks and ks[-1] / max(ks[0], 1) >= 4:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("K")
+    ax.set_ylabel("Recall@K (%)")
+    ax.set_title(title or "Recall@K")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+def plot_misclassified_neighbours(test_images: Any, train_images: Any, result: Mapping[str, Any],
+                                  out: str | Path, *, max_pairs: int = 9,
+                                  class_names: Sequence[str] | None = None) -> Path:
+    """Two-head paper, Fig. 10: misclassified test images (top) above their nearest
+    training image (bottom), from :func:`~deepmetric.report.diagnostics.misclassified_neighbours`.
+
+    ``test_images`` / ``train_images`` are indexable collections of (H, W), (H, W, 3) or
+    (3, H, W) arrays/tensors in [0, 1] or [0, 255], indexed like the embeddings.
+    """
+    idx = np.asarray(result["misclassified"])[:max_pairs]
+    nb = np.asarray(result["neighbour"])[:max_pairs]
+    n = max(1, len(idx))
+    fig, axes = plt.subplots(2, n, figsize=(1.9 * n, 4.2), squeeze=False)
+
+    def name(c: int) -> str:
+        return class_names[c] if class_names is not None and 0 <= c < len(class_names) else str(c)
+
+    for j in range(n):
+        for r in range(2):
+            axes[r][j].set_axis_off()
+        if j >= len(idx):
+            axes[0][j].text(0.5, 0.5, "nothing misclassified", ha="center", va="center")
+            continue
+        axes[0][j].imshow(_to_hwc(test_images[int(idx[j])]), cmap="gray")
+        axes[0][j].set_title(f"true {name(int(result['true'][j]))}\npred {name(int(result['predicted'][j]))}",
+                             fontsize=7)
+        axes[1][j].imshow(_to_hwc(train_images[int(nb[j])]), cmap="gray")
+        same = int(result["neighbour_label"][j]) == int(result["predicted"][j])
+        axes[1][j].set_title(f"NN train: {name(int(result['neighbour_label'][j]))}", fontsize=7,
+                             color="tab:red" if same else "k")
+    share = result.get("share_neighbour_is_predicted", math.nan)
+    fig.suptitle(f"misclassified test images (top) and nearest training image (bottom); "
+                 f"neighbour has the predicted label for {100 * share:.1f}%", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+def _to_hwc(img: Any) -> np.ndarray:
+    a = np.asarray(img.detach().cpu() if hasattr(img, "detach") else img, dtype=float)
+    if a.ndim == 3 and a.shape[0] in (1, 3) and a.shape[-1] not in (1, 3):
+        a = np.moveaxis(a, 0, -1)
+    if a.ndim == 3 and a.shape[-1] == 1:
+        a = a[..., 0]
+    lo, hi = np.nanmin(a), np.nanmax(a)
+    return (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
