@@ -1,1 +1,20 @@
-"""deepmetric.data"""
+"""deepmetric.data: dataset loaders, user data, samplers and transforms.
+
+``build_dataset(name, root=None, split="train", transform=None, **options)`` builds every
+dataset; ``list_datasets()`` names them. See docs/data.md and docs/offline-data.md.
+"""
+from .image_list import IMAGE_EXTENSIONS, ImageList, ImageListDataset, remap_labels
+from .benchmarks import (
+    OFFICIAL_COUNTS,
+    load_aircraft,
+    load_benchmark,
+    load_cars196,
+    load_cub,
+    load_dogs,
+    load_flowers102,
+    load_inshop,
+    load_nabirds,
+    load_sop,
+)
+from .folder import load_csv, load_folder
+from .registry import build_dataset, list_datasets
