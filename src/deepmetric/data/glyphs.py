@@ -1,0 +1,400 @@
+"""Glyphs: a many-class zero-shot benchmark rendered offline from installed CJK typefaces.
+
+Classes are the 3,755 GB2312 level-1 hanzi (rows 16-55 of GB 2312-1980, in GB2312 order, i.e.
+ordered by pinyin). Each class holds one image per installed CJK font *face* that maps the
+character in its cmap (every face of a .ttc collection counts: weights, regional variants JP /
+KR / SC / TC / HK, mono variants). Faces whose complete rendering stack is pixel-identical to
+an earlier face's (for example "Noto Sans Mono CJK SC" vs "Noto Sans CJK SC", whose hanzi are the
+same outlines) are dropped, so no class holds two identical images.
+
+Zero-shot protocol: the first half of the characters in GB2312 order (1,878) are training
+classes, the second half (1,877) test classes; the two splits share no class.
+
+Rendering (deterministic for a given font file, Pillow and FreeType version, all part of the
+cache key): the glyph is drawn white-on-black with FreeType at ``oversample`` times the target
+resolution, its ink bounding box is centred in a ``size x size`` canvas with ``margin`` pixels of
+border, and the canvas is reduced by box-averaging (``Image.reduce``), which anti-aliases
+exactly. ``fit="em"`` (default) renders every glyph at the same em size (the em square fills the
+inner box), so stroke weight and relative size stay those of the typeface; ``fit="box"``
+scales every glyph so its bounding box's longer side fills the inner box.
+
+The result is cached as a compressed ``.npz`` under ``root`` (default ``$DEEPMETRIC_CACHE`` or
+``~/.cache/deepmetric``) ``/glyphs/``, keyed by a hash of the font files (path, size,
+modification time), the characters, all rendering parameters and the library versions; the
+write is atomic (temporary file + ``os.replace``), so the second build only loads the file.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from .fashion_mnist import ArrayImageDataset
+
+__all__ = [
+    "GlyphDataset",
+    "FontFace",
+    "build_glyph_dataset",
+    "gb2312_level1_chars",
+    "find_cjk_faces",
+    "render_glyph",
+    "glyph_cache_dir",
+    "CJK_FONT_PATTERNS",
+]
+
+_FORMAT_VERSION = 1
+
+# Font files of the Debian packages fonts-noto-cjk, fonts-noto-cjk-extra, fonts-arphic-ukai,
+# fonts-arphic-uming, fonts-wqy-zenhei, fonts-wqy-microhei, fonts-lxgw-wenkai and
+# fonts-babelstone-han (other distributions use the same upstream file names). A fixed list
+# (rather than "any font with hanzi") keeps the benchmark the same on every machine that
+# installs these packages.
+CJK_FONT_PATTERNS = [
+    "NotoSansCJK*.tt[cf]", "NotoSerifCJK*.tt[cf]", "NotoSansCJK*.otf", "NotoSerifCJK*.otf",
+    "NotoSansCJK*.otc", "NotoSerifCJK*.otc",
+    "ukai.ttc", "uming.ttc",
+    "wqy-zenhei.ttc", "wqy-microhei.ttc",
+    "LXGWWenKai*.ttf",
+    "BabelStoneHan*.ttf",
+]
+DEFAULT_FONT_DIRS = ["/usr/share/fonts", "/usr/local/share/fonts", "~/.local/share/fonts", "~/.fonts"]
+_FONT_EXTS = (".ttf", ".ttc", ".otf", ".otc")
+
+
+def gb2312_level1_chars() -> str:
+    """The 3,755 GB2312 level-1 hanzi in GB2312 order, derived from Python's gb2312 codec.
+
+    Level 1 is rows 16-55 (EUC-CN lead bytes 0xB0-0xD7), 94 cells per row (trail 0xA1-0xFE)
+    except row 55, whose last five cells (0xD7FA-0xD7FE) are unassigned: 39 * 94 + 89 = 3755.
+    """
+    chars = []
+    for lead in range(0xB0, 0xD8):
+        last = 0xF9 if lead == 0xD7 else 0xFE
+        for trail in range(0xA1, last + 1):
+            chars.append(bytes([lead, trail]).decode("gb2312"))
+    s = "".join(chars)
+    assert len(s) == 3755 and len(set(s)) == 3755, len(s)
+    return s
+
+
+@dataclass(frozen=True)
+class FontFace:
+    path: str   # font file
+    index: int  # face index inside a .ttc/.otc collection (0 for .ttf/.otf)
+    name: str   # full name from the font's name table (id 4)
+
+    @property
+    def key(self) -> str:
+        return f"{self.path}#{self.index}"
+
+
+def _faces_in_file(path: str) -> list[FontFace]:
+    from fontTools.ttLib import TTCollection, TTFont
+
+    if path.lower().endswith((".ttc", ".otc")):
+        fonts = TTCollection(path, lazy=True).fonts
+    else:
+        fonts = [TTFont(path, lazy=True)]
+    faces = []
+    for i, f in enumerate(fonts):
+        name = f["name"].getDebugName(4) or f"{Path(path).stem}#{i}"
+        faces.append(FontFace(path, i, name))
+    return faces
+
+
+def find_cjk_faces(fonts: Iterable[str] | str | None = None) -> list[FontFace]:
+    """Every face of the CJK font files, sorted by (file name, face index).
+
+    ``fonts``: None (search ``DEFAULT_FONT_DIRS`` for ``CJK_FONT_PATTERNS``), or font files
+    and/or directories (directories are searched for ``CJK_FONT_PATTERNS``); a file may carry
+    ``#i`` to select one face of a collection.
+    """
+    if isinstance(fonts, (str, os.PathLike)):
+        fonts = [fonts]
+    specs: list[tuple[str, int | None]] = []
+    if fonts is None:
+        dirs, files = DEFAULT_FONT_DIRS, []
+    else:
+        dirs, files = [], []
+        for item in fonts:
+            item = str(item)
+            path, _, idx = item.partition("#")
+            p = Path(path).expanduser()
+            if p.is_dir():
+                dirs.append(str(p))
+            elif p.is_file():
+                if not path.lower().endswith(_FONT_EXTS):
+                    raise ValueError(f"glyphs: {path} is not a font file (expected one of {_FONT_EXTS})")
+                files.append((str(p.resolve()), int(idx) if idx else None))
+            else:
+                raise FileNotFoundError(f"glyphs: font file or directory not found: {path}")
+    for d in dirs:
+        d = os.path.expanduser(d)
+        for pat in CJK_FONT_PATTERNS:
+            for f in glob.glob(os.path.join(d, "**", pat), recursive=True):
+                files.append((str(Path(f).resolve()), None))
+    specs = sorted(set(files), key=lambda s: (Path(s[0]).name, s[0], -1 if s[1] is None else s[1]))
+    faces: list[FontFace] = []
+    seen = set()
+    for path, idx in specs:
+        try:
+            file_faces = _faces_in_file(path)
+        except Exception as e:  # noqa: BLE001 - report which file is broken
+            raise ValueError(f"glyphs: cannot read font file {path}: {e}") from e
+        if idx is not None:
+            if not 0 <= idx < len(file_faces):
+                raise ValueError(f"glyphs: {path} holds {len(file_faces)} face(s), index {idx} requested")
+            file_faces = [file_faces[idx]]
+        for face in file_faces:
+            if face.key not in seen:
+                seen.add(face.key)
+                faces.append(face)
+    return faces
+
+
+def glyph_cache_dir(root=None) -> Path:
+    base = root or os.environ.get("DEEPMETRIC_CACHE") or os.path.join("~", ".cache", "deepmetric")
+    return Path(base).expanduser() / "glyphs"
+
+
+def _load_font(face: FontFace, px: int):
+    from PIL import ImageFont
+
+    return ImageFont.truetype(face.path, size=px, index=face.index, layout_engine=ImageFont.Layout.BASIC)
+
+
+def render_glyph(font, ch: str, size: int = 32, margin: int = 2, oversample: int = 4,
+                 fit: str = "em") -> np.ndarray | None:
+    """Render one character with a Pillow FreeType font loaded at ``(size - 2 margin) * oversample`` px.
+
+    Returns a ``uint8 [size, size]`` array (ink 255 on background 0) or None if the glyph has
+    no ink. The ink bounding box is centred (to 1/oversample pixel) and the high-resolution
+    canvas is box-averaged down by ``oversample``.
+    """
+    from PIL import Image, ImageDraw
+
+    inner = (size - 2 * margin) * oversample
+    big = size * oversample
+    canvas = Image.new("L", (3 * inner, 3 * inner), 0)  # generous room for overhanging glyphs
+    ImageDraw.Draw(canvas).text((inner, inner), ch, font=font, fill=255)
+    bbox = canvas.getbbox()
+    if bbox is None:
+        return None
+    glyph = canvas.crop(bbox)
+    w, h = glyph.size
+    if fit == "box" or max(w, h) > inner:
+        scale = inner / max(w, h)
+        w, h = max(1, round(w * scale)), max(1, round(h * scale))
+        glyph = glyph.resize((w, h), Image.Resampling.LANCZOS)
+    out = Image.new("L", (big, big), 0)
+    out.paste(glyph, ((big - w) // 2, (big - h) // 2))
+    return np.asarray(out.reduce(oversample), dtype=np.uint8)
+
+
+def _face_cmap(face: FontFace) -> set[int]:
+    from fontTools.ttLib import TTFont
+
+    return set(TTFont(face.path, fontNumber=face.index, lazy=True).getBestCmap() or {})
+
+
+def _render_face(args) -> tuple[np.ndarray, np.ndarray]:
+    """Worker: render every character a face maps; returns (present bool[n], images uint8[n, s, s])."""
+    face, chars, size, margin, oversample, fit = args
+    cmap = _face_cmap(face)
+    font = _load_font(face, (size - 2 * margin) * oversample)
+    present = np.zeros(len(chars), dtype=bool)
+    images = np.zeros((len(chars), size, size), dtype=np.uint8)
+    for i, ch in enumerate(chars):
+        if ord(ch) not in cmap:  # otherwise FreeType silently draws .notdef (a box)
+            continue
+        img = render_glyph(font, ch, size, margin, oversample, fit)
+        if img is not None:
+            present[i] = True
+            images[i] = img
+    return present, images
+
+
+def _cache_key(faces: Sequence[FontFace], chars: str, params: dict) -> str:
+    from PIL import __version__ as pil_version
+    from PIL import features
+
+    files = []
+    for f in faces:
+        st = os.stat(f.path)
+        files.append([f.path, f.index, st.st_size, st.st_mtime_ns])
+    blob = json.dumps({
+        "format": _FORMAT_VERSION, "faces": files, "chars": hashlib.sha256(chars.encode()).hexdigest(),
+        "params": params, "pillow": pil_version, "freetype": features.version("freetype2"),
+    }, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _render_all(faces, chars, params, num_workers, verbose) -> dict:
+    """Render, drop pixel-identical faces, and return the arrays stored in the cache file."""
+    tasks = [(f, chars, params["size"], params["margin"], params["oversample"], params["fit"]) for f in faces]
+    if num_workers is None:
+        # Spawning workers costs ~2 s of imports; only worth it for real builds.
+        num_workers = min(2, os.cpu_count() or 1) if len(faces) * len(chars) > 20000 else 0
+    if num_workers > 1:
+        import multiprocessing as mp
+
+        ex = ProcessPoolExecutor(max_workers=num_workers, mp_context=mp.get_context("spawn"))
+        results = ex.map(_render_face, tasks)
+    else:
+        ex = None
+        results = map(_render_face, tasks)
+    if verbose:
+        from tqdm import tqdm
+
+        results = tqdm(results, total=len(tasks), desc="rendering glyph faces", unit="face")
+    kept_faces, dropped, seen = [], [], {}
+    imgs, char_idx, face_idx = [], [], []
+    try:
+        for face, (present, images) in zip(faces, results):
+            if not present.any():
+                dropped.append((face, "maps none of the characters"))
+                continue
+            digest = hashlib.sha256(present.tobytes() + images.tobytes()).hexdigest()
+            if digest in seen:
+                dropped.append((face, f"pixel-identical to {seen[digest].name}"))
+                continue
+            seen[digest] = face
+            idx = np.flatnonzero(present)
+            imgs.append(images[idx])
+            char_idx.append(idx.astype(np.int32))
+            face_idx.append(np.full(len(idx), len(kept_faces), dtype=np.int16))
+            kept_faces.append(face)
+    finally:
+        if ex is not None:
+            ex.shutdown()
+    if not kept_faces:
+        raise RuntimeError("glyphs: no font face renders any of the characters")
+    char_idx = np.concatenate(char_idx)
+    face_idx = np.concatenate(face_idx)
+    order = np.lexsort((face_idx, char_idx))  # class-major: all faces of char 0, then char 1, ...
+    return {
+        "images": np.concatenate(imgs)[order],
+        "char_index": char_idx[order],
+        "face_index": face_idx[order],
+        "chars": np.array(list(chars)),
+        "face_names": np.array([f.name for f in kept_faces]),
+        "face_paths": np.array([f.path for f in kept_faces]),
+        "face_indices": np.array([f.index for f in kept_faces], dtype=np.int32),
+        "dropped_names": np.array([f.name for f, _ in dropped], dtype=str),
+        "dropped_reasons": np.array([r for _, r in dropped], dtype=str),
+    }
+
+
+def _atomic_savez(path: Path, arrays: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class GlyphDataset(ArrayImageDataset):
+    """One split of the glyph benchmark (see module docstring).
+
+    Extra attributes: ``chars`` (the split's characters, = ``class_names``), ``face_ids``
+    (per-image index into ``faces``), ``faces`` (names of the faces kept), ``dropped_faces``
+    (``(name, reason)`` pairs), ``cache_path`` and ``from_cache`` (whether this build loaded the cache).
+    """
+
+
+def build_glyph_dataset(split: str = "train", transform: Callable | None = None, root=None, *,
+                        size: int = 32, margin: int = 2, oversample: int = 4, fit: str = "em",
+                        fonts: Iterable[str] | str | None = None, max_classes: int | None = None,
+                        max_faces: int | None = None, num_workers: int | None = None,
+                        protocol: str = "zero_shot", verbose: bool = False) -> GlyphDataset:
+    """Build (or load from cache) one split of the glyph benchmark.
+
+    Args:
+        split: "train" (first half of the GB2312 level-1 characters) or "test" (second half).
+        transform: applied to the ``uint8`` tensor ``[1, size, size]`` (see ``build_transform("glyph")``).
+        root: cache directory (default ``$DEEPMETRIC_CACHE`` or ``~/.cache/deepmetric``).
+        size: output side in pixels; margin: empty border in output pixels;
+        oversample: rendering resolution factor before box-filter downsampling;
+        fit: "em" (same em size for every glyph) or "box" (bounding box fills the inner square).
+        fonts: font files / directories (default: the CJK packages' files, see ``find_cjk_faces``).
+        max_classes: keep only the first ``max_classes`` characters of each split (small demos/tests).
+        max_faces: use only the first ``max_faces`` faces (before duplicate removal).
+        num_workers: rendering processes (default 2 for a full build, 0 for small subsets).
+        protocol: only "zero_shot" exists for this benchmark.
+    """
+    if protocol != "zero_shot":
+        raise ValueError(f"glyphs: only protocol='zero_shot' exists, got {protocol!r}")
+    if split not in ("train", "test"):
+        raise ValueError(f"glyphs: split must be 'train' or 'test', got {split!r}")
+    if fit not in ("em", "box"):
+        raise ValueError(f"glyphs: fit must be 'em' or 'box', got {fit!r}")
+    for name, v, lo in (("size", size, 4), ("oversample", oversample, 1), ("margin", margin, 0)):
+        if not isinstance(v, int) or v < lo:
+            raise ValueError(f"glyphs: {name} must be an int >= {lo}, got {v!r}")
+    if size - 2 * margin < 2:
+        raise ValueError(f"glyphs: margin={margin} leaves no room in size={size}")
+    for name, v in (("max_classes", max_classes), ("max_faces", max_faces)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"glyphs: {name} must be a positive int or None, got {v!r}")
+
+    all_chars = gb2312_level1_chars()
+    n_train = (len(all_chars) + 1) // 2  # 1878 train, 1877 test
+    train_chars, test_chars = all_chars[:n_train], all_chars[n_train:]
+    if max_classes is not None:
+        train_chars, test_chars = train_chars[:max_classes], test_chars[:max_classes]
+    chars = train_chars + test_chars
+
+    faces = find_cjk_faces(fonts)
+    if not faces:
+        raise FileNotFoundError(
+            "glyphs: no CJK font found (searched " + ", ".join(DEFAULT_FONT_DIRS if fonts is None else map(str, fonts))
+            + " for " + ", ".join(CJK_FONT_PATTERNS) + "); install e.g. apt-get install fonts-noto-cjk "
+            "fonts-noto-cjk-extra fonts-arphic-ukai fonts-arphic-uming fonts-wqy-zenhei fonts-wqy-microhei "
+            "fonts-lxgw-wenkai fonts-babelstone-han")
+    if max_faces is not None:
+        faces = faces[:max_faces]
+
+    params = {"size": size, "margin": margin, "oversample": oversample, "fit": fit}
+    path = glyph_cache_dir(root) / f"glyphs-{size}px-{_cache_key(faces, chars, params)}.npz"
+    from_cache = path.is_file()
+    if from_cache:
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                data = {k: z[k] for k in z.files}
+        except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt, not fatal
+            from_cache = False
+    if not from_cache:
+        t0 = time.perf_counter()
+        data = _render_all(faces, chars, params, num_workers, verbose)
+        data["build_seconds"] = np.array(time.perf_counter() - t0)
+        _atomic_savez(path, data)
+
+    n_tr = len(train_chars)
+    cidx = data["char_index"]
+    sel = cidx < n_tr if split == "train" else cidx >= n_tr
+    labels = cidx[sel].astype(np.int64) - (0 if split == "train" else n_tr)
+    split_chars = list(train_chars if split == "train" else test_chars)
+    ds = GlyphDataset(data["images"][sel], labels, transform=transform, class_names=split_chars,
+                      num_classes=len(split_chars))
+    ds.chars = split_chars
+    ds.face_ids = data["face_index"][sel].astype(np.int64)
+    ds.faces = [str(n) for n in data["face_names"]]
+    ds.dropped_faces = list(zip(map(str, data["dropped_names"]), map(str, data["dropped_reasons"])))
+    ds.cache_path = path
+    ds.from_cache = from_cache
+    ds.build_seconds = float(data["build_seconds"])
+    return ds

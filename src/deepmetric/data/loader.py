@@ -1,0 +1,80 @@
+"""DataLoader set-up that keeps the CPU cores busy: worker processes, pinned memory when a GPU
+exists, persistent workers, and reproducible per-worker random streams."""
+from __future__ import annotations
+
+import os
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["make_loader", "default_num_workers", "seed_worker"]
+
+
+def default_num_workers(cap: int = 2) -> int:
+    """min(cap, usable cores): two workers saturate a laptop's decoding without starving the
+    main process; pass num_workers explicitly on bigger machines."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(0, min(cap, cores))
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed numpy and random in a worker from torch's per-worker seed.
+
+    DataLoader already gives each worker torch seed ``base_seed + worker_id`` (base_seed comes from
+    the loader's generator); numpy and ``random`` would otherwise be copies of the parent's state
+    in every forked worker, i.e. identical "random" augmentations across workers.
+    """
+    s = torch.initial_seed() % 2**32
+    np.random.seed(s)
+    random.seed(s)
+
+
+def make_loader(dataset: Dataset, batch_sampler=None, batch_size: int | None = None, shuffle: bool = False,
+                num_workers: int | None = None, pin_memory: bool | None = None,
+                persistent_workers: bool | None = None, seed: int = 0, drop_last: bool = False,
+                collate_fn: Callable | None = None, prefetch_factor: int | None = None) -> DataLoader:
+    """Build a DataLoader for training (with a batch sampler) or evaluation (``batch_size``).
+
+    Args:
+        dataset: any map-style dataset.
+        batch_sampler: e.g. ``ClassBalancedBatchSampler`` / ``RandomBatchSampler``; excludes
+            ``batch_size``, ``shuffle`` and ``drop_last``.
+        batch_size: plain batching when no batch sampler is given (``shuffle`` / ``drop_last`` apply).
+        num_workers: default ``min(2, cores)``; 0 loads in the main process.
+        pin_memory: default ``torch.cuda.is_available()`` (page-locked memory speeds host->GPU copies).
+        persistent_workers: default True when ``num_workers > 0`` (no worker restart each epoch;
+            the batch sampler runs in the main process, so ``set_epoch`` still takes effect).
+        seed: seeds the loader's generator, hence the per-worker torch seeds (augmentations) and
+            the shuffle order of ``shuffle=True``.
+    """
+    if batch_sampler is not None:
+        if batch_size is not None or shuffle or drop_last:
+            raise ValueError("make_loader: give either batch_sampler or batch_size/shuffle/drop_last, not both")
+    elif batch_size is None:
+        raise ValueError("make_loader: give batch_sampler or batch_size")
+    elif not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"make_loader: batch_size must be a positive int, got {batch_size!r}")
+    if num_workers is None:
+        num_workers = default_num_workers()
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"make_loader: num_workers must be an int >= 0, got {num_workers!r}")
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    if persistent_workers is None:
+        persistent_workers = num_workers > 0
+    generator = torch.Generator()
+    generator.manual_seed(int(seed))
+    kwargs = dict(num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn,
+                  worker_init_fn=seed_worker if num_workers > 0 else None, generator=generator,
+                  persistent_workers=bool(persistent_workers and num_workers > 0))
+    if num_workers > 0 and prefetch_factor is not None:
+        kwargs["prefetch_factor"] = prefetch_factor
+    if batch_sampler is not None:
+        return DataLoader(dataset, batch_sampler=batch_sampler, **kwargs)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, **kwargs)
