@@ -18,3 +18,8 @@ from .benchmarks import (
 )
 from .folder import load_csv, load_folder
 from .registry import build_dataset, list_datasets
+from .fashion_mnist import ArrayImageDataset, build_fashion_mnist
+from .glyphs import GlyphDataset, build_glyph_dataset, gb2312_level1_chars
+from .samplers import ClassBalancedBatchSampler, RandomBatchSampler
+from .transforms import build_transform, list_transforms
+from .loader import make_loader
