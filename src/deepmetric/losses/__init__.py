@@ -1,1 +1,88 @@
-"""deepmetric.losses"""
+"""deepmetric.losses: metric-learning losses, each an ``nn.Module`` called ``loss(embeddings, labels)``.
+
+``build_loss(name, **kwargs)`` builds one by name; ``list_losses()`` lists the names.
+See docs/losses.md for the table of losses, papers and options.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch.nn as nn
+
+from .center import CenterLoss
+from .contrastive import ContrastiveLoss
+from .cross_entropy import CrossEntropyLoss
+from .lifted import LiftedStructureLoss
+from .npair import NPairLoss, select_npairs
+from .proxy_nca import ProxyNCALoss
+from .triplet import TripletLoss, mine_all, mine_batch_hard, mine_semihard
+
+# name -> (module, class). Modules are imported on first use by build_loss, so that one
+# loss module failing to import cannot break the others.
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "heated_softmax": ("heated_softmax", "HeatedSoftmaxLoss"),
+    "almn": ("almn", "ALMNLoss"),
+    "triplet": ("triplet", "TripletLoss"),
+    "center": ("center", "CenterLoss"),
+    "contrastive": ("contrastive", "ContrastiveLoss"),
+    "npair": ("npair", "NPairLoss"),
+    "lifted": ("lifted", "LiftedStructureLoss"),
+    "proxy_nca": ("proxy_nca", "ProxyNCALoss"),
+    "cross_entropy": ("cross_entropy", "CrossEntropyLoss"),
+}
+
+__all__ = [
+    "ALMNLoss",
+    "CenterLoss",
+    "ContrastiveLoss",
+    "CrossEntropyLoss",
+    "HeatedSoftmaxLoss",
+    "LiftedStructureLoss",
+    "NPairLoss",
+    "ProxyNCALoss",
+    "TripletLoss",
+    "build_loss",
+    "list_losses",
+    "loss_class",
+    "mine_all",
+    "mine_batch_hard",
+    "mine_semihard",
+    "select_npairs",
+]
+
+
+def list_losses() -> list[str]:
+    """Names accepted by :func:`build_loss`."""
+    return list(_REGISTRY)
+
+
+def loss_class(name: str) -> type[nn.Module]:
+    """The loss class registered under ``name``."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown loss {name!r}; expected one of {list_losses()}")
+    module_name, class_name = _REGISTRY[name]
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    return getattr(module, class_name)
+
+
+def build_loss(name: str, **kwargs) -> nn.Module:
+    """Build the loss registered under ``name`` with keyword options.
+
+    Example: ``build_loss("triplet", mining="hard", soft_margin=True)``;
+    ``build_loss("proxy_nca", num_classes=100, embedding_dim=512)``.
+    Unknown names or options raise ValueError / TypeError naming the loss and the option.
+    """
+    cls = loss_class(name)
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise TypeError(f"build_loss({name!r}): bad options {sorted(kwargs)} for {cls.__name__}: {err}") from err
+
+
+def __getattr__(attr: str):
+    # HeatedSoftmaxLoss and ALMNLoss live in modules written separately; import them lazily
+    # so this package stays importable whatever state those modules are in.
+    for module_name, class_name in _REGISTRY.values():
+        if class_name == attr:
+            return getattr(importlib.import_module(f"{__name__}.{module_name}"), class_name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

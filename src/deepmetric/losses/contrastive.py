@@ -1,0 +1,69 @@
+"""Contrastive loss (Hadsell, Chopra & LeCun, CVPR 2006)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .distances import (
+    check_embeddings_labels,
+    l2_normalize,
+    no_autocast,
+    pairwise_squared_euclidean,
+    safe_sqrt,
+    zero_loss,
+)
+
+__all__ = ["ContrastiveLoss"]
+
+
+class ContrastiveLoss(nn.Module):
+    """Contrastive loss, Hadsell et al. 2006 Eq. 4, over every pair of the batch.
+
+    For each unordered pair (i, j), i < j, with Euclidean distance ``D_ij``:
+    ``L_ij = 1/2 D_ij^2`` if ``y_i == y_j`` else ``1/2 max(0, m - D_ij)^2``.
+
+    Args:
+        margin: m, the distance beyond which negatives stop contributing (default 1.0;
+            embeddings are l2-normalised by default, so distances lie in [0, 2]).
+        normalize: l2-normalise embeddings first (default True).
+        reduction: ``"mean"`` over all B(B-1)/2 pairs (default), ``"mean_nonzero"`` over
+            pairs with a non-zero loss, or ``"sum"``.
+    """
+
+    def __init__(self, margin: float = 1.0, normalize: bool = True, reduction: str = "mean") -> None:
+        super().__init__()
+        if margin < 0:
+            raise ValueError(f"ContrastiveLoss: margin must be >= 0, got {margin}")
+        if reduction not in ("mean", "mean_nonzero", "sum"):
+            raise ValueError(
+                f"ContrastiveLoss: reduction must be 'mean', 'mean_nonzero' or 'sum', got {reduction!r}"
+            )
+        self.margin = float(margin)
+        self.normalize = bool(normalize)
+        self.reduction = reduction
+
+    def extra_repr(self) -> str:
+        return f"margin={self.margin}, normalize={self.normalize}, reduction={self.reduction!r}"
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        check_embeddings_labels(embeddings, labels, "ContrastiveLoss")
+        b = embeddings.shape[0]
+        if b < 2:
+            return zero_loss(embeddings)
+        with no_autocast(embeddings.device):
+            x = embeddings.float()
+            if self.normalize:
+                x = l2_normalize(x)
+            sq = pairwise_squared_euclidean(x)
+            same = labels.unsqueeze(0) == labels.unsqueeze(1)
+            # positives use D^2 directly (no sqrt needed); negatives need D itself
+            neg_term = F.relu(self.margin - safe_sqrt(sq)).pow(2)
+            per_pair = 0.5 * torch.where(same, sq, neg_term)
+            upper = torch.triu(torch.ones(b, b, dtype=torch.bool, device=x.device), diagonal=1)
+            losses = per_pair[upper]
+            if self.reduction == "sum":
+                return losses.sum()
+            if self.reduction == "mean":
+                return losses.mean()
+            return losses.sum() / (losses > 0).sum().clamp_min(1).to(losses.dtype)
