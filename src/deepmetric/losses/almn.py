@@ -1,0 +1,270 @@
+"""Adaptive Large Margin N-pair loss (Chen & Deng, "ALMN: Deep Embedding Learning with
+Geometrical Virtual Point Generating", ECCV 2018, ``papers/almn-virtual-point-generating.txt``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .heated_softmax import _check_positive_int, check_embeddings_labels, compute_dtype
+
+__all__ = ["ALMNLoss", "virtual_points"]
+
+_MARGIN_MODES = ("virtual", "none", "fixed")
+_HARD_CASES = ("paper", "author_code")
+_CENTRE_INITS = ("first_batch", "zeros", "normal")
+
+
+def _norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Row norms that are finite (and have a finite gradient, 0) at the zero vector."""
+    return (x * x).sum(dim=1).clamp_min(eps * eps).sqrt()
+
+
+def virtual_points(x: torch.Tensor, c: torch.Tensor, sin_term: torch.Tensor, beta: float,
+                   eps: float = 1e-12) -> torch.Tensor:
+    r"""Virtual point generating (ALMN Eq. 6-7).
+
+    ``x`` [B, k] samples, ``c`` [B, k] their anchors (centres ``c_{y_i}``),
+    ``sin_term`` [B] = ``sqrt(2 - 2 cos(theta_nn - theta_i))``.  Returns
+
+        b_L = ||x|| * sin_term * (x - c) / ||x - c||                       (Eq. 6)
+        x_g = ||x|| * (x + beta b_L) / ||x + beta b_L||
+            = ||x|| * ((M+1) x - M c) / ||(M+1) x - M c||,
+              M = beta ||x|| sin_term / ||x - c||                          (Eq. 7)
+
+    computed in the first form, which needs no division by ``||x - c||`` when ``x == c``
+    (then ``b_L = 0`` and ``x_g = x``).  ``beta = 0`` gives ``x_g = x`` (Eq. 3 baseline).
+    """
+    nx = _norm(x, eps).unsqueeze(1)
+    d = x - c
+    direction = d / _norm(d, eps).unsqueeze(1)           # 0 when x == c
+    b_l = nx * sin_term.unsqueeze(1) * direction
+    u = x + beta * b_l
+    return nx * (u / _norm(u, eps).unsqueeze(1))
+
+
+def _chebyshev_cos(cos_t: torch.Tensor, m: int) -> torch.Tensor:
+    """cos(m theta) as the Chebyshev polynomial T_m(cos theta) (differentiable in cos)."""
+    t_prev, t_cur = torch.ones_like(cos_t), cos_t
+    if m == 0:
+        return t_prev
+    for _ in range(m - 1):
+        t_prev, t_cur = t_cur, 2 * cos_t * t_cur - t_prev
+    return t_cur
+
+
+class ALMNLoss(nn.Module):
+    r"""Adaptive Large Margin N-pair loss with class-centre anchors and virtual point
+    generating (ALMN, Chen & Deng 2018).
+
+    For a batch ``x_1..x_N`` with labels ``y_i`` and class centres ``c_z`` (a buffer, not
+    trained by gradient):
+
+    * ``theta_i`` = angle(x_i, c_{y_i}); ``theta_nn`` = angle between ``c_{y_i}`` and its
+      nearest negative in the batch (the ``x_j``, ``y_j != y_i``, with the smallest angle).
+    * virtual point ``x_g`` by Eq. 7 (:func:`virtual_points`), with
+      ``M = beta ||x_i|| sqrt(2 - 2 cos(theta_nn - theta_i)) / ||x_i - c_{y_i}||``.
+    * loss (Eq. 8)::
+
+        L = -1/N sum_i log( e^{x_g.c_{y_i}} / (e^{x_g.c_{y_i}} + sum_{y_j != y_i} e^{x_j.c_{y_i}}) )
+            + lambda/(2N) sum_i ||x_i||^2
+
+    * after the loss is computed with the pre-update centres, and only when
+      ``self.training``, the centres of the classes in the batch are updated once by Eq. 2:
+      ``c_z <- c_z - rate * sum_{i: y_i = z} (c_z - x_i) / (1 + n_z)``.
+
+    Options (defaults in brackets):
+
+    * ``num_classes``, ``embedding_dim``: shape of the ``centers`` buffer (C, k).
+    * ``beta`` [3.0]: strength of the virtual point (paper's best; Tables 2-4 use 0-3).
+      ``beta = 0`` is the baseline of Eq. 3 (``x_g = x_i``).
+    * ``centre_rate`` [0.5]: the rate ``alpha`` of Eq. 2.  The paper calls it "the learning
+      rate" and gives no value; 0.5 is the value of the centre loss it follows (Wen et al.
+      2016, ref. [35]).
+    * ``lam`` [0.0005]: ``lambda`` of the l2 regulariser (paper Sec. 5.1).
+    * ``margin_mode`` ["virtual"]: "virtual" = Eq. 7-8; "none" = Eq. 3 (same as beta = 0);
+      "fixed" = the L-Softmax-like ablation of Eq. 12, positive logit
+      ``||x_i|| ||c|| psi(theta_i)``, ``psi = (-1)^k cos(m theta) - 2k`` on
+      ``theta in [k pi/m, (k+1) pi/m]``.
+    * ``margin_m`` [2]: the integer ``m`` of Eq. 12.
+    * ``hard_case`` ["paper"]: "paper" applies Eq. 7 to every sample (the factor
+      ``sqrt(2 - 2 cos(.))`` is symmetric, so a sample already beyond its nearest negative
+      still gets a margin of ``theta_i - theta_nn``); "author_code" uses the plain
+      ``x_i . c`` (``M = 0``) when ``theta_i >= theta_nn``, as the author's Caffe layer does.
+    * ``detach_margin`` [True]: treat ``sqrt(2 - 2 cos(theta_nn - theta_i))`` as a constant
+      in back-propagation.  This is what the paper's gradients do: Eq. 10 has no term through
+      ``theta_nn`` (the nearest negative), and the terms of Eq. 11 involving ``dM/dx_i``
+      differentiate ``||x_i||`` and ``||x_i - c||`` only, never the angles.  False
+      differentiates through the angles as well (acos clamped away from +-1).
+    * ``centre_init`` ["first_batch"]: "first_batch" = a class's centre is set to the mean
+      of its embeddings in the first training batch that contains it (before that batch's
+      loss; Eq. 2 then leaves it unchanged for that batch); unseen classes stay 0.  "zeros"
+      = all centres start at 0 (the first batch of a class then gives a constant loss);
+      "normal" = N(0, 1) entries.
+    * ``eps`` [1e-12]: floor of every norm (zero vectors, ``x == c``).
+
+    Notes on the paper's Eq. 11: its first two terms are the derivative of ``x_g . c`` with
+    ``theta_nn, theta_i`` held constant, but its last term, ``-(u.c)(x.u) u / (||u||^3
+    ||x||)`` with ``u = (M+1) x - M c``, is not the derivative of ``||u||`` (it should be
+    ``-(u.c) ||x|| ((M+1) u + ((x-c).u) dM/dx) / ||u||^3``); this module relies on autograd
+    of Eq. 7, which the tests check against Eq. 9-10 with that corrected Eq. 11 and against
+    finite differences.  The author's Caffe code clips probabilities at 1e-20; here the
+    log-softmax is computed exactly (log-sum-exp).  Rows without negatives in the batch
+    contribute 0 (their softmax has a single term) but still count in ``N``.  Internals run
+    in float32 with autocast disabled.
+    """
+
+    def __init__(self, num_classes: int, embedding_dim: int, beta: float = 3.0, *,
+                 centre_rate: float = 0.5, lam: float = 0.0005, margin_mode: str = "virtual",
+                 margin_m: int = 2, hard_case: str = "paper", detach_margin: bool = True,
+                 centre_init: str = "first_batch", eps: float = 1e-12) -> None:
+        super().__init__()
+        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.embedding_dim = _check_positive_int("embedding_dim", embedding_dim)
+        for name, val in (("beta", beta), ("centre_rate", centre_rate), ("lam", lam)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)) \
+                    or not math.isfinite(val) or val < 0:
+                raise ValueError(f"ALMNLoss: {name} must be a finite number >= 0, got {val!r}")
+        if margin_mode not in _MARGIN_MODES:
+            raise ValueError(f"ALMNLoss: margin_mode must be one of {_MARGIN_MODES}, "
+                             f"got {margin_mode!r}")
+        if hard_case not in _HARD_CASES:
+            raise ValueError(f"ALMNLoss: hard_case must be one of {_HARD_CASES}, got {hard_case!r}")
+        if centre_init not in _CENTRE_INITS:
+            raise ValueError(f"ALMNLoss: centre_init must be one of {_CENTRE_INITS}, "
+                             f"got {centre_init!r}")
+        self.margin_m = _check_positive_int("margin_m", margin_m)
+        self.beta = float(beta)
+        self.centre_rate = float(centre_rate)
+        self.lam = float(lam)
+        self.margin_mode = margin_mode
+        self.hard_case = hard_case
+        self.detach_margin = bool(detach_margin)
+        self.centre_init = centre_init
+        self.eps = float(eps)
+        if centre_init == "normal":
+            centres = torch.randn(self.num_classes, self.embedding_dim)
+        else:
+            centres = torch.zeros(self.num_classes, self.embedding_dim)
+        self.register_buffer("centers", centres)
+        self.register_buffer("center_initialized",
+                             torch.full((self.num_classes,), centre_init != "first_batch"))
+
+    @property
+    def centres(self) -> torch.Tensor:
+        """Alias of the ``centers`` buffer (C, k)."""
+        return self.centers
+
+    # ------------------------------------------------------------------ pieces
+    def angles(self, x: torch.Tensor, labels: torch.Tensor, c: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(theta_i, theta_nn, has_negative)`` per sample, in radians (float32).
+
+        ``theta_nn`` is the smallest angle between ``c_{y_i}`` and any ``x_j`` with
+        ``y_j != y_i``; it is set to ``theta_i`` (no margin) where the batch has none.
+        """
+        if c is None:
+            c = self.centers[labels]
+        xn = x / _norm(x, self.eps).unsqueeze(1)
+        cn = c / _norm(c, self.eps).unsqueeze(1)
+        lim = 1.0 - 1e-7   # acos has an infinite slope at +-1
+        cos_i = (xn * cn).sum(1).clamp(-lim, lim)
+        neg = labels.unsqueeze(0) != labels.unsqueeze(1)          # [i, j]: y_j != y_i
+        cos_cx = (cn @ xn.t()).masked_fill(~neg, -2.0)           # cos(c_{y_i}, x_j)
+        cos_nn = cos_cx.max(dim=1).values.clamp(-lim, lim)
+        has_neg = neg.any(dim=1)
+        theta_i = torch.acos(cos_i)
+        theta_nn = torch.where(has_neg, torch.acos(cos_nn), theta_i)
+        return theta_i, theta_nn, has_neg
+
+    def virtual_point(self, x: torch.Tensor, labels: torch.Tensor,
+                      c: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_g`` of Eq. 7 for every sample (``x`` itself for beta = 0, for rows without a
+        negative, and for ``hard_case="author_code"`` hard samples)."""
+        if c is None:
+            c = self.centers[labels]
+        if self.beta == 0.0:
+            return x
+        theta_i, theta_nn, has_neg = self.angles(x, labels, c)
+        # sqrt(2 - 2 cos(d)) == 2 |sin(d / 2)|: the same value with a finite slope at d = 0
+        s = 2.0 * torch.sin((theta_nn - theta_i) / 2).abs()
+        s = torch.where(has_neg, s, torch.zeros_like(s))
+        if self.hard_case == "author_code":
+            s = torch.where(theta_i >= theta_nn, torch.zeros_like(s), s)
+        if self.detach_margin:
+            s = s.detach()
+        return virtual_points(x, c, s, self.beta, self.eps)
+
+    def _fixed_margin_logit(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """``||x|| ||c|| psi(theta)`` of Eq. 12 (L-Softmax, margin ``m``)."""
+        nx, nc = _norm(x, self.eps), _norm(c, self.eps)
+        cos_t = ((x * c).sum(1) / (nx * nc)).clamp(-1.0, 1.0)
+        m = self.margin_m
+        with torch.no_grad():
+            k = torch.floor(torch.acos(cos_t) * m / math.pi).clamp(0, m - 1)
+        sign = 1.0 - 2.0 * torch.remainder(k, 2)                 # (-1)^k
+        psi = sign * _chebyshev_cos(cos_t, m) - 2.0 * k
+        return nx * nc * psi
+
+    # ------------------------------------------------------------------ loss
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        embeddings, labels = check_embeddings_labels(
+            embeddings, labels, self.embedding_dim, self.num_classes, "ALMNLoss")
+        if embeddings.shape[0] == 0:
+            raise ValueError("ALMNLoss: empty batch")
+        with torch.autocast(embeddings.device.type, enabled=False):
+            x = embeddings.to(compute_dtype(embeddings, self.centers))
+            if self.training:
+                self._init_new_centres(x.detach(), labels)
+            # a copy (advanced indexing): the in-place centre update below cannot disturb
+            # the tensors autograd saved for backward
+            c = self.centers[labels].to(x.dtype)
+            if self.margin_mode == "fixed":
+                pos = self._fixed_margin_logit(x, c)
+            else:
+                xg = x if self.margin_mode == "none" else self.virtual_point(x, labels, c)
+                pos = (xg * c).sum(1)
+            neg_mask = labels.unsqueeze(0) != labels.unsqueeze(1)   # [i, j]: y_j != y_i
+            neg = (c @ x.t()).masked_fill(~neg_mask, float("-inf"))  # x_j . c_{y_i}
+            logits = torch.cat([pos.unsqueeze(1), neg], dim=1)
+            ce = torch.logsumexp(logits, dim=1) - pos
+            reg = 0.5 * self.lam * (x * x).sum(1).mean()
+            loss = ce.mean() + reg
+            if self.training:
+                self._update_centres(x.detach(), labels)
+        return loss
+
+    @torch.no_grad()
+    def _init_new_centres(self, x: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.centre_init != "first_batch":
+            return
+        present = torch.zeros(self.num_classes, dtype=torch.bool, device=labels.device)
+        present[labels] = True
+        new = present & ~self.center_initialized
+        if not bool(new.any()):
+            return
+        sums = torch.zeros_like(self.centers).index_add_(0, labels, x.to(self.centers.dtype))
+        counts = torch.bincount(labels, minlength=self.num_classes).to(self.centers.dtype)
+        self.centers[new] = sums[new] / counts[new].unsqueeze(1)
+        self.center_initialized |= new
+
+    @torch.no_grad()
+    def _update_centres(self, x: torch.Tensor, labels: torch.Tensor) -> None:
+        """Eq. 2: ``c_z <- c_z - rate * sum_{y_i = z} (c_z - x_i) / (1 + n_z)``."""
+        x = x.to(self.centers.dtype)
+        counts = torch.bincount(labels, minlength=self.num_classes).to(self.centers.dtype)
+        # sum_{i: y_i = z} (c_z - x_i) = n_z c_z - sum_{i: y_i = z} x_i
+        diff = counts.unsqueeze(1) * self.centers - torch.zeros_like(self.centers).index_add_(
+            0, labels, x)
+        self.centers.sub_(self.centre_rate * diff / (1.0 + counts).unsqueeze(1))
+        self.center_initialized[labels] = True
+
+    def extra_repr(self) -> str:
+        return (f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, "
+                f"beta={self.beta:g}, centre_rate={self.centre_rate:g}, lam={self.lam:g}, "
+                f"margin_mode={self.margin_mode!r}, hard_case={self.hard_case!r}, "
+                f"detach_margin={self.detach_margin}, centre_init={self.centre_init!r}")
