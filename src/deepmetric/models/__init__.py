@@ -1,1 +1,218 @@
-"""deepmetric.models"""
+"""deepmetric.models: backbones, embedding heads, the two-head network, one factory.
+
+>>> from deepmetric.models import create_model, list_models
+>>> model = create_model("glyph_resnet", embedding_dim=64, norm="bn")
+>>> out = model(torch.randn(8, 1, 32, 32))        # {"embedding": [8, 64], "features": [8, 128]}
+>>> two = create_model("two_head", backbone="resnet18", num_classes=10, input_size=64)
+>>> out = two(torch.randn(2, 3, 64, 64))          # {"logits", "embedding", "features"}
+
+Every model name except ``"two_head"`` is a backbone name and gives an
+:class:`EmbeddingModel` (backbone -> global pool -> :class:`EmbeddingHead`).
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+from typing import Callable
+
+from torch import nn
+
+from .backbones import (
+    FeatureBackbone,
+    create_backbone,
+    get_backbone_spec,
+    list_backbones,
+    register_backbone,
+)
+from .embedding_model import EmbeddingModel, global_pool
+from .heads import NORMS, EmbeddingHead, ShiftOnlyBatchNorm1d
+from .pretrained import LoadReport, clean_state_dict, load_pretrained, read_state_dict
+from .small import GlyphResNet, LeNet
+from .two_head import TwoHeadModel, feature_map_shape
+
+__all__ = [
+    "create_model",
+    "list_models",
+    "register_model",
+    "create_backbone",
+    "list_backbones",
+    "register_backbone",
+    "split_parameters",
+    "EmbeddingModel",
+    "TwoHeadModel",
+    "EmbeddingHead",
+    "ShiftOnlyBatchNorm1d",
+    "FeatureBackbone",
+    "LeNet",
+    "GlyphResNet",
+    "LoadReport",
+    "load_pretrained",
+    "read_state_dict",
+    "clean_state_dict",
+    "feature_map_shape",
+    "global_pool",
+    "NORMS",
+]
+
+_HEAD_OPTIONS = ("bn_momentum", "bn_eps", "bn_divide_sqrt_k", "init", "bias")
+_MODELS: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_model(name: str):
+    """Decorator adding a model factory ``fn(**kwargs) -> nn.Module`` under ``name``."""
+
+    def deco(fn):
+        if name in _MODELS or name in list_backbones():
+            raise ValueError(f"model {name!r} is already registered")
+        _MODELS[name] = fn
+        return fn
+
+    return deco
+
+
+def list_models() -> list[str]:
+    """All names :func:`create_model` accepts: every backbone, plus ``"two_head"`` etc."""
+    return sorted(set(list_backbones()) | set(_MODELS))
+
+
+def _split_backbone_options(backbone: str, kwargs: dict) -> dict:
+    """Pop the options that ``backbone``'s builder takes (e.g. ``widths``) out of ``kwargs``."""
+    params = inspect.signature(get_backbone_spec(backbone).builder).parameters
+    return {k: kwargs.pop(k) for k in list(kwargs) if k in params and k != "in_chans"}
+
+
+def _check_unknown(name: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(f"create_model({name!r}) got unknown argument(s): {', '.join(hints)}")
+
+
+def _apply_pretrained(model: nn.Module, backbone_name: str, path) -> None:
+    """Load ``path`` into the whole model (keys ``backbone.*``, ``head.*``, ... as saved from
+    a deepmetric model) or, when it holds plain torchvision / timm keys, into the backbone
+    only (the new layers keep their fresh initialisation)."""
+    state = clean_state_dict(read_state_dict(path))
+    if any(k.startswith("backbone.") for k in state):
+        model.pretrained_report = load_pretrained(model, path, state_dict=state)
+    else:
+        spec = get_backbone_spec(backbone_name)
+        model.pretrained_report = load_pretrained(
+            model.backbone, path, ignore_prefixes=spec.ignore_prefixes, state_dict=state
+        )
+
+
+def create_model(
+    name: str,
+    embedding_dim: int | None = None,
+    norm: str | None = None,
+    num_classes: int | None = None,
+    pretrained: str | os.PathLike | None = None,
+    in_chans: int | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> nn.Module:
+    """Build a model by name (see :func:`list_models`).
+
+    Common arguments (all models):
+        embedding_dim: k (default 64 -- heated-up paper; 256 for ``two_head``).
+        norm: ``"bn"`` | ``"l2"`` | ``"none"`` (default ``"bn"``; ``"l2"`` for ``two_head``).
+        num_classes: two_head: classifier size (required).  Other models: optional plain
+            linear classifier on the embedding (adds ``"logits"``).
+        pretrained: ``None`` or a local ``.pth``/``.pt``/``.safetensors`` file holding either
+            a deepmetric model's state dict (keys ``backbone.*``, ``head.*``, ...) or a
+            torchvision/timm backbone's ImageNet weights (the original classifier is ignored).
+        in_chans: input channels (default 3; 1 for ``lenet`` and ``glyph_resnet``).
+        dropout: dropout before the embedding projection (ALMN: 0.2).
+
+    Extra keyword arguments: ``pool`` ("avg" | "max"); head options ``bn_momentum`` (0.05),
+    ``bn_eps`` (1e-3), ``bn_divide_sqrt_k`` (True), ``init``, ``bias``; backbone options
+    (``transform_input``, ``widths``, ``depths``, ``hidden``).  ``two_head`` also takes
+    ``backbone`` (default "resnet50"), ``input_size`` (224) and ``feature_shape``.
+    """
+    if pretrained is True or pretrained is False:
+        raise TypeError(
+            "pretrained must be None or the path of a local weights file (nothing is downloaded), "
+            f"got {pretrained!r}"
+        )
+    if name in _MODELS:
+        model = _MODELS[name](
+            embedding_dim=embedding_dim,
+            norm=norm,
+            num_classes=num_classes,
+            pretrained=pretrained,
+            in_chans=in_chans,
+            dropout=dropout,
+            **kwargs,
+        )
+    elif name in list_backbones():
+        kwargs = dict(kwargs)
+        backbone_options = _split_backbone_options(name, kwargs)
+        _check_unknown(name, kwargs, ("pool",) + _HEAD_OPTIONS + tuple(backbone_options))
+        backbone = create_backbone(name, in_chans=in_chans, **backbone_options)
+        model = EmbeddingModel(
+            backbone,
+            embedding_dim=64 if embedding_dim is None else embedding_dim,
+            norm="bn" if norm is None else norm,
+            dropout=dropout,
+            num_classes=num_classes,
+            **kwargs,
+        )
+        model.pretrained_report = None
+        if pretrained is not None:
+            _apply_pretrained(model, name, pretrained)
+    else:
+        close = difflib.get_close_matches(str(name), list_models(), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown model {name!r}.{hint} Available: {', '.join(list_models())}")
+    return model
+
+
+@register_model("two_head")
+def _two_head(
+    embedding_dim=None,
+    norm=None,
+    num_classes=None,
+    pretrained=None,
+    in_chans=None,
+    dropout=0.0,
+    backbone: str = "resnet50",
+    input_size=224,
+    **kwargs,
+) -> TwoHeadModel:
+    kwargs = dict(kwargs)
+    spec = get_backbone_spec(backbone)
+    backbone_options = _split_backbone_options(backbone, kwargs)
+    _check_unknown("two_head", kwargs, ("pool", "feature_shape") + _HEAD_OPTIONS + tuple(backbone_options))
+    if num_classes is None:
+        raise ValueError("create_model('two_head') needs num_classes (size of the classification head)")
+    in_chans = spec.default_in_chans if in_chans is None else in_chans
+    net = create_backbone(backbone, in_chans=in_chans, **backbone_options)
+    model = TwoHeadModel(
+        net,
+        num_classes=num_classes,
+        embedding_dim=256 if embedding_dim is None else embedding_dim,
+        input_size=input_size,
+        in_chans=in_chans,
+        norm="l2" if norm is None else norm,
+        dropout=dropout,
+        **kwargs,
+    )
+    model.pretrained_report = None
+    if pretrained is not None:
+        _apply_pretrained(model, backbone, pretrained)
+    return model
+
+
+def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(backbone parameters, new-layer parameters) of a model with a ``.backbone``, for
+    optimiser groups such as ALMN's 10x learning rate on the embedding layer."""
+    if not hasattr(model, "backbone"):
+        raise TypeError(f"{type(model).__name__} has no .backbone attribute")
+    backbone_ids = {id(p) for p in model.backbone.parameters()}
+    new = [p for p in model.parameters() if id(p) not in backbone_ids]
+    return list(model.backbone.parameters()), new

@@ -1,0 +1,144 @@
+"""Embedding heads: linear projection to k dims followed by a feature normalisation.
+
+Heated-up softmax embedding (Zhang et al., 2018), Sec. 4 / Eq. 13:
+
+* ``"none"``  -- the plain bottleneck feature f (SM baseline);
+* ``"l2"``    -- f / ||f||_2 (LN);
+* ``"bn"``    -- BN^(f) / sqrt(k) (BN), where BN^ is batch normalisation *without* the learned
+  scale (gamma fixed at 1) but with the learned shift beta.
+
+The projection is the paper's "linear (1x1 conv) layer to k dims, no activation": on globally
+pooled features a 1x1 convolution is exactly a ``nn.Linear``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["NORMS", "ShiftOnlyBatchNorm1d", "EmbeddingHead", "check_norm"]
+
+NORMS = ("none", "l2", "bn")
+
+# Official heated-up code (TensorFlow slim batch_norm): decay 0.95 -> PyTorch momentum 0.05,
+# epsilon 1e-3.  PyTorch's own defaults are momentum 0.1, eps 1e-5.
+BN_MOMENTUM = 0.05
+BN_EPS = 1e-3
+
+
+def check_norm(norm: str) -> str:
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    return norm
+
+
+class ShiftOnlyBatchNorm1d(nn.BatchNorm1d):
+    """Batch norm over [B, k] with a learned shift ``bias`` and NO learned scale.
+
+    y = (x - mean) / sqrt(var + eps) + bias, with batch statistics in training mode
+    (biased variance, as ``nn.BatchNorm1d``) and running statistics in eval mode.  The
+    running statistics follow PyTorch's convention
+    ``running = (1 - momentum) * running + momentum * batch`` (TensorFlow ``decay`` is
+    ``1 - momentum``).  Heated-up paper footnote 2: "batch normalization always refers to
+    batch normalization without learned scale".
+    """
+
+    def __init__(self, num_features: int, eps: float = BN_EPS, momentum: float = BN_MOMENTUM):
+        if not 0.0 < momentum <= 1.0:
+            raise ValueError(f"bn momentum must be in (0, 1] (PyTorch convention, = 1 - TF decay), got {momentum}")
+        if eps <= 0:
+            raise ValueError(f"bn eps must be > 0, got {eps}")
+        # affine=False: no weight at all (rather than a frozen weight) so that no optimiser,
+        # weight decay or checkpoint can ever touch a scale.
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=False)
+        self.bias = nn.Parameter(torch.zeros(num_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", learned shift only (no scale)"
+
+
+class EmbeddingHead(nn.Module):
+    """[B, in_features] -> dropout -> Linear -> normalisation -> [B, k].
+
+    Args:
+        in_features: size of the pooled (or flattened) backbone features.
+        embedding_dim: k.
+        norm: ``"none"`` | ``"l2"`` | ``"bn"`` (see module docstring).
+        dropout: dropout probability on the *input* of the projection.  This is where
+            GoogLeNet's own dropout sits (pool5 -> dropout -> classifier), which ALMN keeps
+            with ratio 0.2 when it swaps the classifier for a 512-d embedding layer.
+        bn_momentum, bn_eps: batch-norm options for ``norm="bn"``; defaults are the official
+            heated-up code's values (momentum 0.05 = 1 - decay 0.95, eps 1e-3).
+        bn_divide_sqrt_k: paper Eq. 13 divides BN^(f) by sqrt(k) (default True).  The
+            official code instead folds 1/sqrt(k) into the softmax scale alpha; set False to
+            reproduce that and multiply alpha by ``head.alpha_factor`` (= 1/sqrt(k)) in the
+            loss.  Both give identical logits alpha * <f_hat, w_hat>.
+        init: ``"default"`` (PyTorch Linear init) or ``"xavier"`` (Xavier-uniform weight,
+            zero bias -- the two-head paper's embedding layer).
+        bias: whether the projection has a bias.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        embedding_dim: int,
+        norm: str = "bn",
+        dropout: float = 0.0,
+        bn_momentum: float = BN_MOMENTUM,
+        bn_eps: float = BN_EPS,
+        bn_divide_sqrt_k: bool = True,
+        init: str = "default",
+        bias: bool = True,
+    ):
+        super().__init__()
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if not isinstance(in_features, int) or in_features < 1:
+            raise ValueError(f"in_features must be a positive int, got {in_features!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if init not in ("default", "xavier"):
+            raise ValueError(f"init must be 'default' or 'xavier', got {init!r}")
+        self.norm = check_norm(norm)
+        self.embedding_dim = embedding_dim
+        self.in_features = in_features
+        self.bn_divide_sqrt_k = bool(bn_divide_sqrt_k)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.proj = nn.Linear(in_features, embedding_dim, bias=bias)
+        if init == "xavier":
+            nn.init.xavier_uniform_(self.proj.weight)
+            if self.proj.bias is not None:
+                nn.init.zeros_(self.proj.bias)
+        self.bn = ShiftOnlyBatchNorm1d(embedding_dim, eps=bn_eps, momentum=bn_momentum) if norm == "bn" else None
+
+    @property
+    def alpha_factor(self) -> float:
+        """Factor the loss should apply to alpha: 1/sqrt(k) when BN's division is folded into alpha."""
+        if self.norm == "bn" and not self.bn_divide_sqrt_k:
+            return 1.0 / math.sqrt(self.embedding_dim)
+        return 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"EmbeddingHead expects features of shape [B, {self.in_features}], got {tuple(x.shape)}"
+            )
+        f = self.proj(self.dropout(x))
+        # Normalise (and return) in float32: under autocast f may be fp16/bf16, where the norm
+        # and batch statistics lose precision, and the running buffers are float32 anyway.
+        if self.norm == "l2":
+            return F.normalize(f.float(), p=2.0, dim=1)
+        if self.norm == "bn":
+            f = self.bn(f.float())
+            if self.bn_divide_sqrt_k:
+                f = f / math.sqrt(self.embedding_dim)
+            return f
+        return f.float()
+
+    def extra_repr(self) -> str:
+        return f"norm={self.norm!r}, bn_divide_sqrt_k={self.bn_divide_sqrt_k}"
