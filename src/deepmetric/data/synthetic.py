@@ -1,0 +1,93 @@
+"""Tiny synthetic data and model for tests and smoke runs of the training loop.
+
+``GaussianClusters`` is a zero-shot benchmark of Gaussian blobs: every class has a random
+unit-norm centre in ``dim`` dimensions and its samples are ``centre + noise * N(0, I)``.
+The train and test splits use disjoint classes (drawn from one seeded generator), so a
+model must learn a metric, not memorise classes.  It follows the dataset contract
+(``ds[i] -> (tensor, int)``, ``labels``, ``num_classes``, ``class_names``).
+
+``SyntheticMLP`` is a two-layer MLP with the model contract (``forward`` returns a dict
+with ``embedding`` and, with ``num_classes``, ``logits``), a ``backbone`` and a ``head``,
+so optimiser groups and new-layer multipliers behave as with the real models.
+
+Both are reachable from a config as ``data.name: synthetic`` and
+``model.name: synthetic_mlp`` (see ``deepmetric.train.loop``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+__all__ = ["GaussianClusters", "build_synthetic_dataset", "SyntheticMLP"]
+
+
+class GaussianClusters(Dataset):
+    """Gaussian clusters; ``split`` "train" / "test" (disjoint classes), or for In-shop-like
+    tests "query" / "gallery" (the test classes, samples alternately assigned)."""
+
+    def __init__(self, split: str = "train", *, num_classes: int = 8, per_class: int = 16,
+                 dim: int = 16, noise: float = 0.3, seed: int = 0, transform=None):
+        if split not in ("train", "test", "query", "gallery"):
+            raise ValueError(f"synthetic: split must be train, test, query or gallery, got {split!r}")
+        for name, v in (("num_classes", num_classes), ("per_class", per_class), ("dim", dim)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"synthetic: {name} must be a positive int, got {v!r}")
+        g = np.random.default_rng(seed)
+        centres = g.standard_normal((2 * num_classes, dim))
+        centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+        first = 0 if split == "train" else num_classes
+        labels = np.repeat(np.arange(num_classes), per_class)
+        # A per-split stream so the train split does not change when test options do.
+        g_split = np.random.default_rng([seed, 0 if split == "train" else 1])
+        x = centres[first + labels] + noise * g_split.standard_normal((labels.size, dim))
+        if split in ("query", "gallery"):
+            keep = (np.arange(labels.size) % 2) == (0 if split == "query" else 1)
+            x, labels = x[keep], labels[keep]
+        self.x = torch.from_numpy(x.astype(np.float32))
+        self.labels = labels.astype(np.int64)
+        self.num_classes = int(num_classes)
+        self.class_names = None
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        if self.transform is not None:
+            x = self.transform(x)
+        return x, int(self.labels[i])
+
+
+def build_synthetic_dataset(split: str = "train", transform=None, **options) -> GaussianClusters:
+    return GaussianClusters(split, transform=transform, **options)
+
+
+class SyntheticMLP(nn.Module):
+    """``backbone`` (Linear + ReLU) -> ``head`` (Linear to ``embedding_dim``) -> normalisation
+    (``none`` or ``l2``); with ``num_classes`` also a ``classifier`` on the backbone features
+    (the two-head layout)."""
+
+    def __init__(self, in_dim: int = 16, hidden: int = 32, embedding_dim: int = 8,
+                 normalization: str = "l2", num_classes: int | None = None, two_head: bool = False):
+        super().__init__()
+        if normalization not in ("none", "l2"):
+            raise ValueError(f"synthetic_mlp: normalization must be 'none' or 'l2', got {normalization!r}")
+        self.backbone = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU())
+        self.head = nn.Linear(hidden, embedding_dim)
+        self.normalization = normalization
+        self.embedding_dim = embedding_dim
+        self.classifier = nn.Linear(hidden, num_classes) if (two_head and num_classes) else None
+
+    def forward(self, x: torch.Tensor) -> dict:
+        h = self.backbone(x.flatten(1))
+        e = self.head(h)
+        if self.normalization == "l2":
+            e = F.normalize(e, dim=1)
+        out = {"embedding": e}
+        if self.classifier is not None:
+            out["logits"] = self.classifier(h)
+        return out

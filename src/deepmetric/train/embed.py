@@ -1,0 +1,183 @@
+"""Embedding a dataset with a model, in-training evaluation, and ``deepmetric embed``.
+
+``compute_embeddings`` runs the model in eval mode over a dataset (sequential batches, no
+augmentation) and returns float32 numpy arrays.  ``evaluate_model`` embeds the evaluation
+split(s) and calls ``deepmetric.evaluate.evaluate`` -- all samples against each other for
+zero-shot splits, queries against the gallery for In-shop.  ``embed_checkpoint`` rebuilds
+the model from a checkpoint's stored config and writes the ``.npz`` that ``deepmetric
+evaluate`` reads (``embeddings``, ``labels`` and, for query/gallery data, ``is_query`` and
+``is_gallery``).
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "embed_checkpoint",
+           "load_model_from_checkpoint"]
+
+
+def autocast_context(device: torch.device, amp: str):
+    """``torch.autocast`` for ``amp`` in none / bf16 / fp16 (fp16 only on CUDA)."""
+    if amp == "none":
+        return contextlib.nullcontext()
+    if amp == "fp16" and device.type != "cuda":
+        raise ValueError("config key 'train.amp': fp16 needs a CUDA device (it needs a gradient "
+                         "scaler); use amp=bf16 on CPU")
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 256,
+                       device: torch.device | str = "cpu", amp: str = "none",
+                       channels_last: bool = False, num_workers: int = 0,
+                       with_logits: bool = False, loss_with_logits: nn.Module | None = None) -> dict:
+    """Embed every sample of ``dataset`` in order.
+
+    Returns ``{"embeddings": float32 [N, k], "labels": int64 [N]}`` plus ``"logits"`` when
+    ``with_logits`` and the model outputs them (or ``loss_with_logits.logits(emb)`` exists).
+    The model's train/eval mode is restored afterwards.
+    """
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    embs, labels, logits = [], [], []
+    try:
+        for x, y in loader:
+            x = x.to(device, non_blocking=True)
+            if channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with autocast_context(device, amp):
+                out = model(x)
+            e = out["embedding"].float()
+            embs.append(e.cpu())
+            labels.append(torch.as_tensor(y).cpu())
+            if with_logits:
+                if "logits" in out:
+                    logits.append(out["logits"].float().cpu())
+                elif loss_with_logits is not None and hasattr(loss_with_logits, "logits"):
+                    logits.append(loss_with_logits.logits(e).float().cpu())
+    finally:
+        model.train(was_training)
+    result = {
+        "embeddings": torch.cat(embs).numpy().astype(np.float32) if embs else np.zeros((0, 0), np.float32),
+        "labels": torch.cat(labels).numpy().astype(np.int64) if labels else np.zeros(0, np.int64),
+    }
+    if logits:
+        result["logits"] = torch.cat(logits).numpy()
+    return result
+
+
+def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, device: torch.device,
+                   losses: Sequence[nn.Module] = ()) -> tuple[dict[str, float], dict[str, Any]]:
+    """Evaluate ``model`` on ``eval_sets`` (``{"query": ds}`` or ``{"query": ds, "gallery": ds}``)
+    with the settings of ``cfg.eval``.  Returns ``(metrics, embedded)`` where ``embedded``
+    holds the arrays (for plots)."""
+    from deepmetric.evaluate import evaluate
+
+    ec = cfg.eval
+    clf_loss = next((l for l in losses if hasattr(l, "logits")), None)
+    q = compute_embeddings(model, eval_sets["query"], batch_size=ec.batch_size, device=device,
+                           amp=cfg.train.amp, channels_last=cfg.train.channels_last,
+                           num_workers=cfg.data.num_workers, with_logits=ec.classification,
+                           loss_with_logits=clf_loss)
+    if "gallery" in eval_sets:
+        g = compute_embeddings(model, eval_sets["gallery"], batch_size=ec.batch_size, device=device,
+                               amp=cfg.train.amp, channels_last=cfg.train.channels_last,
+                               num_workers=cfg.data.num_workers)
+        emb = np.concatenate([q["embeddings"], g["embeddings"]])
+        lab = np.concatenate([q["labels"], g["labels"]])
+        is_query = np.r_[np.ones(len(q["labels"]), bool), np.zeros(len(g["labels"]), bool)]
+        metrics = evaluate(emb, lab, is_query=is_query, is_gallery=~is_query, ks=tuple(ec.ks),
+                           metrics=ec.metrics, seed=cfg.train.seed)
+        embedded = {"embeddings": emb, "labels": lab, "is_query": is_query, "is_gallery": ~is_query}
+    else:
+        metrics = evaluate(q["embeddings"], q["labels"], ks=tuple(ec.ks), metrics=ec.metrics,
+                           seed=cfg.train.seed)
+        embedded = dict(q)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    if ec.classification:
+        if "logits" not in q:
+            raise ValueError("config key 'eval.classification': the model has no 'logits' output "
+                             "and no loss term has a classifier (.logits)")
+        from deepmetric.evaluate import classification_accuracy
+
+        acc = classification_accuracy(q["logits"], q["labels"])
+        metrics.update({k: float(v) for k, v in acc.items()})
+    return metrics, embedded
+
+
+def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
+    """Rebuild the model (and loss terms) of a training checkpoint.
+
+    Returns ``(model, losses, cfg, state)``; the model is in eval mode on ``device``.
+    """
+    from .checkpoint import load_checkpoint
+    from .config import config_from_dict
+    from .loop import build_losses, build_model
+
+    state = load_checkpoint(path)
+    cfg = config_from_dict(state["config"])
+    meta = state.get("meta", {})
+    num_classes = meta.get("num_classes")
+    model = build_model(cfg, num_classes=num_classes)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint {path}: model weights do not match the config's model "
+                         f"({str(exc)[:300]})") from None
+    losses = build_losses(cfg, num_classes=num_classes, embedding_dim=meta.get("embedding_dim"))
+    for loss, ls in zip(losses, state.get("loss", [])):
+        loss.load_state_dict(ls)
+    device = torch.device(device)
+    model.to(device).eval()
+    losses.to(device).eval()
+    return model, losses, cfg, state
+
+
+def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | None = None,
+                     root: str | None = None, split: str = "test", batch_size: int = 256,
+                     device: str = "auto", num_workers: int = 0, options: dict | None = None) -> Path:
+    """Embed ``split`` of a dataset with the model of ``checkpoint`` and write ``out`` (.npz).
+
+    ``data`` / ``root`` default to the checkpoint's training config.  For query/gallery
+    datasets (In-shop) ``split="test"`` embeds query and gallery and stores ``is_query`` /
+    ``is_gallery``; naming one of them embeds only that split.
+    """
+    from .distributed import resolve_device
+    from .loop import build_dataset_split
+
+    dev = resolve_device(device)
+    model, losses, cfg, _ = load_model_from_checkpoint(checkpoint, dev)
+    if data is not None:
+        cfg.data.name = data
+        cfg.data.options = dict(options or {})
+    elif options:
+        cfg.data.options.update(options)
+    if root is not None:
+        cfg.data.root = root
+    kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp,
+              channels_last=cfg.train.channels_last, num_workers=num_workers)
+    arrays: dict[str, np.ndarray]
+    if split == "test" and cfg.data.name == "inshop":
+        q = compute_embeddings(model, build_dataset_split(cfg, "query", train=False), **kw)
+        g = compute_embeddings(model, build_dataset_split(cfg, "gallery", train=False), **kw)
+        is_query = np.r_[np.ones(len(q["labels"]), bool), np.zeros(len(g["labels"]), bool)]
+        arrays = {"embeddings": np.concatenate([q["embeddings"], g["embeddings"]]),
+                  "labels": np.concatenate([q["labels"], g["labels"]]),
+                  "is_query": is_query, "is_gallery": ~is_query}
+    else:
+        r = compute_embeddings(model, build_dataset_split(cfg, split, train=False), **kw)
+        arrays = {"embeddings": r["embeddings"], "labels": r["labels"]}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(out, **arrays)
+    return out
