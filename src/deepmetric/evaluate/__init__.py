@@ -1,1 +1,34 @@
-"""deepmetric.evaluate"""
+"""deepmetric.evaluate: fast, memory-bounded retrieval, clustering and classification metrics.
+
+See docs/evaluation.md. Public API::
+
+    evaluate(embeddings, labels, *, is_query=None, is_gallery=None, ks=(1, 2, 4, 8),
+             metrics=None, seed=0, chunk_size=None, backend="auto") -> dict
+    recall_at_k, map_at_r, r_precision, nmi, pairwise_f1, knn, kmeans, classification_accuracy
+"""
+from deepmetric.evaluate.classification import classification_accuracy
+from deepmetric.evaluate.clustering import (
+    kmeans,
+    nmi,
+    nmi_from_clusters,
+    pairwise_f1,
+    pairwise_f1_from_clusters,
+)
+from deepmetric.evaluate.engine import METRICS, evaluate, map_at_r, r_precision, recall_at_k
+from deepmetric.evaluate.knn import BACKENDS, knn
+
+__all__ = [
+    "BACKENDS",
+    "METRICS",
+    "classification_accuracy",
+    "evaluate",
+    "kmeans",
+    "knn",
+    "map_at_r",
+    "nmi",
+    "nmi_from_clusters",
+    "pairwise_f1",
+    "pairwise_f1_from_clusters",
+    "r_precision",
+    "recall_at_k",
+]

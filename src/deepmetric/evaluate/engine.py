@@ -1,0 +1,148 @@
+"""``evaluate``: all retrieval and clustering metrics of one embedding set in one call.
+
+One exact k-NN pass (k = max(max K, largest R)) feeds Recall@K, MAP@R and R-Precision; one
+seeded k-means feeds NMI and F1. See docs/evaluation.md for definitions and conventions.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from deepmetric.evaluate._checks import check_embeddings, to_mask, to_numpy_labels
+from deepmetric.evaluate.clustering import kmeans, nmi_from_clusters, pairwise_f1_from_clusters
+from deepmetric.evaluate.knn import APPROXIMATE_BACKENDS, iter_knn, resolve_backend
+from deepmetric.evaluate.retrieval import RetrievalAccumulator
+
+METRICS = ("recall", "map@r", "r_precision", "nmi", "f1")
+
+
+def _check_metrics(metrics) -> tuple[str, ...]:
+    if metrics is None:
+        return METRICS
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    metrics = tuple(metrics)
+    bad = [m for m in metrics if m not in METRICS]
+    if bad or not metrics:
+        raise ValueError(f"unknown metric(s) {bad or metrics}; choose from {', '.join(METRICS)}")
+    return metrics
+
+
+def _check_ks(ks) -> tuple[int, ...]:
+    ks = [ks] if isinstance(ks, (int, np.integer)) else list(ks)
+    if not ks:
+        raise ValueError("ks is empty: give at least one K for Recall@K")
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"every K must be a positive integer, got {k!r}")
+    return tuple(sorted({int(k) for k in ks}))
+
+
+def _rows(x, idx: np.ndarray):
+    if isinstance(x, torch.Tensor):
+        return x[torch.as_tensor(idx, device=x.device)]
+    return np.ascontiguousarray(x[idx])
+
+
+def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
+             ks: Iterable[int] = (1, 2, 4, 8), metrics: Iterable[str] | None = None,
+             seed: int = 0, chunk_size: int | None = None, backend: str = "auto",
+             memory_mb: float | None = None, nmi_average: str = "arithmetic") -> dict[str, float]:
+    """Retrieval and clustering metrics of ``embeddings`` (l2-normalised first).
+
+    Args:
+        embeddings: (N, d) float numpy array or torch tensor (a CUDA tensor is searched on its GPU).
+        labels: (N,) integer class labels.
+        is_query, is_gallery: optional boolean (N,) masks (In-shop style). Default: every
+            sample is both, i.e. each query is ranked against all the *other* samples (excluded
+            by index). Any sample in both sets is excluded from its own neighbours.
+        ks: K values for Recall@K.
+        metrics: subset of ``("recall", "map@r", "r_precision", "nmi", "f1")``; default all.
+        seed: k-means seed (NMI / F1 are reproducible for a seed).
+        chunk_size: queries per k-NN chunk (default: from ``memory_mb``).
+        backend: ``auto`` (faiss on CPU, torch on CUDA), ``torch``, ``faiss`` (exact) or
+            ``faiss-hnsw`` / ``faiss-ivf`` (APPROXIMATE: retrieval keys get an ``_approx`` suffix).
+        memory_mb: bound on the k-NN working memory per chunk (default 256 MiB).
+        nmi_average: ``"arithmetic"`` (default, as scikit-learn) or ``"geometric"``.
+
+    Returns:
+        dict with ``recall@K`` for each K, ``map@r``, ``r_precision``, ``nmi``, ``f1`` (each in
+        [0, 1], as requested) and, only when some queries have no same-label reference in the
+        gallery, ``queries_without_positive`` (a count; those queries are excluded from the
+        retrieval averages). Clustering metrics use the union of query and gallery samples.
+    """
+    metrics = _check_metrics(metrics)
+    ks = _check_ks(ks)
+    x = check_embeddings(embeddings)
+    n = x.shape[0]
+    y = to_numpy_labels(labels, n=n)
+    qm, gm = to_mask(is_query, n, "is_query"), to_mask(is_gallery, n, "is_gallery")
+    backend = resolve_backend(backend, x)
+    evaluated = qm | gm
+    n_classes = len(np.unique(y[evaluated]))
+    if n_classes < 2:
+        raise ValueError("the evaluated set has a single class: metrics are meaningless; "
+                         "need at least 2 classes")
+    out: dict[str, float] = {}
+
+    want_recall = "recall" in metrics
+    want_map = "map@r" in metrics or "r_precision" in metrics
+    if want_recall or want_map:
+        q_idx, g_idx = np.flatnonzero(qm), np.flatnonzero(gm)
+        gpos = np.full(n, -1, np.int64)
+        gpos[g_idx] = np.arange(len(g_idx))
+        self_pos = gpos[q_idx]
+        q_labels, g_labels = y[q_idx], y[g_idx]
+        classes, counts = np.unique(g_labels, return_counts=True)
+        where = np.clip(np.searchsorted(classes, q_labels), 0, len(classes) - 1)
+        r = np.where(classes[where] == q_labels, counts[where], 0) - (self_pos >= 0)
+        k = max(max(ks) if want_recall else 1, int(r.max()) if want_map else 1, 1)
+        acc = RetrievalAccumulator(ks if want_recall else (), want_map=want_map)
+        for a, _, idx in iter_knn(_rows(x, q_idx), _rows(x, g_idx), k, self_pos=self_pos,
+                                  backend=backend, chunk_size=chunk_size, memory_mb=memory_mb):
+            acc.update(idx, q_labels[a:a + len(idx)], g_labels, r[a:a + len(idx)])
+        suffix = "_approx" if backend in APPROXIMATE_BACKENDS else ""
+        res = acc.result(suffix)
+        for key, val in res.items():
+            name = key[: -len(suffix)] if suffix else key
+            if name.startswith("recall@") or name in metrics:
+                out[key] = val
+        if acc.n_no_positive:
+            warnings.warn(f"{acc.n_no_positive} queries have no same-label reference in the "
+                          "gallery; they are excluded from the retrieval metrics", stacklevel=2)
+            out["queries_without_positive"] = acc.n_no_positive
+
+    if "nmi" in metrics or "f1" in metrics:
+        ev = np.flatnonzero(evaluated)
+        xe = _rows(x, ev)
+        clusters = kmeans(xe if isinstance(xe, np.ndarray) else xe.cpu().numpy(), n_classes, seed=seed)
+        if "nmi" in metrics:
+            out["nmi"] = nmi_from_clusters(y[ev], clusters, average=nmi_average)
+        if "f1" in metrics:
+            out["f1"] = pairwise_f1_from_clusters(y[ev], clusters)
+    return out
+
+
+def _subset(embeddings, labels, metrics, **kw):
+    return evaluate(embeddings, labels, metrics=metrics, **kw)
+
+
+def recall_at_k(embeddings, labels, ks: Iterable[int] = (1, 2, 4, 8), **kw) -> dict[str, float]:
+    """``{"recall@K": ...}`` for each K (same keywords as :func:`evaluate`)."""
+    return {k: v for k, v in _subset(embeddings, labels, ["recall"], ks=ks, **kw).items()
+            if k.startswith("recall@")}
+
+
+def map_at_r(embeddings, labels, **kw) -> float:
+    """MAP@R (Musgrave et al. 2020), same keywords as :func:`evaluate`."""
+    res = _subset(embeddings, labels, ["map@r"], **kw)
+    return next(v for k, v in res.items() if k.startswith("map@r"))
+
+
+def r_precision(embeddings, labels, **kw) -> float:
+    """R-Precision (Musgrave et al. 2020), same keywords as :func:`evaluate`."""
+    res = _subset(embeddings, labels, ["r_precision"], **kw)
+    return next(v for k, v in res.items() if k.startswith("r_precision"))
