@@ -204,7 +204,9 @@ class ClassBalancedBatchSampler(_ShardedBatchSampler):
                 others = np.setdiff1d(np.arange(num_classes), chosen)
                 for c in rng.choice(others, m - k, replace=False):
                     ix = self._class_indices[c]
-                    batch.append(rng.choice(ix, n, replace=len(ix) < n))
+                    # n distinct images, or all of a small class repeated in turn
+                    batch.append(rng.choice(ix, n, replace=False) if len(ix) >= n
+                                 else np.resize(rng.permutation(ix), n))
             batches.append(np.concatenate(batch).tolist())
         assert len(batches) == self._n_global
         order = rng.permutation(len(batches))
