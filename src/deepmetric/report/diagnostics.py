@@ -172,9 +172,8 @@ def read_log(path: str | Path) -> TrainingLog:
 def closed_form_gradient_norm(f_hat: np.ndarray, w_hat: np.ndarray, label: int, alpha: float,
                               bias: np.ndarray | None = None) -> float:
     """``||alpha * sum_m (p_m - q_m) w_hat_m||`` (heated-up paper Eq. 3 on normalised
-    ``f_hat`` (k,) and ``w_hat`` (C, k)); the reference the autograd curves are checked
-    against."""
-    z = alpha * (w_hat @ f_hat) + (0.0 if bias is None else bias)
+    ``f_hat`` (k,) and ``w_hat`` (C, k), ``p = softmax(alpha * (w_hat f_hat + b))``, Eq. 1)."""
+    z = alpha * (w_hat @ f_hat + (0.0 if bias is None else bias))
     p = np.exp(z - z.max())
     p /= p.sum()
     q = np.zeros_like(p)
@@ -205,22 +204,24 @@ def gradient_norm_vs_alpha(
     bias: Any = None,
     loss: torch.nn.Module | None = None,
     normalize_weights: bool = True,
+    alpha_scales_bias: bool = True,
 ) -> np.ndarray:
     """Gradient norm of the softmax cross-entropy w.r.t. the l2-normalised embedding,
     for every sample and every alpha (heated-up paper, Fig. 1 and Eq. 1-3).
 
-    Returns an array (N, len(alphas)) of ``||d l / d f_hat||_2``, computed by autograd.
+    Returns an array (N, len(alphas)) of ``||d l / d f_hat||_2``, computed by autograd
+    through :class:`deepmetric.losses.HeatedSoftmaxLoss`, so the figure diagnoses exactly
+    what training optimises:
 
-    * With ``loss`` (a classifier-type loss exposing ``.logits(embeddings)`` and a settable
-      ``.alpha``, e.g. ``deepmetric.losses.HeatedSoftmaxLoss``), the loss's own logits are
-      differentiated, so the figure diagnoses exactly what training optimises; its alpha is
-      restored afterwards.
-    * Otherwise ``weights`` (C, k) (and optional ``bias`` (C,)) define
-      ``z = alpha * <f_hat, w_hat_c> + b_c`` (columns l2-normalised unless
-      ``normalize_weights=False``).
+    * ``loss``: a trained classifier-type loss exposing ``.logits(embeddings)`` and a
+      settable ``.alpha`` (e.g. the run's ``HeatedSoftmaxLoss``); its alpha and train/eval
+      mode are restored afterwards;
+    * otherwise ``weights`` (C, k) and optional ``bias`` (C,) build one (float64) with
+      ``normalize_weights`` (paper: True) and ``alpha_scales_bias`` (paper Eq. 1: the
+      bias is inside the tempered logit, ``alpha * (<f_hat, w_hat> + b)``).
 
-    The embeddings are l2-normalised first (the figure is drawn for f_hat); Property 1-2 of
-    the paper: the norm vanishes as alpha -> 0, and as alpha -> inf for correctly
+    The embeddings are l2-normalised first (the figure is drawn for f_hat). Properties 1-2
+    of the paper: the norm vanishes as alpha -> 0, and as alpha -> inf for correctly
     classified samples, while it grows without bound for incorrect ones.
     """
     x = _as_2d_float(embeddings, "embeddings")
@@ -230,60 +231,59 @@ def gradient_norm_vs_alpha(
         raise ValueError("alphas must be a non-empty 1-d sequence of numbers")
     if not np.all(np.isfinite(alphas_arr)) or np.any(alphas_arr < 0):
         raise ValueError(f"alphas must be finite and >= 0, got {alphas_arr.tolist()}")
+    if loss is None:
+        loss = _loss_from_weights(weights, bias, x.shape[1], normalize_weights, alpha_scales_bias)
+    if not hasattr(loss, "logits") or not hasattr(loss, "alpha"):
+        raise TypeError(f"loss {type(loss).__name__} must expose .logits(embeddings) and .alpha")
+    n_cls = getattr(loss, "num_classes", None)
+    if n_cls is not None and (int(y.max()) >= n_cls or int(y.min()) < 0):
+        raise ValueError(f"labels must lie in [0, {n_cls - 1}] (one class weight per class)")
     f_hat = torch.as_tensor(_l2n(x.astype(np.float64)))
     yt = torch.as_tensor(y)
     out = np.empty((x.shape[0], alphas_arr.size))
+    old_alpha, was_training = loss.alpha, loss.training
+    param = next(iter(loss.parameters()), None)
+    dtype = param.dtype if param is not None else torch.float32
+    device = param.device if param is not None else torch.device("cpu")
+    loss.eval()
+    try:
+        for j, a in enumerate(alphas_arr):
+            _set_alpha(loss, float(a))
+            f = f_hat.to(device=device, dtype=dtype).clone().requires_grad_(True)
+            logits = loss.logits(f)
+            # summed CE: each sample's loss depends only on its own row, so row i of the
+            # gradient is exactly d l_i / d f_hat_i
+            ce = F.cross_entropy(logits.double(), yt.to(device), reduction="sum")
+            (g,) = torch.autograd.grad(ce, f)
+            out[:, j] = g.double().norm(dim=1).cpu().numpy()
+    finally:
+        _set_alpha(loss, old_alpha)
+        loss.train(was_training)
+    return out
 
-    if loss is not None:
-        if not hasattr(loss, "logits") or not hasattr(loss, "alpha"):
-            raise TypeError(f"loss {type(loss).__name__} must expose .logits(embeddings) and .alpha")
-        old_alpha, was_training = loss.alpha, loss.training
-        param = next(iter(loss.parameters()), None)
-        dtype = param.dtype if param is not None else torch.float32
-        device = param.device if param is not None else torch.device("cpu")
-        loss.eval()
-        try:
-            for j, a in enumerate(alphas_arr):
-                _set_alpha(loss, float(a))
-                f = f_hat.to(device=device, dtype=dtype).clone().requires_grad_(True)
-                logits = loss.logits(f)
-                n_cls = logits.shape[1]
-                if int(y.max()) >= n_cls or int(y.min()) < 0:
-                    raise ValueError(f"labels must lie in [0, {n_cls - 1}] for this loss")
-                ce = F.cross_entropy(logits.double(), yt.to(device), reduction="sum")
-                (g,) = torch.autograd.grad(ce, f)
-                out[:, j] = g.double().norm(dim=1).cpu().numpy()
-        finally:
-            _set_alpha(loss, old_alpha)
-            loss.train(was_training)
-        return out
+
+def _loss_from_weights(weights: Any, bias: Any, dim: int, normalize_weights: bool,
+                       alpha_scales_bias: bool) -> torch.nn.Module:
+    from deepmetric.losses import HeatedSoftmaxLoss
 
     if weights is None:
         raise ValueError("give either loss= (a classifier-type loss) or weights= (C x k)")
-    w = torch.as_tensor(_as_2d_float(weights, "weights").astype(np.float64))
-    if w.shape[1] != x.shape[1]:
-        if w.shape[0] == x.shape[1]:
-            raise ValueError(f"weights must be (C, k) = (classes, {x.shape[1]}); got {tuple(w.shape)} "
+    w = _as_2d_float(weights, "weights").astype(np.float64)
+    if w.shape[1] != dim:
+        if w.shape[0] == dim:
+            raise ValueError(f"weights must be (C, k) = (classes, {dim}); got {w.shape} "
                              f"- pass weights.T if you hold them as (k, C)")
-        raise ValueError(f"weights have {w.shape[1]} dims but embeddings have {x.shape[1]}")
-    if int(y.max()) >= w.shape[0] or int(y.min()) < 0:
-        raise ValueError(f"labels must lie in [0, {w.shape[0] - 1}] (one weight row per class)")
-    if normalize_weights:
-        w = F.normalize(w, dim=1)
-    b = None
-    if bias is not None:
-        b = torch.as_tensor(np.asarray(bias, dtype=np.float64)).reshape(-1)
-        if b.shape[0] != w.shape[0]:
-            raise ValueError(f"bias has {b.shape[0]} entries but there are {w.shape[0]} classes")
-    for j, a in enumerate(alphas_arr):
-        f = f_hat.clone().requires_grad_(True)
-        z = float(a) * f @ w.T
-        if b is not None:
-            z = z + b
-        ce = F.cross_entropy(z, yt, reduction="sum")  # per-sample gradients: rows independent
-        (g,) = torch.autograd.grad(ce, f)
-        out[:, j] = g.norm(dim=1).numpy()
-    return out
+        raise ValueError(f"weights have {w.shape[1]} dims but embeddings have {dim}")
+    loss = HeatedSoftmaxLoss(w.shape[0], dim, 1.0, normalize_weights=normalize_weights,
+                             bias=bias is not None, alpha_scales_bias=alpha_scales_bias).double()
+    with torch.no_grad():
+        loss.weight.copy_(torch.as_tensor(w))
+        if bias is not None:
+            b = np.asarray(bias, dtype=np.float64).reshape(-1)
+            if b.shape[0] != w.shape[0]:
+                raise ValueError(f"bias has {b.shape[0]} entries but there are {w.shape[0]} classes")
+            loss.bias.copy_(torch.as_tensor(b))
+    return loss
 
 
 def _set_alpha(loss: torch.nn.Module, value: float) -> None:
@@ -593,15 +593,7 @@ def _nearest(reference: np.ndarray, queries: np.ndarray) -> np.ndarray:
     """Index of the nearest reference (cosine) for each query."""
     ref = _l2n(reference.astype(np.float32))
     q = _l2n(queries.astype(np.float32))
-    try:
-        from deepmetric.evaluate import knn
-    except ImportError:  # evaluation engine not installed: a chunked exact search
-        knn = None
-    if knn is not None:
-        res = knn(q, ref, 1)
-        idx = res[1] if isinstance(res, tuple) else res
-        return np.asarray(idx).reshape(len(q), -1)[:, 0].astype(np.int64)
-    out = np.empty(len(q), dtype=np.int64)
-    for s in range(0, len(q), 4096):
-        out[s:s + 4096] = np.argmax(q[s:s + 4096] @ ref.T, axis=1)
-    return out
+    from deepmetric.evaluate import knn
+
+    _, idx = knn(q, ref, 1)  # exact cosine search, chunked (torch / faiss)
+    return np.asarray(idx)[:, 0].astype(np.int64)

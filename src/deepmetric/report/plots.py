@@ -89,12 +89,15 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
             y = log.column("step", key)
             ok = np.isfinite(y)
             if key == "loss":
-                ax.plot(xs[ok], y[ok], lw=0.6, alpha=0.35, color="C0", label="per step")
                 w = max(1, int(ok.sum()) // 50)
-                ax.plot(xs[ok], _smooth(y, w)[ok], lw=1.6, color="C0", label=f"mean of {w}")
-                ax.legend(fontsize=8)
-            else:
-                ax.plot(xs[ok], y[ok], lw=1.4, color="C1" if key == "lr" else "C3")
+                if w > 1:  # noisy per-step values plus a moving average
+                    ax.plot(xs[ok], y[ok], lw=0.6, alpha=0.35, color="C0", label="per step")
+                    ax.plot(xs[ok], _smooth(y, w)[ok], lw=1.6, color="C0", label=f"mean of {w} steps")
+                    ax.legend(fontsize=8)
+                else:
+                    ax.plot(xs[ok], y[ok], lw=1.4, color="C0")
+            else:  # schedules change in steps: draw them as steps
+                ax.plot(xs[ok], y[ok], lw=1.4, color="C1" if key == "lr" else "C3", drawstyle="steps-post")
                 if key == "lr" and np.all(y[ok] > 0) and y[ok].max() / y[ok].min() > 20:
                     ax.set_yscale("log")
             ax.set_xlabel(xname)

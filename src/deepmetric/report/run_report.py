@@ -105,14 +105,17 @@ def _config_section(cfg: dict, path: Path) -> list[str]:
     rows = [
         ("name", get("name")),
         ("data", f"{get('data', 'name')} (root: {get('data', 'root')})"),
-        ("model", f"{get('model', 'name')} {get('model', 'options') or ''}".strip()),
+        ("model", f"{get('model', 'name')} {get('model', 'options') or ''}".strip()
+         if get("model", "name") else None),
         ("loss", loss_txt),
-        ("optimiser", f"{get('optim', 'name')} lr {get('optim', 'lr')}"),
+        ("optimiser", f"{get('optim', 'name')} lr {get('optim', 'lr')}" if get("optim", "name") else None),
         ("temperature schedule", temp.get("name") if isinstance(temp, dict) else None),
         ("length", f"{get('train', 'epochs') or get('train', 'iterations')} "
-                   f"{'epochs' if get('train', 'epochs') else 'iterations'}"),
+                   f"{'epochs' if get('train', 'epochs') else 'iterations'}"
+         if get("train", "epochs") or get("train", "iterations") else None),
         ("batch", f"{get('train', 'batch_size')} ({get('train', 'sampler')}"
-                  + (f" {get('train', 'm')} x {get('train', 'n')}" if get('train', 'm') else "") + ")"),
+                  + (f" {get('train', 'm')} x {get('train', 'n')}" if get('train', 'm') else "") + ")"
+         if get("train", "batch_size") else None),
     ]
     lines += ["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows if v is not None]
     return lines + [""]
