@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .distances import check_embeddings_labels, no_autocast
+from .distances import upcast, check_embeddings_labels, no_autocast
 
 __all__ = ["CenterLoss"]
 
@@ -98,8 +98,8 @@ class CenterLoss(nn.Module):
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._check(embeddings, labels)
         with no_autocast(embeddings.device):
-            x = embeddings.float()
-            c = self.centers[labels].float()  # advanced indexing copies: safe to update after
+            x = upcast(embeddings)
+            c = self.centers[labels].to(x.dtype)  # advanced indexing copies: safe to update after
             per_sample = 0.5 * (x - c).pow(2).sum(dim=1)
             loss = per_sample.sum() if self.reduction == "sum" else per_sample.mean()
             if self.training:

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .distances import (
+    upcast,
     check_embeddings_labels,
     l2_normalize,
     no_autocast,
@@ -52,7 +53,7 @@ class ContrastiveLoss(nn.Module):
         if b < 2:
             return zero_loss(embeddings)
         with no_autocast(embeddings.device):
-            x = embeddings.float()
+            x = upcast(embeddings)
             if self.normalize:
                 x = l2_normalize(x)
             sq = pairwise_squared_euclidean(x)

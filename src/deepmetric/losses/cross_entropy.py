@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .distances import no_autocast
+from .distances import upcast, no_autocast
 
 __all__ = ["CrossEntropyLoss"]
 
@@ -56,6 +56,6 @@ class CrossEntropyLoss(nn.Module):
         if labels.numel() == 0:
             return logits.float().sum() * 0.0
         with no_autocast(logits.device):
-            return F.cross_entropy(
-                logits.float(), labels, weight=self.weight, label_smoothing=self.label_smoothing
-            )
+            x = upcast(logits)
+            weight = None if self.weight is None else self.weight.to(x.dtype)
+            return F.cross_entropy(x, labels, weight=weight, label_smoothing=self.label_smoothing)

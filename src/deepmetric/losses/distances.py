@@ -1,7 +1,7 @@
 """Numerically safe pairwise distances and label masks shared by the losses.
 
-Every loss in :mod:`deepmetric.losses` computes its internals in float32 with autocast
-switched off (see :func:`float32`), because bf16 squared distances computed through
+Every loss in :mod:`deepmetric.losses` computes its internals in (at least) float32 with
+autocast switched off (:func:`upcast`, :func:`no_autocast`): bf16 squared distances computed through
 ``||a||^2 + ||b||^2 - 2 a.b`` lose all precision for nearby points and can go negative.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "float32",
+    "upcast",
     "check_embeddings_labels",
     "l2_normalize",
     "pairwise_squared_euclidean",
@@ -27,9 +27,11 @@ __all__ = [
 _EPS = 1e-12
 
 
-def float32(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Return the tensors cast to float32 (no-op when they already are)."""
-    return tuple(t.float() for t in tensors)
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """Cast half / bfloat16 tensors to float32; float32 and float64 pass unchanged."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    return x
 
 
 def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .distances import (
+    upcast,
     check_embeddings_labels,
     l2_normalize,
     label_masks,
@@ -54,7 +55,7 @@ class LiftedStructureLoss(nn.Module):
         if num_pos == 0 or not bool(neg.any()):
             return zero_loss(embeddings)
         with no_autocast(embeddings.device):
-            x = embeddings.float()
+            x = upcast(embeddings)
             if self.normalize:
                 x = l2_normalize(x)
             d = pairwise_euclidean(x)

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .distances import check_embeddings_labels, l2_normalize, no_autocast, zero_loss
+from .distances import upcast, check_embeddings_labels, l2_normalize, no_autocast, zero_loss
 
 __all__ = ["NPairLoss", "select_npairs"]
 
@@ -68,7 +68,7 @@ class NPairLoss(nn.Module):
         if a_idx.numel() == 0:
             return zero_loss(embeddings)
         with no_autocast(embeddings.device):
-            x = embeddings.float()
+            x = upcast(embeddings)
             if self.normalize:
                 x = l2_normalize(x)
             anchors, positives = x[a_idx], x[p_idx]

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .distances import (
+    upcast,
     check_embeddings_labels,
     l2_normalize,
     masked_logsumexp,
@@ -69,8 +70,8 @@ class ProxyNCALoss(nn.Module):
         )
 
     def _distances(self, embeddings: torch.Tensor) -> torch.Tensor:
-        x = self.scale_x * l2_normalize(embeddings.float())
-        p = self.scale_p * l2_normalize(self.proxies.float())
+        x = self.scale_x * l2_normalize(upcast(embeddings))
+        p = self.scale_p * l2_normalize(self.proxies.to(upcast(embeddings).dtype))
         return pairwise_squared_euclidean(x, p)
 
     def logits(self, embeddings: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .distances import (
+    upcast,
     check_embeddings_labels,
     l2_normalize,
     label_masks,
@@ -151,7 +152,7 @@ class TripletLoss(nn.Module):
 
     def distances(self, embeddings: torch.Tensor) -> torch.Tensor:
         """The [B, B] squared Euclidean distance matrix the loss mines on (float32)."""
-        x = embeddings.float()
+        x = upcast(embeddings)
         if self.normalize:
             x = l2_normalize(x)
         return pairwise_squared_euclidean(x)
