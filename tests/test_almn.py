@@ -1,0 +1,356 @@
+"""ALMNLoss against the ALMN paper (Chen & Deng 2018): Eq. 2, 3, 6-8, 9-11, 12.
+
+Every reference below is written from the paper's formulas in numpy (float64), in the
+paper's own form (M of Eq. 7, the sums of Eq. 2 and 8), independently of the module.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from deepmetric.losses.almn import ALMNLoss
+
+
+# ----------------------------------------------------------------------------- references
+def ang(a, b):
+    return math.acos(max(-1.0, min(1.0, a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))))
+
+
+def ref_angles(x, y, centres):
+    """theta_i = angle(x_i, c_{y_i}); theta_nn = smallest angle between c_{y_i} and an x_j
+    with y_j != y_i (None when there is none)."""
+    th_i, th_nn = [], []
+    for i in range(len(y)):
+        c = centres[y[i]]
+        th_i.append(ang(x[i], c))
+        negs = [ang(c, x[j]) for j in range(len(y)) if y[j] != y[i]]
+        th_nn.append(min(negs) if negs else None)
+    return th_i, th_nn
+
+
+def ref_margin_factor(x, y, centres, hard_case="paper"):
+    th_i, th_nn = ref_angles(x, y, centres)
+    s = []
+    for a, b in zip(th_i, th_nn):
+        if b is None or (hard_case == "author_code" and a >= b):
+            s.append(0.0)
+        else:
+            s.append(math.sqrt(2 - 2 * math.cos(b - a)))
+    return np.array(s)
+
+
+def ref_xg_one(x, c, beta, s):
+    """Eq. 7 in the paper's M form."""
+    M = beta * np.linalg.norm(x) * s / np.linalg.norm(x - c)
+    v = (M + 1) * x - M * c
+    return v / np.linalg.norm(v) * np.linalg.norm(x)
+
+
+def ref_xg(x, y, centres, beta, hard_case="paper"):
+    s = ref_margin_factor(x, y, centres, hard_case)
+    return np.stack([ref_xg_one(x[i], centres[y[i]], beta, s[i]) for i in range(len(y))])
+
+
+def ref_loss(x, y, centres, pos_logits, lam):
+    """Eq. 8 (Eq. 3 when pos_logits = x_i . c_{y_i})."""
+    n = len(y)
+    total = 0.0
+    for i in range(n):
+        c = centres[y[i]]
+        terms = [pos_logits[i]] + [x[j] @ c for j in range(n) if y[j] != y[i]]
+        m = max(terms)
+        total += -(pos_logits[i] - m - math.log(sum(math.exp(t - m) for t in terms)))
+    return total / n + lam / (2 * n) * (x ** 2).sum()
+
+
+def eq11(x, c, M, s, beta, printed=False):
+    """d(x_g . c)/dx_i of Eq. 11 with theta_nn, theta_i held constant.  The paper prints the
+    last term as -(u.c)(M (x-c).x + ||x||^2) u / (||u||^3 ||x||); the derivative of ||u||
+    (u = (M+1)x - Mc, M = beta ||x|| s / ||x-c||) gives instead
+    -(u.c) ||x|| ((M+1) u + ((x-c).u) dM/dx) / ||u||^3."""
+    nx, dxc = np.linalg.norm(x), np.linalg.norm(x - c)
+    u = (M + 1) * x - M * c
+    nu = np.linalg.norm(u)
+    t1 = ((M + 1) * (x @ c) - M * (c @ c)) / (nu * nx) * x
+    t2 = ((M + 1 + M * ((x - c) @ c) / dxc ** 2) * nx * c
+          + M * (dxc ** 2 - nx ** 2) * ((x - c) @ c) / (nx * dxc ** 2) * x) / nu
+    if printed:
+        t3 = -(u @ c) * (M * ((x - c) @ x) + nx ** 2) * u / (nu ** 3 * nx)
+    else:
+        dM = M * (x / nx ** 2 - (x - c) / dxc ** 2)
+        t3 = -(u @ c) * nx * ((M + 1) * u + ((x - c) @ u) * dM) / nu ** 3
+    return t1 + t2 + t3
+
+
+def setup(rng, n_cls=4, per=2, k=5, beta=3.0, **kw):
+    y = np.repeat(np.arange(n_cls), per)
+    x = rng.normal(size=(n_cls * per, k))
+    centres = rng.normal(size=(n_cls, k))
+    loss = ALMNLoss(n_cls, k, beta, centre_init="zeros", **kw).double()
+    with torch.no_grad():
+        loss.centers.copy_(torch.from_numpy(centres))
+    loss.eval()
+    return loss, x, y, centres
+
+
+def t(a):
+    return torch.from_numpy(np.asarray(a))
+
+
+# ----------------------------------------------------------------------------- Eq. 6-7
+@pytest.mark.parametrize("beta", [0.5, 1.0, 3.0])
+def test_virtual_point_equals_eq7(rng, beta):
+    loss, x, y, centres = setup(rng, n_cls=5, per=3, k=6, beta=beta)
+    got = loss.virtual_point(t(x), t(y)).numpy()
+    np.testing.assert_allclose(got, ref_xg(x, y, centres, beta), rtol=1e-10, atol=1e-12)
+
+
+def test_angles_match_reference(rng):
+    loss, x, y, centres = setup(rng, n_cls=3, per=3, k=4)
+    th_i, th_nn, has = loss.angles(t(x), t(y))
+    r_i, r_nn = ref_angles(x, y, centres)
+    np.testing.assert_allclose(th_i.numpy(), r_i, atol=1e-6)
+    np.testing.assert_allclose(th_nn.numpy(), r_nn, atol=1e-6)
+    assert has.all()
+
+
+@pytest.mark.parametrize("hard_case", ["paper", "author_code"])
+def test_virtual_point_keeps_norm_and_moves_away_from_centre(rng, hard_case):
+    for beta in (0.3, 1.0, 3.0):
+        loss, x, y, centres = setup(rng, n_cls=6, per=4, k=8, beta=beta, hard_case=hard_case)
+        xg = loss.virtual_point(t(x), t(y)).numpy()
+        np.testing.assert_allclose(np.linalg.norm(xg, axis=1), np.linalg.norm(x, axis=1),
+                                   rtol=1e-12)
+        for i in range(len(y)):
+            assert ang(xg[i], centres[y[i]]) >= ang(x[i], centres[y[i]]) - 1e-9
+        # x_i . c >= x_g . c (Sec. 3.3: the virtual point is harder)
+        dots_x = (x * centres[y]).sum(1)
+        dots_g = (xg * centres[y]).sum(1)
+        assert (dots_x >= dots_g - 1e-9 * np.abs(dots_x).max()).all()
+
+
+def test_beta_zero_gives_xg_equal_x(rng):
+    loss, x, y, _ = setup(rng, beta=0.0)
+    np.testing.assert_array_equal(loss.virtual_point(t(x), t(y)).numpy(), x)
+
+
+def test_author_code_hard_case_uses_plain_x(rng):
+    loss_a, x, y, centres = setup(rng, n_cls=6, per=4, k=3, beta=2.0, hard_case="author_code")
+    th_i, th_nn = ref_angles(x, y, centres)
+    hard = np.array([a >= b for a, b in zip(th_i, th_nn)])
+    assert hard.any() and (~hard).any()          # the random batch has both kinds
+    xg = loss_a.virtual_point(t(x), t(y)).numpy()
+    np.testing.assert_allclose(xg[hard], x[hard], rtol=1e-12)
+    paper = ref_xg(x, y, centres, 2.0, "paper")
+    np.testing.assert_allclose(xg[~hard], paper[~hard], rtol=1e-10)
+    assert not np.allclose(paper[hard], x[hard])  # "paper" mode still moves hard samples
+
+
+# ----------------------------------------------------------------------------- Eq. 3 / 8 / 12
+def test_beta_zero_and_margin_none_equal_eq3(rng):
+    for kw in (dict(beta=0.0), dict(beta=3.0, margin_mode="none")):
+        loss, x, y, centres = setup(rng, n_cls=4, per=3, **kw)
+        ref = ref_loss(x, y, centres, (x * centres[y]).sum(1), 0.0005)
+        assert loss(t(x), t(y)).item() == pytest.approx(ref, rel=1e-12)
+
+
+@pytest.mark.parametrize("beta,lam", [(1.0, 0.0005), (3.0, 0.01)])
+def test_loss_equals_eq8(rng, beta, lam):
+    loss, x, y, centres = setup(rng, n_cls=4, per=3, beta=beta, lam=lam)
+    xg = ref_xg(x, y, centres, beta)
+    ref = ref_loss(x, y, centres, (xg * centres[y]).sum(1), lam)
+    assert loss(t(x), t(y)).item() == pytest.approx(ref, rel=1e-12)
+
+
+def test_fixed_margin_equals_eq12(rng):
+    for m in (2, 3):
+        loss, x, y, centres = setup(rng, n_cls=4, per=3, margin_mode="fixed", margin_m=m)
+        pos = []
+        for i in range(len(y)):
+            c = centres[y[i]]
+            th = ang(x[i], c)
+            k = min(math.floor(th * m / math.pi), m - 1)
+            psi = (-1) ** k * math.cos(m * th) - 2 * k
+            pos.append(np.linalg.norm(x[i]) * np.linalg.norm(c) * psi)
+        ref = ref_loss(x, y, centres, np.array(pos), 0.0005)
+        assert loss(t(x), t(y)).item() == pytest.approx(ref, rel=1e-10)
+        xt = t(x).requires_grad_(True)
+        assert torch.autograd.gradcheck(lambda v: loss(v, t(y)), (xt,))
+
+
+def test_rows_without_negatives_contribute_zero(rng):
+    loss, x, y, centres = setup(rng)
+    y1 = np.zeros(len(y), dtype=np.int64)
+    ref = 0.0005 / (2 * len(y)) * (x ** 2).sum()
+    assert loss(t(x), t(y1)).item() == pytest.approx(ref, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- Eq. 9-11
+def test_corrected_eq11_is_the_derivative_of_eq7_and_printed_one_is_not(rng):
+    """Finite differences of x_g(x) . c (Eq. 7, margin factor s held fixed) against Eq. 11."""
+    beta, s = 2.0, 0.7
+    x, c = rng.normal(size=6), rng.normal(size=6)
+
+    def f(v):
+        return ref_xg_one(v, c, beta, s) @ c
+
+    h = 1e-6
+    fd = np.array([(f(x + h * e) - f(x - h * e)) / (2 * h) for e in np.eye(6)])
+    M = beta * np.linalg.norm(x) * s / np.linalg.norm(x - c)
+    np.testing.assert_allclose(eq11(x, c, M, s, beta), fd, rtol=1e-6, atol=1e-8)
+    assert not np.allclose(eq11(x, c, M, s, beta, printed=True), fd, rtol=1e-3)
+
+
+@pytest.mark.parametrize("beta", [1.0, 3.0])
+def test_autograd_equals_eq9_eq10_eq11(rng, beta):
+    """Total gradient of Eq. 8 w.r.t. every x_k: its own row (Eq. 9 with Eq. 11), its role
+    as a negative x_j of the other rows (Eq. 10), and lambda/N x_k."""
+    lam = 0.01
+    loss, x, y, centres = setup(rng, n_cls=4, per=3, k=5, beta=beta, lam=lam)
+    n = len(y)
+    s = ref_margin_factor(x, y, centres)
+    xg = ref_xg(x, y, centres, beta)
+    pos = (xg * centres[y]).sum(1)
+    P = np.zeros((n, n + 1))                     # row i: [positive, x_j . c_{y_i} for j]
+    for i in range(n):
+        c = centres[y[i]]
+        terms = np.array([pos[i]] + [x[j] @ c if y[j] != y[i] else -np.inf for j in range(n)])
+        e = np.exp(terms - terms.max())
+        P[i] = e / e.sum()
+    ref = np.zeros_like(x)
+    for k in range(n):
+        c = centres[y[k]]
+        M = beta * np.linalg.norm(x[k]) * s[k] / np.linalg.norm(x[k] - c)
+        ref[k] += (P[k, 0] - 1) / n * eq11(x[k], c, M, s[k], beta) + lam / n * x[k]   # Eq. 9
+        for i in range(n):
+            if y[i] != y[k]:
+                ref[k] += P[i, k + 1] / n * centres[y[i]]                                # Eq. 10
+    xt = t(x).requires_grad_(True)
+    (g,) = torch.autograd.grad(loss(xt, t(y)), xt)
+    np.testing.assert_allclose(g.numpy(), ref, rtol=1e-9, atol=1e-12)
+
+
+def test_detach_margin_false_differentiates_through_the_angles(rng):
+    loss, x, y, _ = setup(rng, n_cls=3, per=3, k=4, detach_margin=False)
+    xt = t(x).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda v: loss(v, t(y)), (xt,))
+    loss.detach_margin = True
+    (g_det,) = torch.autograd.grad(loss(xt, t(y)), xt)
+    loss.detach_margin = False
+    (g_full,) = torch.autograd.grad(loss(xt, t(y)), xt)
+    assert not torch.allclose(g_det, g_full)
+
+
+def test_centres_receive_no_gradient(rng):
+    loss, x, y, _ = setup(rng)
+    assert list(loss.parameters()) == []
+    assert {"centers", "center_initialized"} <= set(loss.state_dict())
+
+
+# ----------------------------------------------------------------------------- Eq. 2
+def test_centre_update_equals_eq2_after_loss_with_old_centres(rng):
+    rate = 0.3
+    loss, x, y, centres = setup(rng, n_cls=5, per=3, k=4, centre_rate=rate)
+    y = np.array([0, 0, 0, 1, 3, 3, 1, 0, 3, 1, 1, 0, 3, 3, 0])    # class 2 and 4 absent
+    eval_value = loss(t(x), t(y)).item()
+    np.testing.assert_array_equal(loss.centers.numpy(), centres)     # eval: no update
+    loss.train()
+    train_value = loss(t(x), t(y)).item()
+    assert train_value == pytest.approx(eval_value, rel=1e-12)       # pre-update centres
+    expected = centres.copy()
+    for z in range(5):
+        idx = [i for i in range(len(y)) if y[i] == z]
+        diff = sum((centres[z] - x[i] for i in idx), np.zeros(4))
+        expected[z] = centres[z] - rate * diff / (1 + len(idx))
+    np.testing.assert_allclose(loss.centers.numpy(), expected, rtol=1e-12)
+    np.testing.assert_array_equal(loss.centers.numpy()[[2, 4]], centres[[2, 4]])
+
+
+def test_first_batch_centre_init_then_eq2(rng):
+    loss = ALMNLoss(4, 3, centre_init="first_batch").double()
+    x1 = rng.normal(size=(6, 3))
+    y1 = np.array([0, 0, 1, 1, 1, 2])
+    loss(t(x1), t(y1))
+    c = loss.centers.numpy().copy()
+    for z in (0, 1, 2):
+        np.testing.assert_allclose(c[z], x1[y1 == z].mean(0), rtol=1e-12)
+    np.testing.assert_array_equal(c[3], 0.0)
+    assert loss.center_initialized.tolist() == [True, True, True, False]
+    x2 = rng.normal(size=(2, 3))
+    y2 = np.array([0, 3])
+    loss(t(x2), t(y2))
+    np.testing.assert_allclose(loss.centers.numpy()[0], c[0] - 0.5 * (c[0] - x2[0]) / 2, rtol=1e-12)
+    np.testing.assert_allclose(loss.centers.numpy()[3], x2[1], rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------- robustness
+def _degenerate_batches():
+    k = 6
+    r = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    return [
+        ("identical", r[:1].repeat(8, 1), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])),
+        ("zeros", torch.zeros(8, k), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])),
+        ("one_class", r, torch.zeros(5, dtype=torch.long)),
+        ("one_per_class", r[:4], torch.tensor([0, 1, 2, 3])),
+        ("batch_of_2", r[:2], torch.tensor([1, 3])),
+    ]
+
+
+@pytest.mark.parametrize("name,x,y", _degenerate_batches(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("opts", [dict(), dict(margin_mode="fixed"), dict(margin_mode="none"),
+                                  dict(detach_margin=False), dict(hard_case="author_code"),
+                                  dict(centre_init="zeros")],
+                         ids=["virtual", "fixed", "none", "full_grad", "author_code", "zeros"])
+def test_degenerate_batches_give_finite_loss_and_grads(name, x, y, opts):
+    torch.manual_seed(0)
+    loss = ALMNLoss(4, 6, **opts)
+    for _ in range(2):       # first call initialises centres (x == c), second uses them
+        xx = x.clone().requires_grad_(True)
+        out = loss(xx, y)
+        out.backward()
+        assert torch.isfinite(out)
+        assert torch.isfinite(xx.grad).all()
+        assert torch.isfinite(loss.centers).all()
+
+
+def test_x_equal_to_its_centre_is_guarded(rng):
+    loss, x, y, centres = setup(rng, detach_margin=False)
+    x[0] = centres[y[0]]
+    xt = t(x).requires_grad_(True)
+    xg = loss.virtual_point(xt, t(y))
+    np.testing.assert_allclose(xg[0].detach().numpy(), x[0], rtol=1e-12)
+    loss(xt, t(y)).backward()
+    assert torch.isfinite(xt.grad).all()
+
+
+def test_autocast_bf16_cpu_no_nan(rng):
+    loss = ALMNLoss(6, 16)
+    x = torch.from_numpy(rng.normal(size=(18, 16)).astype(np.float32)).requires_grad_(True)
+    y = torch.arange(6).repeat_interleave(3)
+    loss.train()
+    loss(x.detach(), y)                      # initialise centres
+    loss.eval()
+    ref = loss(x, y).item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = loss((x * 1.0).bfloat16(), y)
+    out.backward()
+    assert out.dtype == torch.float32 and torch.isfinite(out)
+    assert out.item() == pytest.approx(ref, rel=0.05)
+    assert torch.isfinite(x.grad).all()
+
+
+def test_bad_options_and_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="margin_mode"):
+        ALMNLoss(3, 4, margin_mode="big")
+    with pytest.raises(ValueError, match="hard_case"):
+        ALMNLoss(3, 4, hard_case="x")
+    with pytest.raises(ValueError, match="beta"):
+        ALMNLoss(3, 4, beta=-1.0)
+    with pytest.raises(ValueError, match="centre_init"):
+        ALMNLoss(3, 4, centre_init="random")
+    loss = ALMNLoss(3, 4)
+    with pytest.raises(ValueError, match=r"\[batch, 4\]"):
+        loss(torch.randn(2, 3), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\]"):
+        loss(torch.randn(2, 4), torch.tensor([0, 5]))
