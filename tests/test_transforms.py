@@ -1,0 +1,155 @@
+"""Transforms: output shapes / ranges, exact crops checked against numpy slicing, the
+normalisation constants, and stroke-width morphology against a brute-force neighbourhood max."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from deepmetric.data.transforms import StrokeWidth, build_transform, list_transforms
+
+MEAN = np.array([0.485, 0.456, 0.406])
+STD = np.array([0.229, 0.224, 0.225])
+
+
+def _rgb(rng, h, w):
+    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def test_names():
+    assert list_transforms() == ["glyph", "mnist", "resize_crop", "short_side"]
+    with pytest.raises(ValueError, match="unknown transform 'nope'"):
+        build_transform("nope", True)
+    with pytest.raises(TypeError, match="unknown option"):
+        build_transform("resize_crop", True, crops=3)
+    with pytest.raises(TypeError, match="train must be a bool"):
+        build_transform("glyph", "yes")
+    with pytest.raises(ValueError, match="normalize"):
+        build_transform("glyph", False, normalize="zscore")
+
+
+@pytest.mark.parametrize("name", ["resize_crop", "short_side"])
+@pytest.mark.parametrize("train", [True, False])
+def test_image_pipelines_shapes(rng, name, train):
+    for h, w in ((300, 400), (520, 260), (224, 224)):
+        arr = _rgb(rng, h, w)
+        for inp in (Image.fromarray(arr), torch.from_numpy(arr).permute(2, 0, 1).contiguous()):
+            x = build_transform(name, train)(inp)
+            assert x.shape == (3, 224, 224) and x.dtype == torch.float32
+            lo, hi = (0 - MEAN) / STD, (1 - MEAN) / STD
+            for c in range(3):
+                assert lo[c] - 1e-5 <= x[c].min() and x[c].max() <= hi[c] + 1e-5
+    gray = Image.fromarray(rng.integers(0, 256, (260, 300), dtype=np.uint8))
+    assert build_transform(name, train)(gray).shape == (3, 224, 224)  # grayscale JPEGs become RGB
+
+
+def test_resize_crop_centre_crop_exact(rng):
+    arr = _rgb(rng, 256, 256)  # already 256x256: the resize is the identity
+    x = build_transform("resize_crop", False, normalize="none")(Image.fromarray(arr))
+    ref = arr[16:240, 16:240].transpose(2, 0, 1) / 255.0
+    np.testing.assert_allclose(x.numpy(), ref, atol=1e-6)
+    x = build_transform("resize_crop", False)(Image.fromarray(arr))  # ImageNet normalisation
+    np.testing.assert_allclose(x.numpy(), (ref - MEAN[:, None, None]) / STD[:, None, None], atol=1e-5)
+    x = build_transform("resize_crop", False, normalize="minus_one_one")(Image.fromarray(arr))
+    np.testing.assert_allclose(x.numpy(), ref * 2 - 1, atol=1e-6)
+    # ALMN: 227 crops from 256x256
+    assert build_transform("resize_crop", True, crop=227)(Image.fromarray(arr)).shape == (3, 227, 227)
+
+
+def test_resize_crop_train_is_a_window_or_its_mirror(rng):
+    arr = _rgb(rng, 256, 256)
+    t = build_transform("resize_crop", True, normalize="none")
+    for _ in range(5):
+        x = (t(Image.fromarray(arr)).numpy() * 255).round().astype(np.uint8).transpose(1, 2, 0)
+        hits = [(i, j) for i in range(33) for j in range(33)
+                if np.array_equal(arr[i:i + 224, j:j + 224], x) or np.array_equal(arr[i:i + 224, j:j + 224][:, ::-1], x)]
+        assert hits
+
+
+def test_short_side_test_exact(rng):
+    arr = _rgb(rng, 350, 700)  # short side already 350: no resize, centre 224 crop
+    x = build_transform("short_side", False, normalize="none")(Image.fromarray(arr))
+    ref = arr[63:287, 238:462].transpose(2, 0, 1) / 255.0
+    np.testing.assert_allclose(x.numpy(), ref, atol=1e-6)
+
+
+def test_short_side_train_keeps_aspect(rng):
+    arr = _rgb(rng, 100, 300)
+    # short side forced to 100: no resize, so a random 100x100 crop must be a window of the image
+    t = build_transform("short_side", True, min_size=100, max_size=100, crop=100, flip=False, normalize="none")
+    x = (t(Image.fromarray(arr)).numpy() * 255).round().astype(np.uint8).transpose(1, 2, 0)
+    assert any(np.array_equal(arr[:, j:j + 100], x) for j in range(201))
+    # random short side in [min, max]: the crop-free output size reveals it
+    t = build_transform("short_side", True, min_size=120, max_size=130, crop=120, flip=False)
+    sizes = set()
+    torch.manual_seed(0)
+    for step in t.transforms:
+        if type(step).__name__ == "RandomResize":
+            for _ in range(200):
+                sizes.add(min(step(torch.zeros(3, 100, 300, dtype=torch.uint8)).shape[-2:]))
+    assert sizes and min(sizes) >= 120 and max(sizes) <= 130 and len(sizes) > 5
+    with pytest.raises(ValueError, match="crop <= min_size"):
+        build_transform("short_side", True, min_size=200, crop=224)
+
+
+def _brute_morph(a, r, op):
+    h, w = a.shape
+    out = np.empty_like(a)
+    for i in range(h):
+        for j in range(w):
+            win = a[max(0, i - r):i + r + 1, max(0, j - r):j + r + 1]
+            out[i, j] = op(win)
+    return out
+
+
+def test_stroke_width_morphology_matches_brute_force(rng):
+    a = rng.random((13, 11)).astype(np.float32)
+    for r in (1, 2):
+        dil = StrokeWidth.morph(torch.from_numpy(a)[None], r)[0].numpy()
+        ero = StrokeWidth.morph(torch.from_numpy(a)[None], -r)[0].numpy()
+        np.testing.assert_allclose(dil, _brute_morph(a, r, np.max))
+        np.testing.assert_allclose(ero, _brute_morph(a, r, np.min))
+    assert torch.equal(StrokeWidth.morph(torch.from_numpy(a), 0), torch.from_numpy(a))
+
+
+def _stroke():
+    g = torch.zeros(1, 32, 32, dtype=torch.uint8)
+    g[0, 6:26, 14:18] = 255
+    g[0, 14:17, 6:26] = 255
+    return g
+
+
+def test_glyph_and_mnist_pipelines():
+    g = _stroke()
+    test_t = build_transform("glyph", False)
+    x = test_t(g)
+    assert x.shape == (1, 32, 32)
+    np.testing.assert_allclose(x.numpy(), g.numpy() / 255.0 * 2 - 1, atol=1e-6)
+    train_t = build_transform("glyph", True)
+    torch.manual_seed(0)
+    outs = [train_t(g) for _ in range(8)]
+    for y in outs:
+        assert y.shape == (1, 32, 32) and y.min() >= -1 and y.max() <= 1
+        assert not torch.equal(y, x)  # noise alone changes every image
+    torch.manual_seed(0)
+    again = [train_t(g) for _ in range(8)]
+    assert all(torch.equal(a, b) for a, b in zip(outs, again))  # seeded torch RNG -> reproducible
+    # no noise/blur/stroke/affine -> identity
+    ident = build_transform("glyph", True, degrees=0, translate=0, scale=(1, 1), shear=0,
+                            stroke_p=0, blur_p=0, noise_sigma=0)
+    np.testing.assert_allclose(ident(g).numpy(), x.numpy(), atol=1e-6)
+    # stroke only: always thicker or thinner ink
+    thick = build_transform("glyph", True, degrees=0, translate=0, scale=(1, 1), shear=0,
+                            stroke_p=1.0, blur_p=0, noise_sigma=0, normalize="none")
+    ink = {int((thick(g) > 0.5).sum()) for _ in range(20)}
+    assert min(ink) < int((g > 0).sum()) < max(ink)
+    rgb = build_transform("glyph", True, channels=3, normalize="imagenet")(g)
+    assert rgb.shape == (3, 32, 32)
+    raw = rgb.numpy() * STD[:, None, None] + MEAN[:, None, None]  # undo ImageNet per-channel stats
+    np.testing.assert_allclose(raw[0], raw[2], atol=1e-5)  # the gray channel repeated
+    one = build_transform("glyph", False, normalize="imagenet")(g)  # 1 channel: channel-averaged stats
+    np.testing.assert_allclose(one.numpy(), (g.numpy() / 255.0 - 0.449) / 0.226, atol=1e-5)
+    m = torch.from_numpy(np.arange(28 * 28, dtype=np.uint8).reshape(1, 28, 28))
+    for train in (True, False):
+        y = build_transform("mnist", train)(m)
+        assert y.shape == (1, 28, 28) and y.min() >= -1 and y.max() <= 1
+    np.testing.assert_allclose(build_transform("mnist", False, normalize="none")(m).numpy(), m.numpy() / 255.0)
