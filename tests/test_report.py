@@ -292,8 +292,9 @@ def _fake_run(tmp_path, rng, with_log=True):
     if with_log:
         recs = [{"type": "step", "step": s, "epoch": s // 5, "loss": 3 - 0.1 * s, "lr": 0.01,
                  "alpha": 16.0 if s < 7 else 4.0} for s in range(10)]
-        recs += [{"type": "eval", "epoch": 0, "step": 5, "recall@1": 0.3, "nmi": 0.2},
-                 {"type": "eval", "epoch": 1, "step": 10, "recall@1": 0.4, "nmi": 0.25}]
+        recs += [{"type": "eval", "epoch": 0, "step": 5, "eval_seconds": 0.5, "recall@1": 0.3, "nmi": 0.2},
+                 {"type": "heat_up", "epoch": 1, "step": 7, "alpha": [4.0], "lr_factor": 0.1},
+                 {"type": "eval", "epoch": 1, "step": 10, "recall@1": 0.4, "nmi": 0.25, "alpha": 4.0}]
         _write_log(run / "log.jsonl", recs)
     C, d = 4, 3
     centres = rng.standard_normal((C, d)) * 2
@@ -322,6 +323,7 @@ def test_make_report_writes_figures_and_numbers(tmp_path, rng):
     assert f"top-1 accuracy {100 * acc:.2f} %" in text
     res = misclassified_neighbours(d["xtr"], d["ytr"], d["xte"], d["yte"], d["logits"])
     assert f"{res['n_misclassified']} of 24 test images misclassified" in text
+    assert "| epoch | recall@1 | nmi |" in text  # bookkeeping keys are not metrics
     assert "| 1 | 40.00* | 25.00* |" in text  # best evaluation row marked
     assert "alpha: start 16, end 4" in text
     assert "> toy run" in text

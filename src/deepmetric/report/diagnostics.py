@@ -104,7 +104,8 @@ class TrainingLog:
 
     def metric_keys(self) -> list[str]:
         """Numeric keys of the evaluation records other than the bookkeeping ones."""
-        skip = {"type", "epoch", "step", "time", "wall_time", "elapsed", "rank", "split"}
+        skip = {"type", "epoch", "step", "time", "wall_time", "elapsed", "rank", "split",
+                "eval_seconds", "alpha", "lr", "images_per_s"}
         keys: list[str] = []
         for rec in self.evals:
             for k, v in rec.items():
@@ -113,6 +114,11 @@ class TrainingLog:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     keys.append(k)
         return keys
+
+    def heat_up_steps(self) -> list[float]:
+        """Steps of the ``{"type": "heat_up"}`` events (temperature schedule changes)."""
+        return [float(r["step"]) for r in self.other
+                if r.get("type") == "heat_up" and isinstance(r.get("step"), (int, float))]
 
     def x_axis(self, kind: str) -> tuple[np.ndarray, str]:
         """Best available x values: the global step, else the epoch, else the record index."""

@@ -100,6 +100,9 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
                 ax.plot(xs[ok], y[ok], lw=1.4, color="C1" if key == "lr" else "C3", drawstyle="steps-post")
                 if key == "lr" and np.all(y[ok] > 0) and y[ok].max() / y[ok].min() > 20:
                     ax.set_yscale("log")
+            if xname == "step":
+                for i, h in enumerate(log.heat_up_steps()):  # mark heating-up events
+                    ax.axvline(h, color="grey", ls="--", lw=1, label="heat-up" if i == 0 else None)
             ax.set_xlabel(xname)
         else:
             ex, exname = log.x_axis("eval")
