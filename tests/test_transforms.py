@@ -59,6 +59,7 @@ def test_resize_crop_train_is_a_window_or_its_mirror(rng):
     arr = _rgb(rng, 64, 64)  # small sizes keep the exhaustive window search fast
     t = build_transform("resize_crop", True, resize=64, crop=48, normalize="none")
     flipped = 0
+    torch.manual_seed(0)
     for _ in range(12):
         x = (t(Image.fromarray(arr)).numpy() * 255).round().astype(np.uint8).transpose(1, 2, 0)
         plain = [(i, j) for i in range(17) for j in range(17) if np.array_equal(arr[i:i + 48, j:j + 48], x)]
