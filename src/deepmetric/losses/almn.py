@@ -4,10 +4,8 @@ Geometrical Virtual Point Generating", ECCV 2018, ``papers/almn-virtual-point-ge
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .heated_softmax import _check_positive_int, check_embeddings_labels, compute_dtype
