@@ -55,6 +55,7 @@ __all__ = [
     "NORMS",
 ]
 
+_COMMON_ARGS = ("embedding_dim", "norm", "num_classes", "pretrained", "in_chans", "dropout")
 _HEAD_OPTIONS = ("bn_momentum", "bn_eps", "bn_divide_sqrt_k", "init", "bias")
 _MODELS: dict[str, Callable[..., nn.Module]] = {}
 
@@ -86,8 +87,11 @@ def _check_unknown(name: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         hints = []
+        candidates = list(allowed) + list(_COMMON_ARGS)
+        if name == "two_head":
+            candidates += ["backbone", "input_size"]
         for key in unknown:
-            close = difflib.get_close_matches(key, allowed, n=1)
+            close = difflib.get_close_matches(key, candidates, n=1)
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise TypeError(f"create_model({name!r}) got unknown argument(s): {', '.join(hints)}")
 

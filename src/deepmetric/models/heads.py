@@ -53,10 +53,9 @@ class ShiftOnlyBatchNorm1d(nn.BatchNorm1d):
         # affine=False: no weight at all (rather than a frozen weight) so that no optimiser,
         # weight decay or checkpoint can ever touch a scale.
         super().__init__(num_features, eps=eps, momentum=momentum, affine=False)
+        # nn.BatchNorm1d.forward passes (self.weight, self.bias) = (None, bias) to
+        # F.batch_norm, which then adds the shift and applies no scale.
         self.bias = nn.Parameter(torch.zeros(num_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + self.bias
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", learned shift only (no scale)"

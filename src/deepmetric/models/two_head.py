@@ -36,14 +36,19 @@ def feature_map_shape(backbone: nn.Module, input_size: int | tuple[int, int], in
         raise ValueError(f"input_size must be positive, got {input_size}")
     tensors = {n: t.to("meta") for n, t in backbone.named_parameters()}
     tensors.update({n: t.to("meta") for n, t in backbone.named_buffers()})
-    x = torch.empty(1, in_chans, h, w, device="meta")
+    # Batch of 2 in eval mode: BN layers would refuse a 1x1 map with batch 1 in training mode.
+    x = torch.empty(2, in_chans, h, w, device="meta")
+    was_training = backbone.training
+    backbone.eval()
     with torch.no_grad():
         try:
             out = functional_call(backbone, tensors, (x,))
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             raise ValueError(
                 f"backbone cannot process {in_chans}x{h}x{w} inputs (input_size too small?): {exc}"
             ) from exc
+        finally:
+            backbone.train(was_training)
     if out.dim() != 4:
         raise ValueError(f"backbone must return [B, C, H, W], got shape {tuple(out.shape)}")
     return tuple(int(s) for s in out.shape[1:])  # type: ignore[return-value]
