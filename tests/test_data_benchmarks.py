@@ -430,7 +430,8 @@ def test_error_unextracted_archive(tmp_path):
 
 
 def test_error_parent_folder_suggests_subfolder(trees):
-    for name, marker in (("cub", "images.txt"), ("aircraft", "data/variants.txt"), ("cars196", "cars_annos.mat")):
+    for name, marker in (("cub", "images.txt"), ("aircraft", "data/variants.txt"), ("cars196", "cars_annos.mat"),
+                         ("inshop", "Eval/list_eval_partition.txt"), ("dogs", "train_list.mat")):
         root, _ = trees[name]
         with pytest.raises(FileNotFoundError) as e:
             build_dataset(name, root.parent)

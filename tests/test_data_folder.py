@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from deepmetric.data import build_dataset, load_csv, load_folder
+from deepmetric.data import build_dataset, load_folder
 
 CLASSES = ["ant", "bee", "cat", "dog", "eel", "fox"]
 
