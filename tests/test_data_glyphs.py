@@ -1,0 +1,143 @@
+"""Glyph benchmark: the GB2312 level-1 character list, rendering determinism, cache hits,
+duplicate-face removal, class disjointness. Builds use a few classes and a few faces only."""
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deepmetric.data import build_dataset
+from deepmetric.data.glyphs import build_glyph_dataset, find_cjk_faces, gb2312_level1_chars
+
+FACES = find_cjk_faces()
+needs_fonts = pytest.mark.skipif(not FACES, reason="no CJK fonts installed (see docs/offline-data.md)")
+
+
+def test_gb2312_level1():
+    chars = gb2312_level1_chars()
+    assert len(chars) == 3755 and len(set(chars)) == 3755
+    assert chars[0] == "啊" and chars[-1] == "座"  # GB2312 0xB0A1 and 0xD7F9
+    codes = [c.encode("gb2312") for c in chars]
+    # increasing EUC-CN code points, all in rows 16-55 (lead bytes 0xB0-0xD7)
+    assert codes == sorted(codes)
+    assert all(0xB0 <= b[0] <= 0xD7 and 0xA1 <= b[1] <= 0xFE for b in codes)
+    assert all(0x4E00 <= ord(c) <= 0x9FFF for c in chars)  # CJK unified ideographs
+    # row 55 stops at 0xD7F9: the five cells after it are not level-1 characters
+    for trail in range(0xFA, 0xFF):
+        with pytest.raises(UnicodeDecodeError):
+            bytes([0xD7, trail]).decode("gb2312")
+
+
+def _small_fonts():
+    """Two real faces of different families (one file each), as "path#index" specs."""
+    by_file = {}
+    for f in FACES:
+        by_file.setdefault(f.path, f)
+    picks = sorted(by_file.values(), key=lambda f: Path(f.path).stat().st_size)[:2]
+    return [f"{f.path}#{f.index}" for f in picks]
+
+
+@needs_fonts
+def test_render_determinism_cache_and_splits(tmp_path):
+    fonts = _small_fonts()
+    kw = dict(max_classes=5, fonts=fonts, size=24, margin=2)
+    a = build_glyph_dataset("train", root=tmp_path / "a", **kw)
+    assert not a.from_cache
+    cache_files = list((tmp_path / "a" / "glyphs").glob("*.npz"))
+    assert len(cache_files) == 1 and a.cache_path == cache_files[0]
+    assert not list((tmp_path / "a" / "glyphs").glob("*.tmp"))  # atomic write left nothing behind
+    b = build_glyph_dataset("train", root=tmp_path / "b", **kw)  # independent re-render
+    np.testing.assert_array_equal(a.images, b.images)
+    np.testing.assert_array_equal(a.labels, b.labels)
+    c = build_glyph_dataset("train", root=tmp_path / "a", **kw)  # cache hit
+    assert c.from_cache
+    np.testing.assert_array_equal(a.images, c.images)
+    # any parameter change is a different cache entry
+    d = build_glyph_dataset("train", root=tmp_path / "a", **{**kw, "margin": 3})
+    assert not d.from_cache and len(list((tmp_path / "a" / "glyphs").glob("*.npz"))) == 2
+
+    te = build_glyph_dataset("test", root=tmp_path / "a", **kw)
+    assert te.from_cache  # both splits come from one rendering
+    chars = gb2312_level1_chars()
+    assert a.class_names == list(chars[:5]) and te.class_names == list(chars[1878:1883])
+    assert not set(a.class_names) & set(te.class_names)
+    for ds in (a, te):
+        assert ds.num_classes == 5 and ds.labels.dtype == np.int64
+        assert sorted(set(ds.labels.tolist())) == list(range(5))
+        # one image per (class, face) at most, each face id valid
+        pairs = set(zip(ds.labels.tolist(), ds.face_ids.tolist()))
+        assert len(pairs) == len(ds)
+        assert set(ds.face_ids.tolist()) <= set(range(len(ds.faces)))
+        x, y = ds[0]
+        assert x.shape == (1, 24, 24) and x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1
+
+
+@needs_fonts
+def test_images_centred_with_margin(tmp_path):
+    fonts = _small_fonts()
+    size, margin = 32, 3
+    for fit in ("em", "box"):
+        ds = build_glyph_dataset("test", root=tmp_path, fonts=fonts, max_classes=6, size=size,
+                                 margin=margin, fit=fit)
+        for img in ds.images:
+            ys, xs = np.nonzero(img)
+            assert len(ys) > 10  # real ink, not an empty image
+            # nothing drawn inside the margin
+            assert ys.min() >= margin and xs.min() >= margin
+            assert ys.max() < size - margin and xs.max() < size - margin
+            # the ink bounding box is centred (to a pixel)
+            assert abs((ys.min() + ys.max()) / 2 - (size - 1) / 2) <= 1
+            assert abs((xs.min() + xs.max()) / 2 - (size - 1) / 2) <= 1
+            if fit == "box":  # the longer side fills the inner box
+                assert max(ys.max() - ys.min(), xs.max() - xs.min()) + 1 == size - 2 * margin
+
+
+@needs_fonts
+def test_duplicate_and_non_cjk_faces_dropped(tmp_path):
+    fonts = _small_fonts()[:1]
+    src = fonts[0].split("#")[0]
+    copy = tmp_path / "fonts" / ("copy-" + Path(src).name)
+    copy.parent.mkdir()
+    shutil.copy(src, copy)
+    specs = fonts + [f"{copy}#{fonts[0].split('#')[1]}"]
+    latin = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+    if latin.is_file():
+        specs.append(str(latin))  # has no hanzi: FreeType would draw .notdef boxes
+    ds = build_glyph_dataset("train", root=tmp_path / "cache", fonts=specs, max_classes=4)
+    assert len(ds.faces) == 1 and len(ds) == 4
+    reasons = [r for _, r in ds.dropped_faces]
+    assert any(r.startswith("pixel-identical to") for r in reasons)
+    if latin.is_file():
+        assert "maps none of the characters" in reasons
+
+
+@needs_fonts
+def test_registry_transform_and_errors(tmp_path):
+    fonts = _small_fonts()
+    seen = []
+
+    def t(x):
+        seen.append((x.dtype, tuple(x.shape)))
+        return x
+
+    ds = build_dataset("glyphs", root=tmp_path, split="train", transform=t, fonts=fonts, max_classes=2, size=16)
+    ds[0]
+    assert seen == [(torch.uint8, (1, 16, 16))]
+    with pytest.raises(ValueError, match="split"):
+        build_glyph_dataset("val", root=tmp_path, fonts=fonts)
+    with pytest.raises(ValueError, match="margin"):
+        build_glyph_dataset("train", root=tmp_path, fonts=fonts, size=8, margin=4)
+    with pytest.raises(ValueError, match="fit"):
+        build_glyph_dataset("train", root=tmp_path, fonts=fonts, fit="stretch")
+    with pytest.raises(ValueError, match="max_classes"):
+        build_glyph_dataset("train", root=tmp_path, fonts=fonts, max_classes=0)
+    with pytest.raises(FileNotFoundError, match="nowhere.ttf"):
+        build_glyph_dataset("train", root=tmp_path, fonts=[str(tmp_path / "nowhere.ttf")])
+    with pytest.raises(ValueError, match="index 99"):
+        build_glyph_dataset("train", root=tmp_path, fonts=[fonts[0].split("#")[0] + "#99"])
+
+
+def test_no_fonts_message(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install fonts-noto-cjk"):
+        build_glyph_dataset("train", root=tmp_path, fonts=[str(tmp_path)])  # an empty directory
