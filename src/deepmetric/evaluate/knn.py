@@ -60,6 +60,7 @@ def _drop_self(sims: np.ndarray, idx: np.ndarray, self_pos: np.ndarray, width: i
     """Remove each row's own gallery index (if present) keeping order; return ``width`` columns."""
     is_self = (idx == self_pos[:, None]) & (self_pos[:, None] >= 0)
     if is_self.any():
+        sims, idx = np.where(is_self, -np.inf, sims), np.where(is_self, -1, idx)
         order = np.argsort(is_self, axis=1, kind="stable")
         sims = np.take_along_axis(sims, order, axis=1)
         idx = np.take_along_axis(idx, order, axis=1)
@@ -151,7 +152,6 @@ def _approx_index(gallery: np.ndarray, backend: str, k: int):
         index.cp.seed = 1234
         index.train(gallery)
         index.nprobe = min(nlist, 32)
-        index._quantizer = quantizer  # keep the quantizer alive
     index.add(gallery)
     return index
 

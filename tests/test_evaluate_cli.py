@@ -1,0 +1,69 @@
+"""``deepmetric evaluate`` round trip through main([...]) and its bad-file errors."""
+import json
+
+import numpy as np
+import pytest
+
+from deepmetric.cli import main
+from deepmetric.evaluate import evaluate
+
+
+@pytest.fixture
+def npz(tmp_path, rng):
+    y = rng.integers(0, 6, 60)
+    x = (rng.standard_normal((6, 8))[y] + 0.5 * rng.standard_normal((60, 8))).astype(np.float32)
+    path = tmp_path / "emb.npz"
+    np.savez(path, embeddings=x, labels=y)
+    return path, x, y
+
+
+def test_round_trip_matches_api(npz, tmp_path, capsys):
+    path, x, y = npz
+    out = tmp_path / "sub" / "metrics.json"
+    assert main(["evaluate", str(path), "--k", "1", "5", "--out", str(out), "--backend", "torch",
+                 "--chunk-size", "7"]) == 0
+    printed = capsys.readouterr().out
+    assert "recall@5" in printed and "map@r" in printed and "nmi" in printed
+    got = json.loads(out.read_text())
+    assert got == pytest.approx(evaluate(x, y, ks=(1, 5)))
+
+
+def test_query_gallery_masks_and_metric_subset(tmp_path, npz, capsys):
+    _, x, y = npz
+    is_q = np.arange(60) % 2 == 0
+    path = tmp_path / "inshop.npz"
+    np.savez(path, embeddings=x, labels=y, is_query=is_q, is_gallery=~is_q)
+    out = tmp_path / "m.json"
+    assert main(["evaluate", str(path), "--metrics", "recall", "map@r", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    want = evaluate(x, y, is_query=is_q, is_gallery=~is_q, metrics=["recall", "map@r"])
+    assert got == pytest.approx(want)
+    assert "nmi" not in got
+
+
+@pytest.mark.parametrize("arrays,message", [
+    ({"embeddings": np.ones((4, 2), np.float32)}, "missing array 'labels'"),
+    ({"labels": np.arange(4)}, "missing array 'embeddings'"),
+    ({"embeddings": np.ones(4, np.float32), "labels": np.arange(4)}, "'embeddings' must be a 2-D float"),
+    ({"embeddings": np.ones((4, 2), np.float32), "labels": np.arange(3)}, "'labels' has 3 entries"),
+    ({"embeddings": np.ones((4, 2), np.float32), "labels": np.arange(4.0)}, "'labels' must be a 1-D integer"),
+    ({"embeddings": np.ones((4, 2), np.float32), "labels": np.arange(4), "is_query": np.ones(4)},
+     "'is_query' must be a boolean"),
+    ({"embeddings": np.full((4, 2), np.nan, np.float32), "labels": np.arange(4)}, "NaN"),
+])
+def test_bad_npz_clear_error_no_traceback(tmp_path, capsys, arrays, message):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    assert main(["evaluate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and message in err
+    assert "Traceback" not in err
+
+
+def test_missing_and_corrupt_file(tmp_path, capsys):
+    assert main(["evaluate", str(tmp_path / "nope.npz")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "junk.npz"
+    bad.write_text("not a zip")
+    assert main(["evaluate", str(bad)]) == 2
+    assert "not a readable .npz" in capsys.readouterr().err
