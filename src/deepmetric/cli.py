@@ -78,12 +78,74 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- train / embed / demo
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model from a YAML config (see docs/training.md)",
+                       description="Train from CONFIG.yaml; KEY=VALUE overrides (YAML values) change "
+                                   "single keys, e.g. optim.lr=0.001 train.epochs=5. Use torchrun for DDP.")
+    p.add_argument("config", help="YAML config file (e.g. recipes/demo_glyphs.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from this checkpoint (last.pt)")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from deepmetric.train.loop import NonFiniteLossError, train_from_config_file
+
+    try:
+        result = train_from_config_file(args.config, args.overrides, resume=args.resume)
+    except NonFiniteLossError as exc:
+        print(f"deepmetric train: error: {exc}", file=sys.stderr)
+        return 3
+    return 130 if result.interrupted else 0
+
+
+def _add_embed_parser(sub) -> None:
+    p = sub.add_parser("embed", help="embed a dataset split with a trained checkpoint into an .npz")
+    p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train' (last.pt / best.pt)")
+    p.add_argument("--data", default=None, help="dataset name (default: the checkpoint's training data)")
+    p.add_argument("--root", default=None, help="dataset root directory")
+    p.add_argument("--split", default="test", help="split to embed (default test; In-shop: query+gallery)")
+    p.add_argument("--out", required=True, help="output .npz (embeddings, labels[, is_query, is_gallery])")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
+    p.add_argument("--num-workers", type=int, default=0)
+    p.set_defaults(func=_run_embed)
+
+
+def _run_embed(args: argparse.Namespace) -> int:
+    from deepmetric.train.embed import embed_checkpoint
+
+    out = embed_checkpoint(args.checkpoint, args.out, data=args.data, root=args.root, split=args.split,
+                           batch_size=args.batch_size, device=args.device, num_workers=args.num_workers)
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="offline demo: heated-up BN embedding on the glyph benchmark (CPU, <10 min)")
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--quick", action="store_true", help="a tiny run (seconds) for smoke tests")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from deepmetric.train.demo import run_demo
+
+    run_demo(args.out, quick=args.quick, overrides=args.overrides)
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepmetric", description="Deep metric learning toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_evaluate_parser(sub)
     _add_report_parser(sub)
+    _add_train_parser(sub)
+    _add_embed_parser(sub)
+    _add_demo_parser(sub)
     return parser
 
 

@@ -105,7 +105,12 @@ def build_dataset_split(cfg: Config, split: str, *, train: bool):
 
 
 def build_model(cfg: Config, num_classes: int | None = None) -> nn.Module:
+    """``create_model(cfg.model.name, **cfg.model.options)``.  ``num_classes`` is passed only
+    when the model needs a classifier: the two-head model, or a loss term reading ``logits``."""
     m = cfg.model
+    needs_classifier = m.name == "two_head" or any(t.input == "logits" for t in cfg.loss)
+    if not needs_classifier:
+        num_classes = None
     if m.name == "synthetic_mlp":
         from deepmetric.data.synthetic import SyntheticMLP
 
