@@ -61,10 +61,12 @@ class ContrastiveLoss(nn.Module):
             # positives use D^2 directly (no sqrt needed); negatives need D itself
             neg_term = F.relu(self.margin - safe_sqrt(sq)).pow(2)
             per_pair = 0.5 * torch.where(same, sq, neg_term)
-            upper = torch.triu(torch.ones(b, b, dtype=torch.bool, device=x.device), diagonal=1)
-            losses = per_pair[upper]
+            # the matrix is symmetric with a zero diagonal: the sum over i < j is half the
+            # full sum (a multiply-free reduction, faster than boolean indexing)
+            total = 0.5 * per_pair.sum()
             if self.reduction == "sum":
-                return losses.sum()
+                return total
             if self.reduction == "mean":
-                return losses.mean()
-            return losses.sum() / (losses > 0).sum().clamp_min(1).to(losses.dtype)
+                return total / (b * (b - 1) // 2)
+            nonzero = 0.5 * (per_pair > 0).sum()
+            return total / nonzero.clamp_min(1).to(total.dtype)

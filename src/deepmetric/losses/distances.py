@@ -18,6 +18,7 @@ __all__ = [
     "pairwise_squared_euclidean",
     "pairwise_euclidean",
     "safe_sqrt",
+    "gram",
     "label_masks",
     "masked_logsumexp",
     "no_autocast",
@@ -68,6 +69,28 @@ def l2_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return F.normalize(x, p=2.0, dim=dim, eps=_EPS)
 
 
+class _Gram(torch.autograd.Function):
+    """``x @ x.T`` whose backward is one matmul, ``(G + G^T) @ x``, instead of autograd's two.
+
+    The backward is written with differentiable ops, so double backward still works.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x @ x.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return (grad + grad.t()) @ x
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """``x @ x.T`` (with the one-matmul backward of :class:`_Gram` when a gradient is needed)."""
+    return _Gram.apply(x) if x.requires_grad else x @ x.t()
+
+
 def pairwise_squared_euclidean(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
     """Squared Euclidean distances ``D[i, j] = ||x_i - y_j||^2`` as a matrix.
 
@@ -79,7 +102,10 @@ def pairwise_squared_euclidean(x: torch.Tensor, y: torch.Tensor | None = None) -
         y = x
     xx = (x * x).sum(dim=1, keepdim=True)
     yy = xx.t() if self_dist else (y * y).sum(dim=1).unsqueeze(0)
-    d = torch.addmm(xx + yy, x, y.t(), beta=1.0, alpha=-2.0).clamp_min(0.0)
+    if self_dist:
+        d = (xx + yy - 2.0 * gram(x)).clamp_min(0.0)
+    else:
+        d = torch.addmm(xx + yy, x, y.t(), beta=1.0, alpha=-2.0).clamp_min(0.0)
     if self_dist:
         # exact zeros on the diagonal; multiplying keeps the graph simple and differentiable
         n = x.shape[0]

@@ -173,14 +173,31 @@ class TripletLoss(nn.Module):
         # all-zero losses: sum is 0 and still carries the graph
         return losses.sum() / count.clamp_min(1).to(losses.dtype)
 
+    def _batch_all(self, dist: torch.Tensor, labels: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        # one row per positive pair (a, p) against every sample: O(P * B) memory instead of
+        # a dense B^3 cube; non-negative columns are masked out by a multiplication
+        pos, neg = label_masks(labels)
+        a, p = torch.nonzero(pos, as_tuple=True)
+        if a.numel() == 0:
+            return zero_loss(embeddings)
+        mask = neg[a]
+        num_triplets = int(mask.sum())
+        if num_triplets == 0:
+            return zero_loss(embeddings)
+        losses = self._per_triplet(dist[a, p].unsqueeze(1), dist[a]) * mask.to(dist.dtype)
+        total = losses.sum()
+        if self.reduction == "sum":
+            return total
+        if self.reduction == "mean":
+            return total / num_triplets
+        return total / (losses > 0).sum().clamp_min(1).to(dist.dtype)
+
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         check_embeddings_labels(embeddings, labels, "TripletLoss")
         with no_autocast(embeddings.device):
             dist = self.distances(embeddings)
             if self.mining == "all":
-                pos, neg = label_masks(labels)
-                valid = pos.unsqueeze(2) & neg.unsqueeze(1)
-                losses = self._per_triplet(dist.unsqueeze(2), dist.unsqueeze(1))[valid]
+                return self._batch_all(dist, labels, embeddings)
             else:
                 miner = mine_batch_hard if self.mining == "hard" else mine_semihard
                 a, p, n = miner(dist.detach(), labels)
