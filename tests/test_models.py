@@ -389,3 +389,58 @@ def test_split_parameters_separates_new_layers():
     backbone, new = split_parameters(model)
     assert len(backbone) == len(list(model.backbone.parameters()))
     assert {id(p) for p in new} == {id(p) for p in model.head.parameters()}
+
+
+def _source_model(name):
+    import timm
+    import torchvision.models as tvm
+
+    if name == "googlenet":
+        return tvm.googlenet(weights=None, aux_logits=True, init_weights=False)
+    if name == "inception_v3":
+        return tvm.inception_v3(weights=None, aux_logits=True, init_weights=False)
+    if name == "inception_v4":
+        return timm.create_model("inception_v4", pretrained=False)
+    return getattr(tvm, name)(weights=None)
+
+
+@pytest.mark.parametrize("name", ["googlenet", "inception_v3", "inception_v4", "densenet161", "resnet50"])
+def test_backbone_keys_are_library_keys_minus_classifier(name):
+    """An ImageNet file of the source library (with aux heads / classifier) fits exactly."""
+    from deepmetric.models.backbones import get_backbone_spec
+
+    src = {k: tuple(v.shape) for k, v in _source_model(name).state_dict().items()}
+    ignore = get_backbone_spec(name).ignore_prefixes
+    expected = {k: s for k, s in src.items() if not k.startswith(ignore)}
+    assert len(expected) < len(src)  # the classifier really was dropped
+    ours = {k: tuple(v.shape) for k, v in create_backbone(name).state_dict().items()}
+    assert ours == expected
+
+
+def test_pretrained_googlenet_file_with_aux_heads(tmp_path):
+    torch.manual_seed(0)
+    src = _source_model("googlenet")
+    path = tmp_path / "googlenet.pth"
+    torch.save(src.state_dict(), path)
+    bb = create_backbone("googlenet", pretrained=path)
+    assert {k.split(".")[0] for k in bb.pretrained_report.ignored} == {"fc", "aux1", "aux2"}
+    for k, v in bb.state_dict().items():
+        assert torch.equal(v, src.state_dict()[k]), k
+
+
+def test_pretrained_two_head_full_model_round_trip(tmp_path):
+    torch.manual_seed(0)
+    kw = dict(backbone="glyph_resnet", num_classes=6, input_size=32, embedding_dim=16)
+    src = create_model("two_head", **kw)
+    _randomise_bn_stats(src)
+    path = tmp_path / "two.pt"
+    torch.save({"model": src.state_dict(), "epoch": torch.tensor(3)}, path)  # checkpoint-style wrapper
+    torch.manual_seed(1)
+    dst = create_model("two_head", pretrained=path, **kw)
+    x = torch.randn(3, 1, 32, 32)
+    src.eval(), dst.eval()
+    with torch.no_grad():
+        a, b = src(x), dst(x)
+    assert torch.equal(a["logits"], b["logits"]) and torch.equal(a["embedding"], b["embedding"])
+    with pytest.raises(ValueError, match=r"two\.pt.*classifier\.weight.*\(6, 128\).*\(5, 128\)"):
+        create_model("two_head", pretrained=path, **{**kw, "num_classes": 5})

@@ -36,7 +36,7 @@ _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict")
 _STRIP_PREFIXES = ("module.", "_orig_mod.")
 # torchvision's own fix-up for DenseNet files saved before PyTorch 0.4 renamed the layers.
 _DENSENET_OLD_KEY = re.compile(
-    r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$"
+    r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var|num_batches_tracked))$"
 )
 
 
