@@ -9,16 +9,17 @@ import importlib
 
 import torch.nn as nn
 
+from .almn import ALMNLoss
 from .center import CenterLoss
 from .contrastive import ContrastiveLoss
 from .cross_entropy import CrossEntropyLoss
+from .heated_softmax import HeatedSoftmaxLoss
 from .lifted import LiftedStructureLoss
 from .npair import NPairLoss, select_npairs
 from .proxy_nca import ProxyNCALoss
 from .triplet import TripletLoss, mine_all, mine_batch_hard, mine_semihard
 
-# name -> (module, class). Modules are imported on first use by build_loss, so that one
-# loss module failing to import cannot break the others.
+# name -> (module, class) of every loss build_loss knows
 _REGISTRY: dict[str, tuple[str, str]] = {
     "heated_softmax": ("heated_softmax", "HeatedSoftmaxLoss"),
     "almn": ("almn", "ALMNLoss"),
@@ -78,11 +79,3 @@ def build_loss(name: str, **kwargs) -> nn.Module:
     except TypeError as err:
         raise TypeError(f"build_loss({name!r}): bad options {sorted(kwargs)} for {cls.__name__}: {err}") from err
 
-
-def __getattr__(attr: str):
-    # HeatedSoftmaxLoss and ALMNLoss live in modules written separately; import them lazily
-    # so this package stays importable whatever state those modules are in.
-    for module_name, class_name in _REGISTRY.values():
-        if class_name == attr:
-            return getattr(importlib.import_module(f"{__name__}.{module_name}"), class_name)
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
