@@ -108,6 +108,8 @@ def test_lenet_bottleneck_matches_caffe_lenet_parameter_count():
     # Caffe LeNet: conv1 20x1x5x5+20, conv2 50x20x5x5+50, ip1 500x800+500, ip2 (bottleneck) 2x500+2
     expected = (20 * 25 + 20) + (50 * 20 * 25 + 50) + (500 * 800 + 500) + (2 * 500 + 2)
     assert sum(p.numel() for p in model.parameters()) == expected
+    with pytest.raises(ValueError, match="at least 28x28"):
+        model(torch.randn(2, 1, 20, 20))
 
 
 def test_glyph_resnet_is_compact():

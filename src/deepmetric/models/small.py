@@ -40,8 +40,9 @@ class LeNet(nn.Module):
         self.num_features = hidden
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] < 16 or x.shape[-2] < 16:
-            raise ValueError(f"LeNet needs inputs of at least 16x16 pixels, got {tuple(x.shape)}")
+        # 28 -> conv 24 -> pool 12 -> conv 8 -> pool 4 -> ip1 (4x4 kernel) 1: 28 px is the minimum.
+        if x.shape[-1] < 28 or x.shape[-2] < 28:
+            raise ValueError(f"LeNet needs inputs of at least 28x28 pixels, got {tuple(x.shape)}")
         x = self.pool1(self.conv1(x))
         x = self.pool2(self.conv2(x))
         return self.relu(self.ip1(x))
