@@ -354,3 +354,29 @@ def test_cli_report(tmp_path, rng, capsys):
     assert (tmp_path / "o" / "report.md").is_file() and _is_png(tmp_path / "o" / "training_curves.png")
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "run directory not found" in capsys.readouterr().err
+
+
+def test_report_of_a_real_training_run(tmp_path):
+    """The report reads what the training loop and `deepmetric embed` actually write."""
+    from deepmetric.train import embed_checkpoint, load_config, train
+
+    cfg = load_config(None, [
+        "data.name=synthetic", "data.options={num_classes: 6, per_class: 8, dim: 12}",
+        "model.name=synthetic_mlp", "model.options={in_dim: 12, embedding_dim: 8}",
+        "loss.0.name=heated_softmax", "loss.0.options={alpha: 16.0, normalize_features: true}",
+        "schedule.temperature={name: heat_up, at: 2}", "train.epochs=3", "train.batch_size=12",
+        "train.progress=false", "train.device=cpu", f"train.out_dir={tmp_path / 'run'}",
+        "eval.metrics=[recall]", "eval.every=3",
+    ])
+    train(cfg)
+    emb = embed_checkpoint(tmp_path / "run" / "last.pt", tmp_path / "run" / "embeddings.npz", device="cpu")
+    report = make_report(tmp_path / "run")  # picks up RUN_DIR/embeddings.npz by itself
+    text = report.read_text()
+    log = read_log(tmp_path / "run" / "log.jsonl")
+    assert len(log.steps) == 3 * (48 // 12) and log.heat_up_steps()
+    assert "alpha: start 16, end 4" in text and "| heated_softmax" not in text
+    assert "1.0 x heated_softmax" in text and "recall@1" in text
+    with np.load(emb) as z:
+        assert f"`embeddings.npz`: {z['embeddings'].shape[0]} x 8" in text
+    for name in ("training_curves.png", "recall_at_k.png", "cosine_histograms.png", "embedding_2d.png"):
+        assert _is_png(tmp_path / "run" / "report" / name), name

@@ -184,9 +184,10 @@ def plot_embedding_2d(embeddings: Any, labels: Any, out: str | Path, *, normaliz
         cmap = plt.get_cmap("hsv")
         colors = {c: cmap(i / len(classes)) for i, c in enumerate(classes)}
     fig, ax = plt.subplots(figsize=(5.6, 5.2))
+    size = float(np.clip(4000 / len(xy), 2, 30))  # visible dots for small sets, no blobs for large
     for c in classes:
         m = y == c
-        ax.scatter(xy[m, 0], xy[m, 1], s=4, alpha=0.6, color=colors[c],
+        ax.scatter(xy[m, 0], xy[m, 1], s=size, alpha=0.6, color=colors[c],
                    label=str(c) if len(classes) <= 20 else None, linewidths=0)
     if class_weights is not None and x.shape[1] == 2:
         w = dg._as_2d_float(class_weights, "class_weights").astype(float)
@@ -200,7 +201,7 @@ def plot_embedding_2d(embeddings: Any, labels: Any, out: str | Path, *, normaliz
     if normalize and x.shape[1] == 2:
         ax.set_aspect("equal")
     if len(classes) <= 20:
-        ax.legend(markerscale=3, fontsize=7, ncol=2, loc="best", title="class")
+        ax.legend(markerscale=max(1.0, 12 / size), fontsize=7, ncol=2, loc="best", title="class")
     ax.set_title(title or what)
     ax.grid(alpha=0.3)
     fig.tight_layout()
