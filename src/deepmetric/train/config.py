@@ -96,8 +96,9 @@ class LossTermConfig:
     two-head model's classifier, for ``cross_entropy``).  ``num_classes`` and
     ``embedding_dim`` are filled in automatically when the loss accepts them.
     ``gather`` (distributed training only) makes the term see the embeddings of all ranks;
-    ``null`` = automatic: terms without trainable parameters (triplet, N-pair, ALMN,
-    contrastive, lifted, centre) are gathered, classifier terms stay local.
+    ``null`` = automatic: the pair-based losses (triplet, npair, almn, contrastive, lifted)
+    are gathered, per-sample losses (heated_softmax, proxy_nca, cross_entropy, center)
+    stay local.
     """
 
     name: str = "heated_softmax"

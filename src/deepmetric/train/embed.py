@@ -148,9 +148,9 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
                      device: str = "auto", num_workers: int = 0, options: dict | None = None) -> Path:
     """Embed ``split`` of a dataset with the model of ``checkpoint`` and write ``out`` (.npz).
 
-    ``data`` / ``root`` default to the checkpoint's training config.  For query/gallery
-    datasets (In-shop) ``split="test"`` embeds query and gallery and stores ``is_query`` /
-    ``is_gallery``; naming one of them embeds only that split.
+    ``data`` / ``root`` default to the checkpoint's training config.  ``split="query+gallery"``
+    (and ``"test"`` for In-shop) embeds the query and gallery splits and stores ``is_query``
+    / ``is_gallery``; naming one of them embeds only that split.
     """
     from .distributed import resolve_device
     from .loop import build_dataset_split
@@ -167,7 +167,7 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
     kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp,
               channels_last=cfg.train.channels_last, num_workers=num_workers)
     arrays: dict[str, np.ndarray]
-    if split == "test" and cfg.data.name == "inshop":
+    if split == "query+gallery" or (split == "test" and cfg.data.name == "inshop"):
         q = compute_embeddings(model, build_dataset_split(cfg, "query", train=False), **kw)
         g = compute_embeddings(model, build_dataset_split(cfg, "gallery", train=False), **kw)
         is_query = np.r_[np.ones(len(q["labels"]), bool), np.zeros(len(g["labels"]), bool)]

@@ -153,6 +153,13 @@ def _embedding_dim(model: nn.Module, dataset) -> int:
     return k
 
 
+#: Losses whose value depends on pairs/tuples of batch samples: under DDP they see the
+#: embeddings of all ranks.  Per-sample losses (heated softmax, Proxy-NCA, CE) stay local
+#: (DDP's gradient average is then the global-batch mean), and the centre loss all-reduces
+#: its own centre update.
+PAIR_BASED_LOSSES = frozenset({"triplet", "npair", "almn", "contrastive", "lifted"})
+
+
 class TrainingModule(nn.Module):
     """Model + loss terms as one module, so DDP synchronises both (classifier-loss parameters
     such as heated-softmax ``W`` are trained like model parameters).
@@ -171,11 +178,7 @@ class TrainingModule(nn.Module):
         self.weights = [float(t.weight) for t in terms]
         self.inputs = [t.input for t in terms]
         self.names = [t.name for t in terms]
-        self.gather = [
-            t.gather if t.gather is not None
-            else not any(p.requires_grad for p in loss.parameters())
-            for t, loss in zip(terms, losses)
-        ]
+        self.gather = [t.gather if t.gather is not None else t.name in PAIR_BASED_LOSSES for t in terms]
         self.world_size = world_size
         self.amp = amp
         self.device = device or torch.device("cpu")

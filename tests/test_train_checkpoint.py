@@ -1,0 +1,188 @@
+"""Checkpoints: atomic writes, weights_only loading, RNG state, exact resume after SIGINT and
+SIGKILL, non-finite loss handling."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from deepmetric.train import checkpoint as ck
+from deepmetric.train.config import config_from_dict
+from deepmetric.train.loop import NonFiniteLossError, train
+
+
+def _raw(out_dir, **train_extra):
+    return {
+        "data": {"name": "synthetic", "options": {"num_classes": 8, "per_class": 24, "dim": 16, "seed": 3}},
+        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}},
+                 {"name": "center", "weight": 0.01}],
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "schedule": {"temperature": {"name": "heat_up", "at": 2}},
+        "train": {"epochs": 3, "sampler": "class_balanced", "m": 4, "n": 4, "seed": 11,
+                  "out_dir": str(out_dir), "progress": False, **train_extra},
+        "eval": {"every": 1},
+    }
+
+
+def test_atomic_save_keeps_previous_file_on_failure(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    ck.save_checkpoint({"model": {"w": torch.ones(3)}, "config": {}}, path)
+
+    def broken_save(obj, f, *a, **k):
+        f.write(b"partial garbage")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck.torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        ck.save_checkpoint({"model": {"w": torch.zeros(3)}, "config": {}}, path)
+    monkeypatch.undo()
+    state = ck.load_checkpoint(path)
+    assert torch.equal(state["model"]["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # no temp file left
+
+
+def test_missing_and_corrupt_checkpoints_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere.pt"):
+        ck.load_checkpoint(tmp_path / "nothere.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"\x00not a checkpoint")
+    with pytest.raises(ValueError, match=r"bad\.pt is corrupt"):
+        ck.load_checkpoint(bad)
+    # truncated real checkpoint
+    good = ck.save_checkpoint({"model": {"w": torch.randn(1000)}, "config": {}}, tmp_path / "t.pt")
+    good.write_bytes(good.read_bytes()[:200])
+    with pytest.raises(ValueError, match=r"t\.pt is corrupt"):
+        ck.load_checkpoint(good)
+    other = tmp_path / "other.pt"
+    torch.save({"hello": 1}, other)
+    with pytest.raises(ValueError, match="not a deepmetric checkpoint"):
+        ck.load_checkpoint(other)
+
+
+def test_rng_state_round_trip_through_weights_only_file(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.standard_normal()  # leave a cached gaussian around
+    ck.save_checkpoint({"model": {}, "config": {}, "rng": ck.get_rng_state()}, tmp_path / "r.pt")
+    first = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
+    state = torch.load(tmp_path / "r.pt", weights_only=True)
+    ck.set_rng_state(state["rng"])
+    again = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
+    assert first == again
+
+
+def test_training_checkpoint_contents_load_weights_only(tmp_path):
+    cfg = config_from_dict(_raw(tmp_path / "run"))
+    result = train(cfg)
+    state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert state["epoch"] == 3 and state["iteration"] == result.iteration
+    assert state["alphas"][0] == pytest.approx(4.0) and state["alphas"][1] is None  # heated up at epoch 2
+    assert set(state["loss"][0]) >= {"weight"} and "centers" in state["loss"][1]
+    assert state["optimizer"]["state"]  # momentum buffers
+    assert state["schedules"]["temperature"]["events"] == 1
+    assert set(state["rng"][0]) >= {"python", "numpy", "torch"}
+    assert config_from_dict(state["config"]) == cfg
+    assert (tmp_path / "run" / "best.pt").is_file()
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["seed"] == 11
+
+
+def _wait_for(pred, proc, timeout=120.0):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if pred():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.002)
+    return False
+
+
+def _cli(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "train", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_resume_after_sigint_and_sigkill_matches_uninterrupted_run(tmp_path):
+    """Ctrl-C mid-epoch (checkpoint saved, exit 130), resume, SIGKILL after the next
+    checkpoint, resume again: same final weights, loss state and metrics as one run."""
+    epochs = 16
+    ref_cfg = config_from_dict(_raw(tmp_path / "ref", epochs=epochs, checkpoint_every=1))
+    ref_cfg.eval.every = 5
+    ref_cfg.schedule.temperature.at = 10
+    ref = train(ref_cfg)
+
+    run = tmp_path / "run"
+    raw = _raw(run, epochs=epochs)
+    raw["eval"]["every"] = 5
+    raw["schedule"]["temperature"]["at"] = 10
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    log = run / "log.jsonl"
+    last = run / "last.pt"
+
+    def n_steps():
+        return log.read_text().count('"type": "step"') if log.exists() else 0
+
+    # 1) Ctrl-C after a few steps of the first epoch (before any checkpoint exists)
+    p = _cli([str(cfg_path)], tmp_path)
+    assert _wait_for(lambda: n_steps() >= 5, p), p.communicate()[0]
+    p.send_signal(signal.SIGINT)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 130, out
+    s1 = torch.load(last, weights_only=True)
+    assert 0 < s1["iteration"] < epochs * 12, "the SIGINT checkpoint must be mid-run"
+
+    # 2) resume, then SIGKILL as soon as a newer checkpoint appears
+    mtime = last.stat().st_mtime_ns
+    p = _cli([str(cfg_path), "--resume", str(last)], tmp_path)
+    assert _wait_for(lambda: last.stat().st_mtime_ns != mtime, p), p.communicate()[0]
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    s2 = torch.load(last, weights_only=True)
+    assert s1["iteration"] < s2["iteration"] < epochs * 12, "the run must be killed before the end"
+
+    # 3) resume to the end
+    p = _cli([str(cfg_path), "--resume", str(last)], tmp_path)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, out
+
+    a = torch.load(tmp_path / "ref" / "last.pt", weights_only=True)
+    b = torch.load(last, weights_only=True)
+    assert a["iteration"] == b["iteration"] == ref.iteration
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for la, lb in zip(a["loss"], b["loss"]):
+        for k in la:
+            assert torch.equal(la[k], lb[k]), k
+    assert a["alphas"] == b["alphas"] == [4.0, None]
+    ma = json.loads((tmp_path / "ref" / "metrics.json").read_text())
+    mb = json.loads((run / "metrics.json").read_text())
+    assert ma["metrics"] == mb["metrics"] and ma["best"] == mb["best"]
+    # the log holds each step exactly once despite the two interruptions
+    steps = [json.loads(l)["step"] for l in log.read_text().splitlines() if '"type": "step"' in l]
+    assert steps == list(range(1, ref.iteration + 1))
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    raw = _raw(tmp_path / "run", epochs=3)
+    raw["loss"] = [{"name": "heated_softmax"}]
+    raw["model"]["options"]["normalization"] = "none"
+    # epoch 0 trains normally; from epoch 1 the lr is 1e29: the weights overflow.
+    raw["schedule"] = {"lr": {"name": "step", "step_size": 1, "gamma": 1e30}}
+    cfg = config_from_dict(raw)
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss .* at step \d+ \(epoch 2") as exc:
+        train(cfg)
+    assert "last.pt" in str(exc.value)
+    state = ck.load_checkpoint(tmp_path / "run" / "last.pt")
+    assert state["epoch"] == 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
