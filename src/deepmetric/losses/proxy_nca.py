@@ -9,7 +9,6 @@ from .distances import (
     upcast,
     check_embeddings_labels,
     l2_normalize,
-    masked_logsumexp,
     no_autocast,
     pairwise_squared_euclidean,
     zero_loss,
@@ -100,9 +99,15 @@ class ProxyNCALoss(nn.Module):
             # no negative proxy exists: the loss is undefined, give a graph-connected zero
             return zero_loss(embeddings, self.proxies)
         with no_autocast(embeddings.device):
-            logits = -self._distances(embeddings)
+            x = l2_normalize(upcast(embeddings))
+            p = l2_normalize(self.proxies.to(x.dtype))
+            # with fixed norms, -d(x, p_z) = 2 sx sp cos(x, p_z) - (sx^2 + sp^2): the constant
+            # cancels between numerator and denominator, so the loss only needs the cosines
+            logits = (2.0 * self.scale_x * self.scale_p) * (x @ p.t())
             if not self.exclude_positive:
                 return F.cross_entropy(logits, labels)
-            onehot = F.one_hot(labels, self.num_classes).bool()
             pos_logit = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
-            return (masked_logsumexp(logits, ~onehot, dim=1) - pos_logit).mean()
+            # -inf at the positive class removes it from the denominator (C >= 2 here, so
+            # every row keeps a finite entry and logsumexp's gradient stays finite)
+            neg_logits = logits.scatter(1, labels.unsqueeze(1), float("-inf"))
+            return (torch.logsumexp(neg_logits, dim=1) - pos_logit).mean()
