@@ -33,7 +33,7 @@ description: >-
   alpha 16 -> 4 and lr x 1/10 after epoch 6 of 8; zero-shot test on unseen characters.
 data:
   name: glyphs
-  options: {max_classes: 300, size: 32}
+  options: {max_classes: 200, size: 32}
   transform: glyph
   num_workers: 1
 model:

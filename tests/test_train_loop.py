@@ -1,0 +1,134 @@
+"""The training loop on synthetic data: logs, optimiser groups, warm-up, AMP, gradient
+accumulation, auto-plateau heating inside the loop, the embed/evaluate CLI round trip."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from deepmetric import cli
+from deepmetric.train.config import config_from_dict
+from deepmetric.train.loop import build_model, seed_everything, train
+from deepmetric.train.optim import build_optimizer
+
+
+def _raw(out_dir, **train_extra):
+    return {
+        "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 16, "dim": 16, "seed": 5}},
+        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"epochs": 3, "batch_size": 16, "seed": 0, "out_dir": str(out_dir), "progress": False,
+                  **train_extra},
+        "eval": {"every": 1},
+    }
+
+
+def _records(path, kind):
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == kind]
+
+
+def test_end_to_end_run_writes_config_log_checkpoints_and_learns(tmp_path):
+    raw = _raw(tmp_path, epochs=6)
+    raw["eval"]["at_start"] = True
+    res = train(config_from_dict(raw))
+    steps, evals = _records(tmp_path / "log.jsonl", "step"), _records(tmp_path / "log.jsonl", "eval")
+    per_epoch = 96 // 16
+    assert [r["step"] for r in steps] == list(range(1, 6 * per_epoch + 1)) and res.iteration == 6 * per_epoch
+    assert all({"loss", "lr", "alpha", "images_per_s", "epoch"} <= set(r) for r in steps)
+    assert [r["epoch"] for r in evals] == list(range(0, 7))
+    assert all(0.0 <= r["recall@1"] <= 1.0 and "nmi" in r for r in evals)
+    first = np.mean([r["loss"] for r in steps[:per_epoch]])
+    last = np.mean([r["loss"] for r in steps[-per_epoch:]])
+    assert last < 0.8 * first  # it trains
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    assert {k: summary["metrics"][k] for k in ("recall@1", "nmi")} == {k: evals[-1][k] for k in ("recall@1", "nmi")}
+    best = max(evals[1:], key=lambda r: r["recall@1"])
+    assert summary["best"]["value"] == best["recall@1"]
+    for name in ("config.yaml", "last.pt", "best.pt"):
+        assert (tmp_path / name).is_file()
+
+
+def test_param_groups_new_layer_multiplier_and_regex_override():
+    cfg = config_from_dict({
+        "train": {"epochs": 1}, "model": {"name": "synthetic_mlp", "options": {"in_dim": 4}},
+        "optim": {"lr": 0.01, "new_layer_lr_mult": 10.0, "weight_decay": 1e-4,
+                  "param_groups": [{"pattern": r"^model\.head\.bias$", "lr_mult": 0.0, "weight_decay": 0.0}]},
+    })
+    model = build_model(cfg)
+    losses = torch.nn.ModuleList([torch.nn.Linear(8, 3)])  # stands for a classifier loss's W
+    opt = build_optimizer(model, losses, cfg.optim)
+    lr_of = {n: (g["lr"], g["weight_decay"]) for g in opt.param_groups for n in g["param_names"]}
+    assert lr_of["model.backbone.0.weight"] == (pytest.approx(0.01), 1e-4)       # backbone: base lr
+    assert lr_of["model.head.weight"] == (pytest.approx(0.1), 1e-4)              # new layer: 10x
+    assert lr_of["model.head.bias"] == (0.0, 0.0)                                # regex override
+    assert lr_of["loss.0.weight"] == (pytest.approx(0.1), 1e-4)                  # loss params: new layers
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters())) + 2
+
+
+def test_warmup_new_layers_keeps_backbone_fixed(tmp_path):
+    cfg = config_from_dict(_raw(tmp_path, epochs=1, warmup_epochs=1))
+    cfg.eval.every = 0
+    seed_everything(cfg.train.seed)
+    init = build_model(cfg, num_classes=6).state_dict()  # the loop seeds and builds identically
+    train(cfg)
+    final = torch.load(tmp_path / "last.pt", weights_only=True)["model"]
+    assert torch.equal(final["backbone.0.weight"], init["backbone.0.weight"])
+    assert not torch.equal(final["head.weight"], init["head.weight"])
+
+
+def test_grad_accum_bf16_iterations(tmp_path):
+    cfg = config_from_dict(_raw(tmp_path, epochs=None, iterations=5, grad_accum=2, amp="bf16"))
+    res = train(cfg)
+    steps = _records(tmp_path / "log.jsonl", "step")
+    assert res.iteration == 5 and len(steps) == 5
+    assert all(np.isfinite(r["loss"]) for r in steps)
+    assert steps[-1]["epoch"] == pytest.approx(10 / 6)  # 2 batches per step, 6 batches per epoch
+
+
+def test_fp16_needs_cuda(tmp_path):
+    with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
+        train(config_from_dict(_raw(tmp_path, amp="fp16", device="cpu")))
+
+
+def test_auto_plateau_heats_up_inside_the_loop(tmp_path):
+    raw = _raw(tmp_path, epochs=5)
+    raw["optim"]["lr"] = 0.0  # the loss cannot improve: a plateau from the first epoch
+    raw["eval"]["every"] = 0
+    raw["schedule"] = {"temperature": {"name": "auto_plateau", "monitor": "train_loss", "patience": 2,
+                                       "min_delta": 1e-4}}
+    train(config_from_dict(raw))
+    heats = _records(tmp_path / "log.jsonl", "heat_up")
+    assert len(heats) == 1 and heats[0]["epoch"] == 3  # best at 1, bad at 2 and 3
+    alphas = [r["alpha"] for r in _records(tmp_path / "log.jsonl", "step")]
+    per_epoch = 6
+    assert set(alphas[: 3 * per_epoch]) == {16.0} and set(alphas[3 * per_epoch:]) == {4.0}
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["alphas"] == [4.0]
+
+
+def test_embed_cli_round_trip_with_query_gallery(tmp_path, capsys):
+    raw = _raw(tmp_path / "run", epochs=2)
+    raw["eval"].update({"split": "query", "gallery_split": "gallery"})
+    res = train(config_from_dict(raw))
+    npz = tmp_path / "emb.npz"
+    assert cli.main(["embed", str(tmp_path / "run" / "last.pt"), "--split", "query+gallery", "--out", str(npz)]) == 0
+    z = np.load(npz)
+    assert z["embeddings"].shape == (96, 8) and z["is_query"].sum() == 48 and (z["is_query"] ^ z["is_gallery"]).all()
+    out = tmp_path / "m.json"
+    assert cli.main(["evaluate", str(npz), "--out", str(out)]) == 0
+    metrics = json.loads(out.read_text())
+    metrics = metrics.get("metrics", metrics)
+    for k in ("recall@1", "recall@8"):
+        assert metrics[k] == pytest.approx(res.metrics[k], abs=1e-9)
+
+
+def test_cli_train_reports_config_errors(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps(_raw(tmp_path / "run")))
+    assert cli.main(["train", str(cfg), "optim.lrr=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'optim.lrr'" in err and "did you mean 'optim.lr'" in err
+    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    assert cli.main(["embed", str(tmp_path / "none.pt"), "--out", str(tmp_path / "e.npz")]) == 2
+    assert "none.pt" in capsys.readouterr().err
