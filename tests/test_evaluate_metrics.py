@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from sklearn.metrics import normalized_mutual_info_score
 
 from deepmetric.evaluate import (
@@ -270,3 +271,34 @@ def test_classification_accuracy_logits_and_preds(rng):
     # hand-worked: class 0 has 3 samples (all right), class 1 has 1 (wrong): micro 3/4, macro 1/2
     assert classification_accuracy([0, 0, 0, 0], [0, 0, 0, 1]) == {"top1": 0.75, "mean_per_class": 0.5}
     assert not math.isnan(classification_accuracy(np.eye(3), [0, 1, 2])["top1"])
+
+
+@pytest.mark.filterwarnings("ignore:.*no same-label")
+@pytest.mark.parametrize("backend", EXACT)
+def test_large_k_recall_via_first_positive_rank(rng, backend):
+    # many classes + heavy noise: first positives are often deeper than the 32-long list,
+    # so Recall@K for K > 32 comes from the exact counting pass
+    y = rng.integers(0, 100, 300)
+    x = (rng.standard_normal((100, 6))[y] + 3.0 * rng.standard_normal((300, 6))).astype(np.float32)
+    x[10] = x[11]
+    ks = (1, 33, 50, 100, 200)
+    want = ref_metrics(x, y, ks)
+    assert 0.2 < want["recall@50"] < 0.95  # the deep path is really exercised
+    for kw in ({}, {"memory_mb": 0.001, "chunk_size": 13}):
+        got = evaluate(x, y, ks=ks, metrics=["recall"], backend=backend, **kw)
+        assert_metrics_close(got, {k: v for k, v in want.items() if k.startswith("recall")})
+
+
+def test_first_positive_rank_matches_bruteforce_with_ties(rng):
+    from deepmetric.evaluate._checks import check_embeddings
+    from deepmetric.evaluate.knn import first_positive_rank
+
+    x, y = tie_data(rng, n=80)
+    xn = check_embeddings(x)
+    want = []
+    for lab, ranked, _ in ref_rankings(x, y):
+        want.append(ranked.index(lab) if lab in ranked else 80)
+    got = first_positive_rank(xn, xn, y, y, np.arange(80), memory_mb=0.001)
+    np.testing.assert_array_equal(got, want)
+    got_t = first_positive_rank(torch.from_numpy(xn), torch.from_numpy(xn), y, y, np.arange(80))
+    np.testing.assert_array_equal(got_t, want)

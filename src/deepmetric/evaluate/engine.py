@@ -13,10 +13,16 @@ import torch
 
 from deepmetric.evaluate._checks import check_embeddings, to_mask, to_numpy_labels
 from deepmetric.evaluate.clustering import kmeans, nmi_from_clusters, pairwise_f1_from_clusters
-from deepmetric.evaluate.knn import APPROXIMATE_BACKENDS, iter_knn, resolve_backend
+from deepmetric.evaluate.knn import (
+    APPROXIMATE_BACKENDS,
+    first_positive_rank,
+    iter_knn,
+    resolve_backend,
+)
 from deepmetric.evaluate.retrieval import RetrievalAccumulator
 
 METRICS = ("recall", "map@r", "r_precision", "nmi", "f1")
+RECALL_LIST_CAP = 32  # longest k-NN list kept for Recall@K alone (see evaluate)
 
 
 def _check_metrics(metrics) -> tuple[str, ...]:
@@ -99,11 +105,26 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
         classes, counts = np.unique(g_labels, return_counts=True)
         where = np.clip(np.searchsorted(classes, q_labels), 0, len(classes) - 1)
         r = np.where(classes[where] == q_labels, counts[where], 0) - (self_pos >= 0)
-        k = max(max(ks) if want_recall else 1, int(r.max()) if want_map else 1, 1)
+        approximate = backend in APPROXIMATE_BACKENDS
+        # One k-NN pass serves every metric. MAP@R / R-Precision need the first R neighbours;
+        # Recall@K only needs the rank of the first positive, so for large K (e.g. 1000) the
+        # list stops at RECALL_LIST_CAP and the few queries whose first positive lies deeper
+        # get their exact rank from a counting pass (knn.first_positive_rank) instead of a
+        # 1000-long top-k for everybody. Approximate backends search the full max(K).
+        k_recall = max(ks) if (approximate or max(ks) <= RECALL_LIST_CAP) else RECALL_LIST_CAP
+        k = max(k_recall if want_recall else 1, int(r.max()) if want_map else 1, 1)
         acc = RetrievalAccumulator(ks if want_recall else (), want_map=want_map)
-        for a, _, idx in iter_knn(_rows(x, q_idx), _rows(x, g_idx), k, self_pos=self_pos,
-                                  backend=backend, chunk_size=chunk_size, memory_mb=memory_mb):
-            acc.update(idx, q_labels[a:a + len(idx)], g_labels, r[a:a + len(idx)])
+        qx, gx = _rows(x, q_idx), _rows(x, g_idx)
+        for a, _, idx in iter_knn(qx, gx, k, self_pos=self_pos, backend=backend,
+                                  chunk_size=chunk_size, memory_mb=memory_mb):
+            sl = slice(a, a + len(idx))
+
+            def rank_fn(rows, a=a):
+                rows = rows + a
+                return first_positive_rank(_rows(qx, rows), gx, q_labels[rows], g_labels,
+                                           self_pos[rows], memory_mb=memory_mb)
+
+            acc.update(idx, q_labels[sl], g_labels, r[sl], rank_fn=rank_fn)
         suffix = "_approx" if backend in APPROXIMATE_BACKENDS else ""
         res = acc.result(suffix)
         for key, val in res.items():

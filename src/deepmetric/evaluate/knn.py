@@ -59,11 +59,14 @@ def _as_torch(x) -> torch.Tensor:
 def _drop_self(sims: np.ndarray, idx: np.ndarray, self_pos: np.ndarray, width: int):
     """Remove each row's own gallery index (if present) keeping order; return ``width`` columns."""
     is_self = (idx == self_pos[:, None]) & (self_pos[:, None] >= 0)
-    if is_self.any():
-        sims, idx = np.where(is_self, -np.inf, sims), np.where(is_self, -1, idx)
-        order = np.argsort(is_self, axis=1, kind="stable")
-        sims = np.take_along_axis(sims, order, axis=1)
-        idx = np.take_along_axis(idx, order, axis=1)
+    has = is_self.any(axis=1)
+    if has.any():
+        # shift the columns after the self entry one to the left (at most one self per row)
+        p = np.where(has, is_self.argmax(axis=1), idx.shape[1])
+        cols = np.arange(idx.shape[1])[None, :]
+        cols = np.minimum(cols + (cols >= p[:, None]), idx.shape[1] - 1)
+        sims, idx = np.take_along_axis(sims, cols, 1), np.take_along_axis(idx, cols, 1)
+        sims[has, -1], idx[has, -1] = -np.inf, -1
     sims, idx = sims[:, :width], idx[:, :width]
     if sims.shape[1] < width:  # fewer candidates than asked: pad
         pad = width - sims.shape[1]
@@ -73,12 +76,17 @@ def _drop_self(sims: np.ndarray, idx: np.ndarray, self_pos: np.ndarray, width: i
 
 
 def _sort_rows(sims: np.ndarray, idx: np.ndarray):
-    """Order each row by similarity descending, then gallery index ascending (padding last)."""
+    """Order rows (already sorted by similarity, as faiss / torch.topk return them) so that
+    equal similarities come by ascending gallery index; padding (-1) goes last."""
     pad = idx < 0
     sims = np.where(pad, -np.inf, sims).astype(np.float32)
-    key_idx = np.where(pad, np.iinfo(np.int64).max, idx)
-    order = np.lexsort((key_idx, -sims), axis=-1)
-    return np.take_along_axis(sims, order, axis=1), np.take_along_axis(idx, order, axis=1)
+    tied = np.flatnonzero(((sims[:, 1:] == sims[:, :-1]) & ~pad[:, 1:]).any(axis=1))
+    if tied.size:
+        s, i = sims[tied], idx[tied]
+        key_idx = np.where(i < 0, np.iinfo(np.int64).max, i)
+        order = np.lexsort((key_idx, -s), axis=-1)
+        sims[tied], idx[tied] = np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1)
+    return sims, idx
 
 
 def _exact_rows(query, gallery, rows: np.ndarray, self_pos: np.ndarray, k: int, budget: int):
@@ -241,3 +249,36 @@ def knn(query, gallery=None, k: int = 1, *, exclude_self: bool | None = None,
     sims = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, k), np.float32)
     idx = np.concatenate([p[2] for p in parts]) if parts else np.zeros((0, k), np.int64)
     return sims, idx
+
+
+def first_positive_rank(query, gallery, q_labels: np.ndarray, g_labels: np.ndarray,
+                        self_pos: np.ndarray, memory_mb: float | None = None) -> np.ndarray:
+    """0-based rank of each query's first same-label reference in its exact ranking
+    (similarity descending, ties by smaller index, self excluded by index): the number of
+    references ranked before it. Recall@K of the query is ``rank < K``. Computed by counting,
+    without sorting, in chunks of ``memory_mb``. Queries without a positive get ``ng``."""
+    on_torch = isinstance(query, torch.Tensor)
+    xp = torch if on_torch else np
+    dev = query.device if on_torch else None
+
+    def arr(a):
+        return torch.as_tensor(a, device=dev) if on_torch else np.asarray(a)
+
+    ng = gallery.shape[0]
+    gl, ar = arr(g_labels), arr(np.arange(ng))
+    step = max(1, _budget(memory_mb) // (ng * 12))
+    out = np.empty(query.shape[0], np.int64)
+    for a in range(0, query.shape[0], step):
+        s = query[a:a + step] @ gallery.T
+        sp = self_pos[a:a + step]
+        rows, cols = arr(np.flatnonzero(sp >= 0)), arr(sp[sp >= 0])
+        s[rows, cols] = -np.inf
+        pos = gl[None, :] == arr(q_labels[a:a + step])[:, None]
+        pos[rows, cols] = False
+        best = xp.amax(xp.where(pos, s, -np.inf), 1)[:, None]
+        first = pos & (s == best)
+        jbest = (first.to(torch.uint8) if on_torch else first).argmax(1)[:, None]
+        rank = (s > best).sum(1) + ((s == best) & (ar[None, :] < jbest)).sum(1)
+        rank = rank.cpu().numpy() if on_torch else rank
+        out[a:a + step] = np.where(pos.any(1).cpu().numpy() if on_torch else pos.any(1), rank, ng)
+    return out

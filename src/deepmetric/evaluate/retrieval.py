@@ -28,17 +28,30 @@ class RetrievalAccumulator:
     n_no_positive: int = 0
 
     def update(self, knn_idx: np.ndarray, q_labels: np.ndarray, g_labels: np.ndarray,
-               r: np.ndarray) -> None:
-        """``knn_idx`` (c, k) gallery indices (-1 padding), ``r`` (c,) positives per query."""
+               r: np.ndarray, rank_fn=None) -> None:
+        """``knn_idx`` (c, k) gallery indices (-1 padding), ``r`` (c,) positives per query.
+
+        Recall@K is ``rank < K`` with ``rank`` the 0-based position of the first positive. It
+        is read from the k-NN list when the positive is inside it; otherwise, if some K exceeds
+        the list length, ``rank_fn(rows)`` (an exact counting pass over those rows) supplies it.
+        """
         valid = r > 0
         self.n_no_positive += int((~valid).sum())
         if not valid.any():
             return
+        rows = np.flatnonzero(valid)
         knn_idx, q_labels, r = knn_idx[valid], q_labels[valid], r[valid]
         self.n_valid += int(valid.sum())
         match = (knn_idx >= 0) & (g_labels[np.maximum(knn_idx, 0)] == q_labels[:, None])
-        for k in self.ks:
-            self.hits[k] = self.hits.get(k, 0) + int(match[:, :k].any(axis=1).sum())
+        if self.ks:
+            found = match.any(axis=1)
+            rank = np.where(found, match.argmax(axis=1), np.iinfo(np.int64).max)
+            if max(self.ks) > match.shape[1] and not found.all():
+                if rank_fn is None:
+                    raise RuntimeError("internal error: k-NN list shorter than max K")
+                rank[~found] = rank_fn(rows[~found])
+            for k in self.ks:
+                self.hits[k] = self.hits.get(k, 0) + int((rank < k).sum())
         if self.want_map:
             width = int(r.max())
             if width > match.shape[1]:
