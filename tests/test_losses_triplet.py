@@ -331,3 +331,13 @@ def test_bad_options_and_inputs_raise_clear_errors():
         loss(torch.randn(4, 3), torch.tensor([0.0, 1.0, 0.0, 1.0]))
     with pytest.raises(ValueError, match=r"\[batch, dim\]"):
         loss(torch.randn(4), torch.tensor([0, 1, 0, 1]))
+
+
+def test_distance_gradients_match_finite_differences():
+    # the self-distance path uses a custom Gram backward; check it (and double backward)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(pairwise_squared_euclidean, (x,))
+    assert torch.autograd.gradgradcheck(pairwise_squared_euclidean, (x,))
+    loss = TripletLoss(mining="all", margin=1.0).double()
+    y = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert torch.autograd.gradcheck(lambda e: loss(e, y), (x,))
