@@ -1,7 +1,7 @@
 """``deepmetric demo``: the offline demo on the glyph benchmark (CPU, a few minutes).
 
 Trains a heated-up BN embedding (heated-up softmax paper: BN head, l2-normalised class
-weights, alpha = 16, then alpha x 1/4 and lr x 1/10 for the last quarter of training) with
+weights, alpha = 16, then alpha x 1/4 and lr x 1/10 for the last third of training) with
 a compact ResNet on glyphs of GB2312 characters rendered from the installed CJK fonts,
 and evaluates Recall@{1,2,4,8} and NMI on the *unseen* test characters before heating-up
 (at the heat-up epoch) and after it (at the end).  Writes, under ``--out``:
@@ -30,7 +30,7 @@ DEMO_CONFIG = """\
 name: demo_glyphs
 description: >-
   Heated-up softmax (HBN) on glyphs: compact ResNet, 64-d BN head, heated softmax with
-  alpha 16 -> 4 and lr x 1/10 after epoch 6 of 8; zero-shot test on unseen characters.
+  alpha 16 -> 4 and lr x 1/10 after epoch 4 of 6; zero-shot test on unseen characters.
 data:
   name: glyphs
   options: {max_classes: 200, size: 32}
@@ -45,8 +45,8 @@ loss:
 optim: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.0005}
 schedule:
   lr: {name: constant}
-  temperature: {name: heat_up, at: 6, alpha_factor: 0.25, lr_factor: 0.1}
-train: {epochs: 8, batch_size: 64, seed: 0, out_dir: runs/demo}
+  temperature: {name: heat_up, at: 4, alpha_factor: 0.25, lr_factor: 0.1}
+train: {epochs: 6, batch_size: 64, seed: 0, out_dir: runs/demo}
 eval: {every: 2, ks: [1, 2, 4, 8], best_metric: recall@1}
 """
 

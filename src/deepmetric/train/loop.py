@@ -250,18 +250,13 @@ def _make_sampler(cfg: Config, labels: np.ndarray, rank: int, world: int):
                               drop_last=True)
 
 
-def _make_loader(dataset, sampler, num_workers: int, pin: bool):
-    try:
-        from deepmetric.data import make_loader
-    except ImportError:  # the data package without its loader helper
-        make_loader = None
-    if make_loader is not None and not isinstance(dataset, torch.utils.data.TensorDataset):
-        try:
-            return make_loader(dataset, batch_sampler=sampler, num_workers=num_workers)
-        except TypeError:
-            pass
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=pin, persistent_workers=False)
+def _make_loader(dataset, sampler, num_workers: int, pin: bool, seed: int):
+    """A loader over the batch sampler.  ``seed`` (a function of run seed, epoch and rank)
+    seeds the workers, so augmentations differ between epochs and repeat on resume."""
+    from deepmetric.data import make_loader
+
+    return make_loader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin,
+                       persistent_workers=False, seed=seed)
 
 
 def _eval_due(cfg: Config, epoch_done: int, total_epochs: int, finished: bool) -> bool:
@@ -434,7 +429,8 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
                 # Each epoch's randomness is a function of (seed, epoch, rank) only.
                 seed_everything(tc.seed + 1_000_003 * (epoch + 1) + 7919 * rank)
             sampler.set_epoch(epoch)
-            loader = _make_loader(train_ds, sampler, cfg.data.num_workers, device.type == "cuda")
+            loader = _make_loader(train_ds, sampler, cfg.data.num_workers, device.type == "cuda",
+                                  seed=(tc.seed * 1_000_003 + epoch * 7919 + rank) % 2**63)
             bn_stats_only = epoch < tc.warmup_epochs and tc.warmup_mode == "bn_stats"
             bar = None
             if tqdm is not None and tc.progress and main:
