@@ -230,6 +230,10 @@ class TrainConfig:
     warmup_mode: Literal["new_layers", "bn_stats"] = "new_layers"
     seed: int = 0
     deterministic: bool = False
+    #: torch intra-op threads (``null`` = torch's default).  With data-loader workers on a
+    #: small CPU, 1 avoids oversubscription (spinning OpenMP threads slow down >10x when
+    #: another process holds a core).
+    num_threads: Optional[int] = None
     device: str = "auto"
     out_dir: str = "runs/run"
     checkpoint_every: int = 1
@@ -420,6 +424,8 @@ def _check_values(cfg: Config) -> None:
         v = getattr(t, key)
         if v is not None and v < 1:
             raise ConfigError(f"config key 'train.{key}': must be >= 1, got {v}")
+    if t.num_threads is not None and t.num_threads < 1:
+        raise ConfigError(f"config key 'train.num_threads': must be >= 1, got {t.num_threads}")
     if t.warmup_epochs < 0:
         raise ConfigError(f"config key 'train.warmup_epochs': must be >= 0, got {t.warmup_epochs}")
     if not cfg.loss:

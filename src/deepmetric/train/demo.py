@@ -35,7 +35,7 @@ data:
   name: glyphs
   options: {max_classes: 200, size: 32}
   transform: glyph
-  num_workers: 1
+  num_workers: 1          # augmentation in one worker, the model on the other core
 model:
   name: glyph_resnet
   options: {embedding_dim: 64, norm: bn}
@@ -46,7 +46,7 @@ optim: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.0005}
 schedule:
   lr: {name: constant}
   temperature: {name: heat_up, at: 4, alpha_factor: 0.25, lr_factor: 0.1}
-train: {epochs: 6, batch_size: 64, seed: 0, out_dir: runs/demo}
+train: {epochs: 6, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo}
 eval: {every: 2, ks: [1, 2, 4, 8], best_metric: recall@1}
 """
 

@@ -278,6 +278,8 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     main = dist_info.is_main
     tc = cfg.train
+    if tc.num_threads is not None:
+        torch.set_num_threads(tc.num_threads)
     if tc.amp == "fp16" and device.type != "cuda":
         raise ValueError("config key 'train.amp': fp16 needs a CUDA device (gradient scaler); use bf16 on CPU")
     if tc.deterministic:
