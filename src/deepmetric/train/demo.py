@@ -114,7 +114,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=No
     if "final" in snapshots:
         snapshots["after heat-up"] = snapshots.pop("final")
 
-    keys = [f"recall@{k}" for k in cfg.eval.ks] + ["nmi"]
+    keys = [f"recall@{k}" for k in cfg.eval.ks] + ["map@r", "nmi"]
     before = snapshots.get("before heat-up", {}).get("metrics", {})
     after = snapshots.get("after heat-up", {}).get("metrics", {})
     t0 = time.perf_counter()
