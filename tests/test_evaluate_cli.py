@@ -67,3 +67,25 @@ def test_missing_and_corrupt_file(tmp_path, capsys):
     bad.write_text("not a zip")
     assert main(["evaluate", str(bad)]) == 2
     assert "not a readable .npz" in capsys.readouterr().err
+
+
+def test_debug_env_reraises_user_errors(tmp_path, monkeypatch):
+    """DEEPMETRIC_DEBUG=1 turns the one-line error into the real exception (for bug reports)."""
+    from deepmetric.cli import main
+
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, embeddings=np.zeros((3, 2), dtype=np.float32))
+    assert main(["evaluate", str(bad)]) == 2
+    monkeypatch.setenv("DEEPMETRIC_DEBUG", "1")
+    with pytest.raises(ValueError, match="labels"):
+        main(["evaluate", str(bad)])
+
+
+def test_version_flag(capsys):
+    from deepmetric import __version__
+    from deepmetric.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert __version__ in capsys.readouterr().out

@@ -3,11 +3,13 @@
 Each sub-command is registered by a small ``_add_<name>_parser(sub)`` function that adds its
 arguments and ``set_defaults(func=...)``; ``main`` only dispatches. User errors (bad files,
 bad values) raised as ValueError / FileNotFoundError / TypeError / KeyError / OSError are
-printed as one clear line on stderr with exit code 2, without a traceback.
+printed as one clear line on stderr with exit code 2, without a traceback; set the
+environment variable ``DEEPMETRIC_DEBUG=1`` to get the full traceback instead.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -139,7 +141,10 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
+    from deepmetric import __version__
+
     parser = argparse.ArgumentParser(prog="deepmetric", description="Deep metric learning toolkit.")
+    parser.add_argument("--version", action="version", version=f"deepmetric {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_evaluate_parser(sub)
     _add_report_parser(sub)
@@ -155,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, TypeError, KeyError, OSError) as exc:
+        if os.environ.get("DEEPMETRIC_DEBUG"):
+            raise
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"deepmetric {args.command}: error: {msg}", file=sys.stderr)
         return 2
