@@ -1,5 +1,5 @@
 """Glyph benchmark: the GB2312 level-1 character list, rendering determinism, cache hits,
-duplicate-face removal, class disjointness. Builds use a few classes and a few faces only."""
+duplicate-face removal, within-class duplicate-image removal, class disjointness. Builds use a few classes and a few faces only."""
 import shutil
 from pathlib import Path
 
@@ -141,3 +141,65 @@ def test_registry_transform_and_errors(tmp_path):
 def test_no_fonts_message(tmp_path):
     with pytest.raises(FileNotFoundError, match="apt-get install fonts-noto-cjk"):
         build_glyph_dataset("train", root=tmp_path, fonts=[str(tmp_path)])  # an empty directory
+
+
+def _regional_variants(n_faces=5):
+    """Regional variants (JP/KR/SC/TC/HK) of one Noto weight: they draw most hanzi identically."""
+    faces = [f for f in FACES if Path(f.path).name.startswith("NotoSansCJK-Regular")]
+    return [f"{f.path}#{f.index}" for f in faces[:n_faces]]
+
+
+@pytest.mark.skipif(not _regional_variants(), reason="fonts-noto-cjk (NotoSansCJK-Regular.ttc) not installed")
+def test_within_class_dedup_against_brute_force(tmp_path):
+    fonts = _regional_variants()
+    kw = dict(fonts=fonts, max_classes=12, size=24)
+    raw = build_glyph_dataset("test", root=tmp_path, dedup="none", **kw)
+    assert raw.dedup == "none"
+    # reference: brute force over (class, face-order) pairs, keep the first of identical images
+    ref = []
+    for c in range(raw.num_classes):
+        idx = np.flatnonzero(raw.labels == c)
+        idx = idx[np.argsort(raw.face_ids[idx], kind="stable")]
+        kept = []
+        for i in idx:
+            if not any(np.array_equal(raw.images[i], raw.images[j]) for j in kept):
+                kept.append(i)
+        ref += [(c, int(raw.face_ids[i])) for i in kept]
+    assert len(ref) < len(raw)  # these faces do share identical images (the reason for dedup)
+
+    ex = build_glyph_dataset("test", root=tmp_path, **kw)  # default dedup="exact"
+    assert ex.dedup == "exact" and not ex.from_cache  # the mode is part of the cache key
+    assert sorted(zip(ex.labels.tolist(), ex.face_ids.tolist())) == sorted(ref)
+    assert ex.faces == raw.faces and ex.images_before_dedup == raw.images_before_dedup
+    for c in range(ex.num_classes):
+        block = ex.images[ex.labels == c].reshape(-1, 24 * 24)
+        assert len(np.unique(block, axis=0)) == len(block)  # no two identical images in a class
+    for i in range(len(ex)):  # each kept image is the one its face rendered
+        j = np.flatnonzero((raw.labels == ex.labels[i]) & (raw.face_ids == ex.face_ids[i]))
+        np.testing.assert_array_equal(ex.images[i], raw.images[j[0]])
+
+    again = build_glyph_dataset("test", root=tmp_path / "other", **kw)  # deterministic re-render
+    np.testing.assert_array_equal(again.images, ex.images)
+    np.testing.assert_array_equal(again.face_ids, ex.face_ids)
+    assert build_glyph_dataset("test", root=tmp_path, **kw).from_cache
+
+    # near: greedy in face order, mean |difference| (grey levels) to every kept image >= threshold
+    thr = 3.0
+    near = build_glyph_dataset("test", root=tmp_path, dedup="near", near_threshold=thr, **kw)
+    assert not near.from_cache and len(near) <= len(ex)
+    ref_near = []
+    for c in range(ex.num_classes):
+        kept = []
+        for i in np.flatnonzero(ex.labels == c):
+            if all(np.abs(ex.images[i].astype(float) - ex.images[j]).mean() >= thr for j in kept):
+                kept.append(i)
+        ref_near += [(c, int(ex.face_ids[i])) for i in kept]
+    assert sorted(zip(near.labels.tolist(), near.face_ids.tolist())) == sorted(ref_near)
+    other = build_glyph_dataset("test", root=tmp_path, dedup="near", near_threshold=1.0, **kw)
+    assert not other.from_cache  # the threshold is part of the cache key
+    assert len(list((tmp_path / "glyphs").glob("*.npz"))) == 4
+
+    with pytest.raises(ValueError, match="dedup"):
+        build_glyph_dataset("test", root=tmp_path, dedup="fuzzy", **kw)
+    with pytest.raises(ValueError, match="near_threshold"):
+        build_glyph_dataset("test", root=tmp_path, dedup="near", near_threshold=-1, **kw)

@@ -5,7 +5,14 @@ ordered by pinyin). Each class holds one image per installed CJK font *face* tha
 character in its cmap (every face of a .ttc collection counts: weights, regional variants JP /
 KR / SC / TC / HK, mono variants). Faces whose complete rendering stack is pixel-identical to
 an earlier face's (for example "Noto Sans Mono CJK SC" vs "Noto Sans CJK SC", whose hanzi are the
-same outlines) are dropped, so no class holds two identical images.
+same outlines) are dropped. Then, by default (``dedup="exact"``), every image that is
+pixel-identical to an earlier image of the same class (faces in the fixed order of
+``find_cjk_faces``) is dropped: the regional variants of one Noto weight (JP / KR / SC / TC / HK)
+draw most characters identically: without this, 59 % of the images are exact copies of another
+image of their class, which makes retrieval trivial. Classes therefore hold different numbers
+of images (22-78 for the full benchmark); ``face_ids`` tells which face drew each image.
+``dedup="near"`` also drops images whose mean absolute difference to a kept image of the class
+is below ``near_threshold`` grey levels; ``dedup="none"`` keeps every face's image.
 
 Zero-shot protocol: the first half of the characters in GB2312 order (1,878) are training
 classes, the second half (1,877) test classes; the two splits share no class.
@@ -51,7 +58,8 @@ __all__ = [
     "CJK_FONT_PATTERNS",
 ]
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+DEDUP_MODES = ("exact", "near", "none")
 
 # Font files of the Debian packages fonts-noto-cjk, fonts-noto-cjk-extra, fonts-arphic-ukai,
 # fonts-arphic-uming, fonts-wqy-zenhei, fonts-wqy-microhei, fonts-lxgw-wenkai and
@@ -238,8 +246,41 @@ def _cache_key(faces: Sequence[FontFace], chars: str, params: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+def _dedup_within_classes(images: np.ndarray, char_idx: np.ndarray, mode: str,
+                          near_threshold: float) -> np.ndarray:
+    """Boolean keep-mask over class-major ``images``: within each class, drop an image that is
+    pixel-identical to (``mode="exact"``), or whose mean absolute difference in grey levels is
+    below ``near_threshold`` to (``mode="near"``), an image kept earlier in the class. The order
+    inside a class is the face order, so the first face's image always survives."""
+    keep = np.ones(len(images), dtype=bool)
+    if mode == "none" or len(images) == 0:
+        return keep
+    starts = np.flatnonzero(np.r_[True, char_idx[1:] != char_idx[:-1], True])
+    flat = images.reshape(len(images), -1)
+    for s, e in zip(starts[:-1], starts[1:]):
+        seen = set()
+        for i in range(s, e):  # exact: hash the raw bytes (cheap, exact equality)
+            b = flat[i].tobytes()
+            if b in seen:
+                keep[i] = False
+            seen.add(b)
+        if mode == "near" and near_threshold > 0:
+            idx = s + np.flatnonzero(keep[s:e])
+            x = flat[idx].astype(np.int16)
+            kept: list[int] = []
+            for j in range(len(idx)):
+                if kept:
+                    d = np.abs(x[kept] - x[j]).mean(axis=1)
+                    if d.min() < near_threshold:
+                        keep[idx[j]] = False
+                        continue
+                kept.append(j)
+    return keep
+
+
 def _render_all(faces, chars, params, num_workers, verbose) -> dict:
-    """Render, drop pixel-identical faces, and return the arrays stored in the cache file."""
+    """Render, drop pixel-identical faces and duplicate images within a class (``params["dedup"]``),
+    and return the arrays stored in the cache file."""
     tasks = [(f, chars, params["size"], params["margin"], params["oversample"], params["fit"]) for f in faces]
     if num_workers is None:
         # Spawning workers costs ~2 s of imports; only worth it for real builds.
@@ -281,10 +322,13 @@ def _render_all(faces, chars, params, num_workers, verbose) -> dict:
     char_idx = np.concatenate(char_idx)
     face_idx = np.concatenate(face_idx)
     order = np.lexsort((face_idx, char_idx))  # class-major: all faces of char 0, then char 1, ...
+    images, char_idx, face_idx = np.concatenate(imgs)[order], char_idx[order], face_idx[order]
+    keep = _dedup_within_classes(images, char_idx, params["dedup"], params["near_threshold"])
     return {
-        "images": np.concatenate(imgs)[order],
-        "char_index": char_idx[order],
-        "face_index": face_idx[order],
+        "images": images[keep],
+        "char_index": char_idx[keep],
+        "face_index": face_idx[keep],
+        "images_before_dedup": np.array(len(keep)),
         "chars": np.array(list(chars)),
         "face_names": np.array([f.name for f in kept_faces]),
         "face_paths": np.array([f.path for f in kept_faces]),
@@ -312,7 +356,8 @@ class GlyphDataset(ArrayImageDataset):
 
     Extra attributes: ``chars`` (the split's characters, = ``class_names``), ``face_ids``
     (per-image index into ``faces``), ``faces`` (names of the faces kept), ``dropped_faces``
-    (``(name, reason)`` pairs), ``cache_path`` and ``from_cache`` (whether this build loaded the cache).
+    (``(name, reason)`` pairs), ``cache_path``, ``from_cache`` (whether this build loaded the cache),
+    ``dedup`` (the mode used) and ``images_before_dedup`` (both splits, before within-class dedup).
     """
 
 
@@ -320,6 +365,7 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
                         size: int = 32, margin: int = 2, oversample: int = 4, fit: str = "em",
                         fonts: Iterable[str] | str | None = None, max_classes: int | None = None,
                         max_faces: int | None = None, num_workers: int | None = None,
+                        dedup: str = "exact", near_threshold: float = 2.0,
                         protocol: str = "zero_shot", verbose: bool = False) -> GlyphDataset:
     """Build (or load from cache) one split of the glyph benchmark.
 
@@ -334,6 +380,9 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
         max_classes: keep only the first ``max_classes`` characters of each split (small demos/tests).
         max_faces: use only the first ``max_faces`` faces (before duplicate removal).
         num_workers: rendering processes (default 2 for a full build, 0 for small subsets).
+        dedup: "exact" (default: drop an image pixel-identical to an earlier one of its class),
+            "near" (also drop one whose mean absolute difference to a kept one of its class is
+            below ``near_threshold`` grey levels out of 255) or "none".
         protocol: only "zero_shot" exists for this benchmark.
     """
     if protocol != "zero_shot":
@@ -347,6 +396,10 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
             raise ValueError(f"glyphs: {name} must be an int >= {lo}, got {v!r}")
     if size - 2 * margin < 2:
         raise ValueError(f"glyphs: margin={margin} leaves no room in size={size}")
+    if dedup not in DEDUP_MODES:
+        raise ValueError(f"glyphs: dedup must be one of {DEDUP_MODES}, got {dedup!r}")
+    if isinstance(near_threshold, bool) or not isinstance(near_threshold, (int, float)) or not 0 <= near_threshold <= 255:
+        raise ValueError(f"glyphs: near_threshold must be a number in [0, 255] (grey levels), got {near_threshold!r}")
     for name, v in (("max_classes", max_classes), ("max_faces", max_faces)):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"glyphs: {name} must be a positive int or None, got {v!r}")
@@ -368,7 +421,8 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
     if max_faces is not None:
         faces = faces[:max_faces]
 
-    params = {"size": size, "margin": margin, "oversample": oversample, "fit": fit}
+    params = {"size": size, "margin": margin, "oversample": oversample, "fit": fit, "dedup": dedup,
+              "near_threshold": float(near_threshold) if dedup == "near" else None}
     path = glyph_cache_dir(root) / f"glyphs-{size}px-{_cache_key(faces, chars, params)}.npz"
     from_cache = path.is_file()
     if from_cache:
@@ -397,4 +451,6 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
     ds.cache_path = path
     ds.from_cache = from_cache
     ds.build_seconds = float(data["build_seconds"])
+    ds.dedup = dedup
+    ds.images_before_dedup = int(data["images_before_dedup"])
     return ds
