@@ -124,6 +124,14 @@ def test_registry_transform_and_errors(tmp_path):
     ds = build_dataset("glyphs", root=tmp_path, split="train", transform=t, fonts=fonts, max_classes=2, size=16)
     ds[0]
     assert seen == [(torch.uint8, (1, 16, 16))]
+    # max_train_classes: fewer training characters, the test split unchanged
+    tr = build_glyph_dataset("train", root=tmp_path, fonts=fonts, max_classes=4, max_train_classes=2, size=16)
+    te = build_glyph_dataset("test", root=tmp_path, fonts=fonts, max_classes=4, max_train_classes=2, size=16)
+    chars = gb2312_level1_chars()
+    assert tr.class_names == list(chars[:2]) and te.class_names == list(chars[1878:1882])
+    assert sorted(set(te.labels.tolist())) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="max_train_classes"):
+        build_glyph_dataset("train", root=tmp_path, fonts=fonts, max_train_classes=0)
     with pytest.raises(ValueError, match="split"):
         build_glyph_dataset("val", root=tmp_path, fonts=fonts)
     with pytest.raises(ValueError, match="margin"):

@@ -364,6 +364,7 @@ class GlyphDataset(ArrayImageDataset):
 def build_glyph_dataset(split: str = "train", transform: Callable | None = None, root=None, *,
                         size: int = 32, margin: int = 2, oversample: int = 4, fit: str = "em",
                         fonts: Iterable[str] | str | None = None, max_classes: int | None = None,
+                        max_train_classes: int | None = None,
                         max_faces: int | None = None, num_workers: int | None = None,
                         dedup: str = "exact", near_threshold: float = 2.0,
                         protocol: str = "zero_shot", verbose: bool = False) -> GlyphDataset:
@@ -378,6 +379,8 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
         fit: "em" (same em size for every glyph) or "box" (bounding box fills the inner square).
         fonts: font files / directories (default: the CJK packages' files, see ``find_cjk_faces``).
         max_classes: keep only the first ``max_classes`` characters of each split (small demos/tests).
+        max_train_classes: if given, the number of training characters instead (the test split
+            keeps ``max_classes``; e.g. train on 300 characters, test on all 1,877).
         max_faces: use only the first ``max_faces`` faces (before duplicate removal).
         num_workers: rendering processes (default 2 for a full build, 0 for small subsets).
         dedup: "exact" (default: drop an image pixel-identical to an earlier one of its class),
@@ -400,7 +403,8 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
         raise ValueError(f"glyphs: dedup must be one of {DEDUP_MODES}, got {dedup!r}")
     if isinstance(near_threshold, bool) or not isinstance(near_threshold, (int, float)) or not 0 <= near_threshold <= 255:
         raise ValueError(f"glyphs: near_threshold must be a number in [0, 255] (grey levels), got {near_threshold!r}")
-    for name, v in (("max_classes", max_classes), ("max_faces", max_faces)):
+    for name, v in (("max_classes", max_classes), ("max_train_classes", max_train_classes),
+                    ("max_faces", max_faces)):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"glyphs: {name} must be a positive int or None, got {v!r}")
 
@@ -409,6 +413,8 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
     train_chars, test_chars = all_chars[:n_train], all_chars[n_train:]
     if max_classes is not None:
         train_chars, test_chars = train_chars[:max_classes], test_chars[:max_classes]
+    if max_train_classes is not None:
+        train_chars = all_chars[:min(max_train_classes, n_train)]
     chars = train_chars + test_chars
 
     faces = find_cjk_faces(fonts)
