@@ -302,3 +302,11 @@ def test_first_positive_rank_matches_bruteforce_with_ties(rng):
     np.testing.assert_array_equal(got, want)
     got_t = first_positive_rank(torch.from_numpy(xn), torch.from_numpy(xn), y, y, np.arange(80))
     np.testing.assert_array_equal(got_t, want)
+
+
+def test_progress_bar_does_not_change_results(rng, capsys):
+    x, y = gauss_data(rng, n=120)
+    want = evaluate(x, y, metrics=["recall", "map@r"])
+    got = evaluate(x, y, metrics=["recall", "map@r"], progress=True, chunk_size=50)
+    assert got == pytest.approx(want, abs=1e-12)  # chunking only reorders the sums
+    assert "120/120" in capsys.readouterr().err

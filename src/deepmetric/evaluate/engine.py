@@ -56,7 +56,8 @@ def _rows(x, idx: np.ndarray):
 def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
              ks: Iterable[int] = (1, 2, 4, 8), metrics: Iterable[str] | None = None,
              seed: int = 0, chunk_size: int | None = None, backend: str = "auto",
-             memory_mb: float | None = None, nmi_average: str = "arithmetic") -> dict[str, float]:
+             memory_mb: float | None = None, nmi_average: str = "arithmetic",
+             progress: bool = False) -> dict[str, float]:
     """Retrieval and clustering metrics of ``embeddings`` (l2-normalised first).
 
     Args:
@@ -73,6 +74,7 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
             ``faiss-hnsw`` / ``faiss-ivf`` (APPROXIMATE: retrieval keys get an ``_approx`` suffix).
         memory_mb: bound on the k-NN working memory per chunk (default 256 MiB).
         nmi_average: ``"arithmetic"`` (default, as scikit-learn) or ``"geometric"``.
+        progress: show a tqdm bar over the queries of the k-NN pass (large sets).
 
     Returns:
         dict with ``recall@K`` for each K, ``map@r``, ``r_precision``, ``nmi``, ``f1`` (each in
@@ -115,6 +117,11 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
         k = max(k_recall if want_recall else 1, int(r.max()) if want_map else 1, 1)
         acc = RetrievalAccumulator(ks if want_recall else (), want_map=want_map)
         qx, gx = _rows(x, q_idx), _rows(x, g_idx)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(q_idx), desc="k-NN", unit="query", unit_scale=True)
         for a, _, idx in iter_knn(qx, gx, k, self_pos=self_pos, backend=backend,
                                   chunk_size=chunk_size, memory_mb=memory_mb):
             sl = slice(a, a + len(idx))
@@ -125,6 +132,10 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
                                            self_pos[rows], memory_mb=memory_mb)
 
             acc.update(idx, q_labels[sl], g_labels, r[sl], rank_fn=rank_fn)
+            if bar is not None:
+                bar.update(len(idx))
+        if bar is not None:
+            bar.close()
         suffix = "_approx" if backend in APPROXIMATE_BACKENDS else ""
         res = acc.result(suffix)
         for key, val in res.items():
