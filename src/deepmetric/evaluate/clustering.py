@@ -155,7 +155,7 @@ def kmeans(embeddings, n_clusters: int, *, seed: int = 0, niter: int = KMEANS_NI
         return (out, info) if return_info else out
     k = n_clusters
     x = np.ascontiguousarray(x, dtype=np.float32)
-    max_nx = float(np.sqrt((x.astype(np.float64) ** 2).sum(1).max()))
+    max_nx = float(np.linalg.norm(x, axis=1).max()) * (1 + 1e-5)  # no float64 copy of x
     rng = np.random.default_rng(seed)
     c = x[rng.permutation(n)[:k]].astype(np.float64)
 
