@@ -30,10 +30,11 @@ DEMO_CONFIG = """\
 name: demo_glyphs
 description: >-
   Heated-up softmax (HBN) on glyphs: compact ResNet, 64-d BN head, heated softmax with
-  alpha 16 -> 4 and lr x 1/10 after epoch 4 of 6; zero-shot test on unseen characters.
+  alpha 16 -> 4 and lr x 1/10 after epoch 4 of 6; trained on 400 characters, zero-shot
+  test on all 1,877 unseen characters (evaluated at the heat-up epoch and at the end).
 data:
   name: glyphs
-  options: {max_classes: 200, size: 32}
+  options: {max_train_classes: 400, size: 32}
   transform: glyph
   num_workers: 1          # augmentation in one worker, the model on the other core
 model:
@@ -47,7 +48,7 @@ schedule:
   lr: {name: constant}
   temperature: {name: heat_up, at: 4, alpha_factor: 0.25, lr_factor: 0.1}
 train: {epochs: 6, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo}
-eval: {every: 2, ks: [1, 2, 4, 8], best_metric: recall@1}
+eval: {every: 4, ks: [1, 2, 4, 8], best_metric: recall@1}
 """
 
 #: ``--quick``: a seconds-long run for smoke tests (few characters and fonts).
