@@ -113,6 +113,10 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
                 y = log.column("eval", k)
                 ok = np.isfinite(y)
                 ax.plot(ex[ok], y[ok], marker="o", ms=3.5, lw=1.3, color=f"C{i}", label=k)
+            if exname == "epoch":  # evaluations happen at whole epochs: no 4.25, 4.5 ticks
+                from matplotlib.ticker import MaxNLocator
+
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel(exname)
             ax.legend(fontsize=8)
         ax.set_title(label)
