@@ -49,7 +49,8 @@ def _centroids(x: np.ndarray, assign: np.ndarray, k: int, previous: np.ndarray):
     present = np.flatnonzero(counts)
     starts = np.concatenate(([0], np.cumsum(counts[present])[:-1]))
     c = previous.copy()
-    c[present] = np.add.reduceat(x[order].astype(np.float64), starts, axis=0) / counts[present, None]
+    sums = np.add.reduceat(x[order], starts, axis=0, dtype=np.float64)  # float64 sums, no f64 copy
+    c[present] = sums / counts[present, None]
     empty = np.flatnonzero(counts == 0)
     if len(empty):
         sign = np.where(np.arange(x.shape[1]) % 2 == 0, 1.0, -1.0)
