@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from degenerate import NUM_CLASSES, degenerate_batches
 
 from deepmetric.losses.almn import ALMNLoss
 
@@ -286,15 +287,7 @@ def test_first_batch_centre_init_then_eq2(rng):
 
 # ----------------------------------------------------------------------------- robustness
 def _degenerate_batches():
-    k = 6
-    r = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
-    return [
-        ("identical", r[:1].repeat(8, 1), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])),
-        ("zeros", torch.zeros(8, k), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])),
-        ("one_class", r, torch.zeros(5, dtype=torch.long)),
-        ("one_per_class", r[:4], torch.tensor([0, 1, 2, 3])),
-        ("batch_of_2", r[:2], torch.tensor([1, 3])),
-    ]
+    return degenerate_batches(dim=6)
 
 
 @pytest.mark.parametrize("name,x,y", _degenerate_batches(), ids=lambda v: v if isinstance(v, str) else "")
@@ -304,7 +297,7 @@ def _degenerate_batches():
                          ids=["virtual", "fixed", "none", "full_grad", "author_code", "zeros"])
 def test_degenerate_batches_give_finite_loss_and_grads(name, x, y, opts):
     torch.manual_seed(0)
-    loss = ALMNLoss(4, 6, **opts)
+    loss = ALMNLoss(NUM_CLASSES, 6, **opts)
     for _ in range(2):       # first call initialises centres (x == c), second uses them
         xx = x.clone().requires_grad_(True)
         out = loss(xx, y)

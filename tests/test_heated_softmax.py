@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from degenerate import NUM_CLASSES, degenerate_batches
 import torch.nn.functional as F
 
 from deepmetric.losses.heated_softmax import HeatedSoftmaxLoss
@@ -262,15 +263,7 @@ def test_sm_baseline_is_a_plain_linear_softmax(rng):
 
 # ----------------------------------------------------------------------------- robustness
 def _degenerate_batches():
-    k = 6
-    r = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
-    return [
-        ("identical", r[:1].repeat(8, 1), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])),
-        ("zeros", torch.zeros(8, k), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])),
-        ("one_class", r, torch.zeros(5, dtype=torch.long)),
-        ("one_per_class", r[:4], torch.tensor([0, 1, 2, 3])),
-        ("batch_of_2", r[:2], torch.tensor([1, 3])),
-    ]
+    return degenerate_batches(dim=6)
 
 
 @pytest.mark.parametrize("name,x,y", _degenerate_batches(), ids=lambda v: v if isinstance(v, str) else "")
@@ -278,9 +271,9 @@ def _degenerate_batches():
 def test_degenerate_batches_give_finite_loss_and_grads(name, x, y, variant):
     torch.manual_seed(0)
     if variant == "sm":
-        loss = HeatedSoftmaxLoss.sm(4, 6)
+        loss = HeatedSoftmaxLoss.sm(NUM_CLASSES, 6)
     else:
-        loss = HeatedSoftmaxLoss(4, 6, normalize_features=True, learnable_alpha=variant == "learnable")
+        loss = HeatedSoftmaxLoss(NUM_CLASSES, 6, normalize_features=True, learnable_alpha=variant == "learnable")
     x = x.clone().requires_grad_(True)
     out = loss(x, y)
     out.backward()

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from degenerate import NUM_CLASSES, degenerate_batches
 
 from deepmetric.losses import (
     CenterLoss,
@@ -263,21 +264,14 @@ FACTORIES = {
     "proxy_nca_incl": lambda c, d: ProxyNCALoss(c, d, exclude_positive=False),
 }
 
-DEGENERATE = {
-    "identical": (torch.full((8, 4), 0.3), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])),
-    "zeros": (torch.zeros(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])),
-    "one_class": (torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.zeros(6, dtype=torch.long)),
-    "one_per_class": (torch.randn(6, 4, generator=torch.Generator().manual_seed(2)), torch.arange(6)),
-    "two_same": (torch.randn(2, 4, generator=torch.Generator().manual_seed(3)), torch.tensor([1, 1])),
-    "two_diff": (torch.randn(2, 4, generator=torch.Generator().manual_seed(4)), torch.tensor([0, 5])),
-}
+DEGENERATE = {name: (x, y) for name, x, y in degenerate_batches(dim=4)}
 
 
 @pytest.mark.parametrize("case", list(DEGENERATE))
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_degenerate_batches_give_finite_values_and_grads(name, case):
     x0, y = DEGENERATE[case]
-    loss = FACTORIES[name](6, 4)
+    loss = FACTORIES[name](NUM_CLASSES, 4)
     x = x0.clone().requires_grad_(True)
     value = loss(x, y)
     assert value.dim() == 0 and torch.isfinite(value), value
