@@ -30,7 +30,8 @@ _ROW_BLOCK = 65536  # rows per block for float64 work on point subsets (bounds m
 def _sq_error_bound(d: int, max_norm_x: float, max_norm_c: float) -> float:
     """Bound on the float32 rounding error of a squared distance computed as
     ||x||^2 + ||c||^2 - 2 x.c (faiss' BLAS path): gamma_d (||x|| + ||c||)^2 with a safety
-    factor 2 (Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.5)."""
+    factor 2 (inner-product bound, Higham, Accuracy and Stability of Numerical Algorithms,
+    2nd ed., section 3.1)."""
     u = 2.0 ** -24
     return 2.0 * (d + 4) * u * (max_norm_x + max_norm_c) ** 2
 
