@@ -144,7 +144,9 @@ def heated_config(name: str, dataset: str, *, norm: str, alpha: float, heated: b
         "model": {"name": "googlenet", "options": {
             "embedding_dim": dim, "norm": norm, "pretrained": WEIGHTS["googlenet"],
             "transform_input": True}},
-        "loss": [{"name": "heated_softmax", "weight": 1.0, "options": loss_opts}],
+        # SOP: W starts as the l2-normalised class means of the training embeddings (REFERENCE 1)
+        "loss": [{"name": "heated_softmax", "weight": 1.0, "options": loss_opts,
+                  **({"init": "class_means"} if dataset == "sop" else {})}],
         "optim": optim,
         "schedule": {"lr": {"name": "constant"}, "temperature": temperature},
         "train": {"epochs": H_EPOCHS, "batch_size": 32, "sampler": "random", "seed": 0,

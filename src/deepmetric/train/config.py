@@ -99,6 +99,9 @@ class LossTermConfig:
     ``null`` = automatic: the pair-based losses (triplet, npair, almn, contrastive, lifted)
     are gathered, per-sample losses (heated_softmax, proxy_nca, cross_entropy, center)
     stay local.
+    ``init: class_means`` (classifier losses with ``init_from_class_means``, e.g. heated
+    softmax) sets each class weight to the l2-normalised mean training embedding of its class
+    before the first step: the heated-up authors' initialisation for Stanford Online Products.
     """
 
     name: str = "heated_softmax"
@@ -106,6 +109,7 @@ class LossTermConfig:
     input: Literal["embedding", "logits"] = "embedding"
     options: dict[str, Any] = field(default_factory=dict)
     gather: Optional[bool] = None
+    init: Optional[Literal["class_means"]] = None
 
 
 @dataclass

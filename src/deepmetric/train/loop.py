@@ -139,6 +139,42 @@ def build_losses(cfg: Config, num_classes: int | None = None, embedding_dim: int
     return nn.ModuleList(terms)
 
 
+@torch.no_grad()
+def init_from_class_means(model: nn.Module, loss: nn.Module, dataset, *, device: torch.device,
+                          batch_size: int = 256, seed: int = 0, amp: str = "none") -> None:
+    """Heated-up paper, official code for SOP: set the classifier's weights to the
+    l2-normalised per-class means of the training embeddings before training.
+
+    The embeddings are taken as the loss will see them in the first steps: batch-norm layers
+    use the statistics of (shuffled, seeded) batches rather than their untrained running
+    averages, dropout is off, and every buffer (running statistics) is restored afterwards.
+    """
+    if not hasattr(loss, "init_from_class_means"):
+        raise ValueError(f"config key 'loss.init': {type(loss).__name__} has no class weights to "
+                         f"initialise from class means (use it with heated_softmax)")
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    was_training = model.training
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()
+    g = torch.Generator().manual_seed(seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=g,
+                                         drop_last=len(dataset) > batch_size)
+    embs, labels = [], []
+    try:
+        for x, y in loader:
+            with autocast_context(device, amp):
+                embs.append(model(x.to(device))["embedding"].float())
+            labels.append(torch.as_tensor(y).to(device))
+    finally:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(buffers[k])
+        model.train(was_training)
+    loss.init_from_class_means(torch.cat(embs), torch.cat(labels))
+
+
 def _embedding_dim(model: nn.Module, dataset) -> int:
     """The model's embedding size: ``model.embedding_dim`` or one probe forward pass."""
     k = getattr(model, "embedding_dim", None)
@@ -322,6 +358,11 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     losses.to(device)
     if tc.channels_last:
         model.to(memory_format=torch.channels_last)
+    if resume is None and main:  # rank 0 only: DDP broadcasts rank 0's parameters below
+        for term, loss in zip(cfg.loss, losses):
+            if term.init == "class_means":
+                init_from_class_means(model, loss, build_dataset_split(cfg, cfg.data.train_split, train=False),
+                                      device=device, seed=tc.seed, amp=tc.amp)
     module = TrainingModule(model, losses, cfg.loss, world_size=world, amp=tc.amp, device=device)
     step_module: nn.Module = module
     if world > 1:
