@@ -29,7 +29,7 @@ DEFAULT_MEMORY_MB = 256.0
 
 
 def resolve_backend(backend: str, x) -> str:
-    """``auto`` -> ``faiss`` for CPU data (measured faster here, see bench/RESULTS_eval.md),
+    """``auto`` -> ``faiss`` for CPU data (measured faster here, see bench/RESULTS.md),
     ``torch`` for CUDA tensors (search stays on the GPU)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
