@@ -117,11 +117,10 @@ def build_model(cfg: Config, num_classes: int | None = None) -> nn.Module:
         def factory(name, **kw):
             return SyntheticMLP(**kw)
         target = SyntheticMLP
-    else:
-        import deepmetric.models as models
+    else:  # create_model accepts num_classes for every model: nothing to filter
+        from deepmetric.models import create_model as factory
 
-        factory = models.create_model
-        target = getattr(models, "model_class", lambda name: None)(m.name) if hasattr(models, "model_class") else None
+        target = None
     return _call_filling(factory, m.name, dict(m.options), {"num_classes": num_classes}, target)
 
 
@@ -428,6 +427,10 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
             "config": config_to_dict(cfg),
         }
 
+    def current_alphas() -> list[float]:
+        """The temperatures now in force (for the logs): scheduled ones, else the losses' own."""
+        return temperature.alphas() or [get_alpha(l) for l in losses if has_alpha(l)]
+
     def set_learning_rates(ep: int) -> float:
         factor = lr_schedule.factor(ep, iteration) * temperature.lr_factor
         warm_new_only = ep < tc.warmup_epochs and tc.warmup_mode == "new_layers"
@@ -443,7 +446,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
             metrics, embedded = evaluate_model(model, eval_sets, cfg, device=device, losses=losses)
             rec = {"type": "eval", "epoch": epoch_done, "step": iteration,
                    "eval_seconds": round(time.perf_counter() - t0, 3), **metrics}
-            alphas = temperature.alphas() or [get_alpha(l) for l in losses if has_alpha(l)]
+            alphas = current_alphas()
             if alphas:
                 rec["alpha"] = alphas[0]
             log.write(rec)
@@ -532,7 +535,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
                 now = time.perf_counter()
                 ips = images_in_step / max(now - t_step, 1e-9)
                 t_step, images_in_step = now, 0
-                alphas = temperature.alphas() or [get_alpha(l) for l in losses if has_alpha(l)]
+                alphas = current_alphas()
                 rec = {"type": "step", "step": iteration, "epoch": epoch + batch_in_epoch / batches_per_epoch,
                        "loss": loss_value, "lr": lr, "images_per_s": round(ips, 2)}
                 if len(parts) > 1:
