@@ -2,8 +2,8 @@
 
 Names: cub, cars196, sop, inshop, flowers102, aircraft, dogs, nabirds (official archives,
 see :mod:`deepmetric.data.benchmarks`), folder and csv (your own data, see
-:mod:`deepmetric.data.folder`), fashion-mnist and glyphs (offline benchmarks, built by
-:mod:`deepmetric.data.fashion_mnist` and :mod:`deepmetric.data.glyphs`).
+:mod:`deepmetric.data.folder`), fashion-mnist, glyphs and emoji (offline benchmarks, built by
+:mod:`deepmetric.data.fashion_mnist`, :mod:`deepmetric.data.glyphs` and :mod:`deepmetric.data.emoji`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ __all__ = ["build_dataset", "list_datasets", "DATASET_NAMES"]
 
 DATASET_NAMES = (
     "cub", "cars196", "sop", "inshop", "flowers102", "aircraft", "dogs", "nabirds",
-    "folder", "csv", "fashion-mnist", "glyphs",
+    "folder", "csv", "fashion-mnist", "glyphs", "emoji",
 )
 
 _ALIASES = {
@@ -77,7 +77,8 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
     Args:
         name: one of :func:`list_datasets`.
         root: the extracted dataset folder (benchmarks, ``folder``), the CSV file (``csv``),
-            or an optional data directory (``fashion-mnist``, ``glyphs``).
+            or an optional data directory (``fashion-mnist``, ``glyphs``, ``emoji``: the
+            deepmetric cache root).
         split: "train"/"test" (zero-shot), "train"/"val"/"test" (classification where
             defined), "train"/"query"/"gallery" (inshop); "all" for folder/csv.
         transform: callable applied to each PIL image.
@@ -85,8 +86,9 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
             ``check_counts``; folder: ``class_split``, ``split_file``, ``seed``,
             ``extensions``, ``allow_empty_classes``; csv: ``image_root``, ``label_map``,
             ``delimiter``; all file-based datasets: ``skip_missing``, ``verify``
-            ("exists" | "open" | "none"), ``mode`` ("RGB" | "L"). fashion-mnist and glyphs
-            take their own options (see docs/offline-data.md).
+            ("exists" | "open" | "none"), ``mode`` ("RGB" | "L"). fashion-mnist, glyphs and
+            emoji take their own options (emoji: ``protocol``, ``size``, ``vendors``,
+            ``min_vendors``; see docs/offline-data.md).
 
     Returns: a Dataset with ``labels`` (int64, 0..C-1), ``num_classes``, ``class_names``.
     """
@@ -95,6 +97,10 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
         from .glyphs import build_glyph_dataset
 
         return build_glyph_dataset(split=split, transform=transform, root=root, **options)
+    if key == "emoji":
+        from .emoji import build_emoji_dataset
+
+        return build_emoji_dataset(split=split, transform=transform, root=root, **options)
     if key == "fashion-mnist":
         from .fashion_mnist import build_fashion_mnist
 

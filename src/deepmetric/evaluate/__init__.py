@@ -5,6 +5,7 @@ See docs/evaluation.md. Public API::
     evaluate(embeddings, labels, *, is_query=None, is_gallery=None, ks=(1, 2, 4, 8),
              metrics=None, seed=0, chunk_size=None, backend="auto") -> dict
     recall_at_k, map_at_r, r_precision, nmi, pairwise_f1, knn, kmeans, classification_accuracy
+    evaluate_cross_domain(embeddings, labels, domains, domain_names=None, ...) -> {domain: metrics, "mean": ...}
 """
 from deepmetric.evaluate.classification import classification_accuracy
 from deepmetric.evaluate.clustering import (
@@ -15,6 +16,7 @@ from deepmetric.evaluate.clustering import (
     pairwise_f1_from_clusters,
 )
 from deepmetric.evaluate.engine import METRICS, evaluate, map_at_r, r_precision, recall_at_k
+from deepmetric.evaluate.cross_domain import evaluate_cross_domain
 from deepmetric.evaluate.knn import BACKENDS, knn
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "METRICS",
     "classification_accuracy",
     "evaluate",
+    "evaluate_cross_domain",
     "kmeans",
     "knn",
     "map_at_r",
