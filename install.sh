@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything deepmetric needs on a fresh Debian machine (run as root or with sudo):
 #   - apt: the Fashion-MNIST IDX files and the CJK fonts the glyph benchmark is rendered from;
-#   - a virtual environment in .venv with deepmetric (editable) and its test tools.
+#   - a virtual environment in .venv with deepmetric (editable) and its test tools;
+#   - the emoji benchmark's artwork: pinned npm packages (Node.js and npm from apt if missing),
+#     only the files used extracted into the deepmetric cache (see docs/offline-data.md).
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -26,4 +28,15 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch/torchvision are pinned in pyproject.toml (2.14.1 / 0.29.1).
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+
+# Emoji benchmark: emoji-datasource-{apple,google,twitter,facebook}@16.0.0, emojione-assets@4.5.0,
+# openmoji@17.0.0 from the npm registry (sha512-checked), extracted once into
+# ${DEEPMETRIC_CACHE:-~/.cache/deepmetric}/emoji/packages/; skipped when already there.
+if ! command -v npm >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "install.sh: apt-get install nodejs npm (for the emoji packages)"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends nodejs npm
+fi
+.venv/bin/python -m deepmetric.data.emoji install
 echo "install.sh: ready (.venv/bin/deepmetric)"

@@ -13,6 +13,12 @@ image tensor (``uint8 [C, H, W]``) and returns a normalised ``float32 [C, H, W]`
   stroke-thickness change (grey-scale dilation = 3x3 max-pool, erosion = -max-pool(-x)), a
   random Gaussian blur and Gaussian noise; test only converts and normalises.
 * ``"mnist"`` - Fashion-MNIST: training applies a small random translation (and optional flip).
+* ``"emoji"`` - emoji benchmark (RGB on white): optional resize to ``size``; training applies a
+  small random affine (rotation, translation, scale; the uncovered border is filled white) and
+  a mild brightness / contrast / saturation jitter. No hue jitter (colour names classes: red vs
+  orange heart, coloured squares) and no flip by default (a mirror image is another class:
+  left / right arrows and pointing hands, ``flip=True`` to allow it). ``mean``/``std`` override
+  ``normalize`` (e.g. the statistics a backbone was trained with).
 
 Normalisations (``normalize=``): ``"imagenet"`` (mean 0.485/0.456/0.406, std 0.229/0.224/0.225;
 their channel averages 0.449 / 0.226 for one-channel images), ``"minus_one_one"`` (x * 2 - 1)
@@ -166,7 +172,30 @@ def _mnist(train, translate=0.08, flip=False, channels=1, normalize="minus_one_o
     return _finish(steps, normalize, channels)
 
 
-_BUILDERS = {"resize_crop": _resize_crop, "short_side": _short_side, "glyph": _glyph, "mnist": _mnist}
+def _emoji(train, size=None, degrees=8.0, translate=0.06, scale=(0.85, 1.1), brightness=0.15,
+           contrast=0.15, saturation=0.15, flip=False, normalize="imagenet", mean=None, std=None):
+    steps = [v2.ToImage(), v2.RGB(), v2.ToDtype(torch.float32, scale=True)]
+    if size is not None:
+        steps.append(v2.Resize((size, size), antialias=True))
+    if train:
+        steps.append(v2.RandomAffine(degrees=degrees, translate=(translate, translate), scale=scale,
+                                     interpolation=v2.InterpolationMode.BILINEAR, fill=1.0))
+        if brightness or contrast or saturation:
+            steps += [v2.ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation), _Clamp01()]
+        if flip:
+            steps.append(v2.RandomHorizontalFlip())
+    if (mean is None) != (std is None):
+        raise ValueError("emoji transform: give both mean and std (per-channel), or neither")
+    if mean is not None:
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+            raise ValueError(f"emoji transform: mean and std need 3 values (std > 0), got {mean}, {std}")
+        steps.append(v2.Normalize(list(mean), list(std)))
+        return v2.Compose(steps)
+    return _finish(steps, normalize, 3)
+
+
+_BUILDERS = {"resize_crop": _resize_crop, "short_side": _short_side, "glyph": _glyph, "mnist": _mnist,
+             "emoji": _emoji}
 
 
 def list_transforms() -> list[str]:
