@@ -38,5 +38,5 @@ if ! command -v npm >/dev/null 2>&1; then
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends nodejs npm
 fi
-.venv/bin/python -m deepmetric.data.emoji install
+.venv/bin/deepmetric emoji install
 echo "install.sh: ready (.venv/bin/deepmetric)"

@@ -230,7 +230,7 @@ def test_missing_or_wrong_version_package_names_the_install_command(tmp_path):
     pkgs = em.emoji_packages_dir(tmp_path)
     (pkgs / "openmoji@17.0.0").rename(pkgs / "openmoji@16.0.0")
     with pytest.raises(FileNotFoundError, match=r"(?s)openmoji@17\.0\.0 is not extracted.*found openmoji@16\.0\.0.*"
-                                                r"python -m deepmetric\.data\.emoji install --root .* --packages openmoji"):
+                                                r"deepmetric emoji install --root .* --packages openmoji"):
         build_emoji_dataset("train", root=tmp_path, vendors="openmoji")
 
 
@@ -330,6 +330,24 @@ def test_cross_domain_matches_brute_force(rng):
         evaluate_cross_domain(x, y, dom, metrics=("nmi",))
     with pytest.raises(ValueError, match="2 domains"):
         evaluate_cross_domain(x, y, np.zeros(len(y), int))
+
+
+def test_cli_counts_pixels_and_errors(tree, capsys):
+    from deepmetric.cli import main
+
+    assert main(["emoji", "counts", "--root", str(tree), "--vendors", "google,openmoji", "--size", "32"]) == 0
+    counts = json.loads(capsys.readouterr().out)
+    assert counts["all"]["per_vendor"] == {"google": 9, "openmoji": 9}
+    assert counts["train"]["classes"] + counts["test"]["classes"] == counts["all"]["classes"] == 9
+    assert main(["emoji", "pixels", "--root", str(tree), "--split", "all", "--vendors", "apple,google"]) == 0
+    out = capsys.readouterr().out
+    assert "all-vs-all:" in out and "cross-vendor mean:" in out
+    res = em.pixel_baseline("all", tree, vendors="apple,google", ks=(1,))
+    # apple and google draw every mini class in the same colour family: each query's nearest
+    # other-vendor image is its own class (colours differ by class far more than by vendor)
+    assert res["cross_vendor"]["mean"]["recall@1"] == 1.0
+    assert main(["emoji", "counts", "--root", str(tree / "nowhere")]) == 2
+    assert "deepmetric emoji install" in capsys.readouterr().err
 
 
 _INSTALLED = em.emoji_packages_dir() / "emoji-datasource-google@16.0.0" / "emoji.json"

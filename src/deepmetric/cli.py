@@ -139,6 +139,64 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- emoji
+_EMOJI_VENDORS = "apple,google,twitter,facebook,emojione,openmoji"  # deepmetric.data.emoji.VENDORS
+
+
+def _add_emoji_parser(sub) -> None:
+    p = sub.add_parser(
+        "emoji", help="emoji benchmark: install its npm packages, print its counts or its raw-pixel baseline",
+        description="The cross-vendor emoji benchmark (docs/offline-data.md#emoji).",
+        epilog="example: deepmetric emoji install && deepmetric emoji counts && "
+               "deepmetric emoji pixels --vendors apple,google,twitter,facebook",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    esub = p.add_subparsers(dest="emoji_command", required=True)
+    pi = esub.add_parser("install", help="npm pack the pinned packages, check their sha512, extract only the "
+                                         "files used (skips packages already extracted)",
+                         epilog="example: deepmetric emoji install --packages openmoji")
+    pi.add_argument("--packages", nargs="+", default=None, metavar="NAME",
+                    help="subset of packages (default all six: emoji-datasource-{apple,google,twitter,facebook}, "
+                         "emojione-assets, openmoji)")
+    pi.add_argument("--from", dest="tarball_dir", default=None, metavar="DIR",
+                    help="folder holding <name>-<version>.tgz tarballs to use instead of npm pack")
+    pi.add_argument("--npm", default="npm", help="npm executable (default npm)")
+    pi.add_argument("--force", action="store_true", help="extract again even when already extracted")
+    pc = esub.add_parser("counts", help="build (or load) the arrays and print the counts of each split as JSON",
+                         epilog="example: deepmetric emoji counts --vendors apple,google,twitter,facebook")
+    pp = esub.add_parser("pixels", help="raw-pixel baseline (cosine on RGB pixels): Recall@K and MAP@R, "
+                                        "all-vs-all and cross-vendor",
+                         epilog="example: deepmetric emoji pixels --split test --size 64")
+    pp.add_argument("--split", default="test", choices=("train", "test", "all"), help="split (default test)")
+    for q in (pi, pc, pp):
+        q.add_argument("--root", default=None,
+                       help="deepmetric cache root (default $DEEPMETRIC_CACHE or ~/.cache/deepmetric)")
+    for q in (pc, pp):
+        q.add_argument("--size", type=int, default=64, help="image side in pixels, 32-128 (default 64)")
+        q.add_argument("--vendors", default=None, help=f"comma-separated vendors (default all: {_EMOJI_VENDORS})")
+    p.set_defaults(func=_run_emoji)
+
+
+def _run_emoji(args: argparse.Namespace) -> int:
+    import json
+
+    from deepmetric.data import emoji
+
+    if args.emoji_command == "install":
+        emoji.install_emoji_packages(args.root, packages=args.packages, tarball_dir=args.tarball_dir,
+                                     npm=args.npm, force=args.force)
+    elif args.emoji_command == "counts":
+        print(json.dumps(emoji.emoji_counts(args.root, size=args.size, vendors=args.vendors, verbose=True), indent=1))
+    else:
+        res = emoji.pixel_baseline(args.split, args.root, size=args.size, vendors=args.vendors)
+        pct = lambda d: {k: round(100 * v, 1) if isinstance(v, float) else v for k, v in d.items()}  # noqa: E731
+        print(f"{args.split}: {res['classes']} classes, {res['images']} images, vendors {','.join(res['vendors'])}, "
+              f"{args.size} px, cosine on raw pixels")
+        print("all-vs-all:", pct(res["all_vs_all"]))
+        for name, r in res["cross_vendor"].items():
+            print(f"cross-vendor {name}:", pct(r))
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     from deepmetric import __version__
@@ -151,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_embed_parser(sub)
     _add_demo_parser(sub)
+    _add_emoji_parser(sub)
     return parser
 
 

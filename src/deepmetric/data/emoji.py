@@ -36,7 +36,7 @@ classes (the CUB convention; no class is shared); ``cross_vendor``: the same cla
 with the queries of one vendor against a gallery of the other vendors' images, per vendor and
 averaged (:func:`cross_vendor_metrics`). ``split="all"`` gives every class.
 
-Packages are installed by ``install.sh`` (``python -m deepmetric.data.emoji install``: ``npm
+Packages are installed by ``install.sh`` (``deepmetric emoji install``: ``npm
 pack`` of the pinned versions, sha512 checked against ``PACKAGES``, only the files used are
 extracted) into ``<root>/emoji/packages/<name>@<version>/`` with the package's own layout;
 ``root`` defaults to ``$DEEPMETRIC_CACHE`` or ``~/.cache/deepmetric``. Nothing is fetched at run
@@ -46,7 +46,6 @@ and resvg versions; the write is atomic (temporary file + ``os.replace``).
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import io
@@ -54,7 +53,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
@@ -76,11 +74,12 @@ __all__ = [
     "build_emoji_dataset",
     "cross_vendor_metrics",
     "emoji_cache_dir",
+    "emoji_counts",
+    "pixel_baseline",
     "emoji_packages_dir",
     "install_emoji_packages",
     "load_emoji_index",
     "rasterize_svg",
-    "INSTALL_COMMAND",
 ]
 
 _FORMAT_VERSION = 1
@@ -88,7 +87,6 @@ SOURCE_SIZE = 64  # every vendor's image is read (or rasterised) at 64 x 64
 PROTOCOLS = ("zero_shot", "cross_vendor")
 SPLITS = ("train", "test", "all")
 MARKER = ".deepmetric-install.json"
-INSTALL_COMMAND = "bash install.sh  (or: python -m deepmetric.data.emoji install)"
 
 
 @dataclass(frozen=True)
@@ -147,7 +145,7 @@ def _package_dir(pkg: EmojiPackage, root=None) -> Path:
 
 
 def _install_hint(pkg: EmojiPackage, root) -> str:
-    cmd = "bash install.sh  (or: python -m deepmetric.data.emoji install"
+    cmd = "bash install.sh  (or: deepmetric emoji install"
     if root is not None:
         cmd += f" --root {root}"
     return f"install it with: {cmd} --packages {pkg.name})"
@@ -359,14 +357,14 @@ def _vendor_files(vendor: str, pkg_dir: Path, entries: list[dict]) -> list[Path 
             if not f.is_file():
                 raise FileNotFoundError(f"emoji: {f} is missing although emoji.json says has_img_{vendor} "
                                         f"for {e['unified']}; the extraction is incomplete: reinstall with "
-                                        f"python -m deepmetric.data.emoji install --force --packages {pkg_dir.name.split('@')[0]}")
+                                        f"deepmetric emoji install --force --packages {pkg_dir.name.split('@')[0]}")
             files.append(f)
         return files
     sub, ext = {"emojione": ("png/64", ".png"), "openmoji": ("color/svg", ".svg")}[vendor]
     folder = pkg_dir / sub
     if not folder.is_dir():
         raise FileNotFoundError(f"emoji: {folder} is missing in {pkg_dir.name}; reinstall with "
-                                f"python -m deepmetric.data.emoji install --force --packages {pkg_dir.name.split('@')[0]}")
+                                f"deepmetric emoji install --force --packages {pkg_dir.name.split('@')[0]}")
     by_key: dict[str, Path] = {}
     for f in sorted(folder.iterdir()):  # sorted: "2764" comes before "2764-fe0f", first one wins
         if f.is_file() and f.suffix.lower() == ext:
@@ -618,36 +616,26 @@ def cross_vendor_metrics(embeddings, labels, vendor_ids, vendors: Sequence[str] 
     return evaluate_cross_domain(embeddings, labels, vendor_ids, domain_names=vendors, **evaluate_kw)
 
 
-# --------------------------------------------------------------------------- command line
-def _main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m deepmetric.data.emoji",
-        description="Install the pinned npm emoji packages (only the files used) and show the benchmark's counts.",
-        epilog="example: python -m deepmetric.data.emoji install && python -m deepmetric.data.emoji counts --size 64")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    pi = sub.add_parser("install", help="npm pack + extract the pinned packages (skips what is present)")
-    pi.add_argument("--root", default=None, help="cache root (default $DEEPMETRIC_CACHE or ~/.cache/deepmetric)")
-    pi.add_argument("--packages", nargs="+", default=None, choices=list(PACKAGES), help="subset of packages (default all)")
-    pi.add_argument("--from", dest="tarball_dir", default=None,
-                    help="folder with <name>-<version>.tgz tarballs to use instead of npm pack")
-    pi.add_argument("--npm", default="npm", help="npm executable (default npm)")
-    pi.add_argument("--force", action="store_true", help="extract again even if the marker says installed")
-    pc = sub.add_parser("counts", help="build (or load) the arrays and print the counts as JSON")
-    pc.add_argument("--root", default=None, help="cache root (default $DEEPMETRIC_CACHE or ~/.cache/deepmetric)")
-    pc.add_argument("--size", type=int, default=64, help="image side, 32-128 (default 64)")
-    pc.add_argument("--vendors", default=None, help="comma-separated vendors (default all: " + ",".join(VENDORS) + ")")
-    args = p.parse_args(argv)
-    if args.cmd == "install":
-        install_emoji_packages(args.root, packages=args.packages, tarball_dir=args.tarball_dir,
-                               npm=args.npm, force=args.force)
-        return 0
-    out = {}
-    for split in ("train", "test", "all"):
-        ds = build_emoji_dataset(split, root=args.root, size=args.size, vendors=args.vendors, verbose=split == "train")
-        out[split] = ds.counts()
-    print(json.dumps(out, indent=1))
-    return 0
+# --------------------------------------------------------------------------- summaries
+def emoji_counts(root=None, *, size: int = 64, vendors=None, verbose: bool = False) -> dict:
+    """``EmojiDataset.counts()`` of the train, test and all splits (builds the cache if needed)."""
+    return {split: build_emoji_dataset(split, root=root, size=size, vendors=vendors,
+                                       verbose=verbose and split == "train").counts()
+            for split in ("train", "test", "all")}
 
 
-if __name__ == "__main__":
-    sys.exit(_main())
+def pixel_baseline(split: str = "test", root=None, *, size: int = 64, vendors=None,
+                   ks=(1, 2, 4, 8)) -> dict:
+    """Raw-pixel baseline: cosine similarity of the flattened RGB images in [0, 1].
+
+    Returns ``{"all_vs_all": evaluate(...) (every image a query against all others),
+    "cross_vendor": cross_vendor_metrics(...)}`` with Recall@K and MAP@R.
+    """
+    from deepmetric.evaluate import evaluate
+
+    ds = build_emoji_dataset(split, root=root, size=size, vendors=vendors)
+    x = ds.images.reshape(len(ds), -1).astype(np.float32) / 255.0
+    return {"all_vs_all": evaluate(x, ds.labels, ks=ks, metrics=("recall", "map@r")),
+            "cross_vendor": cross_vendor_metrics(x, ds.labels, ds.vendor_ids, ds.vendors, ks=ks,
+                                                 metrics=("recall", "map@r")),
+            "classes": ds.num_classes, "images": len(ds), "vendors": ds.vendors}
