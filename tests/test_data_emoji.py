@@ -365,3 +365,21 @@ def test_installed_index_counts():
         cats[e["category"]] = cats.get(e["category"], 0) + 1
     assert cats["People & Body"] == 386 and cats["Flags"] == 270 and cats["Component"] == 5
     assert [e["sort_order"] for e in entries] == list(range(1, 1912))
+
+
+@pytest.mark.skipif(not _INSTALLED.is_file(), reason="emoji packages not installed (bash install.sh)")
+def test_installed_artwork_of_one_emoji():
+    """GRINNING FACE (1F600) from every installed vendor: found under its package's file name,
+    64 x 64 RGB on white, a yellow face in the middle."""
+    entries = em.load_emoji_index(_INSTALLED)
+    grin = [e for e in entries if e["unified"] == "1F600"]
+    for v in em.VENDORS:
+        d = em.emoji_packages_dir() / em.PACKAGES[em.VENDOR_PACKAGE[v]].spec
+        if not (d / em.MARKER).is_file():
+            continue
+        (f,) = em._vendor_files(v, d, grin)
+        rgb = em._composite_white(em.rasterize_svg(f)) if v == "openmoji" else em._read_png(f)
+        assert rgb.shape == (64, 64, 3), v
+        assert (rgb[0, 0] >= 250).all(), v  # transparent corner -> white
+        r, g, b = rgb[24:40, 12:20].reshape(-1, 3).mean(0)  # left cheek
+        assert r > 180 and g > 120 and b < 120, (v, r, g, b)  # yellow-orange skin
