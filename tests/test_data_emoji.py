@@ -284,6 +284,12 @@ def test_installer_extracts_only_what_is_used(tmp_path, monkeypatch):
     assert (d / "color/svg/1F600.svg").read_text() == "<svg/>"
     with pytest.raises(ValueError, match="unknown package"):
         em.install_emoji_packages(tmp_path, packages=["emoji-datasource-samsung"], verbose=False)
+    # without a tarball, npm is needed (never reached here: a missing or failing npm is reported)
+    with pytest.raises(FileNotFoundError, match="no-such-npm.*not found"):
+        em.install_emoji_packages(tmp_path / "x", packages=["openmoji"], npm="no-such-npm", verbose=False)
+    with pytest.raises(OSError, match=r"pack --silent .*openmoji@17\.0\.0.*failed \(exit 1\)"):
+        em.install_emoji_packages(tmp_path / "x", packages=["openmoji"], npm="false", verbose=False)
+    assert not (em.emoji_packages_dir(tmp_path / "x") / "openmoji@17.0.0").exists()
 
 
 def _brute_force(x, y, dom, d):

@@ -144,10 +144,12 @@ def _package_dir(pkg: EmojiPackage, root=None) -> Path:
     return emoji_packages_dir(root) / pkg.spec
 
 
-def _install_hint(pkg: EmojiPackage, root) -> str:
+def _install_hint(pkg: EmojiPackage, root, force: bool = False) -> str:
     cmd = "bash install.sh  (or: deepmetric emoji install"
     if root is not None:
         cmd += f" --root {root}"
+    if force:
+        cmd += " --force"
     return f"install it with: {cmd} --packages {pkg.name})"
 
 
@@ -164,10 +166,10 @@ def _check_package(pkg: EmojiPackage, root) -> Path:
     try:
         version = json.loads(meta.read_text(encoding="utf-8")).get("version")
     except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"emoji: cannot read {meta} ({e}); " + _install_hint(pkg, root)) from e
+        raise ValueError(f"emoji: cannot read {meta} ({e}); " + _install_hint(pkg, root, force=True)) from e
     if version != pkg.version:
         raise ValueError(f"emoji: {meta} says version {version!r}, expected {pkg.version!r} "
-                         f"(package {pkg.name}); " + _install_hint(pkg, root))
+                         f"(package {pkg.name}); " + _install_hint(pkg, root, force=True))
     return d
 
 
@@ -223,7 +225,7 @@ def _npm_pack(pkg: EmojiPackage, dest: Path, npm: str) -> Path:
     res = subprocess.run(cmd, capture_output=True, text=True)
     tgz = dest / f"{pkg.name}-{pkg.version}.tgz"
     if res.returncode != 0 or not tgz.is_file():
-        raise RuntimeError(f"emoji: `{' '.join(cmd)}` failed (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
+        raise OSError(f"emoji: `{' '.join(cmd)}` failed (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
     return tgz
 
 
