@@ -249,6 +249,17 @@ def test_registry_and_transform(tree):
     assert out.shape == (3, 96, 96)
     with pytest.raises(ValueError, match="mean and std"):
         build_transform("emoji", train=False, mean=(0.5, 0.5, 0.5))
+    # no flip by default: with the jitter switched off, training leaves an asymmetric image as is
+    img = torch.zeros(3, 8, 8, dtype=torch.uint8)
+    img[:, :, :2] = 255
+    still = dict(degrees=0.0, translate=0.0, scale=(1.0, 1.0), brightness=0, contrast=0, saturation=0,
+                 normalize="none")
+    for seed in range(8):
+        torch.manual_seed(seed)
+        torch.testing.assert_close(build_transform("emoji", train=True, **still)(img), img.float() / 255)
+    flipped = {bool(build_transform("emoji", train=True, flip=True, **still)(img)[0, 0, -1] == 1.0)
+               for _ in range(30)}
+    assert flipped == {True, False}
 
 
 def _npm_tarball(path, files):
