@@ -51,6 +51,7 @@ __all__ = [
     "Config",
     "config_from_dict",
     "config_to_dict",
+    "config_diff",
     "apply_overrides",
     "load_config",
     "save_config",
@@ -532,6 +533,29 @@ def config_from_dict(raw: dict | None) -> Config:
 def config_to_dict(cfg: Any) -> dict:
     """The configuration as plain Python data (YAML/JSON/``torch.save`` safe)."""
     return dataclasses.asdict(cfg)
+
+
+def _flatten(value: Any, prefix: str, out: dict) -> dict:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, dict) for v in value):
+        for i, v in enumerate(value):  # loss terms, parameter groups
+            _flatten(v, f"{prefix}.{i}", out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def config_diff(old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """The keys whose values differ between two configs (``Config`` or plain dicts), as
+    ``(dotted.key, old value, new value)`` sorted by key; a key missing on one side has
+    the value ``"<absent>"`` there."""
+    a = _flatten(config_to_dict(old) if dataclasses.is_dataclass(old) else old, "", {})
+    b = _flatten(config_to_dict(new) if dataclasses.is_dataclass(new) else new, "", {})
+    missing = "<absent>"
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
+            if a.get(k, missing) != b.get(k, missing)]
 
 
 # --------------------------------------------------------------------------- overrides
