@@ -43,6 +43,7 @@ from torch import nn
 
 from . import distributed as D
 from .amp import autocast_context, check_amp
+from .batches import make_train_loader
 from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler,
                        embedding_dim_of, seed_everything)
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
@@ -163,15 +164,6 @@ def _run_length(tc, batches_per_epoch: int) -> tuple[int, int]:
     if tc.epochs is not None:
         return tc.epochs, tc.epochs * steps_per_epoch
     return math.ceil(tc.iterations / steps_per_epoch), tc.iterations
-
-
-def _make_loader(dataset, sampler, num_workers: int, pin: bool, seed: int):
-    """A loader over the batch sampler.  ``seed`` (a function of run seed, epoch and rank)
-    seeds the workers, so augmentations differ between epochs and repeat on resume."""
-    from deepmetric.data import make_loader
-
-    return make_loader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin,
-                       persistent_workers=False, seed=seed)
 
 
 def _eval_due(cfg: Config, epoch_done: int, total_epochs: int, finished: bool) -> bool:
@@ -356,8 +348,10 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                 # Each epoch's randomness is a function of (seed, epoch, rank) only.
                 seed_everything(tc.seed + 1_000_003 * (epoch + 1) + 7919 * rank)
             sampler.set_epoch(epoch)
-            loader = _make_loader(train_ds, sampler, cfg.data.num_workers, device.type == "cuda",
-                                  seed=(tc.seed * 1_000_003 + epoch * 7919 + rank) % 2**63)
+            # augmentation seeded by each sample's position: exact resume with loader workers
+            loader = make_train_loader(train_ds, sampler, epoch=epoch, start=state.batch_in_epoch,
+                                       run_seed=tc.seed, rank=rank, num_workers=cfg.data.num_workers,
+                                       pin_memory=device.type == "cuda")
             bn_stats_only = epoch < tc.warmup_epochs and tc.warmup_mode == "bn_stats"
             bar = None
             if tqdm is not None and tc.progress and main:
