@@ -154,7 +154,7 @@ def _upgrade_v1(state: dict) -> dict:
     if "meta" in state:
         state["model_args"] = state.pop("meta")
     config = state["config"]
-    if isinstance(config, dict) and not (config.get("data") or {}).get("val_classes"):
+    if isinstance(config, dict) and (config.get("data") or {}).get("val_classes") is None:
         # version 1 chose best.pt on the test split; without a validation split nothing is chosen
         state["config"] = {**config, "eval": {**(config.get("eval") or {}), "best_metric": None}}
         state["best"] = {}

@@ -17,7 +17,7 @@
    gradient accumulation and the fp16 scaler), step; log every step as JSON lines; stop
    cleanly on Ctrl-C (checkpoint first) or a non-finite loss (no checkpoint written);
 7. at epoch end: evaluate when due (zero-shot retrieval/clustering with
-   ``deepmetric.evaluate``) on the validation split (``data.val_classes``) and the test
+   ``deepmetric.evaluate``) on the validation split (``data.val_classes`` / ``val_folds``) and the test
    split, feed ``auto_plateau``, keep ``best.pt`` (best validation metric), stop early when
    asked, save ``last.pt``.  The test split is logged, never used to choose anything.
 
@@ -266,7 +266,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     if batches_per_epoch == 0:
         raise ValueError(f"the training split has too few samples ({len(train_ds)}) for one batch")
     total_epochs, total_iters = _run_length(tc, batches_per_epoch)
-    has_val = cfg.data.val_classes is not None
+    has_val = cfg.data.has_validation
     select_key = (cfg.eval.best_metric or "recall@1") if has_val else None
     eval_sets: dict[str, dict] = {}
     if main:
