@@ -217,3 +217,14 @@ def test_k_folds_partition_the_training_classes():
         config_from_dict({"train": {"epochs": 1}, "data": {"val_folds": 4, "val_fold": 4}})
     with pytest.raises(ConfigError, match="give one of them"):
         config_from_dict({"train": {"epochs": 1}, "data": {"val_folds": 4, "val_classes": 0.2}})
+
+
+def test_embed_cli_embeds_the_validation_split(tmp_path):
+    from deepmetric import cli
+
+    cfg = config_from_dict(_raw(tmp_path / "run", val_classes=[1, 6], epochs=1))
+    train(cfg)
+    out = tmp_path / "val.npz"
+    assert cli.main(["embed", str(tmp_path / "run" / "last.pt"), "--split", "val", "--out", str(out)]) == 0
+    z = np.load(out)
+    assert z["embeddings"].shape == (24, 8) and sorted(set(z["labels"].tolist())) == [0, 1]
