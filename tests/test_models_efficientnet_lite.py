@@ -55,6 +55,15 @@ def test_pretrained_cfg_normalisation_is_minus_one_one():
         tf = build_transform("resize_crop", train=False, resize=8, crop=8, normalize=cfg["normalize"])
         black, white = tf(Image.new("RGB", (8, 8), (0, 0, 0))), tf(Image.new("RGB", (8, 8), (255, 255, 255)))
         assert torch.all(black == -1.0) and torch.all(white == 1.0)
+    # build_transform also takes the pretrained_cfg itself (its mean / std)
+    cfg = create_backbone("efficientnet_lite0").pretrained_cfg
+    tf = build_transform("resize_crop", train=False, resize=8, crop=8, normalize=cfg)
+    gray = tf(Image.new("RGB", (8, 8), (51, 102, 204)))
+    torch.testing.assert_close(gray[:, 0, 0], torch.tensor([51, 102, 204]) / 255 * 2 - 1)
+    with pytest.raises(ValueError, match="'mean' and 'std'"):
+        build_transform("resize_crop", train=False, normalize={"mean": (0.5,) * 3})
+    with pytest.raises(ValueError, match="3 channel"):
+        build_transform("resize_crop", train=False, normalize={"mean": (0.5,), "std": (0.5,)})
     assert effl.PRETRAINED_CFGS["efficientnet_lite1"]["input_size"] == (3, 240, 240)
     assert effl.PRETRAINED_CFGS["efficientnet_lite2"]["input_size"] == (3, 260, 260)
 
