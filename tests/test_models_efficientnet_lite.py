@@ -230,3 +230,30 @@ def test_two_head_with_efficientnet_lite_backbone():
     assert model.pretrained_cfg["normalize"] == "minus_one_one"
     out = model(torch.randn(2, 3, 64, 64))
     assert out["logits"].shape == (2, 5)
+
+
+def test_training_config_builds_pretrained_frozen_model_and_optimizer():
+    from deepmetric.train.config import config_from_dict
+    from deepmetric.train.loop import build_model
+    from deepmetric.train.optim import build_optimizer
+
+    cfg = config_from_dict({
+        "train": {"epochs": 1},
+        "model": {"name": "efficientnet_lite0",
+                  "options": {"pretrained": "imagenet", "embedding_dim": 32, "freeze_stages": 5}},
+        "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+    })
+    model = build_model(cfg)
+    assert len(model.pretrained_report.loaded) == 294
+    frozen = {id(p) for s in model.backbone.stages()[:5] for p in s.parameters()}
+    opt = build_optimizer(model, torch.nn.ModuleList(), cfg.optim)
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert in_opt.isdisjoint(frozen)
+    assert in_opt == {id(p) for p in model.parameters() if id(p) not in frozen}
+    # one SGD step moves the trainable backbone part and leaves the frozen part alone
+    stem, late = model.backbone.conv_stem.weight.clone(), model.backbone.blocks[5][0].conv_pw.weight.clone()
+    model.train()
+    model(torch.randn(4, 3, 64, 64))["embedding"].pow(2).sum().backward()
+    opt.step()
+    assert torch.equal(model.backbone.conv_stem.weight, stem)
+    assert not torch.equal(model.backbone.blocks[5][0].conv_pw.weight, late)
