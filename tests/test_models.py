@@ -28,6 +28,9 @@ SMALL_INPUT = {
     "densenet161": (3, 32),
     "lenet": (1, 28),
     "glyph_resnet": (1, 32),
+    "efficientnet_lite0": (3, 32),
+    "efficientnet_lite1": (3, 32),
+    "efficientnet_lite2": (3, 32),
 }
 NUM_FEATURES = {
     "googlenet": 1024,
@@ -38,6 +41,9 @@ NUM_FEATURES = {
     "densenet161": 2208,
     "lenet": 500,
     "glyph_resnet": 128,
+    "efficientnet_lite0": 1280,
+    "efficientnet_lite1": 1280,
+    "efficientnet_lite2": 1280,
 }
 
 

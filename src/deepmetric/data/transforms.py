@@ -22,9 +22,14 @@ image tensor (``uint8 [C, H, W]``) and returns a normalised ``float32 [C, H, W]`
 
 Normalisations (``normalize=``): ``"imagenet"`` (mean 0.485/0.456/0.406, std 0.229/0.224/0.225;
 their channel averages 0.449 / 0.226 for one-channel images), ``"minus_one_one"`` (x * 2 - 1)
-and ``"none"``. Grayscale pipelines take ``channels=3`` to repeat the channel for ImageNet backbones.
+and ``"none"``, or any mapping with ``mean`` and ``std`` such as a backbone's ``pretrained_cfg``
+(``build_transform(..., normalize=model.pretrained_cfg)``; the EfficientNet-Lite weights expect
+mean = std = 0.5, i.e. ``"minus_one_one"``). Grayscale pipelines take ``channels=3`` to repeat
+the channel for ImageNet backbones.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +96,16 @@ class _Clamp01(torch.nn.Module):
         return x.clamp(0.0, 1.0)
 
 
-def normalization(name: str | None, channels: int = 3):
-    """A Normalize transform (or None) for "imagenet", "minus_one_one" or "none"/None."""
+def normalization(name, channels: int = 3):
+    """A Normalize transform (or None) for "imagenet", "minus_one_one" or "none"/None, or for a
+    mapping with ``mean`` and ``std`` -- e.g. a backbone's ``pretrained_cfg``."""
+    if isinstance(name, Mapping):
+        if "mean" not in name or "std" not in name:
+            raise ValueError(f"normalize mapping needs 'mean' and 'std' keys, got keys {sorted(name)}")
+        mean, std = [float(m) for m in name["mean"]], [float(s) for s in name["std"]]
+        if len(mean) != channels or len(std) != channels:
+            raise ValueError(f"normalize mean {mean} / std {std} do not have {channels} channel(s)")
+        return v2.Normalize(mean, std)
     if name in (None, "none"):
         return None
     if name == "imagenet":
@@ -101,7 +114,9 @@ def normalization(name: str | None, channels: int = 3):
         return v2.Normalize([sum(IMAGENET_MEAN) / 3] * channels, [sum(IMAGENET_STD) / 3] * channels)
     if name == "minus_one_one":
         return v2.Normalize([0.5] * channels, [0.5] * channels)
-    raise ValueError(f"normalize must be 'imagenet', 'minus_one_one' or 'none', got {name!r}")
+    raise ValueError(
+        f"normalize must be 'imagenet', 'minus_one_one', 'none' or a {{'mean', 'std'}} mapping, got {name!r}"
+    )
 
 
 def _finish(steps, normalize, channels):

