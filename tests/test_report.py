@@ -285,7 +285,7 @@ def _fake_run(tmp_path, rng, with_log=True):
     run = tmp_path / "run1"
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump({
-        "name": "toy", "description": "toy run", "data": {"name": "glyphs", "root": None},
+        "name": "toy", "description": "toy run", "data": {"name": "synthetic", "options": {"num_classes": 4}},
         "loss": [{"name": "heated_softmax", "weight": 1.0, "options": {"alpha": 16}}],
         "train": {"epochs": 2, "batch_size": 8, "sampler": "random"},
     }))
