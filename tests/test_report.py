@@ -380,3 +380,163 @@ def test_report_of_a_real_training_run(tmp_path):
         assert f"`embeddings.npz`: {z['embeddings'].shape[0]} x 8" in text
     for name in ("training_curves.png", "recall_at_k.png", "cosine_histograms.png", "embedding_2d.png"):
         assert _is_png(tmp_path / "run" / "report" / name), name
+
+
+# --------------------------------------------------------------------------- retrieval grids
+def test_retrieval_examples_against_bruteforce(rng):
+    from deepmetric.report import per_class_recall, retrieval_examples
+
+    x = rng.standard_normal((50, 5))
+    y = rng.integers(0, 5, 50)
+    ex = retrieval_examples(x, y, k=8, n_random=6, n_worst=7, seed=1)
+    xn = _normalise(x)
+    sims = xn @ xn.T
+    np.fill_diagonal(sims, -np.inf)
+    order = np.argsort(-sims, axis=1, kind="stable")[:, :8]
+    n_correct = (y[order] == y[:, None]).sum(1)
+    assert len(ex["random"]) == 6 and len(set(ex["random"])) == 6 and len(ex["worst"]) == 7
+    for q in ex["random"] + ex["worst"]:
+        assert ex["neighbours"][q].tolist() == order[q].tolist()
+        np.testing.assert_allclose(ex["similarity"][q], sims[q, order[q]], rtol=1e-5)
+        assert ex["correct"][q].tolist() == (y[order[q]] == y[q]).tolist()
+        assert ex["n_correct"][q] == n_correct[q]
+    # worst: fewest correct, ties by the most confident (highest) first similarity
+    want = sorted(range(50), key=lambda i: (n_correct[i], -sims[i, order[i, 0]]))[:7]
+    assert ex["worst"] == want
+    # per-class Recall@1 = mean over each class's queries of "top-1 shares the label"
+    pcr = per_class_recall(x, y)
+    for c, r, n in zip(pcr["classes"], pcr["recall"], pcr["n_queries"]):
+        qs = np.flatnonzero(y == c)
+        assert n == len(qs) and r == pytest.approx(np.mean(y[order[qs, 0]] == c))
+
+
+def test_retrieval_examples_query_gallery(rng):
+    from deepmetric.report import retrieval_examples
+
+    x = rng.standard_normal((30, 4))
+    y = rng.integers(0, 3, 30)
+    is_q = np.arange(30) < 10
+    ex = retrieval_examples(x, y, k=5, n_random=10, n_worst=0, is_query=is_q, is_gallery=~is_q)
+    xn = _normalise(x)
+    for q in ex["random"]:
+        assert q < 10
+        want = 10 + np.argsort(-(xn[10:] @ xn[q]), kind="stable")[:5]
+        assert ex["neighbours"][q].tolist() == want.tolist()
+
+
+# --------------------------------------------------------------------------- val / test / baselines
+def _split_run(tmp_path):
+    run = tmp_path / "split_run"
+    run.mkdir()
+    recs = [{"type": "step", "step": s, "epoch": s / 4, "loss": 2 - 0.1 * s, "lr": 0.1} for s in range(8)]
+    recs += [{"type": "baseline", "name": "raw pixels", "split": "test", "recall@1": 0.21, "nmi": 0.11},
+             {"type": "eval", "epoch": 1, "split": "val", "recall@1": 0.40, "nmi": 0.30},
+             {"type": "eval", "epoch": 1, "split": "test", "recall@1": 0.35, "nmi": 0.20},
+             {"type": "eval", "epoch": 2, "split": "val", "recall@1": 0.38, "nmi": 0.32},
+             {"type": "eval", "epoch": 2, "split": "test", "recall@1": 0.45, "nmi": 0.25}]
+    _write_log(run / "log.jsonl", recs)
+    (run / "metrics.json").write_text(json.dumps({
+        "final": {"val": {"recall@1": 0.38, "nmi": 0.32}, "test": {"recall@1": 0.45, "nmi": 0.25}},
+        "selected": {"epoch": 1, "metric": "recall@1", "split": "val", "val": {"recall@1": 0.40},
+                     "test": {"recall@1": 0.35}},
+        "baselines": {"raw_pixels": {"test": {"recall@1": 0.21}}, "epoch_0": {"recall@1": 0.12}},
+        "best": {"metric": "recall@1", "value": 0.40, "epoch": 1}}))
+    return run
+
+
+def test_report_marks_validation_test_and_baselines(tmp_path):
+    run = _split_run(tmp_path)
+    text = make_report(run).read_text()
+    # best per split: val at epoch 1 (40 > 38), test at epoch 2 (45 > 35) - never mixed
+    assert "| epoch 1 | val | 40.00* | 30.00 |" in text
+    assert "| epoch 2 | val | 38.00 | 32.00* |" in text
+    assert "| epoch 1 | test | 35.00 | 20.00 |" in text
+    assert "| epoch 2 | test | 45.00* | 25.00* |" in text
+    assert "| baseline: raw pixels | test | 21.00 | 11.00 |" in text
+    # metrics.json: final and selected rows per split, baselines of either nesting
+    assert "| final | val | 38.00 | 32.00 |" in text and "| final | test | 45.00 | 25.00 |" in text
+    assert "| selected (epoch 1, metric recall@1) | val | 40.00 |" in text
+    assert "| baseline: raw_pixels | test | 21.00 |" in text and "| baseline: epoch_0 |  | 12.00 |" in text
+    html = (run / "report" / "report.html").read_text()
+    assert html.count('<span class="badge val">val</span>') == 2 + 1 + 1  # log x2, final, selected
+    assert '<tr class="baseline" data-split="test">' in html
+    # the curves draw val dashed and test solid, labelled by split
+    from deepmetric.report import read_log
+    import matplotlib.pyplot as plt
+
+    captured = {}
+    orig = plots._save
+
+    def grab(fig, out):
+        captured["labels"] = [(ln.get_label(), ln.get_linestyle()) for ax in fig.axes for ln in ax.get_lines()]
+        return orig(fig, out)
+
+    plots._save = grab
+    try:
+        plots.plot_training_curves(read_log(run / "log.jsonl"), tmp_path / "c.png")
+    finally:
+        plots._save = orig
+    labels = dict(captured["labels"])
+    assert labels["recall@1 (val)"] == "--" and labels["recall@1 (test)"] == "-"
+    assert labels["recall@1: raw pixels (test)"] == ":"
+    plt.close("all")
+
+
+def test_report_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(b"x")
+    with pytest.raises(ValueError, match="is not a training run.*cat.jpg"):
+        make_report(tmp_path / "photos")
+    assert not (tmp_path / "photos" / "report").exists()  # nothing written
+    assert main(["report", str(tmp_path / "photos")]) == 2
+    assert "is not a training run" in capsys.readouterr().err
+
+
+def test_embedding_plot_names_classes_and_stays_readable(tmp_path, rng):
+    captured = {}
+    orig = plots._save
+
+    def grab(fig, out):
+        ax = fig.axes[0]
+        leg = ax.get_legend()
+        captured["legend"] = [t.get_text() for t in leg.get_texts()] if leg else None
+        captured["notes"] = [t.get_text() for t in ax.texts]
+        return orig(fig, out)
+
+    plots._save = grab
+    try:
+        y = np.repeat(np.arange(5), 4)
+        plots.plot_embedding_2d(rng.standard_normal((20, 6)), y, tmp_path / "a.png",
+                                class_names=["cat", "dog", "owl", "eel", "yak"])
+        assert captured["legend"] == ["cat", "dog", "owl", "eel", "yak"]
+        y = np.repeat(np.arange(300), 3)
+        plots.plot_embedding_2d(rng.standard_normal((900, 6)), y, tmp_path / "b.png",
+                                class_names=[f"c{i}" for i in range(300)], max_annotations=40)
+        assert captured["legend"] is None and len(captured["notes"]) == 40
+        assert all(t.startswith("c") for t in captured["notes"])
+    finally:
+        plots._save = orig
+
+
+def test_cosine_histogram_ticks_do_not_overlap(tmp_path, rng):
+    captured = {}
+    orig = plots._save
+
+    def grab(fig, out):
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        boxes = [t.get_window_extent(r) for ax in fig.axes for t in ax.get_xticklabels() if t.get_text()]
+        captured["boxes"] = boxes
+        return orig(fig, out)
+
+    h = pair_cosine_histograms(rng.standard_normal((40, 4)), rng.integers(0, 4, 40))
+    plots._save = grab
+    try:
+        plots.plot_cosine_histograms({"train": h, "test": h}, tmp_path / "h.png")
+    finally:
+        plots._save = orig
+    boxes = captured["boxes"]
+    assert len(boxes) == 10
+    for a, b in zip(boxes, boxes[1:]):
+        if abs(a.y0 - b.y0) < 1 and b.x0 > a.x0:  # neighbours on one axis
+            assert b.x0 >= a.x1, "tick labels overlap"

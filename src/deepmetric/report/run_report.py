@@ -166,11 +166,11 @@ def summary_rows(summary: dict) -> tuple[list[dict], list[str]]:
         scal = {k: v for k, v in obj.items()
                 if not isinstance(v, (dict, list)) and not _is_metric_key(k) and k != "split"}
         own_split = obj.get("split") if isinstance(obj.get("split"), str) else split
+        extra = ", ".join(f"{k} {v:g}" if _number(v) else f"{k} {v}" for k, v in scal.items())
+        if extra:  # e.g. selected: {"epoch": 3, "metric": "recall@1", "val": {...}}
+            label = f"{label} ({extra})"
         if nums:
-            extra = ", ".join(f"{k} {v:g}" if _number(v) else f"{k} {v}" for k, v in scal.items())
-            rows.append({"label": pg.esc(label) + (f' <span class="note">({pg.esc(extra)})</span>'
-                                                   if extra else ""),
-                         "text": label + (f" ({extra})" if extra else ""),
+            rows.append({"label": pg.esc(label), "text": label,
                          "split": own_split, "kind": kind, "metrics": nums})
         for k, v in obj.items():
             if isinstance(v, dict):
