@@ -39,6 +39,25 @@ def _save(fig, out: str | Path) -> Path:
     return out
 
 
+_FALLBACK_FAMILIES = ("Noto Sans CJK JP", "Noto Sans CJK SC", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei",
+                      "AR PL UMing CN", "Noto Sans", "DejaVu Sans")
+
+
+def _font_context(texts: Sequence[str] | None):
+    """Matplotlib renders text with one font; class names in other scripts (the glyph
+    benchmark's hanzi) would be empty boxes. When any text is not ASCII, list installed
+    fonts that cover it after DejaVu Sans (matplotlib >= 3.6 falls back glyph by glyph)."""
+    import contextlib
+
+    if not texts or all(str(t).isascii() for t in texts):
+        return contextlib.nullcontext()
+    from matplotlib import font_manager
+
+    installed = {f.name for f in font_manager.fontManager.ttflist if f.weight in (400, "normal", "regular")}
+    families = ["DejaVu Sans"] + [f for f in _FALLBACK_FAMILIES if f in installed and f != "DejaVu Sans"]
+    return plt.rc_context({"font.family": families})
+
+
 def _smooth(y: np.ndarray, window: int) -> np.ndarray:
     """Moving average that ignores NaN (missing keys) and keeps the array length."""
     if window <= 1 or y.size < 3:
@@ -212,6 +231,13 @@ def plot_embedding_2d(embeddings: Any, labels: Any, out: str | Path, *, normaliz
         cmap = plt.get_cmap("hsv")
         colors = {c: cmap(i / len(classes)) for i, c in enumerate(classes)}
     legend = len(classes) <= max_legend
+    with _font_context([name(c) for c in classes]):
+        return _draw_embedding_2d(xy, y, x, classes, counts, colors, name, legend, out, normalize,
+                                  class_weights, max_annotations, title, what)
+
+
+def _draw_embedding_2d(xy, y, x, classes, counts, colors, name, legend, out, normalize,
+                       class_weights, max_annotations, title, what) -> Path:
     fig, ax = plt.subplots(figsize=(7.4 if legend else 6.4, 5.6))
     size = float(np.clip(4000 / len(xy), 2, 30))  # visible dots for small sets, no blobs for large
     for c in classes:
@@ -234,13 +260,23 @@ def plot_embedding_2d(embeddings: Any, labels: Any, out: str | Path, *, normaliz
                   loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, title="class",
                   frameon=False)
     else:
-        shown = classes[np.argsort(-counts, kind="stable")[:max_annotations]]
+        # names at class medians, largest classes first, skipping any that would sit on top
+        # of an earlier name (closer than 9% of the axis ranges): no pile of labels
+        span = np.ptp(xy, axis=0) + 1e-12
+        shown, placed = [], []
+        for c in classes[np.argsort(-counts, kind="stable")]:
+            med = np.median(xy[y == c], axis=0)
+            if all(np.max(np.abs((med - p) / span) / (0.09, 0.04)) >= 1 for p in placed):
+                shown.append(c)
+                placed.append(med)
+            if len(shown) >= max_annotations:
+                break
         for c in shown:
             med = np.median(xy[y == c], axis=0)
             ax.annotate(name(c), med, fontsize=6, ha="center", va="center", color="k",
                         bbox=dict(boxstyle="round,pad=0.15", fc="white", ec=colors[c], lw=0.8, alpha=0.75))
         what += (f"\n{len(classes)} classes, no legend; "
-                 + (f"names of the {len(shown)} largest at their medians" if len(shown) < len(classes)
+                 + (f"{len(shown)} class names at their medians" if len(shown) < len(classes)
                     else "names at their medians"))
     ax.set_title(title or what, fontsize=10)
     ax.grid(alpha=0.3)
