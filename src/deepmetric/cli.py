@@ -56,13 +56,13 @@ def _add_report_parser(sub) -> None:
         help="one HTML page (report.html), figures and a Markdown report of a run (RUN_DIR/report/)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Write RUN_DIR/report/report.html - one self-contained page with the configuration, "
-            "metric tables (validation / test marked, baselines), training curves, Recall@K, "
-            "cosine-similarity histograms, a 2-d embedding, retrieval grids (random and worst "
-            "queries with their top-8 neighbours, right / wrong marked), per-class recall and, "
-            "for classifiers, misclassified test images beside their nearest training image - "
-            "plus the PNG figures and report.md. Embeddings come from --embeddings, else "
-            "RUN_DIR/embeddings.npz, else the run's best.pt (or last.pt) on the test split. "
+            "Write RUN_DIR/report/report.html - one self-contained page with the configuration,\n"
+            "metric tables (validation / test marked, baselines), training curves, Recall@K,\n"
+            "cosine-similarity histograms, a 2-d embedding, retrieval grids (random and worst\n"
+            "queries with their top-8 neighbours, right / wrong marked), per-class recall and,\n"
+            "for classifiers, misclassified test images beside their nearest training image -\n"
+            "plus the PNG figures and report.md. Embeddings come from --embeddings, else\n"
+            "RUN_DIR/embeddings.npz, else the run's best.pt (or last.pt) on the test split.\n"
             "See docs/report.md.\n\n"
             "example:\n"
             "  deepmetric demo --out runs/demo && deepmetric report runs/demo\n"

@@ -149,13 +149,14 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
-def summary_rows(summary: dict) -> tuple[list[dict], list[str]]:
+def summary_rows(summary: dict, default_split: str | None = None) -> tuple[list[dict], list[str]]:
     """Metric rows of ``metrics.json`` for :func:`page.metrics_table`, and notes.
 
     Reads today's keys (``metrics``: last evaluation, ``best``: the selection) and the
     split-aware ones (``final``: ``{"val": {...}, "test": {...}}``, ``selected``,
     ``baselines``: ``{name: {metrics} or {split: {metrics}}}``); any nesting of
-    ``{split: {metric: value}}`` is walked, split names mark the rows."""
+    ``{split: {metric: value}}`` is walked, split names mark the rows. ``default_split``
+    (the run's ``eval.split``) marks today's ``metrics``."""
     rows: list[dict] = []
     notes: list[str] = []
 
@@ -184,7 +185,7 @@ def summary_rows(summary: dict) -> tuple[list[dict], list[str]]:
             notes.append(f"best.pt selected by {val.get('metric')} = {pg.format_metric(str(val.get('metric')), val.get('value'))}"
                          f" at epoch {val.get('epoch')}")
         elif key == "metrics":
-            walk(val, "last evaluation", None, "eval")
+            walk(val, "last evaluation", default_split, "eval")  # on eval.split
         elif key == "final":
             walk(val, "final", None, "eval")
         elif key == "selected":
@@ -328,9 +329,11 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
         body.append(_config_html(cfg_raw, cfg_path))
     else:
         body.append('<p class="note">no config.yaml in the run directory</p>')
+    eval_cfg = (cfg_raw or {}).get("eval")
+    eval_split = str(eval_cfg.get("split", "test")) if isinstance(eval_cfg, dict) else "test"
     summary = read_metrics_json(run_dir)
     if summary is not None:
-        rows, notes = summary_rows(summary)
+        rows, notes = summary_rows(summary, eval_split)
         if rows:
             body.append(pg.metrics_table(rows, caption="metrics.json (%, validation and test marked)",
                                          table_id="summary-metrics"))
@@ -347,9 +350,7 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
         plots.plot_training_curves(log, out / "training_curves.png", title=run_dir.name)
         figures.append(("training curves", "training_curves.png"))
         md += _log_section(log)
-        default_split = (cfg_raw or {}).get("eval", {}).get("split") if isinstance(
-            (cfg_raw or {}).get("eval"), dict) else None
-        rows = _eval_rows(log, default_split or "test")
+        rows = _eval_rows(log, eval_split)
         if rows:
             html.add("metrics", "Evaluations during training", pg.metrics_table(
                 rows, caption="% per evaluation; validation and test marked; the best of each "
