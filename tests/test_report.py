@@ -547,3 +547,46 @@ def test_cosine_histogram_ticks_do_not_overlap(tmp_path, rng):
     for a, b in zip(boxes, boxes[1:]):
         if abs(a.y0 - b.y0) < 1 and b.x0 > a.x0:  # neighbours on one axis
             assert b.x0 >= a.x1, "tick labels overlap"
+
+
+def test_report_embeds_with_the_checkpoint_when_no_npz(tmp_path):
+    """Without an .npz the report embeds the test split with last.pt itself; its Recall@K
+    equals deepmetric.evaluate on embeddings computed independently from the checkpoint."""
+    import re
+
+    from deepmetric.evaluate import evaluate
+    from deepmetric.train import embed_checkpoint, load_config, train
+
+    cfg = load_config(None, [
+        "data.name=synthetic", "data.options={num_classes: 5, per_class: 6, dim: 10}",
+        "model.name=synthetic_mlp", "model.options={in_dim: 10, embedding_dim: 6}",
+        "loss.0.name=triplet", "train.epochs=1", "train.batch_size=10", "train.progress=false",
+        "train.device=cpu", f"train.out_dir={tmp_path / 'run'}", "eval.metrics=[recall]",
+    ])
+    train(cfg)
+    run = tmp_path / "run"
+    (run / "best.pt").unlink(missing_ok=True)
+    assert main(["report", str(run), "--device", "cpu", "--queries", "3", "--top-k", "4"]) == 0
+    html = (run / "report" / "report.html").read_text()
+    emb = embed_checkpoint(run / "last.pt", tmp_path / "e.npz", device="cpu")
+    with np.load(emb) as z:
+        want = evaluate(z["embeddings"], z["labels"], ks=(1, 2), metrics=["recall"])
+    row = re.search(r'<table class="metrics" id="recall-table">.*?</table>', html, re.S).group(0)
+    assert f"<td>{100 * want['recall@1']:.2f}</td><td>{100 * want['recall@2']:.2f}</td>" in row
+    # synthetic vectors have no images: tiles say so; 3 + 3 rows of 4 neighbours
+    assert html.count('class="row"') == 6 and html.count('class="noimg"') == 6 * 5
+    # --no-embed: log and metrics only
+    assert main(["report", str(run), "--no-embed", "--out", str(tmp_path / "o")]) == 0
+    assert 'id="grid-random"' not in (tmp_path / "o" / "report.html").read_text()
+
+
+def test_report_html_escapes_class_names(tmp_path, rng):
+    run, _ = _fake_run(tmp_path, rng, with_log=False)
+    with np.load(run / "emb.npz") as z:
+        data = dict(z)
+    data["class_names"] = np.array(["<script>alert(1)</script>", "a&b", "c", "d"])
+    np.savez(run / "named.npz", **data)
+    make_report(run, run / "named.npz", max_pairs=10_000)
+    html = (run / "report" / "report.html").read_text()
+    assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "a&amp;b" in html
