@@ -590,3 +590,30 @@ def test_report_html_escapes_class_names(tmp_path, rng):
     html = (run / "report" / "report.html").read_text()
     assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "a&amp;b" in html
+
+
+def test_report_without_the_dataset_still_reports_the_log(tmp_path, rng):
+    """A run whose data is not on this machine: the page says why there are no grids."""
+    import torch  # noqa: F401
+    from deepmetric.train import load_config, train
+
+    cfg = load_config(None, [
+        "data.name=synthetic", "data.options={num_classes: 4, per_class: 5, dim: 6}",
+        "model.name=synthetic_mlp", "model.options={in_dim: 6, embedding_dim: 4}",
+        "loss.0.name=triplet", "train.epochs=1", "train.batch_size=10", "train.progress=false",
+        "train.device=cpu", f"train.out_dir={tmp_path / 'run'}", "eval.metrics=[recall]",
+    ])
+    train(cfg)
+    run = tmp_path / "run"
+    text = (run / "config.yaml").read_text().replace("dim: 6", "dim: 7")  # a different dataset
+    (run / "config.yaml").write_text(text)
+    for name in ("best.pt", "last.pt"):  # the checkpoint's stored config names it too
+        state = torch.load(run / name, weights_only=True)
+        state["config"]["data"]["options"]["dim"] = 7
+        torch.save(state, run / name)
+    with pytest.warns(UserWarning, match="embedding with best.pt failed"):
+        md = make_report(run)
+    assert "embedding with best.pt failed" in md.read_text()
+    assert "embedding with best.pt failed" in (run / "report" / "report.html").read_text()
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        make_report(run, checkpoint=run / "nope.pt")

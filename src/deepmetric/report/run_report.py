@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,16 @@ def _fmt(v: Any, pct: bool = True) -> str:
 
 
 def _config_section(cfg: dict, path: Path) -> list[str]:
+    lines = [f"## Configuration (`{path.name}`)", ""]
+    if isinstance(cfg.get("description"), str) and cfg["description"]:
+        lines += [f"> {cfg['description']}", ""]
+    lines += ["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in _config_rows(cfg)]
+    return lines + [""]
+
+
+def _config_rows(cfg: dict) -> list[tuple[str, Any]]:
+    """(key, value) rows summarising a run's config: data, model, loss terms, optimiser,
+    temperature schedule, length, batch (keys a config lacks are left out)."""
     def get(*keys):
         node: Any = cfg
         for k in keys:
@@ -114,9 +125,6 @@ def _config_section(cfg: dict, path: Path) -> list[str]:
         for t in losses or [] if isinstance(t, dict)
     ) or "-"
     temp = get("schedule", "temperature") or {}
-    lines = [f"## Configuration (`{path.name}`)", ""]
-    if get("description"):
-        lines += [f"> {get('description')}", ""]
     rows = [
         ("name", get("name")),
         ("data", f"{get('data', 'name')} (root: {get('data', 'root')})"),
@@ -132,8 +140,7 @@ def _config_section(cfg: dict, path: Path) -> list[str]:
                   + (f" {get('train', 'm')} x {get('train', 'n')}" if get('train', 'm') else "") + ")"
          if get("train", "batch_size") else None),
     ]
-    lines += ["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows if v is not None]
-    return lines + [""]
+    return [(k, v) for k, v in rows if v is not None]
 
 
 _METRIC_PREFIXES = ("recall@", "map@", "precision@", "r_precision", "nmi", "f1", "top1", "top5",
@@ -326,7 +333,7 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     body = []
     if cfg_raw is not None and cfg_path is not None:
         md += _config_section(cfg_raw, cfg_path)
-        body.append(_config_html(cfg_raw, cfg_path))
+        body.append(pg.kv_table(_config_rows(cfg_raw)))
     else:
         body.append('<p class="note">no config.yaml in the run directory</p>')
     eval_cfg = (cfg_raw or {}).get("eval")
@@ -366,16 +373,30 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
         html.add("training", "Training curves", f'<p class="note">no {LOG_NAME} in the run directory</p>')
 
     # --- embeddings ---------------------------------------------------------------------
-    data, source = None, None
+    data, source, why_none = None, None, ("no embeddings: pass --embeddings EMB.npz, or keep "
+                                          "best.pt / last.pt in the run directory")
     if embeddings is not None:
         data, source = load_embeddings_npz(embeddings), f"`{Path(embeddings).name}`"
     elif checkpoint is not False:
-        ckpt = Path(checkpoint) if checkpoint not in (None, True) else find_checkpoint(run_dir)
+        explicit = checkpoint not in (None, True)
+        ckpt = Path(checkpoint) if explicit else find_checkpoint(run_dir)
+        if explicit and not ckpt.is_file():
+            raise FileNotFoundError(f"checkpoint not found: {ckpt}")
         if ckpt is not None:
-            data, cfg_from_ckpt = embed_run(ckpt, split=split, device=device, batch_size=batch_size,
-                                            embed_train=embed_train)
-            cfg_obj = cfg_obj or cfg_from_ckpt
-            source = f"`{ckpt.name}` on the {split or 'test'} split"
+            try:
+                data, cfg_from_ckpt = embed_run(ckpt, split=split, device=device,
+                                                batch_size=batch_size, embed_train=embed_train)
+            except Exception as exc:  # noqa: BLE001 - reported on the page and as a warning
+                if explicit:
+                    raise
+                # e.g. the dataset is not on this machine: still report the log and metrics
+                why_none = (f"no embeddings: embedding with {ckpt.name} failed "
+                            f"({type(exc).__name__}: {str(exc)[:300]}); pass "
+                            f"--embeddings EMB.npz, or --no-embed")
+                warnings.warn(why_none)
+            else:
+                cfg_obj = cfg_obj or cfg_from_ckpt
+                source = f"`{ckpt.name}` on the {split or 'test'} split"
     if data is not None:
         emb_md, emb_html = _embedding_sections(
             data, source, out, figures, max_pairs=max_pairs, seed=seed, ks=ks, cfg=cfg_obj,
@@ -384,8 +405,8 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
         for sec in emb_html:
             html.add(*sec)
     else:
-        html.add("embeddings", "Embeddings", '<p class="note">no embeddings: pass --embeddings '
-                 'EMB.npz, or keep best.pt / last.pt in the run directory</p>')
+        html.add("embeddings", "Embeddings", f'<p class="note">{pg.esc(why_none)}</p>', "embeddings")
+        md += [f"- {why_none}", ""]
 
     if cfg_raw is not None and cfg_path is not None:
         html.add("config", f"Full configuration ({cfg_path.name})",
@@ -411,12 +432,6 @@ def _config_object(raw: dict | None):
         return config_from_dict(copy.deepcopy(raw)), ""
     except Exception as exc:  # noqa: BLE001 - only the images depend on it
         return None, f"config.yaml could not be read as a training config ({exc})"
-
-
-def _config_html(cfg: dict, path: Path) -> str:
-    rows = [ln[2:-2].split(" | ", 1) for ln in _config_section(cfg, path) if ln.startswith("| ")
-            and not ln.startswith("| key") and " | " in ln[2:-2]]
-    return pg.kv_table((k, v) for k, v in rows)
 
 
 def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
@@ -445,7 +460,7 @@ def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
     # Recall@K: K limited by the number of references a query can retrieve
     n_ref = int(np.sum(is_g)) if is_g is not None else len(x) - 1
     ks_ok = tuple(k for k in ks if k <= n_ref)
-    body = [f"<p>{pg.esc(head)}</p>"]
+    body = [f"<p>{pg.esc(head.replace('`', ''))}</p>"]
     if ks_ok:
         rc = dg.recall_curve(x, y, ks_ok, is_query=is_q, is_gallery=is_g)
         plots.plot_recall_curve({"this run": rc}, out / "recall_at_k.png")
