@@ -617,3 +617,26 @@ def test_report_without_the_dataset_still_reports_the_log(tmp_path, rng):
     assert "embedding with best.pt failed" in (run / "report" / "report.html").read_text()
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
         make_report(run, checkpoint=run / "nope.pt")
+
+
+def test_report_of_a_query_gallery_run(tmp_path):
+    """In-shop style runs (eval.gallery_split): queries ranked against the gallery only."""
+    import re
+
+    from deepmetric.train import load_config, train
+
+    cfg = load_config(None, [
+        "data.name=synthetic", "data.options={num_classes: 4, per_class: 6, dim: 6}",
+        "model.name=synthetic_mlp", "model.options={in_dim: 6, embedding_dim: 4}",
+        "loss.0.name=triplet", "train.epochs=1", "train.batch_size=8", "train.progress=false",
+        "train.device=cpu", f"train.out_dir={tmp_path / 'run'}", "eval.metrics=[recall]",
+        "eval.split=query", "eval.gallery_split=gallery",
+    ])
+    train(cfg)
+    make_report(tmp_path / "run", n_queries=4, top_k=5)
+    html = (tmp_path / "run" / "report" / "report.html").read_text()
+    n_query = 4 * 6 // 2
+    rows = re.findall(r'<div class="row" data-query="(\d+)"', html)
+    assert len(rows) == 8 and all(int(q) < n_query for q in rows)
+    tiles = [int(r) for r in re.findall(r'<figure class="tile (?:hit|miss)" data-row="(\d+)"', html)]
+    assert len(tiles) == 8 * 5 and all(r >= n_query for r in tiles)
