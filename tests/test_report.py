@@ -640,3 +640,18 @@ def test_report_of_a_query_gallery_run(tmp_path):
     assert len(rows) == 8 and all(int(q) < n_query for q in rows)
     tiles = [int(r) for r in re.findall(r'<figure class="tile (?:hit|miss)" data-row="(\d+)"', html)]
     assert len(tiles) == 8 * 5 and all(r >= n_query for r in tiles)
+
+
+def test_recall_table_lists_logged_test_baselines(tmp_path, rng):
+    import re
+
+    run = _split_run(tmp_path)
+    np.savez(run / "emb.npz", embeddings=rng.standard_normal((30, 4)), labels=np.repeat(np.arange(5), 6))
+    make_report(run, run / "emb.npz")
+    html = (run / "report" / "report.html").read_text()
+    table = re.search(r'<table class="metrics" id="recall-table">.*?</table>', html, re.S).group(0)
+    # the log's raw-pixel baseline (test) and metrics.json's test baselines; not the val one
+    assert re.search(r"<th>baseline: raw pixels</th><td></td><td>21.00</td>", table)
+    assert re.search(r"<th>baseline: raw_pixels</th><td></td><td>21.00</td>", table)
+    assert "epoch_0" in table  # split not given: shown
+    assert table.count('class="baseline"') == 3

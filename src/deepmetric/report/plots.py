@@ -324,16 +324,19 @@ def plot_recall_curve(curves: Mapping[str, Mapping[int, float]], out: str | Path
     if not curves:
         raise ValueError("curves is empty: give at least one {K: recall} mapping")
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    all_ks: set[int] = set()
     for i, (name, c) in enumerate(curves.items()):
         ks = sorted(int(k) for k in c)
+        all_ks.update(ks)
         r = [100 * float(c[k]) for k in ks]
-        ax.plot(ks, r, marker="o", color=f"C{i}", label=name)
+        ax.plot(ks, r, marker="o", color=f"C{i}", label=name, ls="-" if i == 0 else "--")
         for k, v in zip(ks, r):
             ax.annotate(f"{v:.1f}", (k, v), textcoords="offset points", xytext=(0, 5),
                         ha="center", fontsize=7)
-        if ks and ks[-1] / max(ks[0], 1) >= 4:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(ks, [str(k) for k in ks])
+    ks = sorted(all_ks)  # ticks of every curve, not only the last one's
+    if ks and ks[-1] / max(ks[0], 1) >= 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
     ax.set_xlabel("K")
     ax.set_ylabel("Recall@K (%)")
     ax.set_title(title or "Recall@K")

@@ -339,8 +339,10 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     eval_cfg = (cfg_raw or {}).get("eval")
     eval_split = str(eval_cfg.get("split", "test")) if isinstance(eval_cfg, dict) else "test"
     summary = read_metrics_json(run_dir)
+    baselines: list[dict] = []  # for the Recall@K table and curve
     if summary is not None:
         rows, notes = summary_rows(summary, eval_split)
+        baselines += [r for r in rows if r["kind"] == "baseline"]
         if rows:
             body.append(pg.metrics_table(rows, caption="metrics.json (%, validation and test marked)",
                                          table_id="summary-metrics"))
@@ -358,6 +360,7 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
         figures.append(("training curves", "training_curves.png"))
         md += _log_section(log)
         rows = _eval_rows(log, eval_split)
+        baselines += [r for r in rows if r["kind"] == "baseline"]
         if rows:
             html.add("metrics", "Evaluations during training", pg.metrics_table(
                 rows, caption="% per evaluation; validation and test marked; the best of each "
@@ -400,6 +403,7 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     if data is not None:
         emb_md, emb_html = _embedding_sections(
             data, source, out, figures, max_pairs=max_pairs, seed=seed, ks=ks, cfg=cfg_obj,
+            baselines=[b for b in baselines if b.get("split") in (None, "test", split or "test")],
             cfg_note=cfg_note, split=split, images=images, n_queries=n_queries, top_k=top_k)
         md += emb_md
         for sec in emb_html:
@@ -438,6 +442,7 @@ def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
                         figures: list[tuple[str, str]], *, max_pairs: int, seed: int,
                         ks: tuple[int, ...], cfg=None, cfg_note: str = "", split: str | None = None,
                         images: bool = True, n_queries: int = 8, top_k: int = 8,
+                        baselines: list[dict] | None = None,
                         ) -> tuple[list[str], list[tuple[str, str, str, str]]]:
     x = data["embeddings"]
     y = dg._as_labels(data["labels"], len(x))
@@ -463,13 +468,23 @@ def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
     body = [f"<p>{pg.esc(head.replace('`', ''))}</p>"]
     if ks_ok:
         rc = dg.recall_curve(x, y, ks_ok, is_query=is_q, is_gallery=is_g)
-        plots.plot_recall_curve({"this run": rc}, out / "recall_at_k.png")
+        # logged baselines (epoch-0 model, raw pixels, ...) with Recall@K, drawn beside the run
+        base = {}
+        for b in baselines or []:
+            c = {int(k[7:]): float(v) for k, v in b["metrics"].items()
+                 if k.startswith("recall@") and k[7:].isdigit() and int(k[7:]) in rc}
+            if c and b["text"] not in base:
+                base[b["text"]] = c
+        plots.plot_recall_curve({"this run": rc, **base}, out / "recall_at_k.png")
         figures.append(("Recall@K", "recall_at_k.png"))
         md += ["| " + " | ".join(f"R@{k}" for k in rc) + " |", "|---" * len(rc) + "|",
                "| " + " | ".join(_fmt(v) for v in rc.values()) + " |", ""]
-        body.append(pg.metrics_table([{"label": "this run", "split": None, "kind": "eval",
-                                       "metrics": {f"recall@{k}": v for k, v in rc.items()}}],
-                                     table_id="recall-table"))
+        body.append(pg.metrics_table(
+            [{"label": "this run", "split": None, "kind": "eval",
+              "metrics": {f"recall@{k}": v for k, v in rc.items()}}]
+            + [{"label": pg.esc(name), "split": None, "kind": "baseline",
+                "metrics": {f"recall@{k}": v for k, v in c.items()}} for name, c in base.items()],
+            table_id="recall-table"))
         body.append(pg.figure(out / "recall_at_k.png", "Recall@K (%), K on a log2 axis", "Recall@K"))
     sections.append(("recall", "Recall@K", "\n".join(body), "Recall@K"))
 
