@@ -55,16 +55,26 @@ def _train(tmp, out, data_overrides, extra=()):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def image_folder(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("browser_runs")
     _make_images(tmp / "images", np.random.default_rng(0))
-    zero_shot = _train(tmp, tmp / "zero_shot", ["data.options={class_split: half}"])
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def zero_shot_run(image_folder):
+    tmp = image_folder
+    return tmp, _train(tmp, tmp / "zero_shot", ["data.options={class_split: half}"])
+
+
+@pytest.fixture(scope="module")
+def classifier_run(image_folder):
+    tmp = image_folder
     lines = [f"{'train' if j < 4 else 'test'} {c.replace(' ', '_')}/{j}.png"
              for c in CLASSES for j in range(PER_CLASS)]
     (tmp / "split.txt").write_text("\n".join(lines) + "\n")
-    clf = _train(tmp, tmp / "classifier", [f"data.options={{split_file: {tmp / 'split.txt'}}}"],
-                 ["eval.classification=true"])
-    return tmp, zero_shot, clf
+    return tmp, _train(tmp, tmp / "classifier", [f"data.options={{split_file: {tmp / 'split.txt'}}}"],
+                       ["eval.classification=true"])
 
 
 def _embed(run, split):
@@ -86,8 +96,8 @@ def _grid(page, grid_id):
             img: !!t.querySelector('img'), caption: t.querySelector('figcaption').innerText}))}))""")
 
 
-def test_report_page_of_a_zero_shot_run(runs):
-    tmp, run, _ = runs
+def test_report_page_of_a_zero_shot_run(zero_shot_run):
+    tmp, run = zero_shot_run
     make_report(run, max_pairs=10_000)  # embeds the test split with best.pt itself
     page_path = run / "report" / "report.html"
     assert page_path.is_file()
@@ -139,8 +149,8 @@ def test_report_page_of_a_zero_shot_run(runs):
     assert errors == []
 
 
-def test_report_page_of_a_classifier_run(runs):
-    tmp, _, run = runs
+def test_report_page_of_a_classifier_run(classifier_run):
+    tmp, run = classifier_run
     make_report(run, max_pairs=10_000)
     te, tr = _embed(run, "test"), _embed(run, "train")
     res = misclassified_neighbours(tr["embeddings"], tr["labels"], te["embeddings"], te["labels"],
