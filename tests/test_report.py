@@ -285,7 +285,7 @@ def _fake_run(tmp_path, rng, with_log=True):
     run = tmp_path / "run1"
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump({
-        "name": "toy", "description": "toy run", "data": {"name": "glyphs", "root": None},
+        "name": "toy", "description": "toy run", "data": {"name": "synthetic", "options": {"num_classes": 4}},
         "loss": [{"name": "heated_softmax", "weight": 1.0, "options": {"alpha": 16}}],
         "train": {"epochs": 2, "batch_size": 8, "sampler": "random"},
     }))
@@ -380,3 +380,278 @@ def test_report_of_a_real_training_run(tmp_path):
         assert f"`embeddings.npz`: {z['embeddings'].shape[0]} x 8" in text
     for name in ("training_curves.png", "recall_at_k.png", "cosine_histograms.png", "embedding_2d.png"):
         assert _is_png(tmp_path / "run" / "report" / name), name
+
+
+# --------------------------------------------------------------------------- retrieval grids
+def test_retrieval_examples_against_bruteforce(rng):
+    from deepmetric.report import per_class_recall, retrieval_examples
+
+    x = rng.standard_normal((50, 5))
+    y = rng.integers(0, 5, 50)
+    ex = retrieval_examples(x, y, k=8, n_random=6, n_worst=7, seed=1)
+    xn = _normalise(x)
+    sims = xn @ xn.T
+    np.fill_diagonal(sims, -np.inf)
+    order = np.argsort(-sims, axis=1, kind="stable")[:, :8]
+    n_correct = (y[order] == y[:, None]).sum(1)
+    assert len(ex["random"]) == 6 and len(set(ex["random"])) == 6 and len(ex["worst"]) == 7
+    for q in ex["random"] + ex["worst"]:
+        assert ex["neighbours"][q].tolist() == order[q].tolist()
+        np.testing.assert_allclose(ex["similarity"][q], sims[q, order[q]], rtol=1e-5)
+        assert ex["correct"][q].tolist() == (y[order[q]] == y[q]).tolist()
+        assert ex["n_correct"][q] == n_correct[q]
+    # worst: fewest correct, ties by the most confident (highest) first similarity
+    want = sorted(range(50), key=lambda i: (n_correct[i], -sims[i, order[i, 0]]))[:7]
+    assert ex["worst"] == want
+    # per-class Recall@1 = mean over each class's queries of "top-1 shares the label"
+    pcr = per_class_recall(x, y)
+    for c, r, n in zip(pcr["classes"], pcr["recall"], pcr["n_queries"]):
+        qs = np.flatnonzero(y == c)
+        assert n == len(qs) and r == pytest.approx(np.mean(y[order[qs, 0]] == c))
+
+
+def test_retrieval_examples_query_gallery(rng):
+    from deepmetric.report import retrieval_examples
+
+    x = rng.standard_normal((30, 4))
+    y = rng.integers(0, 3, 30)
+    is_q = np.arange(30) < 10
+    ex = retrieval_examples(x, y, k=5, n_random=10, n_worst=0, is_query=is_q, is_gallery=~is_q)
+    xn = _normalise(x)
+    for q in ex["random"]:
+        assert q < 10
+        want = 10 + np.argsort(-(xn[10:] @ xn[q]), kind="stable")[:5]
+        assert ex["neighbours"][q].tolist() == want.tolist()
+
+
+# --------------------------------------------------------------------------- val / test / baselines
+def _split_run(tmp_path):
+    run = tmp_path / "split_run"
+    run.mkdir()
+    recs = [{"type": "step", "step": s, "epoch": s / 4, "loss": 2 - 0.1 * s, "lr": 0.1} for s in range(8)]
+    recs += [{"type": "baseline", "name": "raw pixels", "split": "test", "recall@1": 0.21, "nmi": 0.11},
+             {"type": "eval", "epoch": 1, "split": "val", "recall@1": 0.40, "nmi": 0.30},
+             {"type": "eval", "epoch": 1, "split": "test", "recall@1": 0.35, "nmi": 0.20},
+             {"type": "eval", "epoch": 2, "split": "val", "recall@1": 0.38, "nmi": 0.32},
+             {"type": "eval", "epoch": 2, "split": "test", "recall@1": 0.45, "nmi": 0.25}]
+    _write_log(run / "log.jsonl", recs)
+    (run / "metrics.json").write_text(json.dumps({
+        "final": {"val": {"recall@1": 0.38, "nmi": 0.32}, "test": {"recall@1": 0.45, "nmi": 0.25}},
+        "selected": {"epoch": 1, "metric": "recall@1", "split": "val", "val": {"recall@1": 0.40},
+                     "test": {"recall@1": 0.35}},
+        "baselines": {"raw_pixels": {"test": {"recall@1": 0.21}}, "epoch_0": {"recall@1": 0.12}},
+        "best": {"metric": "recall@1", "value": 0.40, "epoch": 1}}))
+    return run
+
+
+def test_report_marks_validation_test_and_baselines(tmp_path):
+    run = _split_run(tmp_path)
+    text = make_report(run).read_text()
+    # best per split: val at epoch 1 (40 > 38), test at epoch 2 (45 > 35) - never mixed
+    assert "| epoch 1 | val | 40.00* | 30.00 |" in text
+    assert "| epoch 2 | val | 38.00 | 32.00* |" in text
+    assert "| epoch 1 | test | 35.00 | 20.00 |" in text
+    assert "| epoch 2 | test | 45.00* | 25.00* |" in text
+    assert "| baseline: raw pixels | test | 21.00 | 11.00 |" in text
+    # metrics.json: final and selected rows per split, baselines of either nesting
+    assert "| final | val | 38.00 | 32.00 |" in text and "| final | test | 45.00 | 25.00 |" in text
+    assert "| selected (epoch 1, metric recall@1) | val | 40.00 |" in text
+    assert "| baseline: raw_pixels | test | 21.00 |" in text and "| baseline: epoch_0 |  | 12.00 |" in text
+    html = (run / "report" / "report.html").read_text()
+    assert html.count('<span class="badge val">val</span>') == 2 + 1 + 1  # log x2, final, selected
+    assert '<tr class="baseline" data-split="test">' in html
+    # the curves draw val dashed and test solid, labelled by split
+    from deepmetric.report import read_log
+    import matplotlib.pyplot as plt
+
+    captured = {}
+    orig = plots._save
+
+    def grab(fig, out):
+        captured["labels"] = [(ln.get_label(), ln.get_linestyle()) for ax in fig.axes for ln in ax.get_lines()]
+        return orig(fig, out)
+
+    plots._save = grab
+    try:
+        plots.plot_training_curves(read_log(run / "log.jsonl"), tmp_path / "c.png")
+    finally:
+        plots._save = orig
+    labels = dict(captured["labels"])
+    assert labels["recall@1 (val)"] == "--" and labels["recall@1 (test)"] == "-"
+    assert labels["recall@1: raw pixels (test)"] == ":"
+    plt.close("all")
+
+
+def test_report_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(b"x")
+    with pytest.raises(ValueError, match="is not a training run.*cat.jpg"):
+        make_report(tmp_path / "photos")
+    assert not (tmp_path / "photos" / "report").exists()  # nothing written
+    assert main(["report", str(tmp_path / "photos")]) == 2
+    assert "is not a training run" in capsys.readouterr().err
+
+
+def test_embedding_plot_names_classes_and_stays_readable(tmp_path, rng):
+    captured = {}
+    orig = plots._save
+
+    def grab(fig, out):
+        ax = fig.axes[0]
+        leg = ax.get_legend()
+        captured["legend"] = [t.get_text() for t in leg.get_texts()] if leg else None
+        captured["notes"] = [t.get_text() for t in ax.texts]
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        captured["boxes"] = [t.get_bbox_patch().get_window_extent(r) for t in ax.texts]
+        return orig(fig, out)
+
+    plots._save = grab
+    try:
+        y = np.repeat(np.arange(5), 4)
+        plots.plot_embedding_2d(rng.standard_normal((20, 6)), y, tmp_path / "a.png",
+                                class_names=["cat", "dog", "owl", "eel", "yak"])
+        assert captured["legend"] == ["cat", "dog", "owl", "eel", "yak"]
+        y = np.repeat(np.arange(300), 3)
+        plots.plot_embedding_2d(rng.standard_normal((900, 6)), y, tmp_path / "b.png",
+                                class_names=[f"c{i}" for i in range(300)], max_annotations=40)
+        assert captured["legend"] is None and 10 <= len(captured["notes"]) <= 40
+        assert all(t.startswith("c") for t in captured["notes"])
+        boxes = captured["boxes"]  # the class names written on the plot do not overlap
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), "class-name labels overlap"
+    finally:
+        plots._save = orig
+
+
+def test_cosine_histogram_ticks_do_not_overlap(tmp_path, rng):
+    captured = {}
+    orig = plots._save
+
+    def grab(fig, out):
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        boxes = [t.get_window_extent(r) for ax in fig.axes for t in ax.get_xticklabels() if t.get_text()]
+        captured["boxes"] = boxes
+        return orig(fig, out)
+
+    h = pair_cosine_histograms(rng.standard_normal((40, 4)), rng.integers(0, 4, 40))
+    plots._save = grab
+    try:
+        plots.plot_cosine_histograms({"train": h, "test": h}, tmp_path / "h.png")
+    finally:
+        plots._save = orig
+    boxes = captured["boxes"]
+    assert len(boxes) == 10
+    for a, b in zip(boxes, boxes[1:]):
+        if abs(a.y0 - b.y0) < 1 and b.x0 > a.x0:  # neighbours on one axis
+            assert b.x0 >= a.x1, "tick labels overlap"
+
+
+def test_report_embeds_with_the_checkpoint_when_no_npz(tmp_path):
+    """Without an .npz the report embeds the test split with last.pt itself; its Recall@K
+    equals deepmetric.evaluate on embeddings computed independently from the checkpoint."""
+    import re
+
+    from deepmetric.evaluate import evaluate
+    from deepmetric.train import embed_checkpoint, load_config, train
+
+    cfg = load_config(None, [
+        "data.name=synthetic", "data.options={num_classes: 5, per_class: 6, dim: 10}",
+        "model.name=synthetic_mlp", "model.options={in_dim: 10, embedding_dim: 6}",
+        "loss.0.name=triplet", "train.epochs=1", "train.batch_size=10", "train.progress=false",
+        "train.device=cpu", f"train.out_dir={tmp_path / 'run'}", "eval.metrics=[recall]",
+    ])
+    train(cfg)
+    run = tmp_path / "run"
+    (run / "best.pt").unlink(missing_ok=True)
+    assert main(["report", str(run), "--device", "cpu", "--queries", "3", "--top-k", "4"]) == 0
+    html = (run / "report" / "report.html").read_text()
+    emb = embed_checkpoint(run / "last.pt", tmp_path / "e.npz", device="cpu")
+    with np.load(emb) as z:
+        want = evaluate(z["embeddings"], z["labels"], ks=(1, 2), metrics=["recall"])
+    row = re.search(r'<table class="metrics" id="recall-table">.*?</table>', html, re.S).group(0)
+    assert f"<td>{100 * want['recall@1']:.2f}</td><td>{100 * want['recall@2']:.2f}</td>" in row
+    # synthetic vectors have no images: tiles say so; 3 + 3 rows of 4 neighbours
+    assert html.count('class="row"') == 6 and html.count('class="noimg"') == 6 * 5
+    # --no-embed: log and metrics only
+    assert main(["report", str(run), "--no-embed", "--out", str(tmp_path / "o")]) == 0
+    assert 'id="grid-random"' not in (tmp_path / "o" / "report.html").read_text()
+
+
+def test_report_html_escapes_class_names(tmp_path, rng):
+    run, _ = _fake_run(tmp_path, rng, with_log=False)
+    with np.load(run / "emb.npz") as z:
+        data = dict(z)
+    data["class_names"] = np.array(["<script>alert(1)</script>", "a&b", "c", "d"])
+    np.savez(run / "named.npz", **data)
+    make_report(run, run / "named.npz", max_pairs=10_000)
+    html = (run / "report" / "report.html").read_text()
+    assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "a&amp;b" in html
+
+
+def test_report_without_the_dataset_still_reports_the_log(tmp_path, rng):
+    """A run whose data is not on this machine: the page says why there are no grids."""
+    import torch  # noqa: F401
+    from deepmetric.train import load_config, train
+
+    cfg = load_config(None, [
+        "data.name=synthetic", "data.options={num_classes: 4, per_class: 5, dim: 6}",
+        "model.name=synthetic_mlp", "model.options={in_dim: 6, embedding_dim: 4}",
+        "loss.0.name=triplet", "train.epochs=1", "train.batch_size=10", "train.progress=false",
+        "train.device=cpu", f"train.out_dir={tmp_path / 'run'}", "eval.metrics=[recall]",
+    ])
+    train(cfg)
+    run = tmp_path / "run"
+    text = (run / "config.yaml").read_text().replace("dim: 6", "dim: 7")  # a different dataset
+    (run / "config.yaml").write_text(text)
+    for name in ("best.pt", "last.pt"):  # the checkpoint's stored config names it too
+        state = torch.load(run / name, weights_only=True)
+        state["config"]["data"]["options"]["dim"] = 7
+        torch.save(state, run / name)
+    with pytest.warns(UserWarning, match="embedding with best.pt failed"):
+        md = make_report(run)
+    assert "embedding with best.pt failed" in md.read_text()
+    assert "embedding with best.pt failed" in (run / "report" / "report.html").read_text()
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        make_report(run, checkpoint=run / "nope.pt")
+
+
+def test_report_of_a_query_gallery_run(tmp_path):
+    """In-shop style runs (eval.gallery_split): queries ranked against the gallery only."""
+    import re
+
+    from deepmetric.train import load_config, train
+
+    cfg = load_config(None, [
+        "data.name=synthetic", "data.options={num_classes: 4, per_class: 6, dim: 6}",
+        "model.name=synthetic_mlp", "model.options={in_dim: 6, embedding_dim: 4}",
+        "loss.0.name=triplet", "train.epochs=1", "train.batch_size=8", "train.progress=false",
+        "train.device=cpu", f"train.out_dir={tmp_path / 'run'}", "eval.metrics=[recall]",
+        "eval.split=query", "eval.gallery_split=gallery",
+    ])
+    train(cfg)
+    make_report(tmp_path / "run", n_queries=4, top_k=5)
+    html = (tmp_path / "run" / "report" / "report.html").read_text()
+    n_query = 4 * 6 // 2
+    rows = re.findall(r'<div class="row" data-query="(\d+)"', html)
+    assert len(rows) == 8 and all(int(q) < n_query for q in rows)
+    tiles = [int(r) for r in re.findall(r'<figure class="tile (?:hit|miss)" data-row="(\d+)"', html)]
+    assert len(tiles) == 8 * 5 and all(r >= n_query for r in tiles)
+
+
+def test_recall_table_lists_logged_test_baselines(tmp_path, rng):
+    import re
+
+    run = _split_run(tmp_path)
+    np.savez(run / "emb.npz", embeddings=rng.standard_normal((30, 4)), labels=np.repeat(np.arange(5), 6))
+    make_report(run, run / "emb.npz")
+    html = (run / "report" / "report.html").read_text()
+    table = re.search(r'<table class="metrics" id="recall-table">.*?</table>', html, re.S).group(0)
+    # the log's raw-pixel baseline (test) and metrics.json's test baselines; not the val one
+    assert re.search(r"<th>baseline: raw pixels</th><td></td><td>21.00</td>", table)
+    assert re.search(r"<th>baseline: raw_pixels</th><td></td><td>21.00</td>", table)
+    assert "epoch_0" in table  # split not given: shown
+    assert table.count('class="baseline"') == 3

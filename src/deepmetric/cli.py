@@ -53,30 +53,59 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 def _add_report_parser(sub) -> None:
     p = sub.add_parser(
         "report",
-        help="figures and a Markdown report of a run (RUN_DIR/report/)",
+        help="one HTML page (report.html), figures and a Markdown report of a run (RUN_DIR/report/)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Write PNG figures (training curves from log.jsonl; with --embeddings also "
-            "Recall@K, cosine-similarity histograms, a 2-d embedding scatter, and Fig. 1 / "
-            "two-head diagnostics when the .npz holds the needed arrays) and report.md into "
-            "RUN_DIR/report/. See docs/report.md for the .npz keys."
+            "Write RUN_DIR/report/report.html - one self-contained page with the configuration,\n"
+            "metric tables (validation / test marked, baselines), training curves, Recall@K,\n"
+            "cosine-similarity histograms, a 2-d embedding, retrieval grids (random and worst\n"
+            "queries with their top-8 neighbours, right / wrong marked), per-class recall and,\n"
+            "for classifiers, misclassified test images beside their nearest training image -\n"
+            "plus the PNG figures and report.md. Embeddings come from --embeddings, else\n"
+            "RUN_DIR/embeddings.npz, else the run's best.pt (or last.pt) on the test split.\n"
+            "See docs/report.md.\n\n"
+            "example:\n"
+            "  deepmetric demo --out runs/demo && deepmetric report runs/demo\n"
+            "  xdg-open runs/demo/report/report.html"
         ),
     )
-    p.add_argument("run_dir", help="the run directory (holds log.jsonl and config.yaml)")
+    p.add_argument("run_dir", help="the run directory 'deepmetric train' wrote (log.jsonl, config.yaml, "
+                                   "metrics.json, best.pt / last.pt)")
     p.add_argument("--embeddings", default=None,
-                   help="embeddings .npz (default: RUN_DIR/embeddings.npz if present)")
+                   help="embeddings .npz (default: RUN_DIR/embeddings.npz if present, else computed "
+                        "with the checkpoint)")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint to embed with (default: RUN_DIR/best.pt, else RUN_DIR/last.pt)")
+    p.add_argument("--no-embed", action="store_true",
+                   help="never compute embeddings from a checkpoint (log and metrics only)")
+    p.add_argument("--split", default=None,
+                   help="split to embed and show (default: test; In-shop style runs: query+gallery)")
+    p.add_argument("--skip-train", action="store_true",
+                   help="do not embed the training split (it is embedded by default when the model "
+                        "has a classifier: two-head Fig. 10, heated-up Fig. 1, train histogram)")
+    p.add_argument("--device", default="auto", help="device for embedding: auto, cpu or cuda[:i]")
+    p.add_argument("--batch-size", type=int, default=256, help="batch size for embedding (default 256)")
+    p.add_argument("--no-images", action="store_true",
+                   help="do not rebuild the dataset for images (grids show labels only)")
+    p.add_argument("--queries", type=int, default=8,
+                   help="random queries and worst queries shown in the retrieval grids (default 8 each)")
+    p.add_argument("--top-k", type=int, default=8, help="neighbours shown per query (default 8)")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
     p.add_argument("--max-pairs", type=int, default=1_000_000,
                    help="pairs per cosine histogram before sampling (default 1000000)")
-    p.add_argument("--seed", type=int, default=0, help="seed for pair sampling / subsampling")
+    p.add_argument("--seed", type=int, default=0, help="seed for pair sampling, random queries, subsampling")
     p.set_defaults(func=_run_report)
 
 
 def _run_report(args: argparse.Namespace) -> int:
     from deepmetric.report import make_report
 
-    path = make_report(args.run_dir, args.embeddings, out_dir=args.out,
-                       max_pairs=args.max_pairs, seed=args.seed)
-    print(f"report written to {path}")
+    path = make_report(args.run_dir, args.embeddings, out_dir=args.out, max_pairs=args.max_pairs,
+                       seed=args.seed, checkpoint=False if args.no_embed else args.checkpoint,
+                       split=args.split, device=args.device, batch_size=args.batch_size,
+                       embed_train=False if args.skip_train else None, images=not args.no_images,
+                       n_queries=args.queries, top_k=args.top_k)
+    print(f"report written to {path.with_name('report.html')} (and {path.name}, figures in {path.parent})")
     return 0
 
 

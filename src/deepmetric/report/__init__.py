@@ -1,11 +1,14 @@
-"""deepmetric.report: figures and Markdown reports of training runs and embeddings.
+"""deepmetric.report: an HTML page, figures and Markdown reports of training runs and embeddings.
 
 * :mod:`~deepmetric.report.diagnostics` - the numbers behind each figure, from plain
   arrays (heated-up Fig. 1, 2, 4; Recall@K; the two-head paper's nearest-training-image
   analysis; the training log reader).
 * :mod:`~deepmetric.report.plots` - matplotlib (Agg) figures written to PNG files.
 * :mod:`~deepmetric.report.run_report` - ``make_report(run_dir, embeddings)``, used by
-  ``deepmetric report RUN_DIR [--embeddings EMB.npz]``.
+  ``deepmetric report RUN_DIR [--embeddings EMB.npz]``: ``report.html`` (one
+  self-contained page, built with :mod:`~deepmetric.report.page`), the PNGs and
+  ``report.md``; :mod:`~deepmetric.report.run_inputs` reads the run (metrics.json,
+  checkpoint embeddings, the dataset images behind the retrieval grids).
 """
 from .diagnostics import (
     TrainingLog,
@@ -14,8 +17,10 @@ from .diagnostics import (
     gradient_norm_vs_alpha,
     misclassified_neighbours,
     pair_cosine_histograms,
+    per_class_recall,
     read_log,
     recall_curve,
+    retrieval_examples,
     select_paper_samples,
     synthetic_paper_samples,
 )
@@ -28,8 +33,10 @@ __all__ = [
     "gradient_norm_vs_alpha",
     "misclassified_neighbours",
     "pair_cosine_histograms",
+    "per_class_recall",
     "read_log",
     "recall_curve",
+    "retrieval_examples",
     "select_paper_samples",
     "synthetic_paper_samples",
     "load_embeddings_npz",

@@ -12,6 +12,9 @@ Each function reproduces the quantity of one figure or statistic of the three pa
   small sets, an unbiased random sample of pairs otherwise (memory stays O(chunk x N)).
 * :func:`embedding_2d` - heated-up paper, Fig. 2: the 2-d coordinates to scatter.
 * :func:`recall_curve` - Recall@K for a range of K (REFERENCE.md section 5).
+* :func:`retrieval_examples` - random and worst queries with their top-k neighbours, right
+  and wrong marked (ALMN paper Fig. 8, two-head paper Fig. 9);
+  :func:`per_class_recall` - Recall@1 of each query class (best and worst classes).
 * :func:`misclassified_neighbours` - two-head paper, Sec. 4.3 / Fig. 10: for misclassified
   test images the nearest training image, and the share whose neighbour carries the
   predicted label (79.34% on Flowers-102 in the paper).
@@ -39,6 +42,8 @@ __all__ = [
     "pair_cosine_histograms",
     "embedding_2d",
     "recall_curve",
+    "retrieval_examples",
+    "per_class_recall",
     "misclassified_neighbours",
 ]
 
@@ -114,6 +119,20 @@ class TrainingLog:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     keys.append(k)
         return keys
+
+    def splits(self) -> list:
+        """The ``split`` values of the evaluation records in order of appearance (``None``
+        for records written before evaluations were tagged ``"val"`` / ``"test"``)."""
+        out: list = []
+        for rec in self.evals:
+            s = rec.get("split")
+            if s not in out:
+                out.append(s)
+        return out
+
+    def baselines(self) -> list[dict]:
+        """The ``{"type": "baseline", ...}`` records (epoch-0 / raw-pixel reference metrics)."""
+        return [r for r in self.other if r.get("type") == "baseline"]
 
     def heat_up_steps(self) -> list[float]:
         """Steps of the ``{"type": "heat_up"}`` events (temperature schedule changes)."""
@@ -548,6 +567,100 @@ def recall_curve(embeddings: Any, labels: Any, ks: Iterable[int] = (1, 2, 4, 8, 
     y = _as_labels(labels, x.shape[0])
     res = evaluate(x, y, is_query=is_query, is_gallery=is_gallery, ks=tuple(ks), metrics=["recall"])
     return {k: float(res[f"recall@{k}"]) for k in ks}
+
+
+def _query_gallery(x: np.ndarray, is_query: Any, is_gallery: Any) -> tuple[np.ndarray, np.ndarray]:
+    n = x.shape[0]
+    q = np.ones(n, bool) if is_query is None else np.asarray(is_query, dtype=bool).reshape(-1)
+    g = np.ones(n, bool) if is_gallery is None else np.asarray(is_gallery, dtype=bool).reshape(-1)
+    if q.shape[0] != n or g.shape[0] != n:
+        raise ValueError(f"is_query / is_gallery must have one entry per embedding ({n})")
+    if not q.any() or not g.any():
+        raise ValueError("is_query / is_gallery select no query or no gallery sample")
+    return np.flatnonzero(q), np.flatnonzero(g)
+
+
+def _neighbours(x: np.ndarray, q_idx: np.ndarray, g_idx: np.ndarray, k: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k gallery rows (indices into ``x``) of each query row, exact cosine, the query
+    itself excluded by index when it is also in the gallery (REFERENCE.md section 5)."""
+    from deepmetric.evaluate import knn
+
+    xn = _l2n(x.astype(np.float32))
+    same = q_idx.shape == g_idx.shape and np.array_equal(q_idx, g_idx)
+    if same:
+        sims, idx = knn(xn[q_idx], None, k)
+    else:
+        sims, idx = knn(xn[q_idx], xn[g_idx], k, exclude_self=False)
+        if np.intersect1d(q_idx, g_idx).size:  # overlapping sets: drop the query itself
+            sims, idx = knn(xn[q_idx], xn[g_idx], k + 1, exclude_self=False)
+            pos = np.where(idx >= 0, g_idx[np.maximum(idx, 0)], -1)
+            keep = pos != q_idx[:, None]
+            order = np.argsort(~keep, axis=1, kind="stable")[:, :k]
+            sims = np.take_along_axis(sims, order, 1)
+            idx = np.take_along_axis(idx, order, 1)
+    pos = np.where(idx >= 0, g_idx[np.maximum(idx, 0)], -1)
+    return np.asarray(sims, dtype=np.float32), pos.astype(np.int64)
+
+
+def retrieval_examples(embeddings: Any, labels: Any, *, k: int = 8, n_random: int = 8,
+                       n_worst: int = 8, seed: int = 0, is_query: Any = None,
+                       is_gallery: Any = None) -> dict[str, Any]:
+    """Queries with their ``k`` nearest neighbours for the retrieval grids of the report
+    (ALMN paper Fig. 8: queries and their top retrievals; two-head paper Fig. 9: failure
+    cases).
+
+    Every query is ranked against the gallery by exact cosine similarity (itself excluded
+    by index, ties by the smaller index - the ranking Recall@K uses). ``random`` holds
+    ``n_random`` queries drawn uniformly without replacement (``seed``); ``worst`` the
+    ``n_worst`` queries with the fewest same-class neighbours among their top ``k``, ties
+    broken by the similarity of the first neighbour, highest first (the most confident
+    mistakes).
+
+    Returns ``{"k", "random": query rows, "worst": query rows, "neighbours": {q: (k,) rows},
+    "similarity": {q: (k,)}, "correct": {q: (k,) bool}, "n_correct": {q: int}}``; rows index
+    ``embeddings``; a missing neighbour (gallery smaller than ``k``) is -1.
+    """
+    x = _as_2d_float(embeddings, "embeddings")
+    y = _as_labels(labels, x.shape[0])
+    if int(k) < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    q_idx, g_idx = _query_gallery(x, is_query, is_gallery)
+    sims, nb = _neighbours(x, q_idx, g_idx, int(k))
+    correct = (nb >= 0) & (y[np.maximum(nb, 0)] == y[q_idx][:, None])
+    n_correct = correct.sum(axis=1)
+    rng = np.random.default_rng(seed)
+    pick = rng.choice(len(q_idx), size=min(int(n_random), len(q_idx)), replace=False)
+    order = np.lexsort((-sims[:, 0], n_correct))  # fewest correct, then most confident
+    worst = order[: min(int(n_worst), len(q_idx))]
+    chosen = np.union1d(pick, worst)
+    return {
+        "k": int(k),
+        "random": q_idx[pick].tolist(),
+        "worst": q_idx[worst].tolist(),
+        "neighbours": {int(q_idx[i]): nb[i] for i in chosen},
+        "similarity": {int(q_idx[i]): sims[i] for i in chosen},
+        "correct": {int(q_idx[i]): correct[i] for i in chosen},
+        "n_correct": {int(q_idx[i]): int(n_correct[i]) for i in chosen},
+    }
+
+
+def per_class_recall(embeddings: Any, labels: Any, *, k: int = 1, is_query: Any = None,
+                     is_gallery: Any = None) -> dict[str, np.ndarray]:
+    """Recall@k of each query class: the share of its queries with a same-class sample
+    among their ``k`` nearest gallery neighbours (same ranking as :func:`recall_curve`;
+    the mean over queries, not over classes, is the usual Recall@k).
+
+    Returns ``{"classes", "recall", "n_queries"}`` sorted by class id.
+    """
+    x = _as_2d_float(embeddings, "embeddings")
+    y = _as_labels(labels, x.shape[0])
+    q_idx, g_idx = _query_gallery(x, is_query, is_gallery)
+    _, nb = _neighbours(x, q_idx, g_idx, int(k))
+    hit = ((nb >= 0) & (y[np.maximum(nb, 0)] == y[q_idx][:, None])).any(axis=1)
+    classes, inv, counts = np.unique(y[q_idx], return_inverse=True, return_counts=True)
+    hits = np.bincount(inv, weights=hit.astype(float), minlength=len(classes))
+    return {"classes": classes, "recall": hits / counts, "n_queries": counts}
 
 
 def misclassified_neighbours(

@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed (must precede pyplot)
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 from . import diagnostics as dg  # noqa: E402
@@ -36,6 +37,25 @@ def _save(fig, out: str | Path) -> Path:
     fig.savefig(out, dpi=_DPI, bbox_inches="tight")
     plt.close(fig)
     return out
+
+
+_FALLBACK_FAMILIES = ("Noto Sans CJK JP", "Noto Sans CJK SC", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei",
+                      "AR PL UMing CN", "Noto Sans", "DejaVu Sans")
+
+
+def _font_context(texts: Sequence[str] | None):
+    """Matplotlib renders text with one font; class names in other scripts (the glyph
+    benchmark's hanzi) would be empty boxes. When any text is not ASCII, list installed
+    fonts that cover it after DejaVu Sans (matplotlib >= 3.6 falls back glyph by glyph)."""
+    import contextlib
+
+    if not texts or all(str(t).isascii() for t in texts):
+        return contextlib.nullcontext()
+    from matplotlib import font_manager
+
+    installed = {f.name for f in font_manager.fontManager.ttflist if f.weight in (400, "normal", "regular")}
+    families = ["DejaVu Sans"] + [f for f in _FALLBACK_FAMILIES if f in installed and f != "DejaVu Sans"]
+    return plt.rc_context({"font.family": families})
 
 
 def _smooth(y: np.ndarray, window: int) -> np.ndarray:
@@ -109,16 +129,28 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
             epoch = log.column("eval", "epoch")
             if np.isfinite(epoch).all() and epoch.size:
                 ex, exname = epoch, "epoch"
+            splits = log.splits()
+            split_of = np.array([str(r.get("split")) for r in log.evals])
             for i, k in enumerate(key):
                 y = log.column("eval", k)
-                ok = np.isfinite(y)
-                ax.plot(ex[ok], y[ok], marker="o", ms=3.5, lw=1.3, color=f"C{i}", label=k)
+                for s in splits:  # validation dashed, test solid: never confuse the two
+                    ok = np.isfinite(y) & (split_of == str(s))
+                    if ok.any():
+                        ax.plot(ex[ok], y[ok], marker="o" if s != "val" else "s", ms=3.5, lw=1.3,
+                                color=f"C{i}", ls="--" if s in ("val", "validation") else "-",
+                                label=k if len(splits) == 1 or s is None else f"{k} ({s})")
+            for b in log.baselines():  # reference levels: epoch-0 model, raw pixels, ...
+                v = b.get(key[0])
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    what = b.get("name") or b.get("baseline") or "baseline"
+                    ax.axhline(float(v), color="grey", ls=":", lw=1.2,
+                               label=f"{key[0]}: {what}" + (f" ({b['split']})" if b.get("split") else ""))
             if exname == "epoch":  # evaluations happen at whole epochs: no 4.25, 4.5 ticks
                 from matplotlib.ticker import MaxNLocator
 
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel(exname)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7, ncol=2 if len(ax.get_lines()) > 6 else 1)
         ax.set_title(label)
         ax.grid(alpha=0.3)
     for ax in flat[len(panels) or 1:]:
@@ -169,30 +201,49 @@ def plot_grad_norm_vs_alpha(alphas: Sequence[float], curves: Mapping[str, np.nda
 # --------------------------------------------------------------------------- Fig. 2
 def plot_embedding_2d(embeddings: Any, labels: Any, out: str | Path, *, normalize: bool = False,
                       class_weights: Any = None, max_points: int = 20_000, seed: int = 0,
-                      title: str | None = None) -> Path:
+                      title: str | None = None, class_names: Sequence[str] | None = None,
+                      max_legend: int = 20, max_annotations: int = 60) -> Path:
     """Heated-up paper, Fig. 2: scatter of 2-d embeddings coloured by class (PCA when
     the embedding has more dimensions). ``class_weights`` (C, 2) are drawn as diamonds,
     scaled to sit inside the cloud as in the paper. At most ``max_points`` random points
-    are drawn."""
+    are drawn.
+
+    Classes are named by ``class_names[label]`` when given. Up to ``max_legend`` classes get
+    a legend beside the axes; with more, each class's name is written at its median point
+    for up to ``max_annotations`` classes (the most populous ones), and the title says how
+    many classes are drawn, so the plot stays readable with hundreds of classes."""
     x = dg._as_2d_float(embeddings, "embeddings")
     y = dg._as_labels(labels, x.shape[0])
     if x.shape[0] > max_points:
         keep = np.sort(np.random.default_rng(seed).choice(x.shape[0], max_points, replace=False))
         x, y = x[keep], y[keep]
     xy, what = dg.embedding_2d(x, normalize=normalize, seed=seed)
-    classes = np.unique(y)
+    classes, counts = np.unique(y, return_counts=True)
+
+    def name(c) -> str:
+        c = int(c)
+        return str(class_names[c]) if class_names is not None and 0 <= c < len(class_names) else str(c)
+
     if len(classes) <= 20:  # qualitative palette, indexed by integer
         cmap = plt.get_cmap("tab10" if len(classes) <= 10 else "tab20")
         colors = {c: cmap(i) for i, c in enumerate(classes)}
     else:  # many classes: spread them around the hue circle
         cmap = plt.get_cmap("hsv")
         colors = {c: cmap(i / len(classes)) for i, c in enumerate(classes)}
-    fig, ax = plt.subplots(figsize=(5.6, 5.2))
+    legend = len(classes) <= max_legend
+    with _font_context([name(c) for c in classes]):
+        return _draw_embedding_2d(xy, y, x, classes, counts, colors, name, legend, out, normalize,
+                                  class_weights, max_annotations, title, what)
+
+
+def _draw_embedding_2d(xy, y, x, classes, counts, colors, name, legend, out, normalize,
+                       class_weights, max_annotations, title, what) -> Path:
+    fig, ax = plt.subplots(figsize=(7.4 if legend else 6.4, 5.6))
     size = float(np.clip(4000 / len(xy), 2, 30))  # visible dots for small sets, no blobs for large
     for c in classes:
         m = y == c
         ax.scatter(xy[m, 0], xy[m, 1], s=size, alpha=0.6, color=colors[c],
-                   label=str(c) if len(classes) <= 20 else None, linewidths=0)
+                   label=name(c) if legend else None, linewidths=0)
     if class_weights is not None and x.shape[1] == 2:
         w = dg._as_2d_float(class_weights, "class_weights").astype(float)
         if normalize:
@@ -204,9 +255,30 @@ def plot_embedding_2d(embeddings: Any, labels: Any, out: str | Path, *, normaliz
                        color=colors.get(c, "k"), zorder=3)
     if normalize and x.shape[1] == 2:
         ax.set_aspect("equal")
-    if len(classes) <= 20:
-        ax.legend(markerscale=max(1.0, 12 / size), fontsize=7, ncol=2, loc="best", title="class")
-    ax.set_title(title or what)
+    if legend:
+        ax.legend(markerscale=max(1.0, 12 / size), fontsize=7, ncol=1 if len(classes) <= 12 else 2,
+                  loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, title="class",
+                  frameon=False)
+    else:
+        # names at class medians, largest classes first, skipping any that would sit on top
+        # of an earlier name (closer than 9% of the axis ranges): no pile of labels
+        span = np.ptp(xy, axis=0) + 1e-12
+        shown, placed = [], []
+        for c in classes[np.argsort(-counts, kind="stable")]:
+            med = np.median(xy[y == c], axis=0)
+            if all(np.max(np.abs((med - p) / span) / (0.09, 0.04)) >= 1 for p in placed):
+                shown.append(c)
+                placed.append(med)
+            if len(shown) >= max_annotations:
+                break
+        for c in shown:
+            med = np.median(xy[y == c], axis=0)
+            ax.annotate(name(c), med, fontsize=6, ha="center", va="center", color="k",
+                        bbox=dict(boxstyle="round,pad=0.15", fc="white", ec=colors[c], lw=0.8, alpha=0.75))
+        what += (f"\n{len(classes)} classes, no legend; "
+                 + (f"{len(shown)} class names at their medians" if len(shown) < len(classes)
+                    else "names at their medians"))
+    ax.set_title(title or what, fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return _save(fig, out)
@@ -229,12 +301,15 @@ def plot_cosine_histograms(hists: Mapping[str, Mapping[str, Any]], out: str | Pa
                label=f"different class ({h['n_diff_counted']:,} pairs)")
         ax.bar(mid, h["same_density"], width=width, color="tab:red", alpha=0.55,
                label=f"same class ({h['n_same_counted']:,} pairs)")
+        ax.set_xticks(np.linspace(e[0], e[-1], 5))  # -1, -0.5, 0, 0.5, 1: no overlapping labels
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.set_xlim(e[0], e[-1])
         ax.set_xlabel("cosine similarity")
         ax.set_ylabel("density")
         how = "all pairs" if h["exact"] else ("all same-class, sampled different-class pairs"
                                               if h.get("same_exact") else "sampled pairs")
         ax.set_title(f"{name} ({how})", fontsize=10)
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=8, loc="upper left")
         ax.grid(alpha=0.3)
     fig.suptitle(title or "Cosine similarity of pairs (heated-up Fig. 4)")
     fig.tight_layout()
@@ -249,16 +324,19 @@ def plot_recall_curve(curves: Mapping[str, Mapping[int, float]], out: str | Path
     if not curves:
         raise ValueError("curves is empty: give at least one {K: recall} mapping")
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    all_ks: set[int] = set()
     for i, (name, c) in enumerate(curves.items()):
         ks = sorted(int(k) for k in c)
+        all_ks.update(ks)
         r = [100 * float(c[k]) for k in ks]
-        ax.plot(ks, r, marker="o", color=f"C{i}", label=name)
+        ax.plot(ks, r, marker="o", color=f"C{i}", label=name, ls="-" if i == 0 else "--")
         for k, v in zip(ks, r):
             ax.annotate(f"{v:.1f}", (k, v), textcoords="offset points", xytext=(0, 5),
                         ha="center", fontsize=7)
-        if ks and ks[-1] / max(ks[0], 1) >= 4:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(ks, [str(k) for k in ks])
+    ks = sorted(all_ks)  # ticks of every curve, not only the last one's
+    if ks and ks[-1] / max(ks[0], 1) >= 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
     ax.set_xlabel("K")
     ax.set_ylabel("Recall@K (%)")
     ax.set_title(title or "Recall@K")
