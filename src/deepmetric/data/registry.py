@@ -88,7 +88,7 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
             ``delimiter``; all file-based datasets: ``skip_missing``, ``verify``
             ("exists" | "open" | "none"), ``mode`` ("RGB" | "L"). fashion-mnist, glyphs and
             emoji take their own options (emoji: ``protocol``, ``size``, ``vendors``,
-            ``min_vendors``; see docs/offline-data.md).
+            ``min_vendors``, ``max_classes``; see docs/offline-data.md).
 
     Returns: a Dataset with ``labels`` (int64, 0..C-1), ``num_classes``, ``class_names``.
     """

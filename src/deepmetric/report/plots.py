@@ -26,6 +26,7 @@ __all__ = [
     "plot_cosine_histograms",
     "plot_recall_curve",
     "plot_misclassified_neighbours",
+    "plot_retrieval_grid",
 ]
 
 _DPI = 110
@@ -379,6 +380,59 @@ def plot_misclassified_neighbours(test_images: Any, train_images: Any, result: M
     share = result.get("share_neighbour_is_predicted", math.nan)
     fig.suptitle(f"misclassified test images (top) and nearest training image (bottom); "
                  f"neighbour has the predicted label for {100 * share:.1f}%", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+def plot_retrieval_grid(images: Any, labels: Any, examples: Mapping[str, Any], out: str | Path, *,
+                        rows: Sequence[tuple[str, int]] | None = None,
+                        class_names: Sequence[str] | None = None, title: str | None = None) -> Path:
+    """Queries and their nearest neighbours as one picture (ALMN Fig. 8, two-head Fig. 9).
+
+    ``examples`` is :func:`~deepmetric.report.diagnostics.retrieval_examples`' result; one row
+    per query of ``rows`` (``[("random", q), ("worst", q), ...]``, default: its random then its
+    worst queries): the query (black frame) then its ``k`` neighbours, framed green when they
+    share the query's label and red when not, each titled with its rank and cosine.
+    ``images`` is indexable like the embeddings: (H, W), (H, W, 3) or (3, H, W) arrays.
+    """
+    y = np.asarray(labels)
+    if rows is None:
+        rows = [("random", q) for q in examples["random"]] + [("worst", q) for q in examples["worst"]]
+    k = int(examples["k"])
+    n = max(1, len(rows))
+    shown = [class_names[int(y[q])] for _, q in rows] if class_names is not None else None
+    with _font_context(shown):  # hanzi class names need a CJK font
+        return _draw_retrieval_grid(images, y, examples, rows, k, n, class_names, title, out)
+
+
+def _draw_retrieval_grid(images, y, examples, rows, k, n, class_names, title, out) -> Path:
+    fig, axes = plt.subplots(n, k + 1, figsize=(1.05 * (k + 1), 1.2 * n + 0.4), squeeze=False)
+
+    def name(c: int) -> str:
+        return str(class_names[c]) if class_names is not None and 0 <= c < len(class_names) else str(c)
+
+    def framed(ax, img, color, text, text_color="k"):
+        ax.imshow(_to_hwc(img), cmap="gray")
+        ax.set_xticks([]), ax.set_yticks([])
+        for spine in ax.spines.values():
+            spine.set_edgecolor(color)
+            spine.set_linewidth(3)
+        ax.set_title(text, fontsize=6.5, color=text_color)
+
+    for r, (kind, q) in enumerate(rows):
+        framed(axes[r][0], images[int(q)], "black", f"{kind} query\n{name(int(y[q]))}"[:40])
+        for j in range(k):
+            ax = axes[r][j + 1]
+            nb = int(examples["neighbours"][q][j])
+            if nb < 0:
+                ax.set_axis_off()
+                continue
+            ok = bool(examples["correct"][q][j])
+            framed(ax, images[nb], "tab:green" if ok else "tab:red",
+                   f"{j + 1}{' ok' if ok else ' x'}  {examples['similarity'][q][j]:.2f}",
+                   "tab:green" if ok else "tab:red")
+    fig.suptitle(title or "queries (left) and their nearest neighbours: green = same class, red = other class",
+                 fontsize=8)
     fig.tight_layout()
     return _save(fig, out)
 

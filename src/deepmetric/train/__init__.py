@@ -3,7 +3,7 @@
 Quick use::
 
     from deepmetric.train import load_config, train
-    result = train(load_config("recipes/demo_glyphs.yaml", ["train.epochs=2"]))
+    result = train(load_config("recipes/demo_glyphs.yaml", ["train.epochs=2", "train.out_dir=runs/glyphs_short"]))
     print(result.metrics)
 
 See docs/training.md.

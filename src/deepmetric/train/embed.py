@@ -31,8 +31,13 @@ __all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "embed_ch
 def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 256,
                        device: torch.device | str = "cpu", amp: str = "none",
                        channels_last: bool = False, num_workers: int = 0,
-                       with_logits: bool = False, loss_with_logits: nn.Module | None = None) -> dict:
+                       with_logits: bool = False, loss_with_logits: nn.Module | None = None,
+                       output: str = "embedding") -> dict:
     """Embed every sample of ``dataset`` in order.
+
+    ``output`` names the model output kept as ``"embeddings"``: ``"embedding"`` (the trained
+    head) or ``"features"`` (the backbone's pooled features, e.g. ImageNet features before
+    any training).
 
     Returns ``{"embeddings": float32 [N, k], "labels": int64 [N]}`` plus ``"logits"`` when
     ``with_logits`` and the model outputs them (or ``loss_with_logits.logits(emb)`` exists).
@@ -50,7 +55,9 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
                 x = x.contiguous(memory_format=torch.channels_last)
             with autocast_context(device, amp):
                 out = model(x)
-            e = out["embedding"].float()
+            if output not in out:
+                raise ValueError(f"the model has no {output!r} output (it has {sorted(out)})")
+            e = out[output].float()
             embs.append(e.cpu())
             labels.append(torch.as_tensor(y).cpu())
             if with_logits:
