@@ -75,3 +75,23 @@ def train_tiny_checkpoint(folder: Path, out_dir: Path) -> Path:
 
     train(config_from_dict(tiny_config(folder, out_dir)))
     return Path(out_dir) / "last.pt"
+
+
+_CACHE: dict = {}
+
+
+def shapes_setup(tmp_path_factory) -> dict:
+    """Once per test session: the shapes folder, its tiny checkpoint and an exact index of it
+    (``{"folder", "checkpoint", "index_dir", "queries"}``; ``queries`` are new images, one
+    folder per class, not in the index)."""
+    if "setup" not in _CACHE:
+        from deepmetric.search import Index
+
+        base = tmp_path_factory.mktemp("shapes")
+        folder = make_shapes_folder(base / "gallery")
+        queries = make_shapes_folder(base / "queries", per_class=2, seed=7)
+        ckpt = train_tiny_checkpoint(folder, base / "run")
+        Index.build(ckpt, out=base / "index", progress=False)
+        _CACHE["setup"] = {"folder": folder, "checkpoint": ckpt, "index_dir": base / "index",
+                           "queries": queries, "base": base}
+    return _CACHE["setup"]

@@ -246,8 +246,9 @@ class Index:
         return embed_images(model, pre, as_query_list(images), batch_size=batch_size, device=self._model[2])
 
     def search(self, queries, k: int = 10, *, memory_mb: float | None = None):
-        """Top-``k`` neighbours of each query: ``(sims, idx)``, (Nq, k) cosine similarities
-        (descending) and row numbers (-1 / -inf pad when the index has fewer than k rows).
+        """Top-``k`` neighbours of each query: ``(sims, idx)``, (Nq, min(k, len(index))) cosine
+        similarities (descending; ties by the smaller row) and row numbers (an approximate index
+        pads rows it could not fill with -1 / -inf).
 
         ``queries``: embeddings (``[d]`` or ``[Nq, d]`` array / tensor) or images (a path, a PIL
         image, or a list of them), embedded with the index's checkpoint."""
