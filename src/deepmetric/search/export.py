@@ -63,7 +63,8 @@ def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
     with torch.no_grad(), warnings.catch_warnings():
         # tracing warns about shape checks (constant for a fixed input size) and jit's deprecation
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.trace
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript-based ONNX exporter
         dim = int(net(example).shape[1])
         if fmt == "torchscript":
             traced = torch.jit.trace(net, example, check_trace=False)
