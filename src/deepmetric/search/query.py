@@ -140,7 +140,10 @@ def decode_image(data: bytes, name: str = "upload") -> Image.Image:
         with Image.open(io.BytesIO(data)) as im:
             im.load()
             return im.copy()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except UnidentifiedImageError:
+        raise ValueError(f"{name}: not an image (the file is not in a format Pillow reads: PNG, JPEG, "
+                         "WebP, BMP, GIF, TIFF, ...)") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise ValueError(f"{name}: not an image that can be decoded ({exc})") from None
 
 
