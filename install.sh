@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything deepmetric needs on a fresh Debian machine (run as root or with sudo):
 #   - apt: the Fashion-MNIST IDX files and the CJK fonts the glyph benchmark is rendered from;
+#     Debian's chromium (+ Latin fonts) for the browser tests of report.html (headless);
 #   - a virtual environment in .venv with deepmetric (editable) and its test tools.
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
@@ -10,6 +11,7 @@ APT_PACKAGES=(
   dataset-fashion-mnist fontconfig
   fonts-noto-cjk fonts-noto-cjk-extra fonts-arphic-ukai fonts-arphic-uming
   fonts-wqy-zenhei fonts-wqy-microhei fonts-lxgw-wenkai fonts-babelstone-han
+  chromium fonts-dejavu-core fonts-liberation
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -1,85 +1,80 @@
-"""Shared helpers for tests that drive a web page: a uvicorn server in a thread on a free
-loopback port, and a headless Chromium page through Playwright for Python (the system
-``chromium``; Playwright's own browser download is never used).
+"""Headless Chromium for the browser tests (the report page, the served search page).
 
-    with serve_in_thread(app) as url: ...
-    def test_x(browser_page): browser_page.goto(url) ...   # fixture: a fresh page per test
+Drives Debian's ``/usr/bin/chromium`` (installed by install.sh) through Playwright for
+Python; nothing is downloaded (never ``playwright install``). Tests use::
 
-``browser_page`` records console errors and failed requests in ``page.console_errors`` /
-``page.failed_requests``; :func:`broken_images` lists the <img> elements that failed to load.
+    from browser import open_page, requires_chromium
+
+    @requires_chromium
+    def test_page(tmp_path):
+        with open_page(path.as_uri()) as (page, errors):
+            ...                       # page: a playwright Page, already loaded
+        assert errors == []           # console errors, page errors, failed requests
+
+When chromium or Playwright is missing, the tests are skipped with a loud reason (a
+``BROWSER TESTS SKIPPED`` line in the pytest summary); install.sh installs both, so in CI
+they run.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
-import socket
-import threading
-import time
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
+CHROMIUM = os.environ.get("DEEPMETRIC_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync",
+                 "--disable-dev-shm-usage"]
 
 
-def chromium_path() -> str | None:
-    for p in (os.environ.get("DEEPMETRIC_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
-              shutil.which("chromium-browser")):
-        if p and os.path.isfile(p):
-            return p
+def _missing() -> str | None:
+    if not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)) and not shutil.which(CHROMIUM):
+        return f"{CHROMIUM} not found (install.sh installs Debian's chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is missing (pip install -e '.[dev]')"
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_WHY = _missing()
+requires_chromium = pytest.mark.skipif(
+    _WHY is not None, reason=f"BROWSER TESTS SKIPPED: {_WHY}; run bash install.sh")
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, host: str = "127.0.0.1"):
-    """Run an ASGI app with uvicorn in a daemon thread; yields its base URL."""
-    import uvicorn
+def open_page(url: str, *, width: int = 1280, height: int = 900, wait_until: str = "load",
+              timeout_ms: int = 30_000) -> Iterator[tuple[object, list[str]]]:
+    """Open ``url`` in a fresh headless Chromium and yield ``(page, errors)``.
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    ``errors`` collects, while the page lives: console messages of type ``error``, uncaught
+    page exceptions and failed requests (each as one line of text).
+    """
+    from playwright.sync_api import sync_playwright
 
-
-@pytest.fixture
-def browser_page():
-    """A Playwright page in headless system Chromium (skipped when chromium is not installed)."""
-    path = chromium_path()
-    if path is None:
-        pytest.skip("chromium is not installed (install.sh installs the Debian package)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=path, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.console_errors = []
-        page.failed_requests = []
-        page.on("console", lambda m: m.type == "error" and page.console_errors.append(m.text))
-        page.on("pageerror", lambda e: page.console_errors.append(str(e)))
-        page.on("requestfailed", lambda r: page.failed_requests.append(r.url))
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
-            yield page
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.set_default_timeout(timeout_ms)
+            page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}")
+                    if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+            page.on("requestfailed", lambda r: errors.append(
+                f"request failed: {r.url[:120]} ({r.failure})"))
+            page.goto(url, wait_until=wait_until)
+            yield page, errors
         finally:
             browser.close()
 
 
 def broken_images(page) -> list[str]:
-    """The src of every <img> on the page that has not loaded (complete with naturalWidth 0)."""
-    return page.evaluate(
-        "() => [...document.images].filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src)")
+    """``src`` (first 80 characters) of every ``<img>`` that did not load (naturalWidth 0)."""
+    return page.eval_on_selector_all(
+        "img", "els => els.filter(e => !e.complete || e.naturalWidth === 0)"
+               ".map(e => (e.getAttribute('src') || '').slice(0, 80))")

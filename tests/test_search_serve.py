@@ -13,7 +13,7 @@ from PIL import Image
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from browser import serve_in_thread  # noqa: E402
+from serving import serve_in_thread  # noqa: E402
 from deepmetric.search import Index  # noqa: E402
 from deepmetric.search.serve import create_app  # noqa: E402
 from search_data import shapes_setup  # noqa: E402
