@@ -174,3 +174,37 @@ def test_add_with_another_checkpoint_is_refused(shapes, tmp_path, capsys):
     index = Index.load(shapes["index_dir"])
     with pytest.raises(ValueError, match="is not the one that built this index"):
         index.model(other)
+
+
+def test_glyph_checkpoint_index_writes_png_copies_and_finds_them(tmp_path):
+    """The demo's kind of checkpoint: an in-memory benchmark (glyphs) gets PNG copies in
+    INDEX_DIR/images, and searching one of them finds it first; larger queries are resized to the glyph size."""
+    from deepmetric.train.config import config_from_dict
+    from deepmetric.train.loop import train
+
+    cache = tmp_path / "cache"
+    raw = {"data": {"name": "glyphs", "root": str(cache), "options": {"max_classes": 4, "max_faces": 3, "size": 32},
+                    "transform": "glyph"},
+           "model": {"name": "glyph_resnet", "options": {"embedding_dim": 8, "widths": [8, 16], "depths": [1, 1]}},
+           "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+           "optim": {"name": "sgd", "lr": 0.05},
+           "train": {"epochs": 1, "batch_size": 8, "seed": 0, "out_dir": str(tmp_path / "run"), "progress": False},
+           "eval": {"every": 0}}
+    train(config_from_dict(raw))
+    out = tmp_path / "ix"
+    assert cli.main(["index", str(tmp_path / "run" / "last.pt"), "--out", str(out), "--no-progress"]) == 0
+    index = Index.load(out)
+    from deepmetric.data import build_dataset
+    test = build_dataset("glyphs", root=cache, split="test", max_classes=4, max_faces=3, size=32)
+    assert len(index) == len(test) and index.class_names == list(test.chars)
+    assert index.meta["data"]["split"] == "test"
+    for i in (0, len(index) - 1):
+        p = Path(index.paths[i])
+        assert p.parent == out.resolve() / "images" and np.array_equal(np.asarray(Image.open(p)), test.images[i])
+    s, i = index.search(index.paths[5], k=2)
+    assert i[0, 0] == 5 and s[0, 0] == pytest.approx(1.0, abs=1e-5)
+    big = tmp_path / "big.png"
+    Image.open(index.paths[5]).resize((96, 96), Image.NEAREST).save(big)  # resized back to 32 x 32
+    e_big = index.embed(str(big))
+    e_small = index.embed(Image.open(big).resize((32, 32), Image.BILINEAR))
+    assert np.abs(e_big - e_small).max() < 1e-6 and float(e_big[0] @ index.embeddings[5]) > 0.9

@@ -6,6 +6,7 @@ import base64
 import html
 import io
 import json
+import unicodedata
 from pathlib import Path
 
 from PIL import Image
@@ -27,16 +28,22 @@ def thumbnail_png(path: str | Path, size: int = 160) -> bytes:
     return buf.getvalue()
 
 
+def _width(text: str) -> int:
+    """Terminal columns of ``text`` (East Asian wide characters take two)."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
 def results_text(queries: list[str], results: list[list[dict]]) -> str:
     """One block per query: rank, cosine, class name (label) and path of every neighbour."""
     lines = []
     for q, rows in zip(queries, results):
         lines.append(f"query: {q}")
-        width = max([len(f"{r['class_name']} ({r['label']})") for r in rows] + [5])
+        labels = [f"{r['class_name']} ({r['label']})" for r in rows]
+        width = max([_width(lab) for lab in labels] + [5])
         lines.append(f"  {'rank':>4}  {'cosine':>7}  {'label':<{width}}  path")
-        for r in rows:
-            lab = f"{r['class_name']} ({r['label']})"
-            lines.append(f"  {r['rank']:>4}  {r['cosine']:>7.4f}  {lab:<{width}}  {r['path'] or '-'}")
+        for r, lab in zip(rows, labels):
+            pad = " " * (width - _width(lab))
+            lines.append(f"  {r['rank']:>4}  {r['cosine']:>7.4f}  {lab}{pad}  {r['path'] or '-'}")
     return "\n".join(lines)
 
 
