@@ -120,6 +120,9 @@ def test_add_skips_indexed_images_and_merges_class_names(shapes, tmp_path):
     for p, lab in zip(ix.paths, ix.labels):
         assert Path(p).parent.name == ix.class_names[lab]
     assert json.loads((out / "manifest.json").read_text())["skipped_already_indexed"] == 16
+    assert cli.main(["index", ckpt, "--data", "folder", "--root", str(more), "--out", str(out), "--add",
+                     "--no-progress"]) == 0  # nothing new: a no-op
+    assert len(Index.load(out)) == 24
     # the added rows are what a fresh build embeds
     fresh = Index.build(ckpt, data="folder", root=str(more), progress=False)
     order = [fresh.paths.index(p) for p in ix.paths]

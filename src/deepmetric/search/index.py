@@ -168,7 +168,8 @@ class Index:
                                       progress=progress, skip_paths=skip, images_dir=images_dir,
                                       first_image_number=len(old) if old is not None else 0)
         if old is not None:
-            old.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
+            if len(got["paths"]):
+                old.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
             old.meta.setdefault("added", []).append(got["data"])
             index = old
         else:
