@@ -53,8 +53,9 @@ def make_shapes_folder(root: Path, per_class: int = 8, seed: int = 0, classes=No
     return root
 
 
-def tiny_config(folder: Path, out_dir: Path, epochs: int = 4) -> dict:
-    """A seconds-long run on the shapes folder: 3-channel compact ResNet, 16-d embedding."""
+def tiny_config(folder: Path, out_dir: Path, epochs: int = 20) -> dict:
+    """A seconds-long run on the shapes folder: 3-channel compact ResNet, 16-d embedding; 20 epochs
+    (40 steps) separate the classes by a wide margin (same class cosine > 0.9, others < 0.2)."""
     return {
         "data": {"name": "folder", "root": str(folder), "transform": "resize_crop",
                  "transform_options": {"resize": 36, "crop": 32}, "num_workers": 0},

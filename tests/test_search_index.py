@@ -12,7 +12,7 @@ from PIL import Image
 
 from deepmetric import cli
 from deepmetric.search import Index
-from search_data import SHAPES, draw_shape, make_shapes_folder, shapes_setup, train_tiny_checkpoint
+from search_data import SHAPES, make_shapes_folder, shapes_setup
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +167,8 @@ def test_errors_name_the_problem(shapes, tmp_path, capsys):
 
 
 def test_add_with_another_checkpoint_is_refused(shapes, tmp_path, capsys):
-    other = train_tiny_checkpoint(shapes["folder"], tmp_path / "other")  # same recipe, new file
-    torch.save({**torch.load(other, weights_only=True), "iteration": -1}, other)  # different bytes
+    other = tmp_path / "other.pt"  # the same weights, but another file (another SHA-256)
+    torch.save({**torch.load(shapes["checkpoint"], weights_only=True), "iteration": -1}, other)
     assert cli.main(["index", str(other), "--data", "folder", "--root", str(shapes["queries"]),
                      "--out", str(shapes["index_dir"]), "--add", "--no-progress"]) == 2
     err = capsys.readouterr().err

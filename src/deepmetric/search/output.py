@@ -33,8 +33,19 @@ def _width(text: str) -> int:
     return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it."""
+    if not path:
+        return "-"
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
+
+
 def results_text(queries: list[str], results: list[list[dict]]) -> str:
-    """One block per query: rank, cosine, class name (label) and path of every neighbour."""
+    """One block per query: rank, cosine, class name (label) and path of every neighbour
+    (relative to the working directory when below it)."""
     lines = []
     for q, rows in zip(queries, results):
         lines.append(f"query: {q}")
@@ -43,7 +54,7 @@ def results_text(queries: list[str], results: list[list[dict]]) -> str:
         lines.append(f"  {'rank':>4}  {'cosine':>7}  {'label':<{width}}  path")
         for r, lab in zip(rows, labels):
             pad = " " * (width - _width(lab))
-            lines.append(f"  {r['rank']:>4}  {r['cosine']:>7.4f}  {lab}{pad}  {r['path'] or '-'}")
+            lines.append(f"  {r['rank']:>4}  {r['cosine']:>7.4f}  {lab}{pad}  {_shown(r['path'])}")
     return "\n".join(lines)
 
 
