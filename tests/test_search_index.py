@@ -211,3 +211,12 @@ def test_glyph_checkpoint_index_writes_png_copies_and_finds_them(tmp_path):
     e_big = index.embed(str(big))
     e_small = index.embed(Image.open(big).resize((32, 32), Image.BILINEAR))
     assert np.abs(e_big - e_small).max() < 1e-6 and float(e_big[0] @ index.embeddings[5]) > 0.9
+
+
+@pytest.mark.parametrize("command", ["index", "search", "export", "serve"])
+def test_help_has_a_runnable_example(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"example:\n  deepmetric {command} " in out

@@ -117,3 +117,45 @@ def test_thumbnails_only_serve_rows_of_the_index(server):
         status, _, data = _request(url, "GET", path)
         assert status == 404, (path, status, data[:100])
         assert b"root:" not in data and not data.startswith(b"\x89PNG")
+
+
+def test_serve_command_binds_loopback_and_answers(server):
+    """``deepmetric serve`` itself, in a subprocess: binds 127.0.0.1 by default and serves."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from serving import free_port
+
+    _, shapes, _ = server
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "serve", str(shapes["index_dir"]),
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                status, _, data = _request(f"http://127.0.0.1:{port}", "GET", "/api/info")
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise AssertionError(f"deepmetric serve did not start: {proc.stdout.read() if proc.poll() is not None else ''}")
+                time.sleep(0.3)
+        assert status == 200 and json.loads(data)["count"] == 32
+        # listening sockets on the port (Linux /proc/net/tcp[6]: local address hex, state 0A = LISTEN)
+        listening = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if os.path.exists(table):
+                for line in open(table).read().splitlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    if state == "0A" and int(local.split(":")[1], 16) == port:
+                        listening.append(local.split(":")[0])
+        assert listening == ["0100007F"]  # 127.0.0.1 only
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert f"on http://127.0.0.1:{port}/" in out
