@@ -90,7 +90,7 @@ def test_training_checkpoint_contents_load_weights_only(tmp_path):
     assert state["schedules"]["temperature"]["events"] == 1
     assert set(state["rng"][0]) >= {"python", "numpy", "torch"}
     assert config_from_dict(state["config"]) == cfg
-    assert (tmp_path / "run" / "best.pt").is_file()
+    assert not (tmp_path / "run" / "best.pt").exists()  # no validation split: nothing selected
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["seed"] == 11
 
 
@@ -106,24 +106,34 @@ def _wait_for(pred, proc, timeout=120.0):
 
 
 def _cli(args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    """``deepmetric train`` in its own session (process group), as in a terminal: Ctrl-C
+    reaches the main process and its loader workers (``os.killpg``)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's sources, whatever the cwd
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([src] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     return subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "train", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def test_resume_after_sigint_and_sigkill_matches_uninterrupted_run(tmp_path):
     """Ctrl-C mid-epoch (checkpoint saved, exit 130), resume, SIGKILL after the next
-    checkpoint, resume again: same final weights, loss state and metrics as one run."""
-    epochs = 16
-    ref_cfg = config_from_dict(_raw(tmp_path / "ref", epochs=epochs, checkpoint_every=1))
-    ref_cfg.eval.every = 5
-    ref_cfg.schedule.temperature.at = 10
-    ref = train(ref_cfg)
+    checkpoint, resume again: same final weights, loss state and metrics as one run.
+    With a loader worker and random augmentation (each sample seeded by its position), and
+    the Ctrl-C message printed once although the worker gets the signal too."""
+    epochs = 8
+
+    def augmented(raw):
+        raw["data"]["options"]["augment"] = 0.2
+        raw["data"]["num_workers"] = 1
+        raw["eval"]["every"] = 3
+        raw["schedule"]["temperature"]["at"] = 5
+        return raw
+
+    ref = train(config_from_dict(augmented(_raw(tmp_path / "ref", epochs=epochs, checkpoint_every=1))))
 
     run = tmp_path / "run"
-    raw = _raw(run, epochs=epochs)
-    raw["eval"]["every"] = 5
-    raw["schedule"]["temperature"]["at"] = 10
+    raw = augmented(_raw(run, epochs=epochs))
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(raw))
     log = run / "log.jsonl"
@@ -135,9 +145,10 @@ def test_resume_after_sigint_and_sigkill_matches_uninterrupted_run(tmp_path):
     # 1) Ctrl-C after a few steps of the first epoch (before any checkpoint exists)
     p = _cli([str(cfg_path)], tmp_path)
     assert _wait_for(lambda: n_steps() >= 5, p), p.communicate()[0]
-    p.send_signal(signal.SIGINT)
+    os.killpg(p.pid, signal.SIGINT)  # like Ctrl-C in a terminal: main process and worker
     out = p.communicate(timeout=120)[0]
     assert p.returncode == 130, out
+    assert out.count("interrupt received") == 1 and out.count("checkpoint saved to") == 1, out
     s1 = torch.load(last, weights_only=True)
     assert 0 < s1["iteration"] < epochs * 12, "the SIGINT checkpoint must be mid-run"
 
@@ -145,7 +156,7 @@ def test_resume_after_sigint_and_sigkill_matches_uninterrupted_run(tmp_path):
     mtime = last.stat().st_mtime_ns
     p = _cli([str(cfg_path), "--resume", str(last)], tmp_path)
     assert _wait_for(lambda: last.stat().st_mtime_ns != mtime, p), p.communicate()[0]
-    p.send_signal(signal.SIGKILL)
+    os.killpg(p.pid, signal.SIGKILL)
     p.communicate(timeout=60)
     assert p.returncode == -signal.SIGKILL
     s2 = torch.load(last, weights_only=True)
@@ -167,7 +178,7 @@ def test_resume_after_sigint_and_sigkill_matches_uninterrupted_run(tmp_path):
     assert a["alphas"] == b["alphas"] == [4.0, None]
     ma = json.loads((tmp_path / "ref" / "metrics.json").read_text())
     mb = json.loads((run / "metrics.json").read_text())
-    assert ma["metrics"] == mb["metrics"] and ma["best"] == mb["best"]
+    assert ma["metrics"] == mb["metrics"] and ma["final"] == mb["final"] and ma["selected"] == mb["selected"]
     # the log holds each step exactly once despite the two interruptions
     steps = [json.loads(l)["step"] for l in log.read_text().splitlines() if '"type": "step"' in l]
     assert steps == list(range(1, ref.iteration + 1))
@@ -186,3 +197,54 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     state = ck.load_checkpoint(tmp_path / "run" / "last.pt")
     assert state["epoch"] == 1
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def _as_version_1(state: dict) -> dict:
+    """The layout written before TrainState: ``epoch_loss: [sum, n]`` and ``meta``."""
+    old = {k: v for k, v in state.items() if k not in ("epoch_loss_sum", "epoch_loss_n", "model_args")}
+    old.update(version=1, epoch_loss=[state["epoch_loss_sum"], state["epoch_loss_n"]],
+               meta=state["model_args"])
+    return old
+
+
+def test_version_1_checkpoints_still_resume_and_rebuild(tmp_path):
+    """A version-1 file (upgraded in memory by load_checkpoint) resumes to the same weights as
+    an uninterrupted run, and ``load_model_from_checkpoint`` rebuilds its model."""
+    from deepmetric.train.embed import load_model_from_checkpoint
+
+    ref = train(config_from_dict(_raw(tmp_path / "ref", epochs=3)))
+    train(config_from_dict(_raw(tmp_path / "first", epochs=2)))
+    state = torch.load(tmp_path / "first" / "last.pt", weights_only=True)
+    assert state["version"] == ck.CHECKPOINT_VERSION == 2 and state["epoch"] == 2
+    v1 = tmp_path / "v1.pt"
+    ck.save_checkpoint(_as_version_1(state), v1)
+    assert torch.load(v1, weights_only=True)["version"] == 1
+    loaded = ck.load_checkpoint(v1)
+    assert loaded["model_args"] == state["model_args"] and "meta" not in loaded
+    assert (loaded["epoch_loss_sum"], loaded["epoch_loss_n"]) == (state["epoch_loss_sum"], state["epoch_loss_n"])
+
+    res = train(config_from_dict(_raw(tmp_path / "resumed", epochs=3)), resume=v1)
+    assert res.iteration == ref.iteration
+    a = torch.load(tmp_path / "ref" / "last.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    model, _, _, _ = load_model_from_checkpoint(v1)
+    assert all(torch.equal(model.state_dict()[k], state["model"][k]) for k in state["model"])
+
+
+def test_newer_checkpoint_version_is_refused(tmp_path):
+    path = ck.save_checkpoint({"model": {}, "config": {}, "version": 99}, tmp_path / "future.pt")
+    with pytest.raises(ValueError, match=r"future\.pt has format version 99"):
+        ck.load_checkpoint(path)
+
+
+def test_train_state_is_what_a_checkpoint_saves_and_restores(tmp_path):
+    """checkpoint_dict writes every TrainState field; restore reads the same values back."""
+    from dataclasses import asdict
+
+    train(config_from_dict(_raw(tmp_path / "run", epochs=1)))
+    saved = ck.load_checkpoint(tmp_path / "run" / "last.pt")
+    fields = asdict(ck.TrainState())
+    assert set(fields) <= set(saved)
+    assert (saved["epoch"], saved["batch_in_epoch"], saved["epoch_loss_n"]) == (1, 0, 0)
+    assert saved["best"]["value"] is None and saved["metrics"]["recall@1"] > 0  # no validation split

@@ -8,7 +8,8 @@ import torch
 
 from deepmetric import cli
 from deepmetric.train.config import config_from_dict
-from deepmetric.train.loop import build_model, seed_everything, train
+from deepmetric.train.builders import build_model, seed_everything
+from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer
 
 
@@ -43,9 +44,13 @@ def test_end_to_end_run_writes_config_log_checkpoints_and_learns(tmp_path):
     assert last < 0.8 * first  # it trains
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert {k: summary["metrics"][k] for k in ("recall@1", "nmi")} == {k: evals[-1][k] for k in ("recall@1", "nmi")}
-    best = max(evals[1:], key=lambda r: r["recall@1"])
-    assert summary["best"]["value"] == best["recall@1"]
-    for name in ("config.yaml", "last.pt", "best.pt"):
+    assert all(r["split"] == "test" for r in evals)
+    # no validation split: nothing is selected, the final model is the result
+    assert summary["selected"] is None and res.selected is None and not (tmp_path / "best.pt").exists()
+    assert summary["final"] == {"test": summary["metrics"]} == res.final
+    assert summary["epochs"] == 6 and summary["steps"] == res.iteration
+    assert summary["wall_time_s"] > 0 and summary["train_images_per_s"] > 0
+    for name in ("config.yaml", "last.pt"):
         assert (tmp_path / name).is_file()
 
 
@@ -132,3 +137,30 @@ def test_cli_train_reports_config_errors(tmp_path, capsys):
     assert "missing.yaml" in capsys.readouterr().err
     assert cli.main(["embed", str(tmp_path / "none.pt"), "--out", str(tmp_path / "e.npz")]) == 2
     assert "none.pt" in capsys.readouterr().err
+
+
+def test_imports_run_one_way():
+    """builders and embed never import the loop (loop, embed and demo import the builders)."""
+    import ast
+    from pathlib import Path
+
+    import deepmetric.train as pkg
+
+    root = Path(pkg.__file__).parent
+
+    def imported(name):
+        tree = ast.parse((root / name).read_text())
+        mods = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                mods.add(("." * node.level) + (node.module or ""))
+            elif isinstance(node, ast.Import):
+                mods.update(a.name for a in node.names)
+        return mods
+
+    builders = {m for m in imported("builders.py") if m.startswith((".", "deepmetric"))}
+    assert builders <= {".config", "deepmetric.data", "deepmetric.data.synthetic", "deepmetric.models",
+                        "deepmetric.losses"}, builders
+    for name in ("builders.py", "embed.py", "amp.py", "checkpoint.py", "module.py"):
+        assert not {".loop", "deepmetric.train.loop"} & imported(name), name
+    assert ".builders" in imported("embed.py") and ".builders" in imported("loop.py")

@@ -81,6 +81,9 @@ def _add_train_parser(sub) -> None:
     p.add_argument("config", help="YAML config file (e.g. recipes/demo_glyphs.yaml)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from this checkpoint (last.pt)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a non-empty train.out_dir, removing the previous run's config.yaml, "
+                        "log.jsonl, last.pt, best.pt and metrics.json (without it a new run refuses such a directory)")
     p.set_defaults(func=_run_train)
 
 
@@ -88,7 +91,8 @@ def _run_train(args: argparse.Namespace) -> int:
     from deepmetric.train.loop import NonFiniteLossError, train_from_config_file
 
     try:
-        result = train_from_config_file(args.config, args.overrides, resume=args.resume)
+        result = train_from_config_file(args.config, args.overrides, resume=args.resume,
+                                        overwrite=args.overwrite)
     except NonFiniteLossError as exc:
         print(f"deepmetric train: error: {exc}", file=sys.stderr)
         return 3
@@ -100,7 +104,7 @@ def _add_embed_parser(sub) -> None:
     p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train' (last.pt / best.pt)")
     p.add_argument("--data", default=None, help="dataset name (default: the checkpoint's training data)")
     p.add_argument("--root", default=None, help="dataset root directory")
-    p.add_argument("--split", default="test", help="split to embed (default test); query+gallery (In-shop: test) embeds both with is_query/is_gallery")
+    p.add_argument("--split", default="test", help="split to embed (default test); query+gallery (In-shop: test) embeds both with is_query/is_gallery; val: the validation classes of data.val_classes")
     p.add_argument("--out", required=True, help="output .npz (embeddings, labels[, is_query, is_gallery, paths, class_names])")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
@@ -121,6 +125,7 @@ def _add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="offline demo: heated-up BN embedding on the glyph benchmark (CPU, <10 min)")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="a tiny run (seconds) for smoke tests")
+    p.add_argument("--overwrite", action="store_true", help="replace the run files of an earlier demo in --out")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     p.set_defaults(func=_run_demo)
 
@@ -128,7 +133,7 @@ def _add_demo_parser(sub) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from deepmetric.train.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, overrides=args.overrides)
+    run_demo(args.out, quick=args.quick, overrides=args.overrides, overwrite=args.overwrite)
     return 0
 
 

@@ -5,7 +5,7 @@ weights, alpha = 16, then alpha x 1/4 and lr x 1/10 for the last third of traini
 a compact ResNet on glyphs of GB2312 characters rendered from the installed CJK fonts,
 and evaluates Recall@{1,2,4,8} and NMI on the *unseen* test characters before heating-up
 (at the heat-up epoch) and after it (at the end).  Writes, under ``--out``:
-``last.pt`` / ``best.pt`` (checkpoints), ``config.yaml``, ``log.jsonl``, ``metrics.json``,
+``last.pt`` (the final model: no validation split, nothing is selected), ``config.yaml``, ``log.jsonl``, ``metrics.json``,
 ``demo_metrics.json`` (before/after/timings) and the plots ``training_curves.png``,
 ``cosine_histograms.png`` (paper Fig. 4, test pairs) and ``recall_curve.png``.
 
@@ -48,7 +48,7 @@ schedule:
   lr: {name: constant}
   temperature: {name: heat_up, at: 4, alpha_factor: 0.25, lr_factor: 0.1}
 train: {epochs: 6, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo}
-eval: {every: 4, ks: [1, 2, 4, 8], best_metric: recall@1}
+eval: {every: 4, ks: [1, 2, 4, 8]}
 """
 
 #: ``--quick``: a seconds-long run for smoke tests (few characters and fonts).
@@ -83,9 +83,10 @@ def _plots(out: Path, snapshots: dict, at: int) -> list[Path]:
     return paths
 
 
-def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=None) -> dict:
+def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=None, overwrite: bool = False) -> dict:
     """Run the demo; returns the summary written to ``demo_metrics.json``."""
-    from .loop import build_dataset_split, train
+    from .builders import build_dataset
+    from .loop import train
 
     t_start = time.perf_counter()
     cfg = demo_config(out, quick=quick, overrides=overrides)
@@ -94,8 +95,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=No
 
     # Rendering (or loading the cached glyphs) is timed on its own; train() then reads the cache.
     t0 = time.perf_counter()
-    train_ds = build_dataset_split(cfg, "train", train=True)
-    test_ds = build_dataset_split(cfg, "test", train=False)
+    train_ds = build_dataset(cfg, "train", train=True)
+    test_ds = build_dataset(cfg, "test", train=False)
     t_data = time.perf_counter() - t0
     cached = getattr(train_ds, "from_cache", None)
     print(f"[demo] glyphs: {train_ds.num_classes} train / {test_ds.num_classes} unseen test characters, "
@@ -110,7 +111,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=No
         snapshots["final"] = {**embedded, "metrics": metrics, "epoch": epoch}
 
     t0 = time.perf_counter()
-    result = train(cfg, on_eval=keep)
+    result = train(cfg, on_eval=keep, overwrite=overwrite)
     t_train = time.perf_counter() - t0
     if "final" in snapshots:
         snapshots["after heat-up"] = snapshots.pop("final")

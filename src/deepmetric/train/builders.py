@@ -1,0 +1,243 @@
+"""What a run is built from: dataset splits, the batch sampler, the model and the loss terms.
+
+Shared by the training loop, ``deepmetric embed`` (rebuilding a checkpoint's model), the
+demo and other commands, so every one of them builds exactly what training built.  This
+module imports only the config, ``deepmetric.data``, ``deepmetric.models`` and
+``deepmetric.losses``; ``loop``, ``embed`` and ``demo`` import it, never the reverse.
+
+* ``build_dataset(cfg, split, *, train)``: one split of ``cfg.data`` with the train (augmenting)
+  or test transform.  With ``data.val_classes`` the training split loses the validation
+  classes, and ``split="val"`` is those classes' training images (``carve_val_classes``);
+* ``build_sampler(cfg, labels, rank, world)``: random or m x n class-balanced batches,
+  sharded over ranks;
+* ``build_model(cfg, num_classes)``: ``create_model(cfg.model.name, **cfg.model.options)``;
+* ``build_losses(cfg, num_classes, embedding_dim)``: one module per loss term;
+* ``embedding_dim_of(model, dataset)`` and ``seed_everything(seed)``.
+"""
+from __future__ import annotations
+
+import inspect
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import Config
+
+__all__ = ["VAL_SPLIT", "seed_everything", "build_dataset", "build_sampler", "build_model", "build_losses",
+           "embedding_dim_of", "carve_val_classes", "class_fold", "ClassSubset"]
+
+#: The name of the validation split carved by ``data.val_classes``.
+VAL_SPLIT = "val"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _call_filling(fn: Callable, name: str, options: dict, auto: dict, target: Callable | None = None):
+    """``fn(name, **options, **auto)`` where ``auto`` holds values the loop knows
+    (``num_classes``, ``embedding_dim``): each is passed only when ``target`` (the class or
+    function that receives the keywords) accepts it and the user did not set it."""
+    extra = {k: v for k, v in auto.items() if v is not None and k not in options}
+    if target is not None and extra:
+        try:
+            params = inspect.signature(target).parameters
+        except (TypeError, ValueError):
+            params = None
+        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            extra = {k: v for k, v in extra.items() if k in params}
+    return fn(name, **extra, **options)
+
+
+def _build_named_split(cfg: Config, split: str, *, train: bool):
+    d = cfg.data
+    if d.name == "synthetic":
+        from deepmetric.data.synthetic import build_synthetic_dataset
+
+        return build_synthetic_dataset(split, **d.options)
+    from deepmetric.data import build_dataset as build_named_dataset
+    from deepmetric.data import build_transform
+
+    transform = None
+    if d.transform is not None:
+        transform = build_transform(d.transform, train=train, **d.transform_options)
+    return build_named_dataset(d.name, root=d.root, split=split, transform=transform, **d.options)
+
+
+def build_dataset(cfg: Config, split: str, *, train: bool):
+    """Split ``split`` of ``cfg.data`` with the train (``train=True``) or test transform.
+
+    With ``data.val_classes`` set, ``data.train_split`` comes without the validation classes
+    and ``split="val"`` is the validation classes' images (both ``ClassSubset``s of the
+    training split, labels renumbered 0..C-1)."""
+    d = cfg.data
+    if not d.has_validation or split not in (d.train_split, VAL_SPLIT):
+        return _build_named_split(cfg, split, train=train)
+    full = _build_named_split(cfg, d.train_split, train=train)
+    if d.val_folds is not None:
+        keep, val = class_fold(full.labels, d.val_folds, d.val_fold, seed=_val_seed(cfg))
+    else:
+        keep, val = carve_val_classes(full.labels, d.val_classes, seed=_val_seed(cfg),
+                                      class_names=getattr(full, "class_names", None))
+    return ClassSubset(full, val if split == VAL_SPLIT else keep)
+
+
+def _val_seed(cfg: Config) -> int:
+    return cfg.train.seed if cfg.data.val_seed is None else cfg.data.val_seed
+
+
+def carve_val_classes(labels, spec, *, seed: int = 0, class_names=None) -> tuple[np.ndarray, np.ndarray]:
+    """Split the classes of ``labels`` into (training classes, validation classes), sorted.
+
+    ``spec`` is a fraction in (0, 1) of the classes (rounded, at least 1), a count, or a
+    list of class names (looked up in ``class_names``) or label ids.  Fractions and counts
+    draw the classes with ``numpy.random.default_rng(seed)``: the same seed gives the same
+    classes.  At least one class is left for training."""
+    classes = np.unique(np.asarray(labels, dtype=np.int64))
+    n = len(classes)
+    key = "config key 'data.val_classes'"
+    if isinstance(spec, (list, tuple)):
+        names = list(class_names) if class_names is not None else []
+        chosen, unknown = [], []
+        for item in spec:
+            if isinstance(item, str) and item in names:
+                chosen.append(names.index(item))
+            elif isinstance(item, (int, np.integer)) and not isinstance(item, bool) and item in classes:
+                chosen.append(int(item))
+            else:
+                unknown.append(item)
+        if unknown:
+            known = f"names such as {names[:5]}" if names else f"label ids in [{classes.min()}, {classes.max()}]"
+            raise ValueError(f"{key}: {unknown[:10]} are not classes of the training split (expected {known})")
+        val = np.unique(np.asarray(chosen, dtype=np.int64))
+    else:
+        if isinstance(spec, float):
+            if not 0.0 < spec < 1.0:
+                raise ValueError(f"{key}: a fraction must be in (0, 1), got {spec}")
+            k = max(1, int(round(spec * n)))
+        elif isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+            k = int(spec)
+        else:
+            raise ValueError(f"{key}: expected a fraction, a count or a list of classes, got {spec!r}")
+        if not 1 <= k < n:
+            raise ValueError(f"{key}: asks for {k} validation classes, but the training split has "
+                             f"{n} classes (at least one must stay for training)")
+        val = np.sort(np.random.default_rng(seed).permutation(classes)[:k])
+    if len(val) >= n:
+        raise ValueError(f"{key}: every training class would be a validation class")
+    return np.setdiff1d(classes, val), val
+
+
+def class_fold(labels, folds: int, fold: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(training classes, validation classes) of fold ``fold`` of ``folds`` class-disjoint
+    folds: the classes are permuted with ``numpy.random.default_rng(seed)`` and cut into
+    ``folds`` near-equal parts (``numpy.array_split``), so the folds of one seed partition the
+    classes (the Reality Check's 4-fold cross-validation)."""
+    classes = np.unique(np.asarray(labels, dtype=np.int64))
+    if not 2 <= folds <= len(classes):
+        raise ValueError(f"config key 'data.val_folds': {folds} folds need 2 to {len(classes)} "
+                         f"(the training classes)")
+    if not 0 <= fold < folds:
+        raise ValueError(f"config key 'data.val_fold': must be in [0, {folds}), got {fold}")
+    parts = np.array_split(np.random.default_rng(seed).permutation(classes), folds)
+    val = np.sort(parts[fold])
+    return np.setdiff1d(classes, val), val
+
+
+class ClassSubset(torch.utils.data.Dataset):
+    """The samples of ``dataset`` whose label is in ``classes``, labels renumbered 0..C-1 in
+    the order of ``classes`` (``original_classes[new] = old``)."""
+
+    def __init__(self, dataset, classes):
+        self.dataset = dataset
+        self.original_classes = np.asarray(classes, dtype=np.int64)
+        old = np.asarray(dataset.labels, dtype=np.int64)
+        new_of_old = np.full(int(old.max()) + 1, -1, dtype=np.int64)
+        new_of_old[self.original_classes] = np.arange(len(self.original_classes))
+        self.indices = np.flatnonzero(new_of_old[old] >= 0)
+        self.labels = new_of_old[old[self.indices]]
+        self.num_classes = len(self.original_classes)
+        names = getattr(dataset, "class_names", None)
+        self.class_names = [names[c] for c in self.original_classes] if names is not None else None
+        if getattr(dataset, "paths", None) is not None:
+            self.paths = [dataset.paths[i] for i in self.indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        x, _ = self.dataset[int(self.indices[i])]
+        return x, int(self.labels[i])
+
+    def __getattr__(self, name):  # paths, faces, from_cache, ... of the wrapped dataset
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def build_sampler(cfg: Config, labels: np.ndarray, rank: int = 0, world: int = 1):
+    """``train.sampler``: ``class_balanced`` (m classes x n images) or ``random`` batches of
+    ``batch_size`` (last incomplete batch dropped), this rank's shard of each epoch."""
+    from deepmetric.data import ClassBalancedBatchSampler, RandomBatchSampler
+
+    t = cfg.train
+    if t.sampler == "class_balanced":
+        return ClassBalancedBatchSampler(labels, t.m, t.n, seed=t.seed, rank=rank, world_size=world)
+    return RandomBatchSampler(len(labels), t.batch_size, seed=t.seed, rank=rank, world_size=world,
+                              drop_last=True)
+
+
+def build_model(cfg: Config, num_classes: int | None = None) -> nn.Module:
+    """``create_model(cfg.model.name, **cfg.model.options)``.  ``num_classes`` is passed only
+    when the model needs a classifier: the two-head model, or a loss term reading ``logits``."""
+    m = cfg.model
+    needs_classifier = m.name == "two_head" or any(t.input == "logits" for t in cfg.loss)
+    if not needs_classifier:
+        num_classes = None
+    if m.name == "synthetic_mlp":
+        from deepmetric.data.synthetic import SyntheticMLP
+
+        def factory(name, **kw):
+            return SyntheticMLP(**kw)
+        target = SyntheticMLP
+    else:  # create_model accepts num_classes for every model: nothing to filter
+        from deepmetric.models import create_model as factory
+
+        target = None
+    return _call_filling(factory, m.name, dict(m.options), {"num_classes": num_classes}, target)
+
+
+def build_losses(cfg: Config, num_classes: int | None = None, embedding_dim: int | None = None) -> nn.ModuleList:
+    """One loss module per ``cfg.loss`` term; ``num_classes`` / ``embedding_dim`` are passed
+    to the losses that accept them (classifier losses) unless the options set them."""
+    from deepmetric.losses import build_loss, loss_class
+
+    terms = []
+    for i, term in enumerate(cfg.loss):
+        try:
+            cls = loss_class(term.name)
+        except ValueError as exc:
+            raise ValueError(f"config key 'loss.{i}.name': {exc}") from None
+        terms.append(_call_filling(build_loss, term.name, dict(term.options),
+                                   {"num_classes": num_classes, "embedding_dim": embedding_dim}, cls))
+    return nn.ModuleList(terms)
+
+
+def embedding_dim_of(model: nn.Module, dataset) -> int:
+    """The model's embedding size: ``model.embedding_dim`` or one probe forward pass."""
+    k = getattr(model, "embedding_dim", None)
+    if isinstance(k, int):
+        return k
+    x = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(min(2, len(dataset)))])
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        k = int(model(x)["embedding"].shape[1])
+    model.train(was)
+    return k
