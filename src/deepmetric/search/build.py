@@ -14,11 +14,9 @@ _FILE_DATASETS_ALL = ("folder", "csv")
 
 
 def _dataset_builder():
-    """The training package's test-split builder (``train/builders.py`` once it exists)."""
-    try:
-        from deepmetric.train.builders import build_dataset
-    except ImportError:
-        from deepmetric.train.loop import build_dataset_split as build_dataset
+    """The training package's split builder (``build_dataset(cfg, split, *, train)``)."""
+    from deepmetric.train.builders import build_dataset
+
     return build_dataset
 
 
