@@ -89,3 +89,19 @@ def test_preprocessing_json_reimplemented_by_hand(shapes, tmp_path):
 def test_export_errors(shapes, tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "none.pt"), "--out", str(tmp_path / "m.onnx")]) == 2
     assert "none.pt not found" in capsys.readouterr().err
+
+
+def test_transparent_queries_are_composited_onto_the_benchmark_background():
+    """Emoji are drawn on white: a transparent query pixel must become white, not black."""
+    import numpy as np
+    from PIL import Image
+
+    rgba = np.zeros((8, 8, 4), np.uint8)
+    rgba[2:6, 2:6] = (200, 30, 30, 255)  # an opaque red square, the rest fully transparent
+    img = Image.fromarray(rgba, "RGBA")
+    white = Preprocessing(None, mode="RGB", input_size=8, background="white")(img)
+    plain = Preprocessing(None, mode="RGB", input_size=8)(img)
+    assert torch.allclose(white[:, 0, 0], torch.ones(3)) and torch.allclose(plain[:, 0, 0], torch.zeros(3))
+    assert torch.allclose(white[:, 3, 3], torch.tensor([200, 30, 30]) / 255.0)
+    desc = Preprocessing(None, mode="RGB", input_size=8, background="white").describe()
+    assert desc["steps"][0] == {"op": "composite_alpha", "background": "white"}

@@ -102,7 +102,7 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
         out_paths = []
         for j, i in enumerate(tqdm(keep, desc="writing images", unit="img", disable=not progress, leave=False)):
             p = images_dir / f"{first_image_number + j:06d}.png"
-            Image.fromarray(np.asarray(ds.images[i]), "L").save(p)
+            Image.fromarray(np.asarray(ds.images[i])).save(p)  # [H, W] grey or [H, W, 3] RGB
             out_paths.append(str(p.resolve()))
     else:
         out_paths = [""] * len(keep)

@@ -6,9 +6,9 @@ Preprocessing is exactly what ``deepmetric embed`` / evaluation apply to a test 
 checkpoint's ``data.transform`` built with ``train=False`` (``resize_crop``: resize to a square
 and centre crop; ``short_side``: resize the short side and centre crop; ``glyph`` /
 ``mnist``: grey levels only), fed the way the dataset feeds it: a PIL image in the dataset's
-mode for image files; for the in-memory benchmarks (glyphs, Fashion-MNIST) a grey ``uint8``
-tensor, after resizing the query to the benchmark's square size (``input_size``), since their
-pipelines do not resize.
+mode for image files; for the in-memory benchmarks (glyphs, Fashion-MNIST: grey; emoji: RGB,
+transparent pixels made white as the benchmark draws them) a ``uint8`` tensor, after resizing
+the query to the benchmark's square size (``input_size``), since their pipelines do not resize.
 """
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ from PIL import Image, UnidentifiedImageError
 __all__ = ["Preprocessing", "preprocessing_from_config", "load_image", "decode_image",
            "embed_images", "exact_search", "approximate_search"]
 
-# in-memory benchmarks: PIL mode and square side their transform expects (the option name)
-_IN_MEMORY = {"glyphs": ("L", "size", 32), "fashion-mnist": ("L", None, 28)}
+# in-memory benchmarks: PIL mode, the option naming their square side, its default, and the
+# background transparent pixels are composited onto (emoji are drawn on white)
+_IN_MEMORY = {"glyphs": ("L", "size", 32, None), "fashion-mnist": ("L", None, 28, None),
+              "emoji": ("RGB", "size", 64, "white")}
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Preprocessing:
     transform_options: dict = field(default_factory=dict)
     mode: str = "RGB"
     input_size: int | None = None
+    background: str | None = None
 
     def __post_init__(self):
         self._pipeline = None
@@ -57,6 +60,10 @@ class Preprocessing:
     def __call__(self, img: Image.Image) -> torch.Tensor:
         from torchvision.transforms.v2 import functional as TF
 
+        if self.background is not None and (img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info):
+            rgba = img.convert("RGBA")
+            flat = Image.new("RGBA", rgba.size, self.background)
+            img = Image.alpha_composite(flat, rgba)
         img = img.convert(self.mode)
         if self.input_size is not None:
             if img.size != (self.input_size, self.input_size):
@@ -71,12 +78,12 @@ class Preprocessing:
 
     def to_dict(self) -> dict:
         return {"transform": self.transform, "transform_options": dict(self.transform_options),
-                "mode": self.mode, "input_size": self.input_size}
+                "mode": self.mode, "input_size": self.input_size, "background": self.background}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Preprocessing":
         return cls(transform=d.get("transform"), transform_options=dict(d.get("transform_options") or {}),
-                   mode=d.get("mode", "RGB"), input_size=d.get("input_size"))
+                   mode=d.get("mode", "RGB"), input_size=d.get("input_size"), background=d.get("background"))
 
     def describe(self) -> dict:
         """The resolved steps with their numbers (for export users re-implementing them):
@@ -84,7 +91,10 @@ class Preprocessing:
         of the network input (for a square image) and the build recipe."""
         from torchvision.transforms import v2
 
-        steps: list[dict] = [{"op": "convert", "mode": self.mode}]
+        steps: list[dict] = []
+        if self.background is not None:
+            steps.append({"op": "composite_alpha", "background": self.background})
+        steps.append({"op": "convert", "mode": self.mode})
         if self.input_size is not None:
             steps.append({"op": "resize", "size": [self.input_size, self.input_size],
                           "interpolation": "bilinear"})
@@ -126,9 +136,10 @@ def preprocessing_from_config(cfg) -> Preprocessing:
     name = str(d.name).strip().lower().replace("_", "-")
     name = "fashion-mnist" if name == "fashionmnist" else name
     if name in _IN_MEMORY:
-        mode, key, default = _IN_MEMORY[name]
+        mode, key, default, background = _IN_MEMORY[name]
         size = int(d.options.get(key, default)) if key else default
-        return Preprocessing(d.transform, dict(d.transform_options), mode=mode, input_size=size)
+        return Preprocessing(d.transform, dict(d.transform_options), mode=mode, input_size=size,
+                             background=background)
     return Preprocessing(d.transform, dict(d.transform_options), mode=d.options.get("mode", "RGB"))
 
 
