@@ -94,6 +94,15 @@ def test_upload_bounds_and_bad_images(server):
     truncated = png.getvalue()[:-40]
     body, headers = _multipart({}, {"image": ("cut.png", truncated)})
     assert _request(url, "POST", "/search", body, headers)[0] == 400
+    # a 1 KB PNG claiming 8000 x 8000 pixels (IHDR patched, CRC recomputed) is refused undecoded
+    import struct
+    import zlib
+    raw = bytearray(png.getvalue())
+    raw[16:24] = struct.pack(">II", 8000, 8000)
+    raw[29:33] = struct.pack(">I", zlib.crc32(bytes(raw[12:29])))
+    body, headers = _multipart({}, {"image": ("bomb.png", bytes(raw))})
+    status, _, data = _request(url, "POST", "/search", body, headers)
+    assert status == 400 and "8000 x 8000 pixels is larger than the limit" in json.loads(data)["error"]
     body, headers = _multipart({"k": "0"}, {"image": ("ok.png", png.getvalue())})
     status, _, data = _request(url, "POST", "/search", body, headers)
     assert status == 400 and "k must lie in" in json.loads(data)["error"]

@@ -143,18 +143,29 @@ def preprocessing_from_config(cfg) -> Preprocessing:
     return Preprocessing(d.transform, dict(d.transform_options), mode=d.options.get("mode", "RGB"))
 
 
+#: largest image (width x height) decoded; a small compressed file can claim a huge size
+MAX_PIXELS = 40_000_000
+
+
 def decode_image(data: bytes, name: str = "upload") -> Image.Image:
-    """Decode image bytes fully (so truncated files fail here); ValueError names ``name``."""
+    """Decode image bytes fully (so truncated files fail here); ValueError names ``name``.
+    Images of more than :data:`MAX_PIXELS` pixels are refused before they are decoded."""
     if not data:
         raise ValueError(f"{name}: empty file, expected an image (PNG, JPEG, ...)")
     try:
         with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+            if w * h > MAX_PIXELS:
+                raise ValueError(f"{name}: image of {w} x {h} pixels is larger than the limit of "
+                                 f"{MAX_PIXELS:,} pixels")
             im.load()
             return im.copy()
     except UnidentifiedImageError:
         raise ValueError(f"{name}: not an image (the file is not in a format Pillow reads: PNG, JPEG, "
                          "WebP, BMP, GIF, TIFF, ...)") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        if str(exc).startswith(f"{name}: image of"):
+            raise
         raise ValueError(f"{name}: not an image that can be decoded ({exc})") from None
 
 
