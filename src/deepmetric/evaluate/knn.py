@@ -164,6 +164,23 @@ def _approx_index(gallery: np.ndarray, backend: str, k: int):
     return index
 
 
+def build_approximate_index(gallery: np.ndarray, backend: str, k: int = 10):
+    """The faiss index the approximate backends search (``faiss-hnsw``: HNSW, 32 links;
+    ``faiss-ivf``: IVF-Flat, about 4 sqrt(N) lists, 32 probed), filled with ``gallery``
+    (already l2-normalised, float32, C-contiguous). Used by ``deepmetric.search`` to keep it."""
+    if backend not in APPROXIMATE_BACKENDS:
+        raise ValueError(f"backend {backend!r} is not approximate; expected one of {APPROXIMATE_BACKENDS}")
+    return _approx_index(np.ascontiguousarray(gallery, dtype=np.float32), backend, k)
+
+
+def search_approximate_index(index, query: np.ndarray, k: int):
+    """``(sims, idx)`` of a kept approximate index, ordered and padded as :func:`knn` does."""
+    sims, idx = index.search(np.ascontiguousarray(query, dtype=np.float32), int(k))
+    sims, idx = sims.astype(np.float32), idx.astype(np.int64)
+    idx[idx >= index.ntotal] = -1
+    return _sort_rows(sims, idx)
+
+
 def iter_knn(query, gallery, k: int, *, self_pos: np.ndarray | None = None,
              backend: str = "auto", chunk_size: int | None = None,
              memory_mb: float | None = None) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:

@@ -32,7 +32,7 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
                        device: torch.device | str = "cpu", amp: str = "none",
                        channels_last: bool = False, num_workers: int = 0,
                        with_logits: bool = False, loss_with_logits: nn.Module | None = None,
-                       output: str = "embedding") -> dict:
+                       output: str = "embedding", with_paths: bool = False) -> dict:
     """Embed every sample of ``dataset`` in order.
 
     ``output`` names the model output kept as ``"embeddings"``: ``"embedding"`` (the trained
@@ -73,7 +73,22 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
     }
     if logits:
         result["logits"] = torch.cat(logits).numpy()
+    if with_paths:
+        result.update(dataset_paths_and_class_names(dataset))
     return result
+
+
+def dataset_paths_and_class_names(dataset) -> dict[str, np.ndarray]:
+    """``{"paths": str [N], "class_names": str [C]}`` for the datasets that have them (image files,
+    named classes); string arrays, so ``np.load(..., allow_pickle=False)`` reads them."""
+    out = {}
+    paths = getattr(dataset, "paths", None)
+    if paths is not None:
+        out["paths"] = np.asarray([str(Path(p).resolve()) for p in paths], dtype=str)
+    names = getattr(dataset, "class_names", None) or getattr(dataset, "class_ids", None)
+    if names:
+        out["class_names"] = np.asarray([str(c) for c in names], dtype=str)
+    return out
 
 
 def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, device: torch.device,
@@ -146,7 +161,8 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
 
     ``data`` / ``root`` default to the checkpoint's training config.  ``split="query+gallery"``
     (and ``"test"`` for In-shop) embeds the query and gallery splits and stores ``is_query``
-    / ``is_gallery``; naming one of them embeds only that split.
+    / ``is_gallery``; naming one of them embeds only that split. Datasets of image files add
+    ``paths`` (absolute, one per row) and named classes ``class_names`` (one per label).
     """
     from .distributed import resolve_device
 
@@ -160,7 +176,7 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
     if root is not None:
         cfg.data.root = root
     kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp,
-              channels_last=cfg.train.channels_last, num_workers=num_workers)
+              channels_last=cfg.train.channels_last, num_workers=num_workers, with_paths=True)
     arrays: dict[str, np.ndarray]
     if split == "query+gallery" or (split == "test" and cfg.data.name == "inshop"):
         q = compute_embeddings(model, build_dataset(cfg, "query", train=False), **kw)
@@ -174,5 +190,10 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
         arrays = {"embeddings": r["embeddings"], "labels": r["labels"]}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    parts = [q, g] if "is_query" in arrays else [r]  # image paths and class names, when known
+    if all("paths" in p for p in parts):
+        arrays["paths"] = np.concatenate([p["paths"] for p in parts])
+    if "class_names" in parts[0]:
+        arrays["class_names"] = parts[0]["class_names"]
     np.savez(out, **arrays)
     return out

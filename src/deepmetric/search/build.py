@@ -1,0 +1,113 @@
+"""Embedding a dataset split for an index: the checkpoint's model and test transform, the
+split's labels, class names and image paths (PNG copies for in-memory benchmarks), with a
+progress bar. Used by :meth:`deepmetric.search.index.Index.build`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .query import load_image, preprocessing_from_config
+
+_FILE_DATASETS_ALL = ("folder", "csv")
+
+
+def _dataset_builder():
+    """The training package's split builder (``build_dataset(cfg, split, *, train)``)."""
+    from deepmetric.train.builders import build_dataset
+
+    return build_dataset
+
+
+class _ImageFiles(torch.utils.data.Dataset):
+    """Image files read with :func:`load_image` (errors name the file) and ``preprocessing``."""
+
+    def __init__(self, paths, labels, preprocessing):
+        self.paths, self.labels, self.preprocessing = paths, labels, preprocessing
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        return self.preprocessing(load_image(self.paths[i])), int(self.labels[i])
+
+
+def class_names_of(ds) -> list[str] | None:
+    names = getattr(ds, "class_names", None)
+    if names:
+        return [str(c) for c in names]
+    ids = getattr(ds, "class_ids", None)
+    return [str(c) for c in ids] if ids else None
+
+
+def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, options=None,
+                            batch_size: int = 256, device: str = "auto", num_workers: int = 0,
+                            progress: bool = True, skip_paths=frozenset(), images_dir=None,
+                            first_image_number: int = 0) -> dict:
+    from tqdm.auto import tqdm
+    from PIL import Image
+
+    from deepmetric.train.distributed import resolve_device
+    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint} not found (expected last.pt / best.pt of 'deepmetric train')")
+    dev = resolve_device(device)
+    model, _, cfg, state = load_model_from_checkpoint(checkpoint, dev)
+    preprocessing = preprocessing_from_config(cfg)  # before the data is overridden: the model's input
+    if data is not None and data != cfg.data.name:
+        cfg.data.name = data
+        cfg.data.options = {k: v for k, v in (cfg.data.options or {}).items() if k == "mode"}
+    if options:
+        cfg.data.options.update(options)
+    if root is not None:
+        cfg.data.root = str(root)
+    if split is None:
+        split = "all" if cfg.data.name in _FILE_DATASETS_ALL else "test"
+    ds = _dataset_builder()(cfg, split, train=False)
+    n = len(ds)
+    if n == 0:
+        raise ValueError(f"dataset {cfg.data.name!r} (root {cfg.data.root}, split {split!r}) has no images")
+    paths = getattr(ds, "paths", None)
+    in_memory = paths is None and getattr(ds, "images", None) is not None
+    if paths is not None:
+        paths = [str(Path(p).resolve()) for p in paths]
+        keep = [i for i in range(n) if paths[i] not in skip_paths]
+    else:
+        keep = list(range(n))
+    labels = np.asarray(ds.labels, dtype=np.int64)[keep] if hasattr(ds, "labels") else None
+
+    names = class_names_of(ds)
+    if paths is not None:  # image files: exactly the preprocessing queries get (query.py)
+        ds = _ImageFiles(paths, np.asarray(ds.labels, dtype=np.int64), preprocessing)
+    embs = []
+    chunk = max(batch_size, 1024)
+    with tqdm(total=len(keep), desc="embedding", unit="img", disable=not progress, leave=False) as bar:
+        for a in range(0, len(keep), chunk):
+            part = torch.utils.data.Subset(ds, keep[a:a + chunk])
+            r = compute_embeddings(model, part, batch_size=batch_size, device=dev, amp="none",
+                                   num_workers=num_workers)
+            embs.append(r["embeddings"])
+            if labels is None:
+                labels = r["labels"]
+            bar.update(len(part))
+    emb = np.concatenate(embs) if embs else np.zeros((0, 0), np.float32)
+
+    if paths is not None:
+        out_paths = [paths[i] for i in keep]
+    elif in_memory and images_dir is not None:
+        images_dir = Path(images_dir)
+        images_dir.mkdir(parents=True, exist_ok=True)
+        out_paths = []
+        for j, i in enumerate(tqdm(keep, desc="writing images", unit="img", disable=not progress, leave=False)):
+            p = images_dir / f"{first_image_number + j:06d}.png"
+            Image.fromarray(np.asarray(ds.images[i])).save(p)  # [H, W] grey or [H, W, 3] RGB
+            out_paths.append(str(p.resolve()))
+    else:
+        out_paths = [""] * len(keep)
+    return {"embeddings": emb, "labels": labels, "paths": out_paths, "class_names": names,
+            "config": state["config"], "preprocessing": preprocessing.to_dict(),
+            "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
+                     "options": dict(cfg.data.options), "images": len(keep)},
+            "skipped": n - len(keep)}

@@ -1,0 +1,84 @@
+"""``deepmetric export``: the embedding network of a checkpoint as ONNX or TorchScript.
+
+The model is rebuilt with :func:`deepmetric.train.embed.load_model_from_checkpoint` and wrapped
+so that it returns only the embedding tensor (the ``num_classes=0`` idea of timm): input
+``image`` float32 ``[batch, C, H, W]`` (already preprocessed), output ``embedding`` float32
+``[batch, d]``, l2-normalised unless ``normalize=False`` (cosine = dot product, as the index
+uses). The preprocessing that makes the input from an image file is written beside the
+exported file as ``<name>.preprocessing.json`` (see :meth:`Preprocessing.describe`).
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .query import preprocessing_from_config
+
+__all__ = ["EmbeddingOnly", "export_model", "FORMATS", "preprocessing_path"]
+
+FORMATS = ("onnx", "torchscript")
+
+
+class EmbeddingOnly(nn.Module):
+    """``model(x)["embedding"]``, optionally l2-normalised: a network with one tensor output."""
+
+    def __init__(self, model: nn.Module, normalize: bool = True):
+        super().__init__()
+        self.model = model
+        self.normalize = bool(normalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.model(x)["embedding"]
+        if self.normalize:
+            e = nn.functional.normalize(e, dim=1)
+        return e
+
+
+def preprocessing_path(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.stem + ".preprocessing.json")
+
+
+def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
+                 normalize: bool = True, opset: int = 17) -> tuple[Path, Path]:
+    """Write the embedding network of ``checkpoint`` to ``out`` and its preprocessing JSON
+    beside it; returns both paths."""
+    from deepmetric.train.embed import load_model_from_checkpoint
+
+    if fmt not in FORMATS:
+        raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint} not found (expected last.pt / best.pt of 'deepmetric train')")
+    model, _, cfg, _ = load_model_from_checkpoint(checkpoint, "cpu")
+    pre = preprocessing_from_config(cfg)
+    desc = pre.describe()
+    net = EmbeddingOnly(model, normalize).eval()
+    example = torch.zeros(2, *desc["input_shape"])
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        # tracing warns about shape checks (constant for a fixed input size) and jit's deprecation
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.trace
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript-based ONNX exporter
+        dim = int(net(example).shape[1])
+        if fmt == "torchscript":
+            traced = torch.jit.trace(net, example, check_trace=False)
+            traced.save(str(out))
+        else:
+            torch.onnx.export(net, (example,), str(out), input_names=["image"], output_names=["embedding"],
+                              dynamic_axes={"image": {0: "batch"}, "embedding": {0: "batch"}},
+                              opset_version=opset, dynamo=False)
+    info = {"format": fmt, "file": out.name, "input": {"name": "image", "shape": ["batch", *desc["input_shape"]],
+                                                        "dtype": "float32"},
+            "output": {"name": "embedding", "shape": ["batch", dim], "dtype": "float32",
+                       "l2_normalized": bool(normalize)},
+            "preprocessing": desc, "checkpoint": str(Path(checkpoint).resolve()),
+            "model": cfg.model.name}
+    side = preprocessing_path(out)
+    side.write_text(json.dumps(info, indent=1))
+    return out, side

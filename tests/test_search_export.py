@@ -1,0 +1,107 @@
+"""deepmetric export: ONNX (onnxruntime) and TorchScript outputs equal PyTorch's on real images,
+and the preprocessing JSON written beside them re-implemented by hand gives the same input."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from deepmetric import cli
+from deepmetric.search import Index
+from deepmetric.search.export import EmbeddingOnly, preprocessing_path
+from deepmetric.search.query import Preprocessing
+from deepmetric.train.embed import load_model_from_checkpoint
+from search_data import shapes_setup
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    return shapes_setup(tmp_path_factory)
+
+
+def _batch(shapes):
+    index = Index.load(shapes["index_dir"])
+    paths = index.paths[::3] + [str(p) for p in sorted(Path(shapes["queries"]).glob("*/*.png"))]
+    pre = Preprocessing.from_dict(index.meta["preprocessing"])
+    return paths, torch.stack([pre(Image.open(p)) for p in paths]), index
+
+
+def _reference(shapes, x):
+    model, _, _, _ = load_model_from_checkpoint(shapes["checkpoint"])
+    with torch.no_grad():
+        return EmbeddingOnly(model).eval()(x).numpy(), model
+
+
+def test_onnx_matches_pytorch_on_real_images(shapes, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    out = tmp_path / "shapes.onnx"
+    assert cli.main(["export", str(shapes["checkpoint"]), "--format", "onnx", "--out", str(out)]) == 0
+    paths, x, index = _batch(shapes)
+    ref, model = _reference(shapes, x)
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    got = sess.run(["embedding"], {"image": x.numpy()})[0]
+    assert got.shape == (len(paths), 16)
+    assert np.abs(got - ref).max() < 1e-4
+    # the wrapper is the model's embedding, l2-normalised, i.e. what the index holds
+    with torch.no_grad():
+        raw = model(x)["embedding"].numpy()
+    assert np.abs(ref - raw / np.linalg.norm(raw, axis=1, keepdims=True)).max() < 1e-6
+    assert np.abs(got[:11] - index.embeddings[::3]).max() < 1e-4
+
+
+def test_torchscript_matches_pytorch_and_raw_output(shapes, tmp_path):
+    out = tmp_path / "shapes.pt"
+    assert cli.main(["export", str(shapes["checkpoint"]), "--format", "torchscript", "--raw", "--out", str(out)]) == 0
+    _, x, _ = _batch(shapes)
+    _, model = _reference(shapes, x)
+    loaded = torch.jit.load(str(out))
+    with torch.no_grad():
+        assert (loaded(x) - model(x)["embedding"]).abs().max() < 1e-4
+    info = json.loads(preprocessing_path(out).read_text())
+    assert info["output"]["l2_normalized"] is False and info["input"]["shape"] == ["batch", 3, 32, 32]
+
+
+def test_preprocessing_json_reimplemented_by_hand(shapes, tmp_path):
+    out = tmp_path / "m.onnx"
+    cli.main(["export", str(shapes["checkpoint"]), "--out", str(out)])
+    info = json.loads(preprocessing_path(out).read_text())
+    pre = info["preprocessing"]
+    ops = [s["op"] for s in pre["steps"]]
+    assert ops == ["convert", "rgb", "resize", "center_crop", "to_float", "normalize"]
+    steps = {s["op"]: s for s in pre["steps"]}
+    assert steps["resize"]["size"] == [36, 36] and steps["center_crop"]["size"] == [32, 32]
+    assert pre["mean"] == pytest.approx([0.485, 0.456, 0.406]) and pre["std"] == pytest.approx([0.229, 0.224, 0.225])
+    # numpy + PIL from the JSON alone
+    paths, x, _ = _batch(shapes)
+    for p, xi in zip(paths[:4], x[:4]):
+        im = Image.open(p).convert("RGB").resize(tuple(steps["resize"]["size"][::-1]), Image.BILINEAR)
+        a = np.asarray(im, np.float32) / 255.0
+        h, w = steps["center_crop"]["size"]
+        top, left = (a.shape[0] - h) // 2, (a.shape[1] - w) // 2
+        a = (a[top:top + h, left:left + w] - np.array(pre["mean"])) / np.array(pre["std"])
+        diff = np.abs(a.transpose(2, 0, 1) - xi.numpy()) * np.array(pre["std"])[:, None, None] * 255
+        # PIL's bilinear resize and torch's antialiased one differ by at most a few grey levels
+        assert diff.max() < 4 and diff.mean() < 0.5, (diff.max(), diff.mean())
+
+
+def test_export_errors(shapes, tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path / "none.pt"), "--out", str(tmp_path / "m.onnx")]) == 2
+    assert "none.pt not found" in capsys.readouterr().err
+
+
+def test_transparent_queries_are_composited_onto_the_benchmark_background():
+    """Emoji are drawn on white: a transparent query pixel must become white, not black."""
+    import numpy as np
+    from PIL import Image
+
+    rgba = np.zeros((8, 8, 4), np.uint8)
+    rgba[2:6, 2:6] = (200, 30, 30, 255)  # an opaque red square, the rest fully transparent
+    img = Image.fromarray(rgba, "RGBA")
+    white = Preprocessing(None, mode="RGB", input_size=8, background="white")(img)
+    plain = Preprocessing(None, mode="RGB", input_size=8)(img)
+    assert torch.allclose(white[:, 0, 0], torch.ones(3)) and torch.allclose(plain[:, 0, 0], torch.zeros(3))
+    assert torch.allclose(white[:, 3, 3], torch.tensor([200, 30, 30]) / 255.0)
+    desc = Preprocessing(None, mode="RGB", input_size=8, background="white").describe()
+    assert desc["steps"][0] == {"op": "composite_alpha", "background": "white"}

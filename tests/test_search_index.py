@@ -1,0 +1,222 @@
+"""deepmetric index / search and the Index API on a tiny real checkpoint (coloured shapes):
+files and provenance, agreement with brute force and with ``deepmetric embed``, approximate
+indexes' stored recall, incremental --add, and the errors users hit."""
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from deepmetric import cli
+from deepmetric.search import Index
+from search_data import SHAPES, make_shapes_folder, shapes_setup
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    return shapes_setup(tmp_path_factory)
+
+
+def _queries(shapes):
+    return sorted(Path(shapes["queries"]).glob("*/*.png"))
+
+
+def test_index_files_provenance_and_new_queries_find_their_class(shapes):
+    d = shapes["index_dir"]
+    manifest = json.loads((d / "manifest.json").read_text())
+    ckpt = shapes["checkpoint"]
+    assert manifest["checkpoint"]["sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    assert manifest["checkpoint"]["config"]["model"]["name"] == "glyph_resnet"
+    assert (manifest["kind"], manifest["count"], manifest["dim"]) == ("exact", 32, 16)
+    assert json.loads((d / "class_names.json").read_text()) == sorted(SHAPES)
+    index = Index.load(d)
+    # labels, class names and paths agree: every image sits in its class's folder
+    for p, lab in zip(index.paths, index.labels):
+        assert Path(p).is_file() and Path(p).parent.name == index.class_names[lab]
+    emb = np.load(d / "embeddings.npy", allow_pickle=False)
+    assert np.allclose(np.linalg.norm(emb, axis=1), 1, atol=1e-5)
+    import faiss
+    flat = faiss.read_index(str(d / "index.faiss"))
+    assert flat.ntotal == 32 and flat.d == 16
+    # unseen images: all 5 neighbours are of the query's class
+    queries = _queries(shapes)
+    sims, idx = index.search([str(q) for q in queries], k=5)
+    for q, row in zip(queries, index.neighbours(sims, idx)):
+        assert [r["class_name"] for r in row] == [q.parent.name] * 5, (q, row)
+        assert [r["rank"] for r in row] == [1, 2, 3, 4, 5]
+        assert all(a["cosine"] >= b["cosine"] for a, b in zip(row, row[1:]))
+    # an indexed image finds itself first with cosine 1 (same preprocessing for index and query)
+    s, i = index.search(index.paths[3], k=1)
+    assert i[0, 0] == 3 and s[0, 0] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_index_embeddings_equal_embed_command_with_paths_and_class_names(shapes, tmp_path):
+    npz = tmp_path / "e.npz"
+    assert cli.main(["embed", str(shapes["checkpoint"]), "--split", "all", "--out", str(npz)]) == 0
+    z = np.load(npz, allow_pickle=False)
+    index = Index.load(shapes["index_dir"])
+    e = z["embeddings"] / np.linalg.norm(z["embeddings"], axis=1, keepdims=True)
+    assert np.abs(e - index.embeddings).max() < 1e-5
+    assert list(z["paths"]) == index.paths
+    assert list(z["class_names"]) == sorted(SHAPES)
+    assert list(z["class_names"][z["labels"]]) == [Path(p).parent.name for p in z["paths"]]
+
+
+def test_exact_search_equals_brute_force_and_caps_k(rng):
+    g = rng.normal(size=(500, 12)).astype(np.float32)
+    q = rng.normal(size=(40, 12)).astype(np.float32)
+    index = Index.from_embeddings(g, rng.integers(0, 5, 500))
+    sims, idx = index.search(q, k=7)
+    gn = g / np.linalg.norm(g, axis=1, keepdims=True)
+    s = (q / np.linalg.norm(q, axis=1, keepdims=True)) @ gn.T
+    ref = np.argsort(-s, axis=1, kind="stable")[:, :7]
+    assert np.array_equal(idx, ref)
+    assert np.allclose(sims, np.take_along_axis(s, ref, 1), atol=1e-5)
+    small = Index.from_embeddings(g[:3])
+    s3, i3 = small.search(torch.from_numpy(q[0]), k=5)  # a 1-d tensor query works too
+    assert i3.shape == (1, 3) and sorted(i3[0]) == [0, 1, 2]  # k is capped at the index size
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_approximate_index_stores_its_measured_recall(kind, rng, tmp_path):
+    centres = rng.normal(size=(20, 16))
+    g = (centres[rng.integers(0, 20, 3000)] + 0.3 * rng.normal(size=(3000, 16))).astype(np.float32)
+    index = Index.from_embeddings(g, approximate=kind)
+    index.save(tmp_path / "ix")
+    manifest = json.loads((tmp_path / "ix" / "manifest.json").read_text())
+    stored = manifest["approximate"]["recall@10_vs_exact"]
+    # independent recall: numpy brute force vs the saved faiss index, same 1000 seeded rows
+    import faiss
+    fi = faiss.read_index(str(tmp_path / "ix" / "index.faiss"))
+    rows = np.sort(np.random.default_rng(0).choice(3000, size=1000, replace=False))
+    gn = index.embeddings
+    exact = np.argsort(-(gn[rows] @ gn.T), axis=1)[:, :10]
+    _, approx = fi.search(gn[rows], 10)
+    recall = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx, exact)])
+    assert stored == pytest.approx(recall, abs=1e-3) and 0.5 < stored <= 1.0
+    loaded = Index.load(tmp_path / "ix")
+    assert loaded.kind == kind
+    s, i = loaded.search(gn[:5], k=3)
+    assert list(i[:, 0]) == [0, 1, 2, 3, 4] and np.allclose(s[:, 0], 1, atol=1e-5)
+
+
+def test_add_skips_indexed_images_and_merges_class_names(shapes, tmp_path):
+    part = make_shapes_folder(tmp_path / "part", classes=["red_disc", "yellow_cross"])
+    out = tmp_path / "ix"
+    ckpt = str(shapes["checkpoint"])
+    assert cli.main(["index", ckpt, "--data", "folder", "--root", str(part), "--out", str(out),
+                     "--no-progress"]) == 0
+    first = Index.load(out)
+    assert first.class_names == ["red_disc", "yellow_cross"] and len(first) == 16
+    more = make_shapes_folder(tmp_path / "part", classes=["blue_square"], seed=3)  # same folder, new class
+    assert cli.main(["index", ckpt, "--data", "folder", "--root", str(more), "--out", str(out), "--add",
+                     "--no-progress"]) == 0
+    ix = Index.load(out)
+    assert len(ix) == 24 and ix.class_names == ["red_disc", "yellow_cross", "blue_square"]
+    assert ix.paths[:16] == first.paths and len(set(ix.paths)) == 24
+    for p, lab in zip(ix.paths, ix.labels):
+        assert Path(p).parent.name == ix.class_names[lab]
+    assert json.loads((out / "manifest.json").read_text())["skipped_already_indexed"] == 16
+    assert cli.main(["index", ckpt, "--data", "folder", "--root", str(more), "--out", str(out), "--add",
+                     "--no-progress"]) == 0  # nothing new: a no-op
+    assert len(Index.load(out)) == 24
+    # the added rows are what a fresh build embeds
+    fresh = Index.build(ckpt, data="folder", root=str(more), progress=False)
+    order = [fresh.paths.index(p) for p in ix.paths]
+    assert np.abs(fresh.embeddings[order] - ix.embeddings).max() < 1e-5
+
+
+def test_search_cli_table_json_and_html(shapes, tmp_path, capsys):
+    q = [str(p) for p in _queries(shapes)[:2]]
+    html = tmp_path / "r.html"
+    assert cli.main(["search", str(shapes["index_dir"]), *q, "--k", "3", "--json", "--html", str(html)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["k"] == 3 and [x["query"] for x in out["queries"]] == q
+    assert [r["class_name"] for r in out["queries"][0]["neighbours"]] == [Path(q[0]).parent.name] * 3
+    page = html.read_text()
+    assert page.count('<img src="data:image/png;base64,') == 2 * 4
+    assert cli.main(["search", str(shapes["index_dir"]), q[0], "--k", "2"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0] == f"query: {q[0]}" and "rank" in text[1] and len(text) == 4
+    assert text[2].split()[:3] == ["1", text[2].split()[1], Path(q[0]).parent.name]
+
+
+def test_errors_name_the_problem(shapes, tmp_path, capsys):
+    d = str(shapes["index_dir"])
+    assert cli.main(["search", d, str(tmp_path / "nope.png")]) == 2
+    err = capsys.readouterr().err
+    assert "image not found" in err and "nope.png" in err
+    txt = tmp_path / "notes.png"
+    txt.write_text("not an image")
+    assert cli.main(["search", d, str(txt)]) == 2
+    err = capsys.readouterr().err
+    assert "notes.png" in err and "not an image" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["index", str(shapes["checkpoint"]), "--data", "folder", "--root", str(empty),
+                     "--out", str(tmp_path / "ix"), "--no-progress"]) == 2
+    assert "has no class folders and no images" in capsys.readouterr().err
+    assert cli.main(["search", str(tmp_path / "missing_index"), str(txt)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    index = Index.load(d)
+    with pytest.raises(ValueError, match="dimension 8 but the index has 16"):
+        index.search(np.ones((2, 8), np.float32), k=3)
+
+
+def test_add_with_another_checkpoint_is_refused(shapes, tmp_path, capsys):
+    other = tmp_path / "other.pt"  # the same weights, but another file (another SHA-256)
+    torch.save({**torch.load(shapes["checkpoint"], weights_only=True), "iteration": -1}, other)
+    assert cli.main(["index", str(other), "--data", "folder", "--root", str(shapes["queries"]),
+                     "--out", str(shapes["index_dir"]), "--add", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "was built with checkpoint" in err and str(shapes["checkpoint"]) in err and "other" in err
+    # searching with a checkpoint file that is not the index's is refused too
+    index = Index.load(shapes["index_dir"])
+    with pytest.raises(ValueError, match="is not the one that built this index"):
+        index.model(other)
+
+
+def test_glyph_checkpoint_index_writes_png_copies_and_finds_them(tmp_path):
+    """The demo's kind of checkpoint: an in-memory benchmark (glyphs) gets PNG copies in
+    INDEX_DIR/images, and searching one of them finds it first; larger queries are resized to the glyph size."""
+    from deepmetric.train.config import config_from_dict
+    from deepmetric.train.loop import train
+
+    cache = tmp_path / "cache"
+    raw = {"data": {"name": "glyphs", "root": str(cache), "options": {"max_classes": 4, "max_faces": 3, "size": 32},
+                    "transform": "glyph"},
+           "model": {"name": "glyph_resnet", "options": {"embedding_dim": 8, "widths": [8, 16], "depths": [1, 1]}},
+           "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+           "optim": {"name": "sgd", "lr": 0.05},
+           "train": {"epochs": 1, "batch_size": 8, "seed": 0, "out_dir": str(tmp_path / "run"), "progress": False},
+           "eval": {"every": 0}}
+    train(config_from_dict(raw))
+    out = tmp_path / "ix"
+    assert cli.main(["index", str(tmp_path / "run" / "last.pt"), "--out", str(out), "--no-progress"]) == 0
+    index = Index.load(out)
+    from deepmetric.data import build_dataset
+    test = build_dataset("glyphs", root=cache, split="test", max_classes=4, max_faces=3, size=32)
+    assert len(index) == len(test) and index.class_names == list(test.chars)
+    assert index.meta["data"]["split"] == "test"
+    for i in (0, len(index) - 1):
+        p = Path(index.paths[i])
+        assert p.parent == out.resolve() / "images" and np.array_equal(np.asarray(Image.open(p)), test.images[i])
+    s, i = index.search(index.paths[5], k=2)
+    assert i[0, 0] == 5 and s[0, 0] == pytest.approx(1.0, abs=1e-5)
+    big = tmp_path / "big.png"
+    Image.open(index.paths[5]).resize((96, 96), Image.NEAREST).save(big)  # resized back to 32 x 32
+    e_big = index.embed(str(big))
+    e_small = index.embed(Image.open(big).resize((32, 32), Image.BILINEAR))
+    assert np.abs(e_big - e_small).max() < 1e-6 and float(e_big[0] @ index.embeddings[5]) > 0.9
+
+
+@pytest.mark.parametrize("command", ["index", "search", "export", "serve"])
+def test_help_has_a_runnable_example(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"example:\n  deepmetric {command} " in out
