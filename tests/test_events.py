@@ -135,13 +135,18 @@ def _write_folder(folder, n, step=10):
         Image.fromarray(np.full((8, 8), (k * step) % 256, np.uint8)).save(folder / f"{k:05d}.png")
 
 
-def _write_video(path, n, fps=6, value=lambda k: 20 * k):
+def _write_video(path, n, fps=6, value=lambda k: 20 * k, codec="ffv1", marker=False):
     av = pytest.importorskip("av")
     with av.open(str(path), "w") as c:
-        s = c.add_stream("ffv1", rate=fps)
-        s.width, s.height, s.pix_fmt = 16, 16, "yuv444p"
+        s = c.add_stream(codec, rate=fps)
+        s.width, s.height = 16, 16
+        s.pix_fmt = "yuv444p" if codec == "ffv1" else "yuv420p"
+        s.gop_size = 12
         for k in range(n):
-            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), value(k) % 256, np.uint8), format="rgb24")
+            img = np.full((16, 16, 3), value(k) % 256, np.uint8)
+            if marker:  # a white bar in column k % 16 identifies the frame
+                img[:, k % 16] = 255
+            frame = av.VideoFrame.from_ndarray(img, format="rgb24")
             for p in s.encode(frame):
                 c.mux(p)
         for p in s.encode():
@@ -207,6 +212,21 @@ def test_video_decoding_errors_name_the_file(tmp_path):
         read_frames(good, [1, 7])
     frames = read_frames(good, [4, 1, 1])
     assert [np.asarray(f)[0, 0, 0] for f in frames] == [80, 20, 20]
+
+
+@pytest.mark.parametrize("codec", ["ffv1", "libx264"])
+def test_video_seek_reads_the_same_frames_as_sequential_decoding(tmp_path, codec):
+    av = pytest.importorskip("av")
+    if codec not in av.codecs_available:
+        pytest.skip(f"{codec} not available in this PyAV build")
+    path = tmp_path / f"long_{codec}.mkv"
+    _write_video(path, 120, fps=25, value=lambda k: 0, codec=codec, marker=True)
+    want = [70, 71, 100, 119, 90]
+    seeked = read_frames(path, want, seek_after=0)
+    sequential = read_frames(path, want, seek_after=10**9)
+    for a, b, k in zip(seeked, sequential, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert int(np.asarray(a)[8, :, 0].argmax()) == k % 16  # the marker of frame k
 
 
 # --------------------------------------------------------------------------- HDD layout

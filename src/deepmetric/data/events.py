@@ -175,9 +175,39 @@ def probe_source(path: str | os.PathLike) -> tuple[float | None, int]:
     return fps, n
 
 
-def read_frames(path: str | os.PathLike, indices: Sequence[int]) -> list[Image.Image]:
-    """The source frames ``indices`` (ascending, repeats allowed) of a video file or frame
-    folder as PIL images.  Errors name the file."""
+def _read_after_seek(container, stream, needed: set[int], last: int) -> dict[int, Image.Image]:
+    """Seek to the keyframe before the first needed frame and decode from there; a frame's
+    index is ``round((pts - start) * time_base * fps)``.  Returns what it found (the caller
+    falls back to decoding from the start when frames are missing, e.g. without timestamps)."""
+    fps = float(stream.average_rate or 0)
+    tb = stream.time_base
+    if fps <= 0 or tb is None:
+        return {}
+    start = stream.start_time or 0
+    first = min(needed)
+    target = start + int(math.floor(first / fps / float(tb)))
+    container.seek(target, stream=stream, backward=True, any_frame=False)
+    got: dict[int, Image.Image] = {}
+    for frame in container.decode(stream):
+        if frame.pts is None:
+            return {}
+        i = int(round((frame.pts - start) * float(tb) * fps))
+        if not got and i > first:  # the seek landed after the first wanted frame
+            return {}
+        if i in needed:
+            got[i] = frame.to_image()
+        if i >= last:
+            break
+    return got
+
+
+def read_frames(path: str | os.PathLike, indices: Sequence[int], *, seek_after: int = 64) -> list[Image.Image]:
+    """The source frames ``indices`` (any order, repeats allowed) of a video file or frame
+    folder as PIL images.  Errors name the file.
+
+    Videos: when the first wanted frame is at index ``seek_after`` or later, the reader seeks
+    to the preceding keyframe (frame index from the timestamps) instead of decoding from the
+    start; if that does not yield every wanted frame it decodes from the start."""
     p = Path(path)
     want = [int(i) for i in indices]
     if any(i < 0 for i in want):
@@ -203,11 +233,16 @@ def read_frames(path: str | os.PathLike, indices: Sequence[int]) -> list[Image.I
     try:
         with av.open(str(p)) as container:
             stream = container.streams.video[0]
-            for i, frame in enumerate(container.decode(stream)):
-                if i in needed:
-                    got[i] = frame.to_image()
-                if i >= last:
-                    break
+            if want and min(want) >= seek_after:
+                got = _read_after_seek(container, stream, needed, last)
+            if not needed <= set(got):  # no seek, or timestamps unusable: decode from the start
+                got = {}
+                container.seek(0)
+                for i, frame in enumerate(container.decode(stream)):
+                    if i in needed:
+                        got[i] = frame.to_image()
+                    if i >= last:
+                        break
     except Exception as exc:
         raise VideoDecodeError(f"{p}: cannot decode video ({type(exc).__name__}: {exc})") from exc
     missing = sorted(needed - set(got))
