@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--lr", type=float, nargs="+", default=[0.05], help="learning rate(s); several = a sweep")
+    ap.add_argument("--lr", type=float, nargs="+", default=[0.1], help="learning rate(s); several = a sweep (default: 0.1, chosen on val)")
     ap.add_argument("--iterations", type=int, default=250)
     ap.add_argument("--batch-size", type=int, default=33)
     ap.add_argument("--balanced", type=int, nargs=2, metavar=("M", "N"), default=None,
