@@ -603,7 +603,8 @@ def test_skipping_a_whole_class_warns_and_keeps_mapping(tmp_path):
 # ----------------------------------------------------------------------------- registry
 def test_registry_names_aliases_and_options(trees):
     assert list_datasets() == ["cub", "cars196", "sop", "inshop", "flowers102", "aircraft", "dogs",
-                               "nabirds", "folder", "csv", "fashion-mnist", "glyphs", "emoji"]
+                               "nabirds", "folder", "csv", "fashion-mnist", "glyphs", "emoji",
+                               "events", "hdd", "synthetic-events"]
     root, _ = trees["cub"]
     assert build_dataset("CUB_200_2011", root).paths == build_dataset("cub", root).paths
     assert isinstance(build_dataset("cub200", root, split="test"), ImageListDataset)

@@ -13,7 +13,7 @@ from deepmetric.train import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml"))
-PAPER_RECIPES = [p for p in RECIPES if p.parent.name in ("heated", "almn", "two_head")]
+PAPER_RECIPES = [p for p in RECIPES if p.parent.name in ("heated", "almn", "two_head", "two_head_hdd")]
 
 
 def _rel(p):
@@ -198,6 +198,28 @@ def test_two_head_hyper_parameters(configs):
                     "semihard": ("triplet", 1.0, {"mining": "semihard", "margin": 0.2}),
                     "hard": ("triplet", 1.0, {"mining": "hard", "soft_margin": True})}[method]
             assert (r.name, r.weight, r.options) == want
+
+
+def test_two_head_hdd_hyper_parameters(configs):
+    """Two-head paper Sec. 4.2 / Table 3: SOD input, random-init 5-channel ResNet-50, 10k
+    iterations, batch 33 / 63, softmax vs semi-hard; class-balanced variants as an option."""
+    hdd = _by_prefix(configs, "two_head_hdd/")
+    assert sorted(hdd) == sorted(f"two_head_hdd/table3_b{b}_{m}{s}.yaml" for b in (33, 63)
+                                 for m in ("softmax", "semihard") for s in ("", "_balanced"))
+    for name, c in hdd.items():
+        assert c.data.name == "hdd" and c.data.transform == "sod" and c.data.transform_options["scale"] == 1.0
+        assert (c.data.options["rate"], c.data.options["window"], c.data.options["min_seconds"]) == (3.0, 6, 2.0)
+        o = c.model.options
+        assert (c.model.name, o["backbone"], o["in_chans"], o.get("pretrained")) == ("two_head", "resnet50", 5, None)
+        assert c.train.iterations == 10_000 and (c.optim.lr, c.schedule.lr.name) == (0.01, "poly")
+        assert c.train.batch_size == (33 if "_b33_" in name else 63)
+        if name.endswith("_balanced.yaml"):
+            assert c.train.sampler == "class_balanced" and c.train.m * c.train.n == c.train.batch_size
+        else:
+            assert c.train.sampler == "random"
+        assert c.eval.every == 0 and c.eval.classification and c.eval.best_metric == "mean_per_class"
+        assert len(c.loss) == (2 if "_semihard" in name else 1)
+    assert "macro acc. 53.70" in (ROOT / "recipes" / "two_head_hdd" / "table3_b33_semihard.yaml").read_text().splitlines()[2]
 
 
 def test_headers_carry_published_numbers():

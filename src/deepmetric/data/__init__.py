@@ -24,3 +24,6 @@ from .emoji import EmojiDataset, build_emoji_dataset, cross_vendor_metrics
 from .samplers import ClassBalancedBatchSampler, RandomBatchSampler
 from .transforms import build_transform, list_transforms
 from .loader import make_loader
+from .events import (Event, EventDataset, EventList, VideoDecodeError, load_event_csv, load_hdd_events,
+                     predict_events, read_frames)
+from .synthetic_events import build_synthetic_events

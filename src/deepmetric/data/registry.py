@@ -3,7 +3,9 @@
 Names: cub, cars196, sop, inshop, flowers102, aircraft, dogs, nabirds (official archives,
 see :mod:`deepmetric.data.benchmarks`), folder and csv (your own data, see
 :mod:`deepmetric.data.folder`), fashion-mnist, glyphs and emoji (offline benchmarks, built by
-:mod:`deepmetric.data.fashion_mnist`, :mod:`deepmetric.data.glyphs` and :mod:`deepmetric.data.emoji`).
+:mod:`deepmetric.data.fashion_mnist`, :mod:`deepmetric.data.glyphs` and :mod:`deepmetric.data.emoji`);
+video events: events (a CSV of clips), hdd (per-frame label arrays) and synthetic_events
+(rendered ego-motion clips), see :mod:`deepmetric.data.events` and docs/events.md.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ __all__ = ["build_dataset", "list_datasets", "DATASET_NAMES"]
 DATASET_NAMES = (
     "cub", "cars196", "sop", "inshop", "flowers102", "aircraft", "dogs", "nabirds",
     "folder", "csv", "fashion-mnist", "glyphs", "emoji",
+    "events", "hdd", "synthetic-events",
 )
 
 _ALIASES = {
@@ -30,7 +33,10 @@ _ALIASES = {
     "fgvc-aircraft": "aircraft", "fgvcaircraft": "aircraft",
     "stanford-dogs": "dogs",
     "fashionmnist": "fashion-mnist",
+    "honda": "hdd", "syntheticevents": "synthetic-events",
 }
+#: options of EventDataset (frame sampling and windows), accepted by every event dataset
+_EVENT_OPTIONS = ("rate", "window", "min_seconds", "random_window", "test_windows")
 
 # options the ImageListDataset wrapper takes (every file-based dataset accepts them)
 _DATASET_OPTIONS = ("skip_missing", "verify", "mode")
@@ -93,6 +99,8 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
     Returns: a Dataset with ``labels`` (int64, 0..C-1), ``num_classes``, ``class_names``.
     """
     key = _canonical(name)
+    if key in ("events", "hdd", "synthetic-events"):
+        return _build_events(key, root, split, transform, options)
     if key == "glyphs":
         from .glyphs import build_glyph_dataset
 
@@ -115,3 +123,26 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
         load, wrap = _split_options(key, "csv", options)
         image_list = load_csv(root, split=split, **load)
     return ImageListDataset(image_list, transform, **wrap)
+
+
+def _build_events(key: str, root, split: str, transform, options: dict):
+    """Video-event datasets: ``events`` (CSV: video_root, default_fps, delimiter), ``hdd``
+    (label_fps, frames, classes, sessions) and ``synthetic-events`` (num_train, num_test, fps,
+    size, seed, val_fraction); all take the EventDataset options rate, window, min_seconds,
+    random_window, test_windows."""
+    from .events import EventDataset, load_event_csv, load_hdd_events
+
+    if key == "synthetic-events":
+        from .synthetic_events import build_synthetic_events
+
+        return build_synthetic_events(split=split, transform=transform, root=root, **options)
+    loader_options = {"events": ("video_root", "default_fps", "delimiter"),
+                      "hdd": ("label_fps", "frames", "classes", "sessions")}[key]
+    unknown = sorted(set(options) - set(loader_options) - set(_EVENT_OPTIONS))
+    if unknown:
+        raise TypeError(f"build_dataset({key!r}): unknown option(s) {unknown}; accepted: "
+                        f"{', '.join(loader_options + _EVENT_OPTIONS)}")
+    load = {k: v for k, v in options.items() if k in loader_options}
+    wrap = {k: v for k, v in options.items() if k in _EVENT_OPTIONS}
+    events = load_event_csv(root, split, **load) if key == "events" else load_hdd_events(root, split, **load)
+    return EventDataset(events, transform, **wrap)

@@ -20,6 +20,13 @@ image tensor (``uint8 [C, H, W]``) and returns a normalised ``float32 [C, H, W]`
   left / right arrows and pointing hands, ``flip=True`` to allow it). ``mean``/``std`` override
   ``normalize`` (e.g. the statistics a backbone was trained with).
 
+* ``"sod"`` - video events (two-head paper, Sec. 4.2): takes the *list of frames* of a window
+  (PIL images, uint8 arrays or a uint8 tensor ``[T, H, W]`` / ``[T, 3, H, W]``) and returns the
+  stack of differences ``float32 [T - 1, H, W]`` (see :class:`StackOfDifferences`). Options
+  ``size`` (resize every frame first), ``crop`` (random crop, the same for every frame, when
+  training; centre crop for test), ``scale`` (default 1/255: values in [-1, 1]; ``1.0`` keeps the
+  paper's integer range [-255, 255]). No flip: a mirrored left turn is a right turn.
+
 Normalisations (``normalize=``): ``"imagenet"`` (mean 0.485/0.456/0.406, std 0.229/0.224/0.225;
 their channel averages 0.449 / 0.226 for one-channel images), ``"minus_one_one"`` (x * 2 - 1)
 and ``"none"``, or any mapping with ``mean`` and ``std`` such as a backbone's ``pretrained_cfg``
@@ -35,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
-__all__ = ["build_transform", "list_transforms", "StrokeWidth", "RepeatChannels", "normalization"]
+__all__ = ["build_transform", "list_transforms", "StrokeWidth", "RepeatChannels", "normalization",
+           "StackOfDifferences", "to_grayscale_uint8"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -209,8 +217,97 @@ def _emoji(train, size=None, degrees=8.0, translate=0.06, scale=(0.85, 1.1), bri
     return _finish(steps, normalize, 3)
 
 
+def to_grayscale_uint8(frame) -> "np.ndarray":
+    """One frame -> uint8 ``[H, W]`` luma, with PIL's ITU-R 601-2 conversion
+    ``L = (19595 R + 38470 G + 7471 B + 2**15) >> 16`` (i.e. 0.299 R + 0.587 G + 0.114 B,
+    rounded).  Accepts a PIL image, a uint8 array ``[H, W]`` / ``[H, W, 3]`` or a uint8 tensor
+    ``[H, W]`` / ``[3, H, W]`` / ``[1, H, W]``."""
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(frame, Image.Image):
+        return np.asarray(frame.convert("L"), dtype=np.uint8)
+    if isinstance(frame, torch.Tensor):
+        t = frame.detach().cpu()
+        if t.dim() == 3 and t.shape[0] in (1, 3):
+            t = t.permute(1, 2, 0)
+        frame = t.numpy()
+    a = np.asarray(frame)
+    if a.dtype != np.uint8:
+        raise TypeError(f"sod: frames must be uint8 (0..255), got dtype {a.dtype}")
+    if a.ndim == 3 and a.shape[2] == 1:
+        a = a[:, :, 0]
+    if a.ndim == 2:
+        return a
+    if a.ndim == 3 and a.shape[2] == 3:
+        return np.asarray(Image.fromarray(a, "RGB").convert("L"), dtype=np.uint8)
+    raise ValueError(f"sod: a frame must be [H, W], [H, W, 3] or [3, H, W], got shape {a.shape}")
+
+
+class StackOfDifferences(torch.nn.Module):
+    """Stack of differences (Fernando et al.; two-head paper Sec. 4.2, Fig. 8).
+
+    ``T`` frames -> grayscale ``g_0 .. g_{T-1}`` (uint8, :func:`to_grayscale_uint8`) ->
+    ``SOD_c = scale * (g_{c+1} - g_c)`` for ``c = 0 .. T - 2``: six frames give five channels.
+    The integer differences lie in [-255, 255] (the paper feeds that range to a randomly
+    initialised ResNet-50); ``scale`` (default 1/255) maps them to [-1, 1].
+
+    Args:
+        size: resize every grayscale frame to ``size`` (int: square, or (H, W)) first, bilinear.
+        crop: crop size (int or (H, W)) taken at the same place in every frame: random when
+            ``train``, centred otherwise.
+        train: random (True) or centre (False) crop.
+        scale: multiplier of the integer differences.
+    """
+
+    def __init__(self, size=None, crop=None, train: bool = False, scale: float = 1 / 255):
+        super().__init__()
+        self.size = (size, size) if isinstance(size, int) else (tuple(size) if size is not None else None)
+        self.crop = (crop, crop) if isinstance(crop, int) else (tuple(crop) if crop is not None else None)
+        self.train_mode = bool(train)
+        self.scale = float(scale)
+        if self.scale <= 0:
+            raise ValueError(f"sod: scale must be positive, got {scale}")
+
+    def forward(self, frames) -> torch.Tensor:
+        import numpy as np
+        from PIL import Image
+
+        if isinstance(frames, torch.Tensor) and frames.dim() in (3, 4):
+            frames = list(frames)
+        frames = list(frames)
+        if len(frames) < 2:
+            raise ValueError(f"sod: needs at least two frames, got {len(frames)}")
+        gray = [to_grayscale_uint8(f) for f in frames]
+        if any(g.shape != gray[0].shape for g in gray):
+            raise ValueError(f"sod: frames differ in size: {sorted({g.shape for g in gray})}")
+        if self.size is not None:
+            h, w = self.size
+            gray = [np.asarray(Image.fromarray(g).resize((w, h), Image.BILINEAR)) for g in gray]
+        g = torch.from_numpy(np.stack(gray).astype(np.int16))
+        if self.crop is not None:
+            ch, cw = self.crop
+            H, W = g.shape[-2:]
+            if ch > H or cw > W:
+                raise ValueError(f"sod: crop {self.crop} is larger than the frames ({H}, {W})")
+            if self.train_mode:
+                top = int(torch.randint(0, H - ch + 1, ()))
+                left = int(torch.randint(0, W - cw + 1, ()))
+            else:
+                top, left = (H - ch) // 2, (W - cw) // 2
+            g = g[:, top:top + ch, left:left + cw]
+        return (g[1:] - g[:-1]).to(torch.float32) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, crop={self.crop}, train={self.train_mode}, scale={self.scale:g}"
+
+
+def _sod(train, size=None, crop=None, scale=1 / 255):
+    return StackOfDifferences(size=size, crop=crop, train=train, scale=scale)
+
+
 _BUILDERS = {"resize_crop": _resize_crop, "short_side": _short_side, "glyph": _glyph, "mnist": _mnist,
-             "emoji": _emoji}
+             "emoji": _emoji, "sod": _sod}
 
 
 def list_transforms() -> list[str]:

@@ -1,10 +1,100 @@
-"""Classification accuracy: top-1 (micro) and mean per-class (macro) accuracy."""
+"""Classification accuracy: top-1 (micro) and mean per-class (macro) accuracy, the per-class
+accuracy table (two-head paper, Tables 3-4) and its Markdown formatter."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from deepmetric.evaluate._checks import to_numpy_labels
+
+
+__all__ = ["classification_accuracy", "per_class_accuracy", "format_per_class_table"]
+
+
+def _predictions(logits_or_preds) -> np.ndarray:
+    x = logits_or_preds
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    x = np.asarray(x)
+    if x.ndim == 2:
+        if not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(f"2-D input must be float logits, got dtype {x.dtype}")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise ValueError(f"logits are empty (shape {x.shape})")
+        if not np.isfinite(x).all():
+            raise ValueError("logits contain NaN or infinite values")
+        return x.argmax(axis=1)
+    if x.ndim == 1:
+        return to_numpy_labels(x, name="predictions")
+    raise ValueError(f"expected (N, C) logits or (N,) predictions, got shape {x.shape}")
+
+
+def per_class_accuracy(logits_or_preds, labels, *, num_classes: int | None = None,
+                       class_names=None) -> dict:
+    """Accuracy of every class with its counts (two-head paper, Table 4).
+
+    Args:
+        logits_or_preds: (N, C) float scores (argmax = prediction) or (N,) predicted labels.
+        labels: (N,) true labels in 0..num_classes-1.
+        num_classes: number of classes (default: from ``class_names``, the logits' width, or
+            the largest label + 1); classes without test samples get accuracy NaN and do not
+            enter the macro average.
+        class_names: optional name per class.
+
+    Returns ``{"classes": [{"label", "name", "count", "correct", "accuracy"}, ...],
+    "micro": correct / N, "macro": mean accuracy over classes with count > 0, "count": N}``.
+    """
+    preds = _predictions(logits_or_preds)
+    y = to_numpy_labels(labels, n=len(preds))
+    if num_classes is None:
+        if class_names is not None:
+            num_classes = len(class_names)
+        elif np.asarray(logits_or_preds).ndim == 2:
+            num_classes = int(np.asarray(logits_or_preds).shape[1])
+        else:
+            num_classes = int(max(y.max(), preds.max())) + 1
+    if class_names is not None and len(class_names) != num_classes:
+        raise ValueError(f"{len(class_names)} class names for {num_classes} classes")
+    if y.min() < 0 or y.max() >= num_classes:
+        raise ValueError(f"labels must lie in 0..{num_classes - 1}, got {y.min()}..{y.max()}")
+    count = np.bincount(y, minlength=num_classes)
+    correct = np.bincount(y, weights=(preds == y), minlength=num_classes).astype(np.int64)
+    rows = []
+    for c in range(num_classes):
+        rows.append({"label": c, "name": str(class_names[c]) if class_names is not None else str(c),
+                     "count": int(count[c]), "correct": int(correct[c]),
+                     "accuracy": float(correct[c] / count[c]) if count[c] else float("nan")})
+    present = count > 0
+    return {"classes": rows, "micro": float(correct.sum() / len(y)),
+            "macro": float((correct[present] / count[present]).mean()), "count": int(len(y))}
+
+
+def format_per_class_table(results: dict, *, percent: bool = True, digits: int = 2) -> str:
+    """Markdown table of per-class accuracies, one column per method (paper Table 4 layout).
+
+    ``results`` maps a column title to a :func:`per_class_accuracy` result (all over the same
+    test set).  Rows: every class (name and test count), then macro and micro accuracy.
+    """
+    if not results:
+        raise ValueError("format_per_class_table: no results")
+    cols = list(results)
+    first = results[cols[0]]["classes"]
+    for c in cols[1:]:
+        other = results[c]["classes"]
+        if [(r["name"], r["count"]) for r in other] != [(r["name"], r["count"]) for r in first]:
+            raise ValueError(f"format_per_class_table: column {c!r} covers other classes / counts than {cols[0]!r}")
+    f = 100.0 if percent else 1.0
+
+    def cell(v):
+        return "n/a" if v != v else f"{v * f:.{digits}f}"
+
+    lines = ["| class | test count | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
+    for i, r in enumerate(first):
+        lines.append(f"| {r['name']} | {r['count']} | " + " | ".join(cell(results[c]["classes"][i]["accuracy"]) for c in cols) + " |")
+    total = results[cols[0]]["count"]
+    lines.append("| **macro accuracy** | | " + " | ".join(cell(results[c]["macro"]) for c in cols) + " |")
+    lines.append(f"| **micro accuracy** | {total} | " + " | ".join(cell(results[c]["micro"]) for c in cols) + " |")
+    return "\n".join(lines)
 
 
 def classification_accuracy(logits_or_preds, labels) -> dict[str, float]:
