@@ -67,6 +67,34 @@ def test_gradual_every_n_epochs_until():
     assert s.lr_factor == pytest.approx(0.562 ** 3)
 
 
+def test_gradual_without_until_stops_at_the_papers_alpha_4_and_lr_tenth():
+    """An 80-epoch run with ``every: 10`` and no ``until`` used to heat 8 times (alpha 16 ->
+    1.02, lr x 0.010); it now stops after 4 events, at the paper's alpha 4 and lr / 10."""
+    loss = FixedAlpha(16.0)
+    s = TemperatureSchedule(_temp(name="gradual", every=10), [loss])
+    fired_at = [e for e in range(80) if s.step(e, 0)]
+    assert fired_at == [10, 20, 30, 40] and s.events == 4
+    assert loss.alpha == pytest.approx(4.0, rel=0.015)            # 16 / 1.41^4 = 4.04
+    assert s.lr_factor == pytest.approx(0.1, rel=0.005)           # 0.562^4 = 0.0998
+    # other factors: the count whose cumulative alpha factor is closest to 1/4
+    loss2 = FixedAlpha(16.0)
+    s2 = TemperatureSchedule(_temp(name="gradual", unit="iteration", every=5, alpha_factor=0.5,
+                                   lr_factor=0.3), [loss2])
+    for it in range(100):
+        s2.step(0, it)
+    assert s2.events == 2 and loss2.alpha == 4.0 and s2.lr_factor == pytest.approx(0.09)
+    # lr-only gradual heating (alpha factor 1): closest to lr / 10
+    s3 = TemperatureSchedule(_temp(name="gradual", every=1, alpha_factor=1.0, lr_factor=0.5), [FixedAlpha()])
+    for e in range(50):
+        s3.step(e, 0)
+    assert s3.events == 3  # 0.5^3 = 0.125 is the closest power to 0.1 in log scale
+    # an explicit 'until' still wins (more events than the default)
+    s4 = TemperatureSchedule(_temp(name="gradual", every=10, until=60), [FixedAlpha()])
+    for e in range(80):
+        s4.step(e, 0)
+    assert s4.events == 6
+
+
 def test_learnable_alpha_heats_the_learned_value():
     from deepmetric.losses import HeatedSoftmaxLoss
 

@@ -179,7 +179,9 @@ class TemperatureScheduleConfig:
       alpha the factor is applied to its learned value (paper Table 5);
     * ``gradual``: every ``every`` epochs/iterations (until ``until``) multiply alpha by
       ``alpha_factor`` (default 1/1.41) and lr by ``lr_factor`` (default 0.562), the
-      official code's gradual variant;
+      official code's gradual variant; without ``until`` it stops after the event that
+      brings alpha closest to 1/4 of its start (4 events with the defaults: alpha 16 -> 4.04,
+      lr x 0.0998, the paper's end point);
     * ``auto_plateau`` (ours): heat up (as ``heat_up``) when ``monitor`` (``train_loss``
       or an evaluation metric such as ``recall@1``) has not improved by ``min_delta`` for
       ``patience`` consecutive observations; at most ``max_heatups`` times.
