@@ -268,6 +268,66 @@ def test_centre_update_equals_eq2_after_loss_with_old_centres(rng):
     np.testing.assert_array_equal(loss.centers.numpy()[[2, 4]], centres[[2, 4]])
 
 
+def test_centre_rate_lr_follows_the_learning_rate(rng):
+    """centre_rate="lr": Eq. 2 with the rate the training loop last pushed (paper Sec. 5.1:
+    "alpha is the learning rate", 1e-5 x 0.8 at 20k); same centres as that constant rate."""
+    x = t(rng.normal(size=(8, 4)))
+    y = t(np.array([0, 0, 1, 1, 2, 2, 3, 0]))
+    follow = ALMNLoss(4, 4, centre_init="normal", centre_rate="lr").double().train()
+    with pytest.raises(RuntimeError, match="set_learning_rate"):
+        follow(x, y)  # no learning rate pushed yet: a clear error, not a silent default
+    for lr in (0.3, 0.3 * 0.8):
+        const = ALMNLoss(4, 4, centre_init="normal", centre_rate=lr).double().train()
+        follow = ALMNLoss(4, 4, centre_init="normal", centre_rate="lr").double().train()
+        follow.load_state_dict(const.state_dict())
+        follow.set_learning_rate(lr)
+        assert follow.centre_rate == lr
+        before = const.centers.clone()
+        assert follow(x, y).item() == pytest.approx(const(x, y).item(), rel=1e-12)
+        torch.testing.assert_close(follow.centers, const.centers, rtol=0, atol=0)
+        assert not torch.equal(const.centers, before)
+    fixed = ALMNLoss(4, 4, centre_rate=0.5)
+    fixed.set_learning_rate(1e-5)  # a constant rate ignores the learning rate
+    assert fixed.centre_rate == 0.5
+    with pytest.raises(ValueError, match="centre_rate"):
+        ALMNLoss(4, 4, centre_rate="learning_rate")
+    with pytest.raises(ValueError, match="lr must be"):
+        ALMNLoss(4, 4, centre_rate="lr").set_learning_rate(float("nan"))
+
+
+def test_centre_rate_lr_in_the_training_loop_follows_the_schedule(tmp_path, monkeypatch):
+    """deepmetric train pushes the scheduled base lr (multistep x 0.8, as the paper's
+    schedule) into the loss before every step; every centre update uses that step's lr."""
+    import json
+
+    from deepmetric.train.config import config_from_dict
+    from deepmetric.train.loop import train
+
+    rates = []
+    orig = ALMNLoss._update_centres
+
+    def spy(self, x, labels):
+        rates.append(self.centre_rate)
+        return orig(self, x, labels)
+
+    monkeypatch.setattr(ALMNLoss, "_update_centres", spy)
+    raw = {
+        "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 8, "dim": 16, "seed": 5}},
+        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 16, "embedding_dim": 8}},
+        "loss": [{"name": "almn", "options": {"beta": 1.0, "centre_rate": "lr"}}],
+        "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        "schedule": {"lr": {"name": "multistep", "unit": "iteration", "milestones": [4], "gamma": 0.8}},
+        "train": {"iterations": 8, "batch_size": 12, "sampler": "class_balanced", "m": 3, "n": 4,
+                  "seed": 0, "out_dir": str(tmp_path), "progress": False},
+        "eval": {"every": 0, "metrics": ["recall"]},
+    }
+    train(config_from_dict(raw))
+    logged = [json.loads(line)["lr"] for line in (tmp_path / "log.jsonl").read_text().splitlines()
+              if json.loads(line)["type"] == "step"]
+    assert logged == pytest.approx([0.01] * 4 + [0.008] * 4)
+    assert rates == pytest.approx(logged)
+
+
 def test_first_batch_centre_init_then_eq2(rng):
     loss = ALMNLoss(4, 3, centre_init="first_batch").double()
     x1 = rng.normal(size=(6, 3))

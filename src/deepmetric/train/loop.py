@@ -437,6 +437,9 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
         for g in optimizer.param_groups:
             frozen = warm_new_only and g["is_backbone"]
             g["lr"] = 0.0 if frozen else cfg.optim.lr * g["lr_mult"] * factor
+        for loss in losses:  # e.g. ALMN centre_rate: lr (Eq. 2's rate is the learning rate)
+            if hasattr(loss, "set_learning_rate"):
+                loss.set_learning_rate(cfg.optim.lr * factor)
         return cfg.optim.lr * factor
 
     def run_evaluation(epoch_done: int) -> dict:
