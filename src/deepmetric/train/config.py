@@ -216,7 +216,9 @@ class TrainConfig:
 
     Give exactly one of ``epochs`` / ``iterations``.  ``sampler: random`` draws batches of
     ``batch_size`` (heated-up paper); ``class_balanced`` draws ``m`` classes x ``n`` images
-    (ALMN m x n, two-head P x K).  ``warmup_epochs`` > 0 starts with a warm-up:
+    (ALMN m x n, two-head P x K), the classes picked by ``class_sampling``: ``uniform``
+    (default; both papers: every class equally likely) or ``proportional`` (every image at
+    least once per epoch, so classes appear in proportion to their size).  ``warmup_epochs`` > 0 starts with a warm-up:
     ``warmup_mode: new_layers`` trains only the new layers and the loss (backbone lr 0,
     batch-norm statistics still update); ``bn_stats`` runs forward passes only, to
     re-estimate batch-norm statistics before any weight changes.
@@ -226,6 +228,7 @@ class TrainConfig:
     iterations: Optional[int] = None
     batch_size: int = 32
     sampler: Literal["random", "class_balanced"] = "random"
+    class_sampling: Literal["uniform", "proportional"] = "uniform"
     m: Optional[int] = None
     n: Optional[int] = None
     amp: Literal["none", "bf16", "fp16"] = "none"

@@ -280,7 +280,8 @@ def _make_sampler(cfg: Config, labels: np.ndarray, rank: int, world: int):
 
     t = cfg.train
     if t.sampler == "class_balanced":
-        return ClassBalancedBatchSampler(labels, t.m, t.n, seed=t.seed, rank=rank, world_size=world)
+        return ClassBalancedBatchSampler(labels, t.m, t.n, seed=t.seed, rank=rank, world_size=world,
+                                         class_sampling=t.class_sampling)
     return RandomBatchSampler(len(labels), t.batch_size, seed=t.seed, rank=rank, world_size=world,
                               drop_last=True)
 
