@@ -136,7 +136,8 @@ def create_model(
     Extra keyword arguments: ``pool`` ("avg" | "max"); head options ``bn_momentum`` (0.05),
     ``bn_eps`` (1e-3), ``bn_divide_sqrt_k`` (True), ``init``, ``bias``; backbone options
     (``transform_input``, ``widths``, ``depths``, ``hidden``).  ``two_head`` also takes
-    ``backbone`` (default "resnet50"), ``input_size`` (224) and ``feature_shape``.
+    ``backbone`` (default "resnet50"), ``input_size`` (224), ``feature_shape`` and
+    ``embedding_head`` (False: the single-head softmax baseline, embedding = pooled features).
     """
     if pretrained is True or pretrained is False:
         raise TypeError(
@@ -191,7 +192,8 @@ def _two_head(
     kwargs = dict(kwargs)
     spec = get_backbone_spec(backbone)
     backbone_options = _split_backbone_options(backbone, kwargs)
-    _check_unknown("two_head", kwargs, ("pool", "feature_shape") + _HEAD_OPTIONS + tuple(backbone_options))
+    _check_unknown("two_head", kwargs, ("pool", "feature_shape", "embedding_head") + _HEAD_OPTIONS
+                   + tuple(backbone_options))
     if num_classes is None:
         raise ValueError("create_model('two_head') needs num_classes (size of the classification head)")
     in_chans = spec.default_in_chans if in_chans is None else in_chans
