@@ -148,6 +148,30 @@ def test_author_code_hard_case_uses_plain_x(rng):
     assert not np.allclose(paper[hard], x[hard])  # "paper" mode still moves hard samples
 
 
+def test_hard_case_margin_grows_with_hardness_in_paper_mode_only():
+    """The text promises hard patterns a weaker constraint, but sqrt(2 - 2 cos(theta_nn -
+    theta_i)) is symmetric: beyond the nearest negative (theta_i > theta_nn) the virtual
+    point moves *further* the harder the sample ("paper"); "author_code" adds no margin."""
+    def rot(a):
+        return [math.cos(a), math.sin(a)]
+
+    theta_nn = 0.5
+    extra = {}
+    for mode in ("paper", "author_code"):
+        loss = ALMNLoss(2, 2, beta=1.0, centre_init="zeros", hard_case=mode).double().eval()
+        with torch.no_grad():
+            loss.centers.copy_(t(np.array([[1.0, 0.0], [0.0, 1.0]])))
+        extra[mode] = []
+        for theta_i in (0.2, 0.6, 0.9):                   # easy, hard, harder
+            x = t(np.array([rot(theta_i), rot(-theta_nn)]))  # row 1: the nearest negative of row 0
+            xg = loss.virtual_point(x, t(np.array([0, 1])))[0].numpy()
+            extra[mode].append(math.atan2(abs(xg[1]), xg[0]) - theta_i)   # margin added
+    easy, hard, harder = extra["paper"]
+    assert easy > 0 and 0 < hard < harder       # grows with hardness beyond the negative
+    assert extra["author_code"][0] == pytest.approx(easy)
+    assert extra["author_code"][1:] == [pytest.approx(0.0, abs=1e-12)] * 2
+
+
 # ----------------------------------------------------------------------------- Eq. 3 / 8 / 12
 def test_beta_zero_and_margin_none_equal_eq3(rng):
     for kw in (dict(beta=0.0), dict(beta=3.0, margin_mode="none")):
