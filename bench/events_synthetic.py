@@ -58,7 +58,7 @@ def make_config(method: str, seed: int, args, out_dir: str) -> dict:
         "train": train_opts,
         # the loop's own evaluation (centre window, retrieval + accuracy) on the chosen split
         "eval": {"every": 0, "split": args.eval_split, "ks": [1], "metrics": ["recall"],
-                 "best_metric": "mean_per_class", "classification": True},
+                 "classification": True},
     }
 
 

@@ -69,9 +69,10 @@ def _eval_every(epochs_total: int, evaluations: int = 10) -> int:
 
 
 def _class_balanced_batches(dataset: str, protocol: str, m: int, n: int) -> int:
-    """Approximate batches per epoch of ClassBalancedBatchSampler (chunks of n per class)."""
-    images, classes = TRAIN_SIZE[(dataset, protocol)]
-    return max(1, math.ceil((images / n + classes / 2) / m))
+    """Batches per epoch of ClassBalancedBatchSampler with class_sampling: uniform (both
+    papers pick classes uniformly): ceil(images / (m n))."""
+    images, _ = TRAIN_SIZE[(dataset, protocol)]
+    return max(1, math.ceil(images / (m * n)))
 
 
 # --------------------------------------------------------------------------- heated-up
@@ -105,16 +106,25 @@ H_T6 = {  # Cars (NMI, R@1)
     ("BN w/o WN", 8): (62.7, 67.5), ("BN w/o WN", 16): (64.1, 68.9), ("BN w/o WN", 32): (63.5, 68.8),
     ("BN", 8): (63.1, 68.7), ("BN", 16): (65.8, 71.1), ("BN", 32): (62.9, 69.5),
 }
+H_T4 = {  # Appendix D, fine-grained classification accuracy (%), same classes in train and test
+    "cars196": {"SM": 83.6, "LN": 84.8, "BN": 85.5, "HLN": 87.0, "HBN": 87.0},
+    "cub": {"SM": 68.7, "LN": 69.1, "BN": 68.8, "HLN": 75.4, "HBN": 70.9},
+}
+H_T7 = {2: 88.68, 4: 98.77, 8: 99.59, 16: 99.57, 32: 99.60}  # Appendix G, Cars196 final train acc (%)
 H_EPOCHS, H_HEAT_AT = 80, 60  # official code: 80 epochs, heat up after epoch 60
 
 
 def heated_config(name: str, dataset: str, *, norm: str, alpha: float, heated: bool,
                   normalize_weights: bool = True, learnable_alpha: bool = False, dim: int = 64,
-                  description: str) -> dict:
+                  protocol: str = "zero_shot", eval_on: str = "test", description: str) -> dict:
     """Heated-up paper Sec. 5.1 / REFERENCE.md section 1: GoogLeNet (ImageNet), 1x1 conv to
     k dims, BN (shift only, / sqrt(k)) or l2 head, heated softmax; SGD 0.004 (Adam 0.01, eps
-    0.01 on SOP); batch 32 at random; 256x256 -> random 224 crop + flip."""
-    data = {"name": dataset, "root": ROOTS[dataset], "options": {"protocol": "zero_shot"},
+    0.01 on SOP); batch 32 at random; 256x256 -> random 224 crop + flip.
+
+    ``protocol="classification"`` (Appendix D, Table 4): the official train / test split of
+    all classes, evaluated by the softmax classifier's accuracy.  ``eval_on="train"``
+    (Appendix G, Table 7): the classifier's accuracy on the training split."""
+    data = {"name": dataset, "root": ROOTS[dataset], "options": {"protocol": protocol},
             "train_split": "train", "transform": "resize_crop",
             "transform_options": {"resize": 256, "crop": 224}, "num_workers": 8}
     loss_opts: dict = {"alpha": float(alpha)}
@@ -135,6 +145,10 @@ def heated_config(name: str, dataset: str, *, norm: str, alpha: float, heated: b
         ev = {"every": 10, "split": "test", "ks": [1, 10, 100], "metrics": ["recall", "nmi"]}
     else:
         ev = {"every": 5, "split": "test", "ks": [1, 2, 4, 8], "metrics": ["recall", "nmi"]}
+    if protocol == "classification" or eval_on == "train":
+        # accuracy of the heated softmax's classifier (its logits) on the evaluated split
+        ev = {"every": 5, "split": eval_on, "ks": [1], "metrics": ["recall"],
+              "classification": True}
     return {
         "name": name,
         "description": description,
@@ -213,6 +227,27 @@ def heated_recipes() -> list[tuple[str, dict, str, str]]:
                         heated_config(name, "cars196", norm="bn", alpha=float(init), heated=heated,
                                       learnable_alpha=True, description=f"{HEATED}: {row}; expect {expect}"),
                         row, expect))
+    for ds, rows in H_T4.items():
+        for model, acc in rows.items():
+            norm, alpha, heated, wn = H_MODELS[model]
+            expect = f"accuracy {acc:.1f}"
+            row = f"Table 4, {PRETTY[ds]} (classification, all classes), {model}"
+            name = f"heated_t4_{ds}_{model.lower()}"
+            out.append((f"heated/table4_{ds}_{model.lower()}.yaml",
+                        heated_config(name, ds, norm=norm, alpha=alpha, heated=heated,
+                                      normalize_weights=wn, protocol="classification",
+                                      description=f"{HEATED}: {row}; expect {expect}"),
+                        row, expect))
+    for a, acc in H_T7.items():
+        expect = f"final training accuracy {acc:.2f}"
+        row = f"Table 7, Cars196, BN, alpha = {a} (final training accuracy)"
+        name = f"heated_t7_cars196_alpha{a}"
+        out.append((f"heated/table7_cars196_alpha{a}.yaml",
+                    heated_config(name, "cars196", norm="bn", alpha=float(a), heated=False,
+                                  eval_on="train",
+                                  description=f"{HEATED}: {row}; expect {expect} (top1 on the "
+                                              "training split, evaluated without augmentation)"),
+                    row, expect))
     for (model, a), (nmi, r1) in H_T6.items():
         expect = f"NMI {nmi:.1f}, R@1 {r1:.1f}"
         if model == "SM":
@@ -252,10 +287,17 @@ A_T4 = {0: (69.3, 84.5, 92.7), 3: (69.9, 84.8, 92.8)}  # SOP R@1/10/100
 
 
 def almn_config(name: str, dataset: str, *, beta: float, m: int = 26, n: int = 5,
-                description: str) -> dict:
+                margin_mode: str = "virtual", description: str) -> dict:
     """ALMN Sec. 5.1 / REFERENCE.md section 2: GoogLeNet (ImageNet), 512-d, dropout 0.2,
     m x n batches, lr 1e-5 (10x on the embedding layer) x 0.8 at 20k iterations, 50k
-    iterations (80k for Cars196), weight decay 2e-4, momentum 0.9, 227 crops of 256x256."""
+    iterations (80k for Cars196), weight decay 2e-4, momentum 0.9, 227 crops of 256x256;
+    the classes and samples of a batch "all randomly selected" (uniform class sampling).  The
+    centre rate of Eq. 2 (0.5, or "lr" = the learning rate as the paper's text reads) and
+    the treatment of hard samples (``hard_case``: "paper" or "author_code") are written out
+    for a study to vary."""
+    loss_opts = {"beta": float(beta), "lam": 0.0005, "centre_rate": 0.5, "hard_case": "paper"}
+    if margin_mode != "virtual":
+        loss_opts = {"margin_mode": margin_mode, "margin_m": 2, "lam": 0.0005, "centre_rate": 0.5}
     iterations = 80_000 if dataset == "cars196" else 50_000
     epochs = math.ceil(iterations / _class_balanced_batches(dataset, "zero_shot", m, n))
     ks = [1, 10, 100] if dataset == "sop" else [1, 2, 4, 8]
@@ -269,14 +311,14 @@ def almn_config(name: str, dataset: str, *, beta: float, m: int = 26, n: int = 5
         "model": {"name": "googlenet", "options": {
             "embedding_dim": 512, "norm": "none", "dropout": 0.2,
             "pretrained": WEIGHTS["googlenet"], "transform_input": True}},
-        "loss": [{"name": "almn", "weight": 1.0, "options": {"beta": float(beta), "lam": 0.0005}}],
+        "loss": [{"name": "almn", "weight": 1.0, "options": loss_opts}],
         "optim": {"name": "sgd", "lr": 1.0e-5, "momentum": 0.9, "weight_decay": 0.0002,
                   "new_layer_lr_mult": 10.0},
         "schedule": {"lr": {"name": "multistep", "unit": "iteration", "milestones": [20_000],
                             "gamma": 0.8},
                      "temperature": {"name": "none"}},
         "train": {"iterations": iterations, "batch_size": m * n, "sampler": "class_balanced",
-                  "m": m, "n": n, "seed": 0, "out_dir": f"runs/almn/{name}"},
+                  "class_sampling": "uniform", "m": m, "n": n, "seed": 0, "out_dir": f"runs/almn/{name}"},
         "eval": {"every": _eval_every(epochs), "split": "test", "ks": ks, "metrics": metrics},
     }
 
@@ -305,6 +347,18 @@ def almn_recipes() -> list[tuple[str, dict, str, str]]:
             out.append((f"almn/table{table}_{ds}_beta{beta}.yaml",
                         almn_config(name, ds, beta=beta, description=f"{ALMN}: {row}; expect {expect}"),
                         row, expect))
+    # Sec. 4 ablation (Fig. 4, CUB): the fixed L-Softmax-like margin of Eq. 12 (m = 2) against
+    # ALMN (Eq. 8, beta = 2); the paper shows training-loss curves only (no numbers)
+    fig4 = ("training loss stops at a higher level with Eq. 12 (m = 2) than with ALMN (beta = 2), "
+            "Fig. 4 (curves only)")
+    for tag, label, kw in (("eq12_m2", "Eq. 12 fixed margin (L-Softmax-like, m = 2)",
+                            dict(beta=0, margin_mode="fixed")),
+                           ("eq8_beta2", "Eq. 8 ALMN (beta = 2)", dict(beta=2))):
+        row = f"Figure 4 ablation, CUB-200-2011, {label}"
+        name = f"almn_fig4_cub_{tag}"
+        out.append((f"almn/fig4_cub_{tag}.yaml",
+                    almn_config(name, "cub", description=f"{ALMN}: {row}; expect {fig4}", **kw),
+                    row, fig4))
     for beta, (r1, r10, r100) in A_T4.items():
         row = f"Table 4, Stanford Online Products, ALMN (beta = {beta})"
         expect = f"R@1 {r1:.1f}, R@10 {r10:.1f}, R@100 {r100:.1f}"
@@ -389,6 +443,12 @@ def two_head_config(name: str, arch: str, dataset: str, method: str, *, descript
                      "options": {"mining": "hard", "soft_margin": True}})
     # timm's Inception-V4 ImageNet weights expect (x - 0.5) / 0.5 input
     normalize = "minus_one_one" if arch == "inception_v4" else "imagenet"
+    if method == "softmax":  # single-head baseline: no embedding head; embedding = pooled features
+        model_opts = {"backbone": arch, "embedding_head": False, "input_size": 224,
+                      "pretrained": WEIGHTS[arch]}
+    else:
+        model_opts = {"backbone": arch, "embedding_dim": 256, "norm": "l2", "input_size": 224,
+                      "pretrained": WEIGHTS[arch]}
     return {
         "name": name,
         "description": description,
@@ -397,15 +457,13 @@ def two_head_config(name: str, arch: str, dataset: str, method: str, *, descript
                  "transform_options": {"min_size": 350, "max_size": 512, "crop": 224, "test_size": 350,
                                        "normalize": normalize},
                  "num_workers": 8},
-        "model": {"name": "two_head", "options": {
-            "backbone": arch, "embedding_dim": 256, "norm": "l2", "input_size": 224,
-            "pretrained": WEIGHTS[arch]}},
+        "model": {"name": "two_head", "options": model_opts},
         "loss": loss,
         "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0},
         "schedule": {"lr": {"name": "poly", "unit": "iteration", "power": 1.0, "end_factor": 0.0},
                      "temperature": {"name": "none"}},
         "train": {"iterations": iterations, "batch_size": 32, "sampler": "class_balanced",
-                  "m": 8, "n": 4, "seed": 0, "out_dir": f"runs/two_head/{name}"},
+                  "class_sampling": "uniform", "m": 8, "n": 4, "seed": 0, "out_dir": f"runs/two_head/{name}"},
         "eval": {"every": _eval_every(epochs), "split": "test", "ks": [1, 4, 8, 16],
                  "metrics": ["recall", "nmi"], "classification": True},
     }
@@ -469,7 +527,7 @@ def hdd_config(name: str, batch: int, method: str, balanced: bool, *, descriptio
                      "temperature": {"name": "none"}},
         "train": train,
         "eval": {"every": 0, "split": "test", "ks": [1, 4, 8, 16], "metrics": ["recall", "nmi"],
-                 "best_metric": "mean_per_class", "classification": True},
+                 "classification": True},
     }
 
 

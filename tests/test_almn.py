@@ -148,6 +148,30 @@ def test_author_code_hard_case_uses_plain_x(rng):
     assert not np.allclose(paper[hard], x[hard])  # "paper" mode still moves hard samples
 
 
+def test_hard_case_margin_grows_with_hardness_in_paper_mode_only():
+    """The text promises hard patterns a weaker constraint, but sqrt(2 - 2 cos(theta_nn -
+    theta_i)) is symmetric: beyond the nearest negative (theta_i > theta_nn) the virtual
+    point moves *further* the harder the sample ("paper"); "author_code" adds no margin."""
+    def rot(a):
+        return [math.cos(a), math.sin(a)]
+
+    theta_nn = 0.5
+    extra = {}
+    for mode in ("paper", "author_code"):
+        loss = ALMNLoss(2, 2, beta=1.0, centre_init="zeros", hard_case=mode).double().eval()
+        with torch.no_grad():
+            loss.centers.copy_(t(np.array([[1.0, 0.0], [0.0, 1.0]])))
+        extra[mode] = []
+        for theta_i in (0.2, 0.6, 0.9):                   # easy, hard, harder
+            x = t(np.array([rot(theta_i), rot(-theta_nn)]))  # row 1: the nearest negative of row 0
+            xg = loss.virtual_point(x, t(np.array([0, 1])))[0].numpy()
+            extra[mode].append(math.atan2(abs(xg[1]), xg[0]) - theta_i)   # margin added
+    easy, hard, harder = extra["paper"]
+    assert easy > 0 and 0 < hard < harder       # grows with hardness beyond the negative
+    assert extra["author_code"][0] == pytest.approx(easy)
+    assert extra["author_code"][1:] == [pytest.approx(0.0, abs=1e-12)] * 2
+
+
 # ----------------------------------------------------------------------------- Eq. 3 / 8 / 12
 def test_beta_zero_and_margin_none_equal_eq3(rng):
     for kw in (dict(beta=0.0), dict(beta=3.0, margin_mode="none")):
@@ -266,6 +290,66 @@ def test_centre_update_equals_eq2_after_loss_with_old_centres(rng):
         expected[z] = centres[z] - rate * diff / (1 + len(idx))
     np.testing.assert_allclose(loss.centers.numpy(), expected, rtol=1e-12)
     np.testing.assert_array_equal(loss.centers.numpy()[[2, 4]], centres[[2, 4]])
+
+
+def test_centre_rate_lr_follows_the_learning_rate(rng):
+    """centre_rate="lr": Eq. 2 with the rate the training loop last pushed (paper Sec. 5.1:
+    "alpha is the learning rate", 1e-5 x 0.8 at 20k); same centres as that constant rate."""
+    x = t(rng.normal(size=(8, 4)))
+    y = t(np.array([0, 0, 1, 1, 2, 2, 3, 0]))
+    follow = ALMNLoss(4, 4, centre_init="normal", centre_rate="lr").double().train()
+    with pytest.raises(RuntimeError, match="set_learning_rate"):
+        follow(x, y)  # no learning rate pushed yet: a clear error, not a silent default
+    for lr in (0.3, 0.3 * 0.8):
+        const = ALMNLoss(4, 4, centre_init="normal", centre_rate=lr).double().train()
+        follow = ALMNLoss(4, 4, centre_init="normal", centre_rate="lr").double().train()
+        follow.load_state_dict(const.state_dict())
+        follow.set_learning_rate(lr)
+        assert follow.centre_rate == lr
+        before = const.centers.clone()
+        assert follow(x, y).item() == pytest.approx(const(x, y).item(), rel=1e-12)
+        torch.testing.assert_close(follow.centers, const.centers, rtol=0, atol=0)
+        assert not torch.equal(const.centers, before)
+    fixed = ALMNLoss(4, 4, centre_rate=0.5)
+    fixed.set_learning_rate(1e-5)  # a constant rate ignores the learning rate
+    assert fixed.centre_rate == 0.5
+    with pytest.raises(ValueError, match="centre_rate"):
+        ALMNLoss(4, 4, centre_rate="learning_rate")
+    with pytest.raises(ValueError, match="lr must be"):
+        ALMNLoss(4, 4, centre_rate="lr").set_learning_rate(float("nan"))
+
+
+def test_centre_rate_lr_in_the_training_loop_follows_the_schedule(tmp_path, monkeypatch):
+    """deepmetric train pushes the scheduled base lr (multistep x 0.8, as the paper's
+    schedule) into the loss before every step; every centre update uses that step's lr."""
+    import json
+
+    from deepmetric.train.config import config_from_dict
+    from deepmetric.train.loop import train
+
+    rates = []
+    orig = ALMNLoss._update_centres
+
+    def spy(self, x, labels):
+        rates.append(self.centre_rate)
+        return orig(self, x, labels)
+
+    monkeypatch.setattr(ALMNLoss, "_update_centres", spy)
+    raw = {
+        "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 8, "dim": 16, "seed": 5}},
+        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 16, "embedding_dim": 8}},
+        "loss": [{"name": "almn", "options": {"beta": 1.0, "centre_rate": "lr"}}],
+        "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        "schedule": {"lr": {"name": "multistep", "unit": "iteration", "milestones": [4], "gamma": 0.8}},
+        "train": {"iterations": 8, "batch_size": 12, "sampler": "class_balanced", "m": 3, "n": 4,
+                  "seed": 0, "out_dir": str(tmp_path), "progress": False},
+        "eval": {"every": 0, "metrics": ["recall"]},
+    }
+    train(config_from_dict(raw))
+    logged = [json.loads(line)["lr"] for line in (tmp_path / "log.jsonl").read_text().splitlines()
+              if json.loads(line)["type"] == "step"]
+    assert logged == pytest.approx([0.01] * 4 + [0.008] * 4)
+    assert rates == pytest.approx(logged)
 
 
 def test_first_batch_centre_init_then_eq2(rng):

@@ -211,3 +211,118 @@ def test_within_class_dedup_against_brute_force(tmp_path):
         build_glyph_dataset("test", root=tmp_path, dedup="fuzzy", **kw)
     with pytest.raises(ValueError, match="near_threshold"):
         build_glyph_dataset("test", root=tmp_path, dedup="near", near_threshold=-1, **kw)
+
+
+# --------------------------------------------------------------------------- cross_family
+def test_face_family_grouping():
+    from deepmetric.data.glyphs import FACE_FAMILIES, face_family
+
+    cases = {
+        "Noto Sans CJK JP": "Noto Sans CJK", "Noto Sans CJK SC Black": "Noto Sans CJK",
+        "Noto Sans Mono CJK KR Bold": "Noto Sans CJK", "Noto Serif CJK TC ExtraLight": "Noto Serif CJK",
+        "AR PL UKai CN": "AR PL UKai", "AR PL UKai TW MBE": "AR PL UKai", "AR PL UMing HK": "AR PL UMing",
+        "WenQuanYi Zen Hei Sharp": "WenQuanYi Zen Hei", "WenQuanYi Micro Hei Mono": "WenQuanYi Micro Hei",
+        "LXGW WenKai Mono Light": "LXGW WenKai", "LXGW WenKai": "LXGW WenKai",
+        "BabelStone Han": "BabelStone Han",
+        # a face of no listed family is its own family; a prefix must end at a word boundary
+        "My Brush Font": "My Brush Font", "AR PL UKaiX": "AR PL UKaiX",
+    }
+    for name, family in cases.items():
+        assert face_family(name) == family, name
+    assert len({f for f, _ in FACE_FAMILIES}) == 8
+    # every installed face falls into one of the eight families
+    assert {face_family(f.name) for f in FACES} <= {f for f, _ in FACE_FAMILIES}
+
+
+def _three_families():
+    """One face each of WenQuanYi Micro Hei, WenQuanYi Zen Hei and AR PL UKai."""
+    want = {"wqy-microhei.ttc": 0, "wqy-zenhei.ttc": 0, "ukai.ttc": 0}
+    picks = [f for f in FACES if want.get(Path(f.path).name) == f.index]
+    return [f"{f.path}#{f.index}" for f in picks] if len(picks) == 3 else None
+
+
+@pytest.mark.skipif(_three_families() is None, reason="fonts-wqy-* and fonts-arphic-ukai not installed")
+def test_cross_family_splits_and_masks(tmp_path):
+    fonts = _three_families()
+    kw = dict(root=tmp_path, fonts=fonts, max_classes=6, size=16, protocol="cross_family",
+              test_families=["AR PL UKai"])
+    zs = build_glyph_dataset("test", root=tmp_path, fonts=fonts, max_classes=6, size=16)
+    tr = build_glyph_dataset("train", **kw)
+    q = build_glyph_dataset("query", **kw)
+    g = build_glyph_dataset("gallery", **kw)
+    te = build_glyph_dataset("test", **kw)
+    assert te.from_cache and q.from_cache  # one rendering serves both protocols
+    assert sorted(tr.train_families) == ["WenQuanYi Micro Hei", "WenQuanYi Zen Hei"]
+    assert tr.test_families == ["AR PL UKai"]
+    # training: training characters, never a held-out face
+    train_faces = {tr.faces[i] for i in tr.face_ids.tolist()}
+    assert train_faces and all(not n.startswith("AR PL UKai") for n in train_faces)
+    assert set(tr.families.tolist()) == {"WenQuanYi Micro Hei", "WenQuanYi Zen Hei"}
+    chars = gb2312_level1_chars()
+    assert tr.class_names == list(chars[:6])
+    # queries: test characters by the held-out family only; gallery: the same characters by
+    # the training families; test = both, in the order of the zero-shot test split
+    assert {q.faces[i] for i in q.face_ids.tolist()} == {"AR PL UKai CN"}
+    assert set(g.families.tolist()) == {"WenQuanYi Micro Hei", "WenQuanYi Zen Hei"}
+    assert q.class_names == g.class_names == te.class_names == list(chars[1878:1884])
+    assert len(te) == len(zs) == len(q) + len(g)
+    np.testing.assert_array_equal(te.images, zs.images)
+    np.testing.assert_array_equal(te.labels, zs.labels)
+    assert te.is_query.dtype == bool and te.is_query.shape == (len(te),)
+    np.testing.assert_array_equal(te.is_gallery, ~te.is_query)
+    np.testing.assert_array_equal(te.is_query, te.families == "AR PL UKai")
+    np.testing.assert_array_equal(te.images[te.is_query], q.images)
+    np.testing.assert_array_equal(te.labels[te.is_gallery], g.labels)
+    np.testing.assert_array_equal(te.face_ids[te.is_gallery], g.face_ids)
+    # every test character has a query and gallery images (all three faces map them)
+    assert sorted(set(q.labels.tolist())) == sorted(set(g.labels.tolist())) == list(range(6))
+    assert not hasattr(zs, "is_query")  # the zero-shot protocol has no query/gallery marking
+    with pytest.raises(ValueError, match="test_families"):
+        build_glyph_dataset("test", root=tmp_path, fonts=fonts, max_classes=6, size=16, test_families=["AR PL UKai"])
+    with pytest.raises(ValueError, match="no face among the fonts used"):
+        build_glyph_dataset("query", **{**kw, "test_families": ["Noto Serif CJK"]})
+    with pytest.raises(ValueError, match="nothing is left to train on"):
+        build_glyph_dataset("train", **{**kw, "test_families": ["AR PL UKai", "WenQuanYi Micro Hei",
+                                                                "WenQuanYi Zen Hei"]})
+    with pytest.raises(ValueError, match="split must be one of"):
+        build_glyph_dataset("query", root=tmp_path, fonts=fonts, max_classes=6, size=16)
+    with pytest.raises(ValueError, match="protocol"):
+        build_glyph_dataset("train", root=tmp_path, fonts=fonts, protocol="cross_style")
+
+
+@pytest.mark.skipif(_three_families() is None, reason="fonts-wqy-* and fonts-arphic-ukai not installed")
+def test_cross_family_end_to_end_train_and_embed(tmp_path):
+    """`deepmetric train` with protocol=cross_family evaluates held-out-family queries against
+    the training families' gallery; `deepmetric embed` writes the same masks."""
+    import json
+
+    from deepmetric import cli
+
+    fonts = _three_families()
+    run = tmp_path / "run"
+    opts = {"fonts": fonts, "max_classes": 6, "size": 16, "protocol": "cross_family",
+            "test_families": ["AR PL UKai"]}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({
+        "data": {"name": "glyphs", "root": str(tmp_path / "cache"), "options": opts},
+        "model": {"name": "glyph_resnet", "options": {"embedding_dim": 8, "norm": "bn", "widths": [4, 8],
+                                                     "depths": [1, 1]}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"epochs": 1, "batch_size": 4, "seed": 0, "out_dir": str(run), "progress": False},
+        "eval": {"every": 1, "ks": [1, 2], "metrics": ["recall", "map@r"]},
+    }))
+    assert cli.main(["train", str(cfg)]) == 0
+    metrics = json.loads((run / "metrics.json").read_text())["metrics"]
+    npz = tmp_path / "emb.npz"
+    assert cli.main(["embed", str(run / "last.pt"), "--split", "test", "--out", str(npz)]) == 0
+    z = np.load(npz)
+    te = build_glyph_dataset("test", root=tmp_path / "cache", **opts)
+    np.testing.assert_array_equal(z["is_query"], te.is_query)
+    np.testing.assert_array_equal(z["is_gallery"], te.is_gallery)
+    # Recall@1 by brute force: each held-out-family query against the training-family gallery
+    x = z["embeddings"] / np.linalg.norm(z["embeddings"], axis=1, keepdims=True)
+    q, g = np.flatnonzero(z["is_query"]), np.flatnonzero(z["is_gallery"])
+    nearest = g[np.argmax(x[q] @ x[g].T, axis=1)]
+    r1 = float(np.mean(z["labels"][nearest] == z["labels"][q]))
+    assert metrics["recall@1"] == pytest.approx(r1, abs=1e-6)

@@ -288,7 +288,7 @@ def test_synthetic_events_train_and_predict_end_to_end(tmp_path):
                  {"name": "triplet", "input": "embedding", "options": {"mining": "semihard", "margin": 0.2}}],
         "train": {"iterations": 3, "batch_size": 11, "seed": 0, "out_dir": str(tmp_path), "progress": False,
                   "device": "cpu"},
-        "eval": {"every": 0, "split": "val", "ks": [1], "metrics": ["recall"], "best_metric": "mean_per_class",
+        "eval": {"every": 0, "split": "val", "ks": [1], "metrics": ["recall"],
                  "classification": True},
     })
     res = train(cfg)

@@ -303,6 +303,25 @@ def test_channels_last_and_autocast():
     assert torch.isfinite(amp["logits"]).all()
 
 
+def test_two_head_softmax_baseline_has_no_embedding_head():
+    """embedding_head=False (the paper's single-head "Softmax" row): no W_emb to train or to
+    evaluate untrained; the embedding is the pooled pre-logit feature that softmax trains."""
+    torch.manual_seed(0)
+    model = create_model("two_head", backbone="glyph_resnet", num_classes=3, input_size=32,
+                         embedding_head=False).eval()
+    assert model.embedding_head is None and model.embedding_dim == model.num_features
+    assert not [n for n, _ in model.named_parameters() if n.startswith("embedding_head")]
+    full = create_model("two_head", backbone="glyph_resnet", num_classes=3, input_size=32)
+    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in full.parameters())
+    x = torch.randn(4, 1, 32, 32)
+    with torch.no_grad():
+        out = model(x)
+        pooled = model.backbone(x).mean(dim=(2, 3))
+    torch.testing.assert_close(out["embedding"], pooled)
+    torch.testing.assert_close(out["logits"], model.classifier(pooled))
+    assert model.norm == "none"
+
+
 # ---------------------------------------------------------------- pretrained weights
 def _randomise_bn_stats(model):
     with torch.no_grad():

@@ -38,8 +38,10 @@ def test_every_recipe_validates(path):
     assert cfg.name and cfg.description
     if path in PAPER_RECIPES:
         head = path.read_text().splitlines()[:3]
-        assert head[0].startswith("# ") and head[1].startswith("# Table")
-        assert head[2].startswith("# published: ") and re.search(r"\d+\.\d+", head[2])
+        assert head[0].startswith("# ") and head[1].startswith(("# Table", "# Figure"))
+        assert head[2].startswith("# published: ")
+        if head[1].startswith("# Table"):  # figures (curves) have no published numbers
+            assert re.search(r"\d+\.\d+", head[2])
         assert cfg.train.out_dir.endswith(cfg.name)
 
 
@@ -60,12 +62,14 @@ def test_recipe_set_covers_the_paper_tables():
         return sum(1 for n in names if n.startswith(prefix))
 
     # heated-up: Table 1 (3 datasets x 5 models), Table 2 (In-shop x 5), Table 3 (3 dims x 7
-    # columns), Table 5 (6 inits x with/without heat-up), Table 6 (SM + 3 x 3)
-    assert (count("heated/table1_"), count("heated/table2_"), count("heated/table3_"),
-            count("heated/table5_"), count("heated/table6_")) == (15, 5, 21, 12, 10)
-    # ALMN: Table 1 (2 x 4 m x n), Table 2 (2 x 4 betas), Table 3 (2 x 4), Table 4 (SOP x 2)
+    # columns), Table 4 (classification: 2 datasets x 5 models), Table 5 (6 inits x
+    # with/without heat-up), Table 6 (SM + 3 x 3), Table 7 (training accuracy, 5 alphas)
+    assert (count("heated/table1_"), count("heated/table2_"), count("heated/table3_"), count("heated/table4_"),
+            count("heated/table5_"), count("heated/table6_"), count("heated/table7_")) == (15, 5, 21, 10, 12, 10, 5)
+    # ALMN: Table 1 (2 x 4 m x n), Table 2 (2 x 4 betas), Table 3 (2 x 4), Table 4 (SOP x 2),
+    # the Eq. 12 ablation of Fig. 4 (Eq. 12 m = 2 and Eq. 8 beta = 2 on CUB)
     assert (count("almn/table1_"), count("almn/table2_"), count("almn/table3_"),
-            count("almn/table4_")) == (8, 8, 8, 2)
+            count("almn/table4_"), count("almn/fig4_")) == (8, 8, 8, 2, 2)
     # two-head: 3 architectures x 5 datasets x 4 methods
     assert count("two_head/") == 60
     for arch in ("resnet50", "inception_v4", "densenet161"):
@@ -97,7 +101,8 @@ def test_names_and_options_exist(configs):
             extra = {"num_classes": 10} if cfg.model.name == "two_head" else {}
             with torch.device("meta"):
                 model = create_model(cfg.model.name, **opts, **extra)
-            assert model.embedding_dim == opts["embedding_dim"], name
+            if opts.get("embedding_head", True):
+                assert model.embedding_dim == opts["embedding_dim"], name
         for t in cfg.loss:
             assert t.name in list_losses(), name
             k = (t.name, tuple(sorted(t.options.items())))
@@ -122,7 +127,7 @@ def _by_prefix(configs, prefix):
 def test_heated_up_hyper_parameters(configs):
     """REFERENCE.md section 1 / heated-up paper Sec. 5.1."""
     heated = _by_prefix(configs, "heated/")
-    assert len(heated) == 63
+    assert len(heated) == 78
     for name, c in heated.items():
         assert c.model.name == "googlenet" and c.train.batch_size == 32 and c.train.sampler == "random"
         assert c.data.transform_options == {"resize": 256, "crop": 224}
@@ -152,6 +157,19 @@ def test_heated_up_hyper_parameters(configs):
         "alpha": 8.0, "learnable_alpha": True}
     wo = heated["heated/table6_cars196_bn_wo_wn_alpha16.yaml"]
     assert (wo.model.options["norm"], wo.loss[0].options) == ("bn", {"alpha": 16.0, "normalize_weights": False})
+    # Table 4: same classes in train and test (classification protocol), classifier accuracy
+    for ds in ("cars196", "cub"):
+        for model in ("sm", "ln", "bn", "hln", "hbn"):
+            c = heated[f"heated/table4_{ds}_{model}.yaml"]
+            assert c.data.options["protocol"] == "classification"
+            # the final model is reported (no test-set selection: no best_metric without val classes)
+            assert (c.eval.split, c.eval.classification, c.eval.best_metric) == ("test", True, None)
+    assert heated["heated/table4_cub_hln.yaml"].schedule.temperature.name == "heat_up"
+    # Table 7: final training accuracy of BN models at five fixed alphas
+    for a in (2, 4, 8, 16, 32):
+        c = heated[f"heated/table7_cars196_alpha{a}.yaml"]
+        assert (c.loss[0].options["alpha"], c.model.options["norm"]) == (float(a), "bn")
+        assert (c.eval.split, c.eval.classification, c.schedule.temperature.name) == ("train", True, "none")
 
 
 def test_almn_hyper_parameters(configs):
@@ -166,12 +184,16 @@ def test_almn_hyper_parameters(configs):
         assert (lr.name, lr.unit, lr.milestones, lr.gamma) == ("multistep", "iteration", [20000], 0.8)
         assert c.train.iterations == (80_000 if "_cars196_" in name else 50_000)
         assert c.train.sampler == "class_balanced" and c.train.m * c.train.n == c.train.batch_size
+        assert c.train.class_sampling == "uniform"  # "the classes and samples are all randomly selected"
         assert c.loss[0].name == "almn" and c.loss[0].options["lam"] == 0.0005
     assert [(c.train.m, c.train.n) for n, c in sorted(almn.items()) if n.startswith("almn/table1_cub")] == [
         (16, 8), (26, 5), (65, 2), (8, 16)]
     for beta in range(4):
         c = almn[f"almn/table3_aircraft_beta{beta}.yaml"]
         assert c.loss[0].options["beta"] == beta and (c.train.m, c.train.n) == (26, 5)
+    eq12 = almn["almn/fig4_cub_eq12_m2.yaml"].loss[0].options
+    assert (eq12["margin_mode"], eq12["margin_m"]) == ("fixed", 2)
+    assert almn["almn/fig4_cub_eq8_beta2.yaml"].loss[0].options["beta"] == 2.0
 
 
 def test_two_head_hyper_parameters(configs):
@@ -180,8 +202,11 @@ def test_two_head_hyper_parameters(configs):
     for name, c in th.items():
         arch = c.model.options["backbone"]
         assert c.model.name == "two_head" and arch in name
-        assert (c.model.options["embedding_dim"], c.model.options["norm"]) == (256, "l2")
-        assert (c.train.m, c.train.n, c.train.batch_size) == (8, 4, 32)
+        if name.endswith("_softmax.yaml"):  # single head: no untrained embedding head
+            assert c.model.options["embedding_head"] is False and "embedding_dim" not in c.model.options
+        else:
+            assert (c.model.options["embedding_dim"], c.model.options["norm"]) == (256, "l2")
+        assert (c.train.m, c.train.n, c.train.batch_size, c.train.class_sampling) == (8, 4, 32, "uniform")
         assert c.train.iterations == (80_000 if arch == "inception_v4" else 40_000)
         assert (c.optim.name, c.optim.lr, c.optim.momentum) == ("sgd", 0.01, 0.9)
         assert (c.schedule.lr.name, c.schedule.lr.power, c.schedule.lr.end_factor) == ("poly", 1.0, 0.0)
@@ -217,7 +242,7 @@ def test_two_head_hdd_hyper_parameters(configs):
             assert c.train.sampler == "class_balanced" and c.train.m * c.train.n == c.train.batch_size
         else:
             assert c.train.sampler == "random"
-        assert c.eval.every == 0 and c.eval.classification and c.eval.best_metric == "mean_per_class"
+        assert c.eval.every == 0 and c.eval.classification and c.eval.best_metric is None  # final model, no test-set selection
         assert len(c.loss) == (2 if "_semihard" in name else 1)
     assert "macro acc. 53.70" in (ROOT / "recipes" / "two_head_hdd" / "table3_b33_semihard.yaml").read_text().splitlines()[2]
 

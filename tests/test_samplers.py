@@ -42,7 +42,7 @@ def test_class_balanced_composition_coverage_length(rng, m, n):
     for labels in _label_sets(rng):
         class_sizes = Counter(labels.tolist())
         for seed in range(8):
-            s = ClassBalancedBatchSampler(labels, m, n, seed=seed)
+            s = ClassBalancedBatchSampler(labels, m, n, seed=seed, class_sampling="proportional")
             for epoch in (0, 3):
                 s.set_epoch(epoch)
                 batches = list(s)
@@ -71,10 +71,11 @@ def test_small_class_padding_repeats_its_images():
             assert sorted(by_class[0]) == [0, 0, 1, 1]
 
 
-def test_class_balanced_determinism_and_epochs(rng):
+@pytest.mark.parametrize("mode", ["uniform", "proportional"])
+def test_class_balanced_determinism_and_epochs(rng, mode):
     labels = np.repeat(np.arange(15), rng.integers(2, 9, 15))
-    a = ClassBalancedBatchSampler(labels, 4, 3, seed=7)
-    b = ClassBalancedBatchSampler(labels, 4, 3, seed=7)
+    a = ClassBalancedBatchSampler(labels, 4, 3, seed=7, class_sampling=mode)
+    b = ClassBalancedBatchSampler(labels, 4, 3, seed=7, class_sampling=mode)
     assert list(a) == list(b)
     a.set_epoch(1)
     b.set_epoch(1)
@@ -82,7 +83,7 @@ def test_class_balanced_determinism_and_epochs(rng):
     assert e1 == list(b)
     a.set_epoch(0)
     assert list(a) != e1  # a new epoch reshuffles
-    c = ClassBalancedBatchSampler(labels, 4, 3, seed=8)
+    c = ClassBalancedBatchSampler(labels, 4, 3, seed=8, class_sampling=mode)
     assert list(c) != list(b.batches_for_epoch(0))
 
 
@@ -90,9 +91,10 @@ def test_class_balanced_determinism_and_epochs(rng):
 def test_class_balanced_rank_sharding(rng, world_size):
     for labels in _label_sets(rng):
         for seed in range(4):
-            full = ClassBalancedBatchSampler(labels, 3, 2, seed=seed)
+            full = ClassBalancedBatchSampler(labels, 3, 2, seed=seed, class_sampling="proportional")
             global_batches = full.batches_for_epoch(2)
-            ranks = [ClassBalancedBatchSampler(labels, 3, 2, seed=seed, rank=r, world_size=world_size)
+            ranks = [ClassBalancedBatchSampler(labels, 3, 2, seed=seed, rank=r, world_size=world_size,
+                                               class_sampling="proportional")
                      for r in range(world_size)]
             per_rank = []
             for s in ranks:
@@ -116,19 +118,21 @@ def test_class_balanced_rank_sharding(rng, world_size):
 
 def test_ranks_get_different_batches():
     labels = np.repeat(np.arange(32), 8)  # 64 chunks of 4 -> 16 global batches of 4 classes
-    s0 = ClassBalancedBatchSampler(labels, 4, 4, seed=0, rank=0, world_size=2)
-    s1 = ClassBalancedBatchSampler(labels, 4, 4, seed=0, rank=1, world_size=2)
+    s0 = ClassBalancedBatchSampler(labels, 4, 4, seed=0, rank=0, world_size=2, class_sampling="proportional")
+    s1 = ClassBalancedBatchSampler(labels, 4, 4, seed=0, rank=1, world_size=2, class_sampling="proportional")
     b0, b1 = list(s0), list(s1)
     assert len(b0) == len(b1) == 8
     assert not set(map(tuple, b0)) & set(map(tuple, b1))
     assert not set(i for b in b0 for i in b) >= set(range(len(labels)))  # a rank sees only its share
 
 
-def test_class_balanced_resume_mid_epoch(rng):
+@pytest.mark.parametrize("mode", ["uniform", "proportional"])
+def test_class_balanced_resume_mid_epoch(rng, mode):
     labels = np.repeat(np.arange(10), rng.integers(3, 12, 10))
     for seed in range(5):
         for world_size, rank in ((1, 0), (2, 1)):
-            s = ClassBalancedBatchSampler(labels, 3, 3, seed=seed, rank=rank, world_size=world_size)
+            s = ClassBalancedBatchSampler(labels, 3, 3, seed=seed, rank=rank, world_size=world_size,
+                                          class_sampling=mode)
             s.set_epoch(4)
             full = list(s)
             it = iter(s)
@@ -136,14 +140,58 @@ def test_class_balanced_resume_mid_epoch(rng):
             consumed = [next(it) for _ in range(k)]
             assert consumed == full[:k]
             state = s.state_dict()
-            assert state["epoch"] == 4 and state["batches_done"] == k
-            t = ClassBalancedBatchSampler(labels, 3, 3, seed=seed, rank=rank, world_size=world_size)
+            assert state["epoch"] == 4 and state["batches_done"] == k and state["class_sampling"] == mode
+            t = ClassBalancedBatchSampler(labels, 3, 3, seed=seed, rank=rank, world_size=world_size,
+                                          class_sampling=mode)
             t.load_state_dict(state)
             t.set_epoch(4)  # a training loop calls set_epoch with the resumed epoch: keeps the offset
             assert list(t) == full[k:]
             t.set_epoch(5)
             s.set_epoch(5)
             assert list(t) == list(s)  # later epochs are whole
+
+
+def test_uniform_class_sampling_frequencies_vs_proportional():
+    """Both papers pick a batch's classes uniformly at random. With class sizes 5..100 the
+    uniform mode's class counts pass a chi-square test of uniformity, the proportional mode's
+    follow the class sizes (fixed seeds, so the outcome is deterministic)."""
+    from scipy.stats import chisquare, pearsonr
+
+    sizes = np.arange(5, 101, 5)                                   # 20 classes, 5..100 images
+    labels = np.random.default_rng(0).permutation(np.repeat(np.arange(20), sizes))
+    counts = {}
+    for mode in ("uniform", "proportional"):
+        s = ClassBalancedBatchSampler(labels, 4, 2, seed=3, class_sampling=mode)
+        c = Counter()
+        for epoch in range(8):
+            s.set_epoch(epoch)
+            for b in s:
+                _check_composition(b, labels, 4, 2)
+                c.update(set(labels[b].tolist()))                 # batches containing each class
+        counts[mode] = np.array([c[k] for k in range(20)])
+    uni, prop = counts["uniform"], counts["proportional"]
+    assert chisquare(uni).pvalue > 0.01                            # consistent with uniform
+    assert chisquare(prop).pvalue < 1e-12                          # far from uniform
+    assert pearsonr(prop, sizes).statistic > 0.95                  # proportional to class size
+    assert abs(pearsonr(uni, sizes).statistic) < 0.5
+    # uniform: one epoch is ceil(N / (m n)) batches; inside a class, no image repeats before
+    # the class's images are used up, and a batch never holds the same image twice
+    s = ClassBalancedBatchSampler(labels, 4, 2, seed=3)
+    assert len(s) == math.ceil(len(labels) / 8)
+    per_class = {}
+    for b in s:
+        assert len(set(b)) == len(b)
+        for i in b:
+            per_class.setdefault(int(labels[i]), []).append(i)
+    for k, seq in per_class.items():
+        first = seq[: sizes[k]]
+        assert len(set(first)) == len(first), k
+    with pytest.raises(ValueError, match="class_sampling"):
+        ClassBalancedBatchSampler(labels, 4, 2, class_sampling="weighted")
+    # a state saved in one mode does not load into the other
+    st = ClassBalancedBatchSampler(labels, 4, 2, seed=3).state_dict(batches_done=1)
+    with pytest.raises(ValueError, match="class_sampling"):
+        ClassBalancedBatchSampler(labels, 4, 2, seed=3, class_sampling="proportional").load_state_dict(st)
 
 
 def test_state_dict_batches_done_and_errors():

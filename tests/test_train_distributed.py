@@ -70,6 +70,23 @@ def _worker(rank, world, port, out_dir):
         coeff = torch.arange(gathered.numel(), dtype=torch.float32).reshape(gathered.shape)
         (gathered * coeff).sum().backward()
         results["_gather"] = (gathered.detach(), local.grad.clone())
+        # a learnable alpha frozen by heating-up *after* DDP was built: DDP still expects a
+        # gradient for it on every step (no "unused parameter" error) and alpha stays put
+        terms = [LossTermConfig(name="heated_softmax", options={
+            "num_classes": C, "embedding_dim": K, "learnable_alpha": True})]
+        module = _module(terms, world)
+        ddp = torch.nn.parallel.DistributedDataParallel(module)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=0.9)
+        alphas = []
+        for step in range(4):
+            if step == 1:
+                module.losses[0].scale_alpha(0.25)  # the heat-up event freezes the learned value
+            opt.zero_grad()
+            total, _ = ddp(xs, ys)
+            total.backward()
+            opt.step()
+            alphas.append(module.losses[0].alpha)
+        results["_frozen_alpha"] = (torch.tensor(alphas), module.losses[0]._alpha.grad.clone())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -105,6 +122,14 @@ def test_two_ranks_match_one_process_with_double_batch(ddp_results, case):
     pair_based = all(t.name in ("triplet", "almn", "contrastive") for t in CASES[case])
     if pair_based:  # the gathered loss is the global-batch loss (x world_size, see docs)
         assert ddp_results[0][case][0] == pytest.approx(2 * float(total.detach()), rel=1e-5)
+
+
+def test_frozen_alpha_under_ddp(ddp_results):
+    for rank in range(2):
+        alphas, grad = ddp_results[rank]["_frozen_alpha"]
+        assert alphas[1] == alphas[2] == alphas[3]  # frozen after the event at step 1
+        assert alphas[1] == pytest.approx(float(ddp_results[0]["_frozen_alpha"][0][0]) / 4)
+        assert float(grad) == 0.0  # an exact zero gradient keeps DDP's reducer complete
 
 
 def test_all_gather_with_grad_unequal_sizes(ddp_results):

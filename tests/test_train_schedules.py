@@ -69,6 +69,34 @@ def test_gradual_every_n_epochs_until():
     assert s.lr_factor == pytest.approx(0.562 ** 3)
 
 
+def test_gradual_without_until_stops_at_the_papers_alpha_4_and_lr_tenth():
+    """An 80-epoch run with ``every: 10`` and no ``until`` used to heat 8 times (alpha 16 ->
+    1.02, lr x 0.010); it now stops after 4 events, at the paper's alpha 4 and lr / 10."""
+    loss = FixedAlpha(16.0)
+    s = TemperatureSchedule(_temp(name="gradual", every=10), [loss])
+    fired_at = [e for e in range(80) if s.step(e, 0)]
+    assert fired_at == [10, 20, 30, 40] and s.events == 4
+    assert loss.alpha == pytest.approx(4.0, rel=0.015)            # 16 / 1.41^4 = 4.04
+    assert s.lr_factor == pytest.approx(0.1, rel=0.005)           # 0.562^4 = 0.0998
+    # other factors: the count whose cumulative alpha factor is closest to 1/4
+    loss2 = FixedAlpha(16.0)
+    s2 = TemperatureSchedule(_temp(name="gradual", unit="iteration", every=5, alpha_factor=0.5,
+                                   lr_factor=0.3), [loss2])
+    for it in range(100):
+        s2.step(0, it)
+    assert s2.events == 2 and loss2.alpha == 4.0 and s2.lr_factor == pytest.approx(0.09)
+    # lr-only gradual heating (alpha factor 1): closest to lr / 10
+    s3 = TemperatureSchedule(_temp(name="gradual", every=1, alpha_factor=1.0, lr_factor=0.5), [FixedAlpha()])
+    for e in range(50):
+        s3.step(e, 0)
+    assert s3.events == 3  # 0.5^3 = 0.125 is the closest power to 0.1 in log scale
+    # an explicit 'until' still wins (more events than the default)
+    s4 = TemperatureSchedule(_temp(name="gradual", every=10, until=60), [FixedAlpha()])
+    for e in range(80):
+        s4.step(e, 0)
+    assert s4.events == 6
+
+
 def test_learnable_alpha_heats_the_learned_value():
     from deepmetric.losses import HeatedSoftmaxLoss
 
@@ -80,7 +108,80 @@ def test_learnable_alpha_heats_the_learned_value():
     assert float(loss.alpha) == pytest.approx(12.5)
     s.step(1, 5)
     assert float(loss.alpha) == pytest.approx(12.5 / 4)
-    assert any(p.requires_grad and p.numel() == 1 for p in loss.parameters())  # still learnable
+    assert loss.is_alpha_frozen  # paper Appendix E: the heated value stays (see below)
+
+
+def _fit_steps(loss, feats, labels, opt, sched, epoch, steps):
+    """``steps`` SGD steps on free embedding vectors; returns the alphas after each step."""
+    alphas = []
+    for _ in range(steps):
+        sched.step(epoch, 0)
+        opt.zero_grad(set_to_none=True)
+        loss(feats, labels).backward()
+        opt.step()
+        alphas.append(loss.alpha)
+    return alphas
+
+
+def _alpha_setup(freeze=True, seed=0):
+    from deepmetric.losses import HeatedSoftmaxLoss
+
+    torch.manual_seed(seed)
+    loss = HeatedSoftmaxLoss(num_classes=4, embedding_dim=6, alpha=8.0, learnable_alpha=True,
+                             freeze_heated_alpha=freeze)
+    feats = nn.Parameter(torch.nn.functional.normalize(torch.randn(16, 6), dim=1))
+    labels = torch.arange(16) % 4
+    opt = torch.optim.SGD([feats, *loss.parameters()], lr=0.5, momentum=0.9, weight_decay=1e-3)
+    sched = TemperatureSchedule(_temp(name="heat_up", at=1), [loss])
+    return loss, feats, labels, opt, sched
+
+
+def test_learnable_alpha_frozen_at_the_heated_value_despite_momentum():
+    """Heated-up paper Appendix E (Table 5): a learnable alpha is reduced to 1/4 of its final
+    value by heating up and then stays there, even with SGD momentum and weight decay."""
+    loss, feats, labels, opt, sched = _alpha_setup()
+    before = _fit_steps(loss, feats, labels, opt, sched, epoch=0, steps=15)
+    learned = before[-1]
+    assert abs(learned - 8.0) > 0.5  # alpha trained
+    assert opt.state[loss._alpha]["momentum_buffer"].abs() > 0  # momentum would keep moving it
+    after = _fit_steps(loss, feats, labels, opt, sched, epoch=1, steps=15)
+    assert sched.events == 1 and loss.is_alpha_frozen
+    assert after == [pytest.approx(learned / 4, rel=1e-6)] * 15  # frozen at the heated value
+    assert not torch.equal(feats.detach(), torch.zeros_like(feats))
+    x = torch.nn.functional.normalize(torch.randn(3, 6), dim=1)
+    z = x @ torch.nn.functional.normalize(loss.weight.detach(), dim=1).t() + loss.bias.detach()
+    torch.testing.assert_close(loss.logits(x).detach(), loss.alpha * z)
+    # without freezing, the same run keeps changing alpha after the heat-up (the old behaviour)
+    loss2, feats2, labels2, opt2, sched2 = _alpha_setup(freeze=False)
+    _fit_steps(loss2, feats2, labels2, opt2, sched2, epoch=0, steps=15)
+    after2 = _fit_steps(loss2, feats2, labels2, opt2, sched2, epoch=1, steps=15)
+    assert not loss2.is_alpha_frozen and abs(after2[-1] - after2[0]) > 1e-3
+
+
+def test_frozen_alpha_survives_resume():
+    loss, feats, labels, opt, sched = _alpha_setup()
+    _fit_steps(loss, feats, labels, opt, sched, epoch=0, steps=10)
+    _fit_steps(loss, feats, labels, opt, sched, epoch=1, steps=3)
+    heated = loss.alpha
+    saved = {"loss": loss.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+             "feats": feats.detach().clone()}
+    assert bool(saved["loss"]["alpha_frozen"])
+    # a fresh process: new objects (alpha back at its initial 8, not frozen), then load
+    loss, feats, labels, opt, sched = _alpha_setup(seed=1)
+    assert loss.alpha == 8.0 and not loss.is_alpha_frozen
+    loss.load_state_dict(saved["loss"])
+    with torch.no_grad():
+        feats.copy_(saved["feats"])
+    opt.load_state_dict(saved["opt"])
+    sched.load_state_dict(saved["sched"])
+    assert loss.is_alpha_frozen and loss.alpha == heated
+    after = _fit_steps(loss, feats, labels, opt, sched, epoch=2, steps=10)
+    assert after == [heated] * 10 and sched.events == 1
+    # a checkpoint written before freezing existed (no freeze buffers) loads as not frozen
+    old = {k: v for k, v in saved["loss"].items() if k not in ("alpha_frozen", "_frozen_alpha")}
+    fresh, *_ = _alpha_setup()
+    fresh.load_state_dict(old)
+    assert not fresh.is_alpha_frozen and fresh.alpha == pytest.approx(float(old["_alpha"]))
 
 
 def test_schedule_requires_a_loss_with_alpha():
@@ -133,3 +234,36 @@ def test_state_dict_round_trip_does_not_refire():
     s2.step(4, 0)
     assert loss2.alpha == 4.0 and s2.lr_factor == pytest.approx(0.1) and s2.events == 1
     torch.save(state, "/dev/null")  # plain data only
+
+
+def test_learnable_alpha_frozen_in_the_training_loop_and_after_resume(tmp_path):
+    """train(): with learnable alpha and heat_up at epoch 1, every step after the event logs
+    the same (heated) alpha, also after stopping at epoch 2 and resuming to epoch 3."""
+    import json
+
+    from deepmetric.train.loop import train
+
+    def raw(out, epochs):
+        return {
+            "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 16, "dim": 16, "seed": 5}},
+            "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
+            "loss": [{"name": "heated_softmax", "options": {"alpha": 8.0, "learnable_alpha": True}}],
+            "optim": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+            "schedule": {"temperature": {"name": "heat_up", "at": 1}},
+            "train": {"epochs": epochs, "batch_size": 16, "seed": 0, "out_dir": str(out), "progress": False},
+            "eval": {"every": 0, "metrics": ["recall"]},
+        }
+
+    def alphas(out):
+        recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        return [r["alpha"] for r in recs if r["type"] == "step"]
+
+    train(config_from_dict(raw(tmp_path / "a", 3)))
+    a = alphas(tmp_path / "a")
+    per_epoch = 6
+    assert len(set(a[:per_epoch])) > 1  # alpha learns before the heat-up
+    assert len(set(a[per_epoch:])) == 1  # and is frozen after it
+    train(config_from_dict(raw(tmp_path / "b", 2)))
+    train(config_from_dict(raw(tmp_path / "b", 3)), resume=tmp_path / "b" / "last.pt")
+    b = alphas(tmp_path / "b")
+    assert len(b) == 3 * per_epoch and set(b[per_epoch:]) == {a[-1]}

@@ -133,7 +133,8 @@ def _add_embed_parser(sub) -> None:
     p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train' (last.pt / best.pt)")
     p.add_argument("--data", default=None, help="dataset name (default: the checkpoint's training data)")
     p.add_argument("--root", default=None, help="dataset root directory")
-    p.add_argument("--split", default="test", help="split to embed (default test); query+gallery (In-shop: test) embeds both with is_query/is_gallery; val: the validation classes of data.val_classes")
+    p.add_argument("--split", default="test", help="split to embed (default test); query+gallery (In-shop: test) embeds both with is_query/is_gallery; "
+                   "val: the validation classes of data.val_classes; a split that marks its own queries (glyphs protocol=cross_family: test) stores its masks too")
     p.add_argument("--out", required=True, help="output .npz (embeddings, labels[, is_query, is_gallery, paths, class_names])")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")

@@ -17,6 +17,16 @@ is below ``near_threshold`` grey levels; ``dedup="none"`` keeps every face's ima
 Zero-shot protocol: the first half of the characters in GB2312 order (1,878) are training
 classes, the second half (1,877) test classes; the two splits share no class.
 
+Cross-family protocol (``protocol="cross_family"``): faces group into typeface families
+(:data:`FACE_FAMILIES`, :func:`face_family`). Training uses the training characters drawn by
+the training families only; the test characters drawn by the held-out families
+(``test_families``, default :data:`CROSS_FAMILY_TEST_FAMILIES`) are the queries, the same
+characters drawn by the training families the gallery. A query therefore never finds an image
+of its own typeface family in the gallery (no "next weight of the same design" shortcut), and
+the network never saw the held-out families' style in training. Splits: ``train``, ``query``,
+``gallery`` and ``test`` (= query + gallery, with boolean ``is_query`` / ``is_gallery``
+attributes that the evaluation uses).
+
 Rendering (deterministic for a given font file, Pillow and FreeType version, all part of the
 cache key): the glyph is drawn white-on-black with FreeType at ``oversample`` times the target
 resolution, its ink bounding box is centred in a ``size x size`` canvas with ``margin`` pixels of
@@ -56,10 +66,41 @@ __all__ = [
     "render_glyph",
     "glyph_cache_dir",
     "CJK_FONT_PATTERNS",
+    "FACE_FAMILIES",
+    "CROSS_FAMILY_TEST_FAMILIES",
+    "PROTOCOLS",
+    "face_family",
 ]
 
 _FORMAT_VERSION = 2
 DEDUP_MODES = ("exact", "near", "none")
+PROTOCOLS = ("zero_shot", "cross_family")
+
+# Typeface families: (family, face-name prefixes). A face belongs to the first family one of
+# whose prefixes equals its name or starts it followed by a space (weights, regional and mono
+# variants of one design are one family).
+FACE_FAMILIES = (
+    ("Noto Sans CJK", ("Noto Sans CJK", "Noto Sans Mono CJK")),
+    ("Noto Serif CJK", ("Noto Serif CJK",)),
+    ("AR PL UKai", ("AR PL UKai",)),
+    ("AR PL UMing", ("AR PL UMing",)),
+    ("WenQuanYi Zen Hei", ("WenQuanYi Zen Hei",)),
+    ("WenQuanYi Micro Hei", ("WenQuanYi Micro Hei",)),
+    ("LXGW WenKai", ("LXGW WenKai",)),
+    ("BabelStone Han", ("BabelStone Han",)),
+)
+# Held out by default in the cross-family protocol (chosen from raw-pixel baselines, see
+# docs/offline-data.md).
+CROSS_FAMILY_TEST_FAMILIES = ("AR PL UKai", "LXGW WenKai")
+
+
+def face_family(name: str) -> str:
+    """The typeface family of a face name (:data:`FACE_FAMILIES`); a face of no listed family
+    (your own fonts) is its own family, named by its full name."""
+    for family, prefixes in FACE_FAMILIES:
+        if any(name == p or name.startswith(p + " ") for p in prefixes):
+            return family
+    return name
 
 # Font files of the Debian packages fonts-noto-cjk, fonts-noto-cjk-extra, fonts-arphic-ukai,
 # fonts-arphic-uming, fonts-wqy-zenhei, fonts-wqy-microhei, fonts-lxgw-wenkai and
@@ -357,7 +398,10 @@ class GlyphDataset(ArrayImageDataset):
     Extra attributes: ``chars`` (the split's characters, = ``class_names``), ``face_ids``
     (per-image index into ``faces``), ``faces`` (names of the faces kept), ``dropped_faces``
     (``(name, reason)`` pairs), ``cache_path``, ``from_cache`` (whether this build loaded the cache),
-    ``dedup`` (the mode used) and ``images_before_dedup`` (both splits, before within-class dedup).
+    ``dedup`` (the mode used) and ``images_before_dedup`` (both splits, before within-class dedup),
+    ``protocol``, ``families`` (per-image family name, a numpy array) and, for ``protocol="cross_family"``,
+    ``train_families`` / ``test_families`` and (split ``test``) the boolean masks ``is_query``
+    (held-out families) and ``is_gallery`` (training families).
     """
 
 
@@ -367,11 +411,15 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
                         max_train_classes: int | None = None,
                         max_faces: int | None = None, num_workers: int | None = None,
                         dedup: str = "exact", near_threshold: float = 2.0,
-                        protocol: str = "zero_shot", verbose: bool = False) -> GlyphDataset:
+                        protocol: str = "zero_shot", test_families: Iterable[str] | None = None,
+                        verbose: bool = False) -> GlyphDataset:
     """Build (or load from cache) one split of the glyph benchmark.
 
     Args:
-        split: "train" (first half of the GB2312 level-1 characters) or "test" (second half).
+        split: "train" (first half of the GB2312 level-1 characters) or "test" (second half);
+            ``protocol="cross_family"`` adds "query" (test characters, held-out families) and
+            "gallery" (test characters, training families); its "test" is both, marked by
+            ``is_query`` / ``is_gallery``.
         transform: applied to the ``uint8`` tensor ``[1, size, size]`` (see ``build_transform("glyph")``).
         root: cache directory (default ``$DEEPMETRIC_CACHE`` or ``~/.cache/deepmetric``).
         size: output side in pixels; margin: empty border in output pixels;
@@ -386,12 +434,27 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
         dedup: "exact" (default: drop an image pixel-identical to an earlier one of its class),
             "near" (also drop one whose mean absolute difference to a kept one of its class is
             below ``near_threshold`` grey levels out of 255) or "none".
-        protocol: only "zero_shot" exists for this benchmark.
+        protocol: "zero_shot" (every face in both splits) or "cross_family" (see the module
+            docstring).
+        test_families: the held-out families of ``protocol="cross_family"`` (names of
+            :data:`FACE_FAMILIES`, or the full name of a face of no listed family); default
+            :data:`CROSS_FAMILY_TEST_FAMILIES`.
     """
-    if protocol != "zero_shot":
-        raise ValueError(f"glyphs: only protocol='zero_shot' exists, got {protocol!r}")
-    if split not in ("train", "test"):
-        raise ValueError(f"glyphs: split must be 'train' or 'test', got {split!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"glyphs: protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    splits = ("train", "test") if protocol == "zero_shot" else ("train", "test", "query", "gallery")
+    if split not in splits:
+        raise ValueError(f"glyphs: split must be one of {splits} for protocol={protocol!r}, got {split!r}")
+    if test_families is not None and protocol != "cross_family":
+        raise ValueError("glyphs: test_families is an option of protocol='cross_family' only")
+    if protocol == "cross_family":
+        if test_families is None:
+            test_families = CROSS_FAMILY_TEST_FAMILIES
+        if isinstance(test_families, str):
+            test_families = [test_families]
+        test_families = list(test_families)
+        if not test_families or not all(isinstance(f, str) for f in test_families):
+            raise ValueError(f"glyphs: test_families must be a non-empty list of family names, got {test_families!r}")
     if fit not in ("em", "box"):
         raise ValueError(f"glyphs: fit must be 'em' or 'box', got {fit!r}")
     for name, v, lo in (("size", size, 4), ("oversample", oversample, 1), ("margin", margin, 0)):
@@ -445,14 +508,41 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
 
     n_tr = len(train_chars)
     cidx = data["char_index"]
+    face_names = [str(n) for n in data["face_names"]]
+    face_fams = np.array([face_family(n) for n in face_names])
+    image_fams = face_fams[data["face_index"].astype(np.int64)] if len(face_fams) else np.array([], str)
     sel = cidx < n_tr if split == "train" else cidx >= n_tr
+    held_out = None
+    if protocol == "cross_family":
+        present = sorted(set(face_fams.tolist()))
+        unknown = [f for f in test_families if f not in present]
+        if unknown:
+            raise ValueError(f"glyphs: test_families {unknown} have no face among the fonts used; "
+                             f"families present: {present}")
+        train_fams = [f for f in present if f not in test_families]
+        if not train_fams:
+            raise ValueError(f"glyphs: test_families {test_families} hold out every family present "
+                             f"({present}); nothing is left to train on")
+        held_out = np.isin(image_fams, test_families)
+        if split in ("train", "gallery"):
+            sel &= ~held_out
+        elif split == "query":
+            sel &= held_out
     labels = cidx[sel].astype(np.int64) - (0 if split == "train" else n_tr)
     split_chars = list(train_chars if split == "train" else test_chars)
     ds = GlyphDataset(data["images"][sel], labels, transform=transform, class_names=split_chars,
                       num_classes=len(split_chars))
+    ds.protocol = protocol
+    ds.families = image_fams[sel]
+    if protocol == "cross_family":
+        ds.train_families = train_fams
+        ds.test_families = list(test_families)
+        if split == "test":
+            ds.is_query = held_out[sel].copy()
+            ds.is_gallery = ~ds.is_query
     ds.chars = split_chars
     ds.face_ids = data["face_index"][sel].astype(np.int64)
-    ds.faces = [str(n) for n in data["face_names"]]
+    ds.faces = face_names
     ds.dropped_faces = list(zip(map(str, data["dropped_names"]), map(str, data["dropped_reasons"])))
     ds.cache_path = path
     ds.from_cache = from_cache

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
-__all__ = ["ClassBalancedBatchSampler", "RandomBatchSampler"]
+__all__ = ["ClassBalancedBatchSampler", "RandomBatchSampler", "CLASS_SAMPLING"]
 
 
 def _check_dist(rank, world_size):
@@ -107,11 +107,26 @@ class _ShardedBatchSampler(Sampler):
         self._yielded = done
 
 
+CLASS_SAMPLING = ("uniform", "proportional")
+
+
 class ClassBalancedBatchSampler(_ShardedBatchSampler):
     """Batches of exactly ``m`` distinct classes x ``n`` samples each (P x K sampling).
 
     Two-head paper (P x K, K = 4, batch 32; a class with fewer than K images is padded by
-    repetition) and ALMN (m x n = 26 x 5). One epoch:
+    repetition) and ALMN (m x n = 26 x 5, "the classes and samples are all randomly
+    selected"). Both papers pick the classes of a batch uniformly at random, whatever their
+    sizes; ``class_sampling`` chooses:
+
+    ``"uniform"`` (default, the papers): every batch draws ``m`` distinct classes uniformly at
+    random (each class equally likely, independently of its size). Within a class the images
+    come from a per-epoch shuffled stream, so a class yields all its images before any repeats
+    (n distinct images per batch when the class has >= n; a smaller class repeats its images).
+    An epoch is ``ceil(num_images / (m n))`` batches (about one pass worth of images), but
+    large classes are not fully covered and small ones repeat: class frequencies are uniform.
+
+    ``"proportional"`` (full coverage): every image appears at least once per epoch, so a
+    class appears in proportion to its size. One epoch:
 
     1. every class's indices are shuffled and cut into chunks of ``n``; the last, short chunk
        is completed with other images of the same class (drawn without replacement when the
@@ -128,10 +143,13 @@ class ClassBalancedBatchSampler(_ShardedBatchSampler):
     Args:
         labels: integer class label per dataset index.
         m: classes per batch (needs at least ``m`` classes); n: samples per class.
+        class_sampling: "uniform" (default) or "proportional" (see above).
     """
 
     def __init__(self, labels: Sequence[int], m: int, n: int, *, seed: int = 0, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, class_sampling: str = "uniform"):
+        if class_sampling not in CLASS_SAMPLING:
+            raise ValueError(f"class_sampling must be one of {CLASS_SAMPLING}, got {class_sampling!r}")
         labels = np.asarray(labels)
         if labels.ndim != 1 or len(labels) == 0:
             raise ValueError(f"labels must be a non-empty 1-d sequence, got shape {labels.shape}")
@@ -145,16 +163,30 @@ class ClassBalancedBatchSampler(_ShardedBatchSampler):
         if len(classes) < m:
             raise ValueError(f"m={m} classes per batch but the labels hold only {len(classes)} classes")
         self.labels = labels
+        self.class_sampling = class_sampling
         self.m, self.n = int(m), int(n)
         order = np.argsort(inverse, kind="stable")
         bounds = np.cumsum(np.bincount(inverse))[:-1]
         self._class_indices = np.split(order, bounds)  # index arrays, one per class
         self._chunks_per_class = np.array([-(-len(ix) // self.n) for ix in self._class_indices])
-        self._n_global = self._count_batches(self._chunks_per_class.copy())
+        if class_sampling == "uniform":
+            self._n_global = max(1, -(-len(labels) // (self.m * self.n)))
+        else:
+            self._n_global = self._count_batches(self._chunks_per_class.copy())
 
     @property
     def batch_size(self) -> int:
         return self.m * self.n
+
+    def state_dict(self, batches_done: int | None = None) -> dict:
+        return {**super().state_dict(batches_done), "class_sampling": self.class_sampling}
+
+    def load_state_dict(self, state: dict) -> None:
+        mode = state.get("class_sampling", "proportional")  # states saved before the option existed
+        if {"epoch", "batches_done"} <= set(state) and mode != self.class_sampling:
+            raise ValueError(f"sampler state was saved with class_sampling={mode!r}, this sampler has "
+                             f"class_sampling={self.class_sampling!r}; batches would not line up")
+        super().load_state_dict(state)
 
     def _count_batches(self, left: np.ndarray) -> int:
         # Same greedy as _global_batches, on counts only: take one chunk from the m largest.
@@ -173,6 +205,40 @@ class ClassBalancedBatchSampler(_ShardedBatchSampler):
         return self._n_global
 
     def _global_batches(self, rng: np.random.Generator) -> list[list[int]]:
+        if self.class_sampling == "uniform":
+            return self._uniform_batches(rng)
+        return self._proportional_batches(rng)
+
+    def _uniform_batches(self, rng: np.random.Generator) -> list[list[int]]:
+        n, m = self.n, self.m
+        num_classes = len(self._class_indices)
+        streams: dict[int, tuple[np.ndarray, int]] = {}  # class -> (shuffled indices, position)
+
+        def take(c: int) -> np.ndarray:
+            ix = self._class_indices[c]
+            if len(ix) < n:  # a small class: all its images, repeated in turn
+                return np.resize(rng.permutation(ix), n)
+            perm, pos = streams.get(c) or (rng.permutation(ix), 0)
+            if pos + n <= len(perm):
+                streams[c] = (perm, pos + n)
+                return perm[pos:pos + n]
+            # the stream runs out: its last images, then a fresh shuffle that puts them last,
+            # so the n images of this batch stay distinct
+            rest = perm[pos:]
+            fresh = rng.permutation(ix)
+            used = np.isin(fresh, rest)
+            fresh = np.concatenate([fresh[~used], fresh[used]])
+            k = n - len(rest)
+            streams[c] = (fresh, k)
+            return np.concatenate([rest, fresh[:k]])
+
+        batches = []
+        for _ in range(self._n_global):
+            chosen = rng.choice(num_classes, m, replace=False)
+            batches.append(np.concatenate([take(int(c)) for c in chosen]).tolist())
+        return batches
+
+    def _proportional_batches(self, rng: np.random.Generator) -> list[list[int]]:
         n, m = self.n, self.m
         chunks: list[list[np.ndarray]] = []
         for ix in self._class_indices:

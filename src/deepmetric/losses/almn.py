@@ -80,9 +80,15 @@ class ALMNLoss(nn.Module):
     * ``num_classes``, ``embedding_dim``: shape of the ``centers`` buffer (C, k).
     * ``beta`` [3.0]: strength of the virtual point (paper's best; Tables 2-4 use 0-3).
       ``beta = 0`` is the baseline of Eq. 3 (``x_g = x_i``).
-    * ``centre_rate`` [0.5]: the rate ``alpha`` of Eq. 2.  The paper calls it "the learning
-      rate" and gives no value; 0.5 is the value of the centre loss it follows (Wen et al.
-      2016, ref. [35]).
+    * ``centre_rate`` [0.5]: the rate ``alpha`` of Eq. 2, a number or ``"lr"``.  The paper
+      says "alpha is the learning rate" and uses the same symbol for the network's learning
+      rate (Sec. 5.1: "The initial learning rate alpha is 0.00001 and multiplied by 0.8 at
+      20k iteration"), so read literally the centres move at the current base learning rate:
+      ``"lr"`` follows it (the training loop calls :meth:`set_learning_rate` before every
+      step with ``optim.lr`` x the schedule's factors, without per-group multipliers).  A
+      number is a constant rate; 0.5 is the value of the centre loss the paper follows (Wen
+      et al. 2016, ref. [35]).  Which one works better is an empirical question (the study
+      compares both).
     * ``lam`` [0.0005]: ``lambda`` of the l2 regulariser (paper Sec. 5.1).
     * ``margin_mode`` ["virtual"]: "virtual" = Eq. 7-8; "none" = Eq. 3 (same as beta = 0);
       "fixed" = the L-Softmax-like ablation of Eq. 12, positive logit
@@ -117,13 +123,19 @@ class ALMNLoss(nn.Module):
     """
 
     def __init__(self, num_classes: int, embedding_dim: int, beta: float = 3.0, *,
-                 centre_rate: float = 0.5, lam: float = 0.0005, margin_mode: str = "virtual",
+                 centre_rate: float | str = 0.5, lam: float = 0.0005, margin_mode: str = "virtual",
                  margin_m: int = 2, hard_case: str = "paper", detach_margin: bool = True,
                  centre_init: str = "first_batch", eps: float = 1e-12) -> None:
         super().__init__()
         self.num_classes = _check_positive_int("num_classes", num_classes)
         self.embedding_dim = _check_positive_int("embedding_dim", embedding_dim)
-        for name, val in (("beta", beta), ("centre_rate", centre_rate), ("lam", lam)):
+        self.centre_rate_follows_lr = centre_rate == "lr"
+        if isinstance(centre_rate, str) and not self.centre_rate_follows_lr:
+            raise ValueError(f"ALMNLoss: centre_rate must be a number >= 0 or 'lr', got {centre_rate!r}")
+        checked = [("beta", beta), ("lam", lam)]
+        if not self.centre_rate_follows_lr:
+            checked.append(("centre_rate", centre_rate))
+        for name, val in checked:
             if isinstance(val, bool) or not isinstance(val, (int, float)) \
                     or not math.isfinite(val) or val < 0:
                 raise ValueError(f"ALMNLoss: {name} must be a finite number >= 0, got {val!r}")
@@ -137,7 +149,8 @@ class ALMNLoss(nn.Module):
                              f"got {centre_init!r}")
         self.margin_m = _check_positive_int("margin_m", margin_m)
         self.beta = float(beta)
-        self.centre_rate = float(centre_rate)
+        # "lr": the current learning rate, pushed by the training loop (set_learning_rate)
+        self.centre_rate: float | None = None if self.centre_rate_follows_lr else float(centre_rate)
         self.lam = float(lam)
         self.margin_mode = margin_mode
         self.hard_case = hard_case
@@ -151,6 +164,15 @@ class ALMNLoss(nn.Module):
         self.register_buffer("centers", centres)
         self.register_buffer("center_initialized",
                              torch.full((self.num_classes,), centre_init != "first_batch"))
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The training loop's current base learning rate; with ``centre_rate="lr"`` it is the
+        rate of the next centre updates (Eq. 2), otherwise ignored."""
+        if self.centre_rate_follows_lr:
+            lr = float(lr)
+            if not math.isfinite(lr) or lr < 0:
+                raise ValueError(f"ALMNLoss.set_learning_rate: lr must be a finite number >= 0, got {lr!r}")
+            self.centre_rate = lr
 
     @property
     def centres(self) -> torch.Tensor:
@@ -253,6 +275,9 @@ class ALMNLoss(nn.Module):
     @torch.no_grad()
     def _update_centres(self, x: torch.Tensor, labels: torch.Tensor) -> None:
         """Eq. 2: ``c_z <- c_z - rate * sum_{y_i = z} (c_z - x_i) / (1 + n_z)``."""
+        if self.centre_rate is None:
+            raise RuntimeError("ALMNLoss: centre_rate='lr' follows the learning rate, but none was set: "
+                               "call set_learning_rate(lr) before a training step (deepmetric train does)")
         x = x.to(self.centers.dtype)
         counts = torch.bincount(labels, minlength=self.num_classes).to(self.centers.dtype)
         # sum_{i: y_i = z} (c_z - x_i) = n_z c_z - sum_{i: y_i = z} x_i
@@ -263,6 +288,7 @@ class ALMNLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, "
-                f"beta={self.beta:g}, centre_rate={self.centre_rate:g}, lam={self.lam:g}, "
+                f"beta={self.beta:g}, centre_rate="
+                f"{'lr' if self.centre_rate_follows_lr else format(self.centre_rate, 'g')}, lam={self.lam:g}, "
                 f"margin_mode={self.margin_mode!r}, hard_case={self.hard_case!r}, "
                 f"detach_margin={self.detach_margin}, centre_init={self.centre_init!r}")

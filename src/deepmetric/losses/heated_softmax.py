@@ -104,6 +104,10 @@ class HeatedSoftmaxLoss(nn.Module):
     * ``alpha`` [16.0]: the inverse temperature (>= 0).
     * ``learnable_alpha`` [False]: alpha is an ``nn.Parameter`` trained with the rest
       (NormFace, paper Table 5); heating then multiplies the *learned* value.
+    * ``freeze_heated_alpha`` [True]: with ``learnable_alpha``, the first heating event
+      (:meth:`scale_alpha`) also freezes alpha at the heated value for the rest of training
+      (paper Appendix E: "the alpha values are reduced to 1/4 of the final alpha values";
+      see :meth:`freeze_alpha`).  False keeps training the heated alpha.
     * ``normalize_weights`` [True]: l2-normalise every class weight (False = Table 6
       "BN w/o WN" and the SM baseline).
     * ``normalize_features`` [False]: l2-normalise the embeddings here (the model's head
@@ -136,7 +140,7 @@ class HeatedSoftmaxLoss(nn.Module):
                  learnable_alpha: bool = False, normalize_weights: bool = True,
                  normalize_features: bool = False, bias: bool = True,
                  alpha_scales_bias: bool = True, init_factor: float = 2.0,
-                 eps: float = 1e-12) -> None:
+                 freeze_heated_alpha: bool = True, eps: float = 1e-12) -> None:
         super().__init__()
         self.num_classes = _check_positive_int("num_classes", num_classes)
         self.embedding_dim = _check_positive_int("embedding_dim", embedding_dim)
@@ -147,6 +151,7 @@ class HeatedSoftmaxLoss(nn.Module):
         self.normalize_weights = bool(normalize_weights)
         self.normalize_features = bool(normalize_features)
         self.alpha_scales_bias = bool(alpha_scales_bias)
+        self.freeze_heated_alpha = bool(freeze_heated_alpha)
         self.init_factor = float(init_factor)
         self.eps = float(eps)
 
@@ -160,7 +165,19 @@ class HeatedSoftmaxLoss(nn.Module):
             self._alpha = nn.Parameter(torch.tensor(a, dtype=torch.float32))
         else:
             self.register_buffer("_alpha", torch.tensor(a, dtype=torch.float32))
+        # A frozen learnable alpha (after heating up): the value in force lives in this buffer,
+        # the flag in ``alpha_frozen``; both are checkpointed, so a resumed run stays frozen.
+        self.register_buffer("alpha_frozen", torch.tensor(False))
+        self.register_buffer("_frozen_alpha", torch.tensor(a, dtype=torch.float32))
+        self._register_load_state_dict_pre_hook(self._fill_missing_freeze_state)
         self.reset_parameters()
+
+    @staticmethod
+    def _fill_missing_freeze_state(state_dict, prefix, *args, **kwargs) -> None:
+        """Checkpoints written before alpha freezing existed load as "not frozen"."""
+        if prefix + "_alpha" in state_dict:
+            state_dict.setdefault(prefix + "alpha_frozen", torch.tensor(False))
+            state_dict.setdefault(prefix + "_frozen_alpha", state_dict[prefix + "_alpha"].detach().clone())
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -181,8 +198,15 @@ class HeatedSoftmaxLoss(nn.Module):
 
     # ------------------------------------------------------------------ temperature
     @property
+    def is_alpha_frozen(self) -> bool:
+        return bool(self.alpha_frozen)
+
+    @property
     def alpha(self) -> float:
-        """Current inverse temperature (the learned value when ``learnable_alpha``)."""
+        """Current inverse temperature (the learned value when ``learnable_alpha``, the
+        frozen value once :meth:`freeze_alpha` ran)."""
+        if self.is_alpha_frozen:
+            return float(self._frozen_alpha)
         return float(self._alpha.detach())
 
     @alpha.setter
@@ -190,11 +214,38 @@ class HeatedSoftmaxLoss(nn.Module):
         a = _check_alpha(value)
         with torch.no_grad():
             self._alpha.fill_(a)
+            self._frozen_alpha.fill_(a)
+
+    def freeze_alpha(self) -> None:
+        """Stop training a learnable alpha: from now on the logits use the current value,
+        held in a buffer, and no gradient reaches it.  The ``nn.Parameter`` stays registered
+        (the optimiser and DistributedDataParallel still know it) but no longer takes part:
+        outside distributed training it gets no gradient (``grad`` None, so SGD / Adam skip it,
+        momentum included); under DDP it gets an exact zero gradient so every rank reduces the
+        same parameters.  Whatever an optimiser does to it afterwards has no effect on the
+        loss.  A fixed alpha needs no freezing (no-op)."""
+        if not self.learnable_alpha or self.is_alpha_frozen:
+            return
+        with torch.no_grad():
+            self._frozen_alpha.fill_(float(self._alpha.detach()))
+            self.alpha_frozen.fill_(True)
+        self._alpha.grad = None
 
     def scale_alpha(self, factor: float) -> None:
-        """Multiply alpha (fixed or learned) by ``factor``; heating-up uses 1/4."""
+        """Multiply alpha (fixed or learned) by ``factor``; heating-up uses 1/4.  A learnable
+        alpha is then frozen at the heated value when ``freeze_heated_alpha``."""
         f = _check_alpha(factor)
         self.alpha = self.alpha * f
+        if self.learnable_alpha and self.freeze_heated_alpha:
+            self.freeze_alpha()
+
+    def _alpha_in_use(self, dtype: torch.dtype) -> torch.Tensor:
+        if not self.is_alpha_frozen:
+            return self._alpha.to(dtype)
+        a = self._frozen_alpha.to(dtype)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            a = a + 0.0 * self._alpha.to(dtype)  # DDP expects a gradient for every parameter
+        return a
 
     # ------------------------------------------------------------------ classifier
     def class_weights(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -220,7 +271,7 @@ class HeatedSoftmaxLoss(nn.Module):
             dt = compute_dtype(embeddings, self.weight)
             f = self._features(embeddings, dt)
             z = f @ self.class_weights(dt).t()
-            alpha = self._alpha.to(dt)
+            alpha = self._alpha_in_use(dt)
             if self.bias is None:
                 return alpha * z
             if self.alpha_scales_bias:
@@ -264,7 +315,8 @@ class HeatedSoftmaxLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, "
-                f"alpha={self.alpha:g}, learnable_alpha={self.learnable_alpha}, "
+                f"alpha={self.alpha:g}, learnable_alpha={self.learnable_alpha}"
+                f"{' (frozen)' if self.is_alpha_frozen else ''}, "
                 f"normalize_weights={self.normalize_weights}, "
                 f"normalize_features={self.normalize_features}, bias={self.bias is not None}, "
                 f"alpha_scales_bias={self.alpha_scales_bias}")

@@ -146,7 +146,8 @@ def create_model(
     ``bn_eps`` (1e-3), ``bn_divide_sqrt_k`` (True), ``init``, ``bias``; backbone options
     (``transform_input``, ``widths``, ``depths``, ``hidden``, ``freeze_stages``,
     ``drop_path_rate``).  ``two_head`` also takes ``backbone`` (default "resnet50"),
-    ``input_size`` (224) and ``feature_shape``.
+    ``input_size`` (224), ``feature_shape`` and ``embedding_head`` (False: the single-head
+    softmax baseline, embedding = pooled features).
 
     The model has ``pretrained_report`` and ``pretrained_cfg`` (the backbone's: input
     mean / std / size its ImageNet weights expect, or None).
@@ -203,7 +204,8 @@ def _two_head(
     kwargs = dict(kwargs)
     spec = get_backbone_spec(backbone)
     backbone_options = _split_backbone_options(backbone, kwargs)
-    _check_unknown("two_head", kwargs, ("pool", "feature_shape") + _HEAD_OPTIONS + tuple(backbone_options))
+    _check_unknown("two_head", kwargs, ("pool", "feature_shape", "embedding_head") + _HEAD_OPTIONS
+                   + tuple(backbone_options))
     if num_classes is None:
         raise ValueError("create_model('two_head') needs num_classes (size of the classification head)")
     in_chans = spec.default_in_chans if in_chans is None else in_chans

@@ -70,6 +70,10 @@ class TwoHeadModel(nn.Module):
         dropout: dropout before each head's FC (0 in the paper).
         pool: pooling for the classification head (``"avg"`` as in all three backbones).
         feature_shape: (C, H, W) of the map, to skip the dry run.
+        embedding_head: False builds the paper's single-head "Softmax" baseline: no embedding
+            head (no untrained W_emb is trained or evaluated); ``"embedding"`` is then the
+            pooled pre-logit features ``x`` (C dims), the representation softmax trains, and
+            ``embedding_dim`` / ``norm`` / head options are ignored.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class TwoHeadModel(nn.Module):
         dropout: float = 0.0,
         pool: str = "avg",
         feature_shape: tuple[int, int, int] | None = None,
+        embedding_head: bool = True,
         **head_options,
     ):
         super().__init__()
@@ -109,13 +114,17 @@ class TwoHeadModel(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.classifier = nn.Linear(c, num_classes)
         # Eq. 9: FC on flatten(h) -> k, Xavier-uniform weight and zero bias, then l2.
-        self.embedding_head = EmbeddingHead(
-            c * h * w, embedding_dim, norm=norm, dropout=dropout, init="xavier", **head_options
-        )
+        self.embedding_head: EmbeddingHead | None = None
+        if embedding_head:
+            self.embedding_head = EmbeddingHead(
+                c * h * w, embedding_dim, norm=norm, dropout=dropout, init="xavier", **head_options
+            )
+        else:  # single-head softmax baseline: the pooled features are the embedding
+            self.embedding_dim = c
 
     @property
     def norm(self) -> str:
-        return self.embedding_head.norm
+        return "none" if self.embedding_head is None else self.embedding_head.norm
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         fmap = self.backbone(x)
@@ -129,7 +138,7 @@ class TwoHeadModel(nn.Module):
         # flatten() follows the logical C, H, W order, also for channels_last maps.
         return {
             "logits": self.classifier(self.dropout(features)),
-            "embedding": self.embedding_head(fmap.flatten(1)),
+            "embedding": features if self.embedding_head is None else self.embedding_head(fmap.flatten(1)),
             "features": features,
         }
 

@@ -188,7 +188,8 @@ def build_sampler(cfg: Config, labels: np.ndarray, rank: int = 0, world: int = 1
 
     t = cfg.train
     if t.sampler == "class_balanced":
-        return ClassBalancedBatchSampler(labels, t.m, t.n, seed=t.seed, rank=rank, world_size=world)
+        return ClassBalancedBatchSampler(labels, t.m, t.n, seed=t.seed, rank=rank, world_size=world,
+                                         class_sampling=t.class_sampling)
     return RandomBatchSampler(len(labels), t.batch_size, seed=t.seed, rank=rank, world_size=world,
                               drop_last=True)
 

@@ -199,7 +199,9 @@ class TemperatureScheduleConfig:
       alpha the factor is applied to its learned value (paper Table 5);
     * ``gradual``: every ``every`` epochs/iterations (until ``until``) multiply alpha by
       ``alpha_factor`` (default 1/1.41) and lr by ``lr_factor`` (default 0.562), the
-      official code's gradual variant;
+      official code's gradual variant; without ``until`` it stops after the event that
+      brings alpha closest to 1/4 of its start (4 events with the defaults: alpha 16 -> 4.04,
+      lr x 0.0998, the paper's end point);
     * ``auto_plateau`` (ours): heat up (as ``heat_up``) when ``monitor`` (``train_loss``
       or an evaluation metric such as ``recall@1``) has not improved by ``min_delta`` for
       ``patience`` consecutive observations; at most ``max_heatups`` times.
@@ -234,7 +236,9 @@ class TrainConfig:
 
     Give exactly one of ``epochs`` / ``iterations``.  ``sampler: random`` draws batches of
     ``batch_size`` (heated-up paper); ``class_balanced`` draws ``m`` classes x ``n`` images
-    (ALMN m x n, two-head P x K).  ``warmup_epochs`` > 0 starts with a warm-up:
+    (ALMN m x n, two-head P x K), the classes picked by ``class_sampling``: ``uniform``
+    (default; both papers: every class equally likely) or ``proportional`` (every image at
+    least once per epoch, so classes appear in proportion to their size).  ``warmup_epochs`` > 0 starts with a warm-up:
     ``warmup_mode: new_layers`` trains only the new layers and the loss (backbone lr 0,
     batch-norm statistics still update); ``bn_stats`` runs forward passes only, to
     re-estimate batch-norm statistics before any weight changes.
@@ -244,6 +248,7 @@ class TrainConfig:
     iterations: Optional[int] = None
     batch_size: int = 32
     sampler: Literal["random", "class_balanced"] = "random"
+    class_sampling: Literal["uniform", "proportional"] = "uniform"
     m: Optional[int] = None
     n: Optional[int] = None
     amp: Literal["none", "bf16", "fp16"] = "none"

@@ -3,7 +3,9 @@
 ``compute_embeddings`` runs the model in eval mode over a dataset (sequential batches, no
 augmentation) and returns float32 numpy arrays.  ``evaluate_model`` embeds the evaluation
 split(s) and calls ``deepmetric.evaluate.evaluate`` -- all samples against each other for
-zero-shot splits, queries against the gallery for In-shop.  ``embed_checkpoint`` rebuilds
+zero-shot splits, queries against the gallery for In-shop (two splits) and for a split that
+marks its own queries and gallery (``is_query`` / ``is_gallery`` attributes: the glyphs
+``cross_family`` test split).  ``embed_checkpoint`` rebuilds
 the model from a checkpoint's stored config and writes the ``.npz`` that ``deepmetric
 evaluate`` reads (``embeddings``, ``labels`` and, for query/gallery data, ``is_query`` and
 ``is_gallery``).
@@ -24,7 +26,7 @@ from .checkpoint import load_checkpoint
 from .config import config_from_dict
 
 __all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "embed_checkpoint",
-           "load_model_from_checkpoint"]
+           "load_model_from_checkpoint", "dataset_query_gallery_masks"]
 
 
 @torch.no_grad()
@@ -91,6 +93,20 @@ def dataset_paths_and_class_names(dataset) -> dict[str, np.ndarray]:
     return out
 
 
+def dataset_query_gallery_masks(dataset) -> dict[str, np.ndarray]:
+    """``{"is_query": ..., "is_gallery": ...}`` when ``dataset`` carries both boolean masks
+    (one entry per sample; e.g. the ``test`` split of the glyphs ``cross_family`` protocol),
+    else ``{}`` (every sample is a query against all the others)."""
+    q, g = getattr(dataset, "is_query", None), getattr(dataset, "is_gallery", None)
+    if q is None or g is None:
+        return {}
+    q, g = np.asarray(q, dtype=bool), np.asarray(g, dtype=bool)
+    if q.shape != (len(dataset),) or g.shape != (len(dataset),):
+        raise ValueError(f"{type(dataset).__name__}: is_query / is_gallery must have one entry per "
+                         f"sample ({len(dataset)}), got shapes {q.shape} / {g.shape}")
+    return {"is_query": q, "is_gallery": g}
+
+
 def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, device: torch.device,
                    losses: Sequence[nn.Module] = ()) -> tuple[dict[str, float], dict[str, Any]]:
     """Evaluate ``model`` on ``eval_sets`` (``{"query": ds}`` or ``{"query": ds, "gallery": ds}``)
@@ -115,9 +131,11 @@ def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, devi
                            metrics=ec.metrics, seed=cfg.train.seed)
         embedded = {"embeddings": emb, "labels": lab, "is_query": is_query, "is_gallery": ~is_query}
     else:
+        # a split that marks its own queries and gallery (glyphs, protocol cross_family: test)
+        masks = dataset_query_gallery_masks(eval_sets["query"])
         metrics = evaluate(q["embeddings"], q["labels"], ks=tuple(ec.ks), metrics=ec.metrics,
-                           seed=cfg.train.seed)
-        embedded = dict(q)
+                           seed=cfg.train.seed, **masks)
+        embedded = {**q, **masks}
     metrics = {k: float(v) for k, v in metrics.items()}
     if ec.classification:
         if "logits" not in q:
@@ -186,11 +204,14 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
                   "labels": np.concatenate([q["labels"], g["labels"]]),
                   "is_query": is_query, "is_gallery": ~is_query}
     else:
-        r = compute_embeddings(model, build_dataset(cfg, split, train=False), **kw)
-        arrays = {"embeddings": r["embeddings"], "labels": r["labels"]}
+        ds = build_dataset(cfg, split, train=False)
+        r = compute_embeddings(model, ds, **kw)
+        arrays = {"embeddings": r["embeddings"], "labels": r["labels"],
+                  **dataset_query_gallery_masks(ds)}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    parts = [q, g] if "is_query" in arrays else [r]  # image paths and class names, when known
+    parts = [q, g] if split == "query+gallery" or (split == "test" and cfg.data.name == "inshop") else [r]
+    # image paths and class names, when known
     if all("paths" in p for p in parts):
         arrays["paths"] = np.concatenate([p["paths"] for p in parts])
     if "class_names" in parts[0]:

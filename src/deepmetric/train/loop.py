@@ -177,14 +177,19 @@ def current_alphas(temperature: TemperatureSchedule, losses: nn.ModuleList) -> l
     return temperature.alphas() or [get_alpha(l) for l in losses if has_alpha(l)]
 
 
-def set_learning_rates(optimizer: torch.optim.Optimizer, cfg: Config, factor: float, epoch: int) -> float:
+def set_learning_rates(optimizer: torch.optim.Optimizer, cfg: Config, factor: float, epoch: int,
+                       losses=()) -> float:
     """``lr = optim.lr * group.lr_mult * factor`` for every group (backbone 0 during a
-    ``new_layers`` warm-up); returns the base lr ``optim.lr * factor``."""
+    ``new_layers`` warm-up); losses that follow the learning rate (ALMN ``centre_rate: lr``:
+    Eq. 2's rate is the learning rate) get the base lr too.  Returns ``optim.lr * factor``."""
     tc = cfg.train
     warm_new_only = epoch < tc.warmup_epochs and tc.warmup_mode == "new_layers"
     for g in optimizer.param_groups:
         frozen = warm_new_only and g["is_backbone"]
         g["lr"] = 0.0 if frozen else cfg.optim.lr * g["lr_mult"] * factor
+    for loss in losses:
+        if hasattr(loss, "set_learning_rate"):
+            loss.set_learning_rate(cfg.optim.lr * factor)
     return cfg.optim.lr * factor
 
 
@@ -382,7 +387,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                         log.write({"type": "heat_up", "epoch": epoch, "step": state.iteration,
                                    **temperature.history[-1]})
                     lr = set_learning_rates(optimizer, cfg, lr_schedule.factor(epoch, state.iteration)
-                                            * temperature.lr_factor, epoch)
+                                            * temperature.lr_factor, epoch, losses)
                 total, parts = step_module(x, y)
                 loss_value = float(total.detach())
                 if D.any_true(not math.isfinite(loss_value), device):

@@ -10,8 +10,12 @@ Both objects have ``state_dict`` / ``load_state_dict`` so a resumed run continue
 Heating-up (heated-up softmax paper, Sec. 3.4): train with an intermediate alpha (16), then
 multiply alpha by 1/4 (16 -> 4) and the learning rate by 1/10 for the rest of training.
 The official code switches after epoch 60 of 80; its gradual variant multiplies lr by
-0.562 and divides alpha by 1.41 every 10 epochs.  With a learnable alpha (paper Table 5)
-the factor multiplies the *learned* value.  ``auto_plateau`` is our addition: it heats up
+0.562 and divides alpha by 1.41 every 10 epochs.  Without ``until`` the gradual schedule
+stops after the event that brings the cumulative alpha factor closest to the paper's 1/4
+(:func:`gradual_default_events`: 4 events with the default factors, ending at alpha
+16 / 1.41^4 = 4.04 and lr x 0.562^4 = 0.0998, i.e. the paper's alpha 4 and lr / 10).  With a
+learnable alpha (paper Table 5) the factor multiplies the *learned* value, which the loss
+then freezes (``HeatedSoftmaxLoss(freeze_heated_alpha=True)``, paper Appendix E).  ``auto_plateau`` is our addition: it heats up
 once the monitored quantity stops improving.
 """
 from __future__ import annotations
@@ -23,7 +27,11 @@ from torch import nn
 
 from .config import LrScheduleConfig, TemperatureScheduleConfig
 
-__all__ = ["LrSchedule", "TemperatureSchedule", "get_alpha", "set_alpha", "scale_alpha", "has_alpha"]
+__all__ = ["LrSchedule", "TemperatureSchedule", "get_alpha", "set_alpha", "scale_alpha", "has_alpha",
+           "gradual_default_events"]
+
+HEAT_UP_TOTAL_ALPHA_FACTOR = 0.25  # the paper's heating: alpha 16 -> 4 (and lr -> lr / 10)
+HEAT_UP_TOTAL_LR_FACTOR = 0.1
 
 
 # --------------------------------------------------------------------------- lr
@@ -102,6 +110,17 @@ def scale_alpha(loss: nn.Module, factor: float) -> None:
 
 
 # --------------------------------------------------------------------------- temperature
+def gradual_default_events(alpha_factor: float, lr_factor: float) -> int:
+    """Number of gradual heating events when ``until`` is not given: the count whose
+    cumulative alpha factor ``alpha_factor ** n`` is closest (in log scale) to the paper's
+    1/4 (alpha 16 -> 4); if alpha is not scaled (factor 1), the count whose lr factor is
+    closest to 1/10.  At least 1.  Defaults (1/1.41, 0.562): 4 events."""
+    for f, total in ((alpha_factor, HEAT_UP_TOTAL_ALPHA_FACTOR), (lr_factor, HEAT_UP_TOTAL_LR_FACTOR)):
+        if 0 < f < 1:
+            return max(1, round(math.log(total) / math.log(f)))
+    return 1
+
+
 class TemperatureSchedule:
     """Heating-up events that scale alpha (of the target losses) and the learning rate.
 
@@ -126,6 +145,9 @@ class TemperatureSchedule:
         self.lr_mult = float(cfg.lr_factor if cfg.lr_factor is not None else 0.1)
         self.events = 0  # number of heat-up events applied
         self.lr_factor = 1.0
+        # gradual without 'until': stop where the paper's heating ends (alpha / 4, lr / 10)
+        self.max_events = (gradual_default_events(self.alpha_factor, self.lr_mult)
+                           if cfg.name == "gradual" and cfg.until is None else None)
         # auto_plateau bookkeeping
         mode = cfg.mode
         if mode == "auto":
@@ -142,8 +164,9 @@ class TemperatureSchedule:
         if c.name == "heat_up":
             return 1 if t >= c.at else 0
         if c.name == "gradual":
-            last = t if c.until is None else min(t, c.until)
-            return max(last // c.every, 0)
+            if c.until is None:
+                return min(max(t // c.every, 0), self.max_events)
+            return max(min(t, c.until) // c.every, 0)
         return self.events  # none / auto_plateau: nothing time-driven
 
     def _fire(self, reason: str, epoch: int | None = None, iteration: int | None = None) -> None:
