@@ -297,8 +297,14 @@ def test_csv_missing_images_reported_with_line_numbers(csv_tree):
     assert f"{csv_tree / 'imgs' / 'nope.png'} (listed at d.csv:3)" in msg
     assert f"{csv_tree / 'imgs' / 'gone.jpg'} (listed at d.csv:5)" in msg
     assert "resolved against" in msg and "skip_missing=True" in msg
-    ds = build_dataset("csv", f, skip_missing=True)
+    assert "data.options.skip_missing: true" in msg
+    with pytest.warns(UserWarning) as rec:
+        ds = build_dataset("csv", f, skip_missing=True)
     assert ds.num_skipped == 2 and len(ds) == 2 and ds.labels.tolist() == [0, 1]
+    # the files dropped by skip_missing are counted and named
+    msg = next(str(w.message) for w in rec if "skip_missing dropped" in str(w.message))
+    assert "skip_missing dropped 2 of 4 images (missing)" in msg
+    assert f"{csv_tree / 'imgs' / 'nope.png'} (listed at d.csv:3)" in msg and "gone.jpg" in msg
 
 
 # ----------------------------------------------------------------------------- csv errors
