@@ -21,7 +21,7 @@ docs/training.md for every key)::
     schedule: {lr: {name: constant|step|multistep|poly, ...},
                temperature: {name: none|heat_up|gradual|auto_plateau, ...}}
     train:    {epochs | iterations, batch_size, sampler, m, n, amp, seed, out_dir, ...}
-    eval:     {every, split, gallery_split, ks, metrics, best_metric, ...}
+    eval:     {every, split, gallery_split, ks, metrics, best_metric, baselines, ...}
 """
 from __future__ import annotations
 
@@ -254,7 +254,10 @@ class EvalConfig:
     ``gallery_split: gallery``) queries are ranked against the gallery.  The checkpoint
     with the best ``best_metric`` is kept as ``best.pt``.  ``at_start`` also evaluates the
     untrained model.  ``classification`` adds top-1 / mean-per-class accuracy of the
-    model's (or the loss's) classifier on ``split``.
+    model's (or the loss's) classifier on ``split``.  ``baselines`` (default on) evaluates,
+    before training, the untrained (or pretrained) network and, for images up to 64 x 64,
+    the raw pixels; they are printed, logged as ``{"type": "baseline"}`` records and stored
+    in ``metrics.json`` under ``baselines``.
     """
 
     every: int = 1
@@ -266,6 +269,7 @@ class EvalConfig:
     best_metric: str = "recall@1"
     batch_size: int = 256
     classification: bool = False
+    baselines: bool = True
 
 
 @dataclass
