@@ -186,3 +186,54 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     state = ck.load_checkpoint(tmp_path / "run" / "last.pt")
     assert state["epoch"] == 1
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def _as_version_1(state: dict) -> dict:
+    """The layout written before TrainState: ``epoch_loss: [sum, n]`` and ``meta``."""
+    old = {k: v for k, v in state.items() if k not in ("epoch_loss_sum", "epoch_loss_n", "model_args")}
+    old.update(version=1, epoch_loss=[state["epoch_loss_sum"], state["epoch_loss_n"]],
+               meta=state["model_args"])
+    return old
+
+
+def test_version_1_checkpoints_still_resume_and_rebuild(tmp_path):
+    """A version-1 file (upgraded in memory by load_checkpoint) resumes to the same weights as
+    an uninterrupted run, and ``load_model_from_checkpoint`` rebuilds its model."""
+    from deepmetric.train.embed import load_model_from_checkpoint
+
+    ref = train(config_from_dict(_raw(tmp_path / "ref", epochs=3)))
+    train(config_from_dict(_raw(tmp_path / "first", epochs=2)))
+    state = torch.load(tmp_path / "first" / "last.pt", weights_only=True)
+    assert state["version"] == ck.CHECKPOINT_VERSION == 2 and state["epoch"] == 2
+    v1 = tmp_path / "v1.pt"
+    ck.save_checkpoint(_as_version_1(state), v1)
+    assert torch.load(v1, weights_only=True)["version"] == 1
+    loaded = ck.load_checkpoint(v1)
+    assert loaded["model_args"] == state["model_args"] and "meta" not in loaded
+    assert (loaded["epoch_loss_sum"], loaded["epoch_loss_n"]) == (state["epoch_loss_sum"], state["epoch_loss_n"])
+
+    res = train(config_from_dict(_raw(tmp_path / "resumed", epochs=3)), resume=v1)
+    assert res.iteration == ref.iteration
+    a = torch.load(tmp_path / "ref" / "last.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    model, _, _, _ = load_model_from_checkpoint(v1)
+    assert all(torch.equal(model.state_dict()[k], state["model"][k]) for k in state["model"])
+
+
+def test_newer_checkpoint_version_is_refused(tmp_path):
+    path = ck.save_checkpoint({"model": {}, "config": {}, "version": 99}, tmp_path / "future.pt")
+    with pytest.raises(ValueError, match=r"future\.pt has format version 99"):
+        ck.load_checkpoint(path)
+
+
+def test_train_state_is_what_a_checkpoint_saves_and_restores(tmp_path):
+    """checkpoint_dict writes every TrainState field; restore reads the same values back."""
+    from dataclasses import asdict
+
+    train(config_from_dict(_raw(tmp_path / "run", epochs=1)))
+    saved = ck.load_checkpoint(tmp_path / "run" / "last.pt")
+    fields = asdict(ck.TrainState())
+    assert set(fields) <= set(saved)
+    assert (saved["epoch"], saved["batch_in_epoch"], saved["epoch_loss_n"]) == (1, 0, 0)
+    assert saved["best"]["epoch"] == 1 and saved["metrics"]["recall@1"] == saved["best"]["value"]

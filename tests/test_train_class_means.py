@@ -10,7 +10,8 @@ from deepmetric.losses import HeatedSoftmaxLoss
 from deepmetric.models.heads import EmbeddingHead
 from deepmetric.train.checkpoint import load_checkpoint
 from deepmetric.train.config import config_from_dict
-from deepmetric.train.loop import init_from_class_means, train
+from deepmetric.train.loop import train
+from deepmetric.train.module import init_from_class_means
 
 
 class BNNet(nn.Module):

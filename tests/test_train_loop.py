@@ -8,7 +8,8 @@ import torch
 
 from deepmetric import cli
 from deepmetric.train.config import config_from_dict
-from deepmetric.train.loop import build_model, seed_everything, train
+from deepmetric.train.builders import build_model, seed_everything
+from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer
 
 
@@ -132,3 +133,30 @@ def test_cli_train_reports_config_errors(tmp_path, capsys):
     assert "missing.yaml" in capsys.readouterr().err
     assert cli.main(["embed", str(tmp_path / "none.pt"), "--out", str(tmp_path / "e.npz")]) == 2
     assert "none.pt" in capsys.readouterr().err
+
+
+def test_imports_run_one_way():
+    """builders and embed never import the loop (loop, embed and demo import the builders)."""
+    import ast
+    from pathlib import Path
+
+    import deepmetric.train as pkg
+
+    root = Path(pkg.__file__).parent
+
+    def imported(name):
+        tree = ast.parse((root / name).read_text())
+        mods = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                mods.add(("." * node.level) + (node.module or ""))
+            elif isinstance(node, ast.Import):
+                mods.update(a.name for a in node.names)
+        return mods
+
+    builders = {m for m in imported("builders.py") if m.startswith((".", "deepmetric"))}
+    assert builders <= {".config", "deepmetric.data", "deepmetric.data.synthetic", "deepmetric.models",
+                        "deepmetric.losses"}, builders
+    for name in ("builders.py", "embed.py", "amp.py", "checkpoint.py", "module.py"):
+        assert not {".loop", "deepmetric.train.loop"} & imported(name), name
+    assert ".builders" in imported("embed.py") and ".builders" in imported("loop.py")

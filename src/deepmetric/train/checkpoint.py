@@ -1,15 +1,21 @@
 """Atomic, ``weights_only``-loadable checkpoints, RNG state capture and Ctrl-C handling.
 
 A checkpoint is a plain dict of tensors and Python primitives (no pickled classes), so it
-loads with ``torch.load(path, weights_only=True)``::
+loads with ``torch.load(path, weights_only=True)``.  ``checkpoint_dict`` writes it and
+``restore`` reads it back, key by key in the same order::
 
-    {"format": "deepmetric-checkpoint", "version": 1,
+    {"format": "deepmetric-checkpoint", "version": 2,
+     **asdict(TrainState):  "epoch", "batch_in_epoch", "iteration", "epoch_loss_sum",
+                            "epoch_loss_n", "best", "metrics",
      "model": state_dict, "loss": [state_dict per term], "alphas": [float|None per term],
      "optimizer": state_dict, "grad_scaler": state_dict|None,
      "schedules": {"lr": ..., "temperature": ...}, "sampler": state_dict|None,
-     "rng": {"python": [...], "numpy": {...}, "torch": ByteTensor, "cuda": [ByteTensor]},
-     "epoch": epochs completed, "batch_in_epoch": batches done in the current epoch,
-     "iteration": optimisation steps done, "best": {...}, "config": resolved config dict}
+     "rng": [{"python": [...], "numpy": {...}, "torch": ByteTensor, "cuda": [ByteTensor]}],
+     "model_args": {"num_classes", "embedding_dim", "world_size"} (what rebuilds the model),
+     "config": resolved config dict}
+
+Version 1 files (``"epoch_loss": [sum, n]`` and ``"meta"`` instead of ``"model_args"``) are
+upgraded in memory by ``load_checkpoint``.
 
 Writes go to a temporary file in the same directory, are fsync'ed and then ``os.replace``d
 over the target, so a crash (even SIGKILL) during saving leaves the previous file intact.
@@ -21,14 +27,23 @@ import random
 import signal
 import tempfile
 import threading
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+
+from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha, set_alpha
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "CHECKPOINT_VERSION",
+    "TrainState",
+    "Trainables",
+    "checkpoint_dict",
+    "restore",
     "save_checkpoint",
     "load_checkpoint",
     "get_rng_state",
@@ -38,6 +53,7 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = "deepmetric-checkpoint"
+CHECKPOINT_VERSION = 2
 
 
 def to_safe(obj: Any) -> Any:
@@ -59,7 +75,7 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     state = dict(state)
     state.setdefault("format", CHECKPOINT_FORMAT)
-    state.setdefault("version", 1)
+    state.setdefault("version", CHECKPOINT_VERSION)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -102,9 +118,99 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
         ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint {path} is not a deepmetric checkpoint (no 'format' marker)")
+    version = int(state.get("version", 1))
+    if version > CHECKPOINT_VERSION:
+        raise ValueError(f"checkpoint {path} has format version {version}; this deepmetric reads "
+                         f"versions 1 to {CHECKPOINT_VERSION} (upgrade deepmetric)")
     for key in ("model", "config"):
         if key not in state:
             raise ValueError(f"checkpoint {path} is incomplete: missing '{key}'")
+    if version == 1:
+        state = _upgrade_v1(state)
+    return state
+
+
+def _upgrade_v1(state: dict) -> dict:
+    """Version 1 -> 2: ``epoch_loss: [sum, n]`` became two counters, ``meta`` ``model_args``."""
+    state = dict(state)
+    if "epoch_loss" in state:
+        total, n = state.pop("epoch_loss")
+        state["epoch_loss_sum"], state["epoch_loss_n"] = float(total), int(n)
+    if "meta" in state:
+        state["model_args"] = state.pop("meta")
+    state.setdefault("batch_in_epoch", 0)
+    state["version"] = CHECKPOINT_VERSION
+    return state
+
+
+# --------------------------------------------------------------------------- training state
+@dataclass
+class TrainState:
+    """The counters of a run: saved with ``asdict`` as top-level checkpoint keys."""
+
+    epoch: int = 0                 # epochs completed
+    batch_in_epoch: int = 0        # batches done in the current, unfinished epoch
+    iteration: int = 0             # optimisation steps done
+    epoch_loss_sum: float = 0.0    # running sum and count of this epoch's losses (the
+    epoch_loss_n: int = 0          # train_loss monitor of auto_plateau)
+    best: dict = field(default_factory=dict)     # {"metric", "value", "epoch"}
+    metrics: dict = field(default_factory=dict)  # the last evaluation
+
+
+@dataclass
+class Trainables:
+    """The objects whose state a checkpoint holds beside ``TrainState``."""
+
+    model: nn.Module
+    losses: nn.ModuleList
+    optimizer: torch.optim.Optimizer
+    scaler: Any                    # torch.amp.GradScaler
+    lr_schedule: LrSchedule
+    temperature: TemperatureSchedule
+    sampler: Any                   # a deepmetric batch sampler
+
+
+def checkpoint_dict(state: TrainState, objs: Trainables, *, model_args: dict, config: dict) -> dict:
+    """Everything needed to continue the run exactly (see the module docstring)."""
+    mid_epoch = state.batch_in_epoch > 0
+    return {
+        **asdict(state),
+        "model": objs.model.state_dict(),
+        "loss": [loss.state_dict() for loss in objs.losses],
+        "alphas": [get_alpha(loss) if has_alpha(loss) else None for loss in objs.losses],
+        "optimizer": objs.optimizer.state_dict(),
+        "grad_scaler": objs.scaler.state_dict() if objs.scaler.is_enabled() else None,
+        "schedules": {"lr": objs.lr_schedule.state_dict(),
+                      "temperature": to_safe(objs.temperature.state_dict())},
+        "sampler": to_safe(objs.sampler.state_dict(batches_done=state.batch_in_epoch)) if mid_epoch else None,
+        "rng": [get_rng_state()],
+        "model_args": dict(model_args),
+        "config": config,
+    }
+
+
+def restore(ckpt: dict, objs: Trainables, *, rank: int = 0) -> TrainState:
+    """Load a ``checkpoint_dict`` (as returned by ``load_checkpoint``) into ``objs`` and the
+    RNGs of this rank; returns the saved ``TrainState``."""
+    state = TrainState(**{f.name: ckpt[f.name] for f in fields(TrainState) if f.name in ckpt})
+    objs.model.load_state_dict(ckpt["model"])
+    for loss, loss_state in zip(objs.losses, ckpt["loss"]):
+        loss.load_state_dict(loss_state)
+    for loss, alpha in zip(objs.losses, ckpt.get("alphas", [])):
+        if alpha is not None and has_alpha(loss):
+            set_alpha(loss, alpha)
+    objs.optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt.get("grad_scaler"):
+        objs.scaler.load_state_dict(ckpt["grad_scaler"])
+    objs.lr_schedule.load_state_dict(ckpt["schedules"]["lr"])
+    objs.temperature.load_state_dict(ckpt["schedules"]["temperature"])
+    if ckpt.get("sampler") is not None and state.batch_in_epoch > 0:
+        objs.sampler.load_state_dict(ckpt["sampler"])
+    rng = ckpt["rng"]
+    if isinstance(rng, dict):
+        set_rng_state(rng)
+    elif rank < len(rng):
+        set_rng_state(rng[rank])
     return state
 
 

@@ -85,7 +85,8 @@ def _plots(out: Path, snapshots: dict, at: int) -> list[Path]:
 
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=None) -> dict:
     """Run the demo; returns the summary written to ``demo_metrics.json``."""
-    from .loop import build_dataset_split, train
+    from .builders import build_dataset
+    from .loop import train
 
     t_start = time.perf_counter()
     cfg = demo_config(out, quick=quick, overrides=overrides)
@@ -94,8 +95,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=No
 
     # Rendering (or loading the cached glyphs) is timed on its own; train() then reads the cache.
     t0 = time.perf_counter()
-    train_ds = build_dataset_split(cfg, "train", train=True)
-    test_ds = build_dataset_split(cfg, "test", train=False)
+    train_ds = build_dataset(cfg, "train", train=True)
+    test_ds = build_dataset(cfg, "test", train=False)
     t_data = time.perf_counter() - t0
     cached = getattr(train_ds, "from_cache", None)
     print(f"[demo] glyphs: {train_ds.num_classes} train / {test_ds.num_classes} unseen test characters, "

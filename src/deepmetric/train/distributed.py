@@ -10,7 +10,7 @@ Loss scale: DDP *averages* parameter gradients over ranks.  A gathered loss L(al
 same number on every rank, and each rank back-propagates only through its own slice, so the
 per-rank gradients are the partial sums of dL/dtheta; their average is dL/dtheta /
 world_size.  Gathered terms are therefore multiplied by ``world_size`` (see
-``deepmetric.train.loop.TrainingModule``).  Per-sample-mean terms computed locally (the
+``deepmetric.train.module.TrainingModule``).  Per-sample-mean terms computed locally (the
 classifier losses) need no correction: the average of the local means is the global mean.
 """
 from __future__ import annotations

@@ -10,7 +10,6 @@ evaluate`` reads (``embeddings``, ``labels`` and, for query/gallery data, ``is_q
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,19 +18,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from .amp import autocast_context
+from .builders import build_dataset, build_losses, build_model
+from .checkpoint import load_checkpoint
+from .config import config_from_dict
+
 __all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "embed_checkpoint",
            "load_model_from_checkpoint"]
-
-
-def autocast_context(device: torch.device, amp: str):
-    """``torch.autocast`` for ``amp`` in none / bf16 / fp16 (fp16 only on CUDA)."""
-    if amp == "none":
-        return contextlib.nullcontext()
-    if amp == "fp16" and device.type != "cuda":
-        raise ValueError("config key 'train.amp': fp16 needs a CUDA device (it needs a gradient "
-                         "scaler); use amp=bf16 on CPU")
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 @torch.no_grad()
@@ -120,21 +113,17 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
 
     Returns ``(model, losses, cfg, state)``; the model is in eval mode on ``device``.
     """
-    from .checkpoint import load_checkpoint
-    from .config import config_from_dict
-    from .loop import build_losses, build_model
-
     state = load_checkpoint(path)
     cfg = config_from_dict(state["config"])
-    meta = state.get("meta", {})
-    num_classes = meta.get("num_classes")
+    model_args = state.get("model_args", {})
+    num_classes = model_args.get("num_classes")
     model = build_model(cfg, num_classes=num_classes)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise ValueError(f"checkpoint {path}: model weights do not match the config's model "
                          f"({str(exc)[:300]})") from None
-    losses = build_losses(cfg, num_classes=num_classes, embedding_dim=meta.get("embedding_dim"))
+    losses = build_losses(cfg, num_classes=num_classes, embedding_dim=model_args.get("embedding_dim"))
     for loss, ls in zip(losses, state.get("loss", [])):
         loss.load_state_dict(ls)
     device = torch.device(device)
@@ -153,7 +142,6 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
     / ``is_gallery``; naming one of them embeds only that split.
     """
     from .distributed import resolve_device
-    from .loop import build_dataset_split
 
     dev = resolve_device(device)
     model, losses, cfg, _ = load_model_from_checkpoint(checkpoint, dev)
@@ -168,14 +156,14 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
               channels_last=cfg.train.channels_last, num_workers=num_workers)
     arrays: dict[str, np.ndarray]
     if split == "query+gallery" or (split == "test" and cfg.data.name == "inshop"):
-        q = compute_embeddings(model, build_dataset_split(cfg, "query", train=False), **kw)
-        g = compute_embeddings(model, build_dataset_split(cfg, "gallery", train=False), **kw)
+        q = compute_embeddings(model, build_dataset(cfg, "query", train=False), **kw)
+        g = compute_embeddings(model, build_dataset(cfg, "gallery", train=False), **kw)
         is_query = np.r_[np.ones(len(q["labels"]), bool), np.zeros(len(g["labels"]), bool)]
         arrays = {"embeddings": np.concatenate([q["embeddings"], g["embeddings"]]),
                   "labels": np.concatenate([q["labels"], g["labels"]]),
                   "is_query": is_query, "is_gallery": ~is_query}
     else:
-        r = compute_embeddings(model, build_dataset_split(cfg, split, train=False), **kw)
+        r = compute_embeddings(model, build_dataset(cfg, split, train=False), **kw)
         arrays = {"embeddings": r["embeddings"], "labels": r["labels"]}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

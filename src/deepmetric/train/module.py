@@ -1,0 +1,98 @@
+"""The module that is trained: model + weighted loss terms (``TrainingModule``), and the
+class-means initialisation of classifier losses."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import distributed as D
+from .amp import autocast_context
+
+__all__ = ["PAIR_BASED_LOSSES", "TrainingModule", "init_from_class_means"]
+
+#: Losses whose value depends on pairs/tuples of batch samples: under DDP they see the
+#: embeddings of all ranks.  Per-sample losses (heated softmax, Proxy-NCA, CE) stay local
+#: (DDP's gradient average is then the global-batch mean), and the centre loss all-reduces
+#: its own centre update.
+PAIR_BASED_LOSSES = frozenset({"triplet", "npair", "almn", "contrastive", "lifted"})
+
+
+class TrainingModule(nn.Module):
+    """Model + loss terms as one module, so DDP synchronises both (classifier-loss parameters
+    such as heated-softmax ``W`` are trained like model parameters).
+
+    ``forward(x, y)`` returns ``(total, parts)``: ``total = sum_i weight_i * term_i``.  When
+    distributed, terms flagged ``gather`` see the embeddings/labels of all ranks and are
+    multiplied by ``world_size`` so that DDP's gradient averaging gives exactly the
+    single-process gradient of the whole global batch (see ``deepmetric.train.distributed``).
+    """
+
+    def __init__(self, model: nn.Module, losses: nn.ModuleList, terms, *, world_size: int = 1,
+                 amp: str = "none", device: torch.device | None = None):
+        super().__init__()
+        self.model = model
+        self.losses = losses
+        self.weights = [float(t.weight) for t in terms]
+        self.inputs = [t.input for t in terms]
+        self.names = [t.name for t in terms]
+        self.gather = [t.gather if t.gather is not None else t.name in PAIR_BASED_LOSSES for t in terms]
+        self.world_size = world_size
+        self.amp = amp
+        self.device = device or torch.device("cpu")
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        with autocast_context(self.device, self.amp):
+            out = self.model(x)
+        total = 0.0
+        parts = []
+        # Losses in float32 outside autocast: softmax temperatures and distances need it.
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            for name, loss, w, inp, gather in zip(self.names, self.losses, self.weights,
+                                                   self.inputs, self.gather):
+                if inp not in out:
+                    raise ValueError(f"loss term {name!r} reads the model output {inp!r}, but the model "
+                                     f"returns only {sorted(out)}")
+                z = out[inp].float()
+                if gather and self.world_size > 1:
+                    value = loss(D.all_gather_with_grad(z), D.all_gather_with_grad(y)) * self.world_size
+                else:
+                    value = loss(z, y)
+                parts.append(value)
+                total = total + w * value
+        return total, parts
+
+
+@torch.no_grad()
+def init_from_class_means(model: nn.Module, loss: nn.Module, dataset, *, device: torch.device,
+                          batch_size: int = 256, seed: int = 0, amp: str = "none") -> None:
+    """Heated-up paper, official code for SOP: set the classifier's weights to the
+    l2-normalised per-class means of the training embeddings before training.
+
+    The embeddings are taken as the loss will see them in the first steps: batch-norm layers
+    use the statistics of (shuffled, seeded) batches rather than their untrained running
+    averages, dropout is off, and every buffer (running statistics) is restored afterwards.
+    """
+    if not hasattr(loss, "init_from_class_means"):
+        raise ValueError(f"config key 'loss.init': {type(loss).__name__} has no class weights to "
+                         f"initialise from class means (use it with heated_softmax)")
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    was_training = model.training
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()
+    g = torch.Generator().manual_seed(seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=g,
+                                         drop_last=len(dataset) > batch_size)
+    embs, labels = [], []
+    try:
+        for x, y in loader:
+            with autocast_context(device, amp):
+                embs.append(model(x.to(device))["embedding"].float())
+            labels.append(torch.as_tensor(y).to(device))
+    finally:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(buffers[k])
+        model.train(was_training)
+    loss.init_from_class_means(torch.cat(embs), torch.cat(labels))
