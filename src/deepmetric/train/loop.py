@@ -17,12 +17,22 @@
    gradient accumulation and the fp16 scaler), step; log every step as JSON lines; stop
    cleanly on Ctrl-C (checkpoint first) or a non-finite loss (no checkpoint written);
 7. at epoch end: evaluate when due (zero-shot retrieval/clustering with
-   ``deepmetric.evaluate``), feed ``auto_plateau``, save ``last.pt`` (and ``best.pt``).
+   ``deepmetric.evaluate``), feed ``auto_plateau``, save ``last.pt`` (and ``best.pt``); the
+   last epoch's ``last.pt`` is written before its evaluation runs, so a failing evaluation
+   never loses the training (``--resume`` then only evaluates).
+
+Before the first step (``deepmetric.train.preflight``) the config's option names and metric
+names are checked, every image of every split has its header read, and the model runs on two
+training images; rank 0 prints a summary of the run (``deepmetric.train.summary``), warnings
+(small images enlarged, very few training classes) and the baselines (``eval.baselines``: the
+network at epoch 0 and, for images up to 64 x 64, raw pixels).  After the last step it prints
+the final metrics, the time and the paths of what was written.
 
 Files in ``train.out_dir``: ``config.yaml`` (resolved), ``log.jsonl`` (one ``{"type":
 "step"}`` record per optimisation step, one ``{"type": "eval"}`` per evaluation, one
-``{"type": "heat_up"}`` per temperature event), ``last.pt``, ``best.pt``, ``metrics.json``.
-Only rank 0 writes.
+``{"type": "heat_up"}`` per temperature event, one ``{"type": "baseline"}`` per baseline),
+``last.pt``, ``best.pt``, ``metrics.json`` (last and best metrics, heat-ups, ``baselines``,
+``warnings``).  Only rank 0 writes.
 """
 from __future__ import annotations
 
@@ -39,6 +49,7 @@ import torch
 from torch import nn
 
 from . import distributed as D
+from . import preflight as P
 from .amp import autocast_context, check_amp
 from .builders import (build_dataset, build_losses, build_model, build_sampler, embedding_dim_of,
                        seed_everything)
@@ -49,6 +60,7 @@ from .embed import evaluate_model
 from .module import PAIR_BASED_LOSSES, TrainingModule, init_from_class_means
 from .optim import build_optimizer
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
+from .summary import format_baseline, format_run_end, format_run_summary
 
 #: The builders' old names, still importable from here.
 build_dataset_split = build_dataset
@@ -105,6 +117,29 @@ def _truncate_log(path: Path, iteration: int, epoch: int) -> None:
             continue
         keep.append(line)
     path.write_text("".join(l + "\n" for l in keep), encoding="utf-8")
+
+
+def _read_log(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _baselines_from_log(path: Path) -> dict[str, dict]:
+    """The ``{"type": "baseline"}`` records of a resumed run, as ``compute_baselines`` returns them."""
+    out = {}
+    for rec in _read_log(path):
+        if rec.get("type") == "baseline":
+            rest = {k: v for k, v in rec.items() if k not in ("type", "name", "label", "epoch", "step", "skipped")}
+            out[rec["name"]] = ({"label": rec.get("label"), "skipped": rec["skipped"]} if "skipped" in rec
+                                else {"label": rec.get("label"), "metrics": rest})
+    return out
 
 
 def _configure_torch(tc, device: torch.device) -> None:
@@ -205,6 +240,8 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     """
     # 1. process set-up ------------------------------------------------------------------
     tc = cfg.train
+    t_start = time.perf_counter()
+    P.check_config(cfg)  # option and metric names: fail before anything is built
     dist_info = D.init_distributed(tc.device)
     device, rank, world, main = dist_info.device, dist_info.rank, dist_info.world_size, dist_info.is_main
     _configure_torch(tc, device)
@@ -230,6 +267,8 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
 
     # 3. model and loss terms ------------------------------------------------------------
     model = build_model(cfg, num_classes=num_classes)
+    # pre-flight: image headers of every split, the model on two training images
+    input_shape, run_warnings = P.check_run(cfg, model, train_ds, eval_sets)
     embedding_dim = embedding_dim_of(model, train_ds)
     losses = build_losses(cfg, num_classes=num_classes, embedding_dim=embedding_dim)
     if world > 1 and tc.sync_bn and device.type == "cuda":
@@ -238,6 +277,14 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     losses.to(device)
     if tc.channels_last:
         model.to(memory_format=torch.channels_last)
+    if main:
+        print(format_run_summary(cfg, train_set=train_ds, eval_sets=eval_sets, model=model, losses=losses,
+                                 embedding_dim=embedding_dim, input_shape=input_shape, device=device,
+                                 world=world, threads=torch.get_num_threads(),
+                                 steps_per_epoch=max(batches_per_epoch // tc.grad_accum, 1),
+                                 total_epochs=total_epochs, total_steps=total_iters, out_dir=out_dir), flush=True)
+        for w in run_warnings:
+            print(f"[deepmetric] warning: {w}", flush=True)
     if resume is None and main:  # rank 0 only: DDP broadcasts rank 0's parameters below
         for term, loss in zip(cfg.loss, losses):
             if term.init == "class_means":
@@ -275,11 +322,41 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     def save(path: Path) -> Path:
         return save_checkpoint(checkpoint_dict(state, objs, model_args=model_args, config=config_dict), path)
 
+    def keep_best(epoch: int) -> None:
+        """After an evaluation: check the metric, update ``state.best``, write ``best.pt``."""
+        key = cfg.eval.best_metric
+        _check_metric(key, "eval.best_metric", state.metrics)
+        value = state.metrics[key]
+        if state.best["value"] is None or value > state.best["value"]:
+            state.best = {"metric": key, "value": value, "epoch": epoch}
+            if main:
+                save(out_dir / "best.pt")
+
     # 6. epochs --------------------------------------------------------------------------
-    if resume is None and cfg.eval.at_start:
-        state.metrics = evaluate(0, 0, current_alphas(temperature, losses))
+    baselines: dict[str, dict] = {}
+    if resume is None:
+        at_start = None
+        if cfg.eval.at_start:
+            state.metrics = at_start = evaluate(0, 0, current_alphas(temperature, losses))
+        if cfg.eval.baselines and main:
+            baselines = P.compute_baselines(model, losses, eval_sets, cfg, device=device, at_start=at_start)
+            for name, b in baselines.items():
+                print(format_baseline(b["label"], b.get("metrics"), b.get("skipped", "")), flush=True)
+                extra = {"skipped": b["skipped"]} if "skipped" in b else b["metrics"]
+                log.write({"type": "baseline", "name": name, "label": b["label"], "epoch": 0, "step": 0, **extra})
+    elif main:
+        baselines = _baselines_from_log(out_dir / "log.jsonl")
     interrupted = False
     finished = state.iteration >= total_iters
+    if resume is not None and finished:
+        # A run whose last evaluation failed after its checkpoint was written: evaluate now.
+        evaluated = main and any(r.get("type") == "eval" and r.get("epoch") == state.epoch
+                                 for r in _read_log(out_dir / "log.jsonl"))
+        if D.any_true(main and not evaluated, device):
+            state.metrics = evaluate(state.epoch, state.iteration, current_alphas(temperature, losses))
+            keep_best(state.epoch)
+            if main:
+                last_ckpt = save(out_dir / "last.pt")
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
@@ -392,11 +469,10 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
                 if temperature.observe(mean_loss, epoch, state.iteration) and main:
                     log.write({"type": "heat_up", "epoch": epoch, "step": state.iteration,
                                **temperature.history[-1]})
+            if main and (epoch == total_epochs or finished):
+                last_ckpt = save(out_dir / "last.pt")  # the training is safe before evaluation runs
             if _eval_due(cfg, epoch, total_epochs, finished):
                 state.metrics = evaluate(epoch, state.iteration, current_alphas(temperature, losses))
-                key = cfg.eval.best_metric
-                _check_metric(key, "eval.best_metric", state.metrics)
-                value = state.metrics[key]
                 if monitor != "train_loss":
                     if cfg.schedule.temperature.name == "auto_plateau":
                         _check_metric(monitor, "schedule.temperature.monitor", state.metrics)
@@ -404,11 +480,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
                                                                         state.iteration) and main:
                         log.write({"type": "heat_up", "epoch": epoch, "step": state.iteration,
                                    **temperature.history[-1]})
-                is_best = state.best["value"] is None or value > state.best["value"]
-                if is_best:
-                    state.best = {"metric": key, "value": value, "epoch": epoch}
-                if main and is_best:
-                    save(out_dir / "best.pt")
+                keep_best(epoch)
             if main and (epoch % tc.checkpoint_every == 0 or epoch == total_epochs or finished):
                 last_ckpt = save(out_dir / "last.pt")
             D.barrier()
@@ -416,8 +488,12 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     log.close()
     if main and not interrupted:
         summary = {"metrics": state.metrics, "best": state.best, "epochs": state.epoch,
-                   "steps": state.iteration, "heat_ups": temperature.history}
+                   "steps": state.iteration, "heat_ups": temperature.history,
+                   "baselines": baselines, "warnings": run_warnings}
         (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=float))
+        print(format_run_end(metrics=state.metrics, best=state.best, seconds=time.perf_counter() - t_start,
+                             epochs=state.epoch, steps=state.iteration, out_dir=out_dir,
+                             baselines=baselines), flush=True)
     D.cleanup_distributed(dist_info)
     return TrainResult(out_dir, state.metrics, state.best, state.epoch, state.iteration, interrupted)
 

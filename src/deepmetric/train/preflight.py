@@ -21,6 +21,7 @@ nearest-neighbour retrieval that needs no training at all.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import time
@@ -44,6 +45,10 @@ __all__ = [
     "size_warnings",
     "few_classes_warning",
     "raw_pixel_baseline",
+    "rng_preserved",
+    "check_config",
+    "check_run",
+    "compute_baselines",
 ]
 
 #: Fewer training classes than this triggers :func:`few_classes_warning`.
@@ -435,3 +440,64 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
         metrics = evaluate(np.concatenate([xq, xg]), np.concatenate([yq, yg]), is_query=is_query,
                            is_gallery=~is_query, ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed)
     return {k: float(v) for k, v in metrics.items()}, f"raw pixels ({desc} = {d}-d)"
+
+
+# --------------------------------------------------------------------------- as the loop uses them
+@contextlib.contextmanager
+def rng_preserved():
+    """Run a block without changing the Python / NumPy / torch random streams (checks and
+    baselines must not change what training does)."""
+    from .checkpoint import get_rng_state, set_rng_state
+
+    saved = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
+
+
+def check_config(cfg: Config) -> None:
+    """Everything checkable from the config alone (before data or model are built)."""
+    check_config_options(cfg)
+    check_metric_names(cfg)
+
+
+def check_run(cfg: Config, model: nn.Module, train_set, eval_sets: dict[str, Any]) -> tuple[tuple[int, ...], list[str]]:
+    """Checks of the built run, before the first step: image headers of every split, the
+    model on two training images, sizes and class count.  Returns ``(input shape, warnings)``;
+    the random streams are left as they were."""
+    check_images_readable(train_set, cfg.data.train_split)
+    for key, ds in eval_sets.items():
+        check_images_readable(ds, cfg.eval.split if key == "query" else (cfg.eval.gallery_split or key))
+    with rng_preserved():
+        shape = check_model_input(model, train_set, cfg)
+    warns = size_warnings(cfg, train_set, shape)
+    n = getattr(train_set, "num_classes", None)
+    if n is None:
+        n = len(np.unique(np.asarray(train_set.labels)))
+    w = few_classes_warning(int(n))
+    if w is not None:
+        warns.append(w)
+    return shape, warns
+
+
+def compute_baselines(model: nn.Module, losses, eval_sets: dict[str, Any], cfg: Config, *,
+                      device: torch.device, at_start: dict[str, float] | None = None) -> dict[str, dict]:
+    """``{"epoch0": {"label", "metrics"}, "raw_pixels": {"label", "metrics"} or {"label",
+    "skipped"}}``: the network before training (``at_start`` when already evaluated) and raw
+    pixels, evaluated like the trained model."""
+    from .embed import evaluate_model
+
+    out: dict[str, dict] = {}
+    pre = cfg.model.options.get("pretrained")
+    label = f"epoch 0 ({'pretrained' if pre else 'untrained'} network)"
+    with rng_preserved():
+        if at_start is None:
+            at_start, _ = evaluate_model(model, eval_sets, cfg, device=device, losses=losses)
+        out["epoch0"] = {"label": label, "metrics": dict(at_start)}
+        metrics, desc = raw_pixel_baseline(eval_sets, cfg)
+    if metrics is not None:
+        out["raw_pixels"] = {"label": desc, "metrics": metrics}
+    else:
+        out["raw_pixels"] = {"label": "raw pixels", "skipped": desc}
+    return out
