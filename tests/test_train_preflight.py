@@ -210,6 +210,9 @@ def test_run_summary_names_split_model_loss_device_and_output(tmp_path):
     assert f"glyph_resnet: {n_params / 1e3:.1f} k parameters, 4-d embedding, input [1, 12, 10]" in text
     assert "1 x heated_softmax(alpha=16)" in text and "5 steps/epoch x 3 epochs = 15 steps" in text
     assert "device   cpu, 2 threads, 0 loader workers" in text
+    assert "warning" not in format_run_end(metrics={"recall@1": 0.9}, best={"metric": "recall@1", "value": 0.9, "epoch": 1},
+                                           seconds=1, epochs=1, steps=1, out_dir=tmp_path,
+                                           baselines={"epoch0": {"label": "epoch 0", "metrics": {"recall@1": 0.5}}})
     assert describe_split(tr, max_names=2) == "3 classes, 6 images: eight, five, ... (+1 more)"
 
 
@@ -223,5 +226,6 @@ def test_run_end_lists_metrics_time_paths_and_baselines(tmp_path):
     assert "final    recall@1 85.5%, nmi 0.500" in text
     assert "best     recall@1 86.0% at epoch 4" in text
     assert "baseline raw pixels: recall@1 96.0%" in text
-    assert f"checkpoint {tmp_path / 'last.pt'}" in text and f"log      {tmp_path / 'log.jsonl'}" in text
+    assert "warning: the trained embedding (recall@1 85.5%) is below the baseline of raw pixels" in text
+    assert f"checkpoint {tmp_path / 'last.pt'}" in text and f"log       {tmp_path / 'log.jsonl'}" in text
     assert "best.pt" not in text and f"deepmetric report {tmp_path}" in text

@@ -370,8 +370,8 @@ def few_classes_warning(num_classes: int, threshold: int = FEW_CLASSES) -> str |
     if num_classes >= threshold:
         return None
     return (f"only {num_classes} training classes: an embedding learnt from so few classes "
-            "generalises poorly to unseen (test) classes; compare the final metrics with the "
-            "baselines above, and add classes if you can")
+            "generalises poorly to unseen (test) classes; check that training beats the "
+            "baselines, and add classes if you can")
 
 
 # --------------------------------------------------------------------------- raw pixels

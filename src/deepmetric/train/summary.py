@@ -148,8 +148,9 @@ def format_run_summary(cfg: Config, *, train_set, eval_sets: dict[str, Any], mod
                     if cfg.schedule.temperature.name != "none" else ""))
     dev = f"{device}"
     if threads is not None:
-        dev += f", {threads} threads"
-    dev += f", {cfg.data.num_workers} loader workers"
+        dev += f", {threads} thread{'s' if threads != 1 else ''}"
+    nw = cfg.data.num_workers
+    dev += f", {nw} loader worker{'s' if nw != 1 else ''}"
     if t.amp != "none":
         dev += f", amp {t.amp}"
     lines.append(f"  device   {dev}")
@@ -190,17 +191,24 @@ def format_run_end(*, metrics: dict[str, float], best: dict[str, Any], seconds: 
     if best.get("value") is not None:
         lines.append(f"  best     {best['metric']} {100 * best['value']:.1f}% at epoch {best['epoch']}")
     key = best.get("metric")
+    beaten_by = []
     for name, b in (baselines or {}).items():
         m = b.get("metrics") or {}
         if key in m:
             lines.append(f"  baseline {b.get('label', name)}: {key} {100 * m[key]:.1f}%")
-    names = {"last.pt": "checkpoint", "best.pt": "best", "log.jsonl": "log", "metrics.json": "metrics"}
+            if key in metrics and m[key] > metrics[key]:
+                beaten_by.append(b.get("label", name))
+    if beaten_by:
+        lines.append(f"  warning: the trained embedding ({key} {100 * metrics[key]:.1f}%) is below the "
+                     f"baseline of {' and '.join(beaten_by)}: training did not help on the test classes "
+                     "(more classes, more epochs or a different model may)")
+    names = {"last.pt": "checkpoint", "best.pt": "best ckpt", "log.jsonl": "log", "metrics.json": "metrics"}
     for f in files:
         if (out / f).exists():
-            lines.append(f"  {names.get(f, f):<8} {out / f}")
+            lines.append(f"  {names.get(f, f):<9} {out / f}")
     report = out / "report"
     if report.is_dir():
-        lines.append(f"  report   {report}")
+        lines.append(f"  report    {report}")
     else:
-        lines.append(f"  report   deepmetric report {out}")
+        lines.append(f"  report    deepmetric report {out}")
     return "\n".join(lines)
