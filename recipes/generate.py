@@ -130,13 +130,11 @@ def heated_config(name: str, dataset: str, *, norm: str, alpha: float, heated: b
                     "lr_factor": 0.1} if heated else {"name": "none"})
     if dataset == "inshop":
         ev = {"every": 5, "split": "query", "gallery_split": "gallery", "ks": [1, 10, 20, 30],
-              "metrics": ["recall"], "best_metric": "recall@1"}
+              "metrics": ["recall"]}
     elif dataset == "sop":
-        ev = {"every": 10, "split": "test", "ks": [1, 10, 100], "metrics": ["recall", "nmi"],
-              "best_metric": "recall@1"}
+        ev = {"every": 10, "split": "test", "ks": [1, 10, 100], "metrics": ["recall", "nmi"]}
     else:
-        ev = {"every": 5, "split": "test", "ks": [1, 2, 4, 8], "metrics": ["recall", "nmi"],
-              "best_metric": "recall@1"}
+        ev = {"every": 5, "split": "test", "ks": [1, 2, 4, 8], "metrics": ["recall", "nmi"]}
     return {
         "name": name,
         "description": description,
@@ -279,8 +277,7 @@ def almn_config(name: str, dataset: str, *, beta: float, m: int = 26, n: int = 5
                      "temperature": {"name": "none"}},
         "train": {"iterations": iterations, "batch_size": m * n, "sampler": "class_balanced",
                   "m": m, "n": n, "seed": 0, "out_dir": f"runs/almn/{name}"},
-        "eval": {"every": _eval_every(epochs), "split": "test", "ks": ks, "metrics": metrics,
-                 "best_metric": "recall@1"},
+        "eval": {"every": _eval_every(epochs), "split": "test", "ks": ks, "metrics": metrics},
     }
 
 
@@ -410,7 +407,7 @@ def two_head_config(name: str, arch: str, dataset: str, method: str, *, descript
         "train": {"iterations": iterations, "batch_size": 32, "sampler": "class_balanced",
                   "m": 8, "n": 4, "seed": 0, "out_dir": f"runs/two_head/{name}"},
         "eval": {"every": _eval_every(epochs), "split": "test", "ks": [1, 4, 8, 16],
-                 "metrics": ["recall", "nmi"], "best_metric": "top1", "classification": True},
+                 "metrics": ["recall", "nmi"], "classification": True},
     }
 
 

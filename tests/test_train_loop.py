@@ -44,9 +44,13 @@ def test_end_to_end_run_writes_config_log_checkpoints_and_learns(tmp_path):
     assert last < 0.8 * first  # it trains
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert {k: summary["metrics"][k] for k in ("recall@1", "nmi")} == {k: evals[-1][k] for k in ("recall@1", "nmi")}
-    best = max(evals[1:], key=lambda r: r["recall@1"])
-    assert summary["best"]["value"] == best["recall@1"]
-    for name in ("config.yaml", "last.pt", "best.pt"):
+    assert all(r["split"] == "test" for r in evals)
+    # no validation split: nothing is selected, the final model is the result
+    assert summary["selected"] is None and res.selected is None and not (tmp_path / "best.pt").exists()
+    assert summary["final"] == {"test": summary["metrics"]} == res.final
+    assert summary["epochs"] == 6 and summary["steps"] == res.iteration
+    assert summary["wall_time_s"] > 0 and summary["train_images_per_s"] > 0
+    for name in ("config.yaml", "last.pt"):
         assert (tmp_path / name).is_file()
 
 

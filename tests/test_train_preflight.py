@@ -42,14 +42,18 @@ def test_expected_metrics_equal_what_evaluate_returns(rng):
 
 
 def test_best_metric_typo_fails_before_training():
+    val = {"val_classes": 0.2}  # best.pt is chosen on a validation split
     with pytest.raises(ConfigError, match=r"config key 'eval.best_metric': 'recal@1' is not a metric this run "
                                           r"computes \(did you mean 'recall@1'\?\); the evaluation gives recall@1"):
-        check_metric_names(_cfg(eval={"best_metric": "recal@1"}))
+        check_metric_names(_cfg(data=val, eval={"best_metric": "recal@1"}))
     with pytest.raises(ConfigError, match=r"'recall@16' is not a metric"):
-        check_metric_names(_cfg(eval={"best_metric": "recall@16"}))  # K not in eval.ks
+        check_metric_names(_cfg(data=val, eval={"best_metric": "recall@16"}))  # K not in eval.ks
+    with pytest.raises(ConfigError, match=r"'eval.best_metric': 'recall@1' is not a metric"):
+        check_metric_names(_cfg(data=val, eval={"ks": [2, 4]}))  # the default selection metric
+    check_metric_names(_cfg(eval={"ks": [2, 4]}))  # without a validation split nothing is selected
     with pytest.raises(ConfigError, match=r"config key 'schedule.temperature.monitor': 'map@R'.*did you mean 'map@r'"):
-        check_metric_names(_cfg(schedule={"temperature": {"name": "auto_plateau", "monitor": "map@R"}}))
-    assert "top1" in check_metric_names(_cfg(eval={"best_metric": "top1", "classification": True}))
+        check_metric_names(_cfg(data=val, schedule={"temperature": {"name": "auto_plateau", "monitor": "map@R"}}))
+    assert "top1" in check_metric_names(_cfg(eval={"metrics": ["recall"], "classification": True}))
 
 
 # ----------------------------------------------------------------------------- options
@@ -224,8 +228,8 @@ def test_run_end_lists_metrics_time_paths_and_baselines(tmp_path):
                           baselines={"raw_pixels": {"label": "raw pixels", "metrics": {"recall@1": 0.96}}})
     assert "done: 5 epochs, 75 steps in 12.3 s" in text
     assert "final    recall@1 85.5%, nmi 0.500" in text
-    assert "best     recall@1 86.0% at epoch 4" in text
+    assert "best     validation recall@1 86.0% at epoch 4 (best.pt)" in text
     assert "baseline raw pixels: recall@1 96.0%" in text
     assert "warning: the trained embedding (recall@1 85.5%) is below the baseline of raw pixels" in text
     assert f"checkpoint {tmp_path / 'last.pt'}" in text and f"log       {tmp_path / 'log.jsonl'}" in text
-    assert "best.pt" not in text and f"deepmetric report {tmp_path}" in text
+    assert "best ckpt" not in text and f"deepmetric report {tmp_path}" in text

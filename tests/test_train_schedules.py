@@ -17,7 +17,9 @@ class FixedAlpha(nn.Module):
 
 def _temp(**kw):
     """A validated temperature config (defaults resolved as in a real config)."""
-    return config_from_dict({"train": {"epochs": 1}, "schedule": {"temperature": kw}}).schedule.temperature
+    # a metric monitor watches validation metrics, so the config needs a validation split
+    return config_from_dict({"train": {"epochs": 1}, "data": {"val_classes": 0.2},
+                             "schedule": {"temperature": kw}}).schedule.temperature
 
 
 def test_lr_schedules_closed_forms():

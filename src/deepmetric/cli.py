@@ -172,7 +172,8 @@ def _add_embed_parser(sub) -> None:
     p.add_argument("--data", default=None, help="dataset name (default: the checkpoint's training data)")
     p.add_argument("--root", default=None, help="dataset root directory (default: the checkpoint's data.root)")
     p.add_argument("--split", default="test", help="split to embed (default test; 'all' for a folder without "
-                   "splits); query+gallery (In-shop: test) embeds both with is_query/is_gallery")
+                   "splits); query+gallery (In-shop: test) embeds both with is_query/is_gallery; "
+                   "val: the validation classes of data.val_classes")
     p.add_argument("--out", required=True, help="output .npz (embeddings, labels[, is_query, is_gallery])")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:i]")

@@ -6,7 +6,8 @@ module imports only the config, ``deepmetric.data``, ``deepmetric.models`` and
 ``deepmetric.losses``; ``loop``, ``embed`` and ``demo`` import it, never the reverse.
 
 * ``build_dataset(cfg, split, *, train)``: one split of ``cfg.data`` with the train (augmenting)
-  or test transform;
+  or test transform.  With ``data.val_classes`` the training split loses the validation
+  classes, and ``split="val"`` is those classes' training images (``carve_val_classes``);
 * ``build_sampler(cfg, labels, rank, world)``: random or m x n class-balanced batches,
   sharded over ranks;
 * ``build_model(cfg, num_classes)``: ``create_model(cfg.model.name, **cfg.model.options)``;
@@ -25,8 +26,11 @@ from torch import nn
 
 from .config import Config
 
-__all__ = ["seed_everything", "build_dataset", "build_sampler", "build_model", "build_losses",
-           "embedding_dim_of"]
+__all__ = ["VAL_SPLIT", "seed_everything", "build_dataset", "build_sampler", "build_model", "build_losses",
+           "embedding_dim_of", "carve_val_classes", "ClassSubset"]
+
+#: The name of the validation split carved by ``data.val_classes``.
+VAL_SPLIT = "val"
 
 
 def seed_everything(seed: int) -> None:
@@ -51,8 +55,7 @@ def _call_filling(fn: Callable, name: str, options: dict, auto: dict, target: Ca
     return fn(name, **extra, **options)
 
 
-def build_dataset(cfg: Config, split: str, *, train: bool):
-    """Split ``split`` of ``cfg.data`` with the train (``train=True``) or test transform."""
+def _build_named_split(cfg: Config, split: str, *, train: bool):
     d = cfg.data
     if d.name == "synthetic":
         from deepmetric.data.synthetic import build_synthetic_dataset
@@ -65,6 +68,98 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
     if d.transform is not None:
         transform = build_transform(d.transform, train=train, **d.transform_options)
     return build_named_dataset(d.name, root=d.root, split=split, transform=transform, **d.options)
+
+
+def build_dataset(cfg: Config, split: str, *, train: bool):
+    """Split ``split`` of ``cfg.data`` with the train (``train=True``) or test transform.
+
+    With ``data.val_classes`` set, ``data.train_split`` comes without the validation classes
+    and ``split="val"`` is the validation classes' images (both ``ClassSubset``s of the
+    training split, labels renumbered 0..C-1)."""
+    d = cfg.data
+    if d.val_classes is None or split not in (d.train_split, VAL_SPLIT):
+        return _build_named_split(cfg, split, train=train)
+    full = _build_named_split(cfg, d.train_split, train=train)
+    keep, val = carve_val_classes(full.labels, d.val_classes, seed=_val_seed(cfg),
+                                  class_names=getattr(full, "class_names", None))
+    return ClassSubset(full, val if split == VAL_SPLIT else keep)
+
+
+def _val_seed(cfg: Config) -> int:
+    return cfg.train.seed if cfg.data.val_seed is None else cfg.data.val_seed
+
+
+def carve_val_classes(labels, spec, *, seed: int = 0, class_names=None) -> tuple[np.ndarray, np.ndarray]:
+    """Split the classes of ``labels`` into (training classes, validation classes), sorted.
+
+    ``spec`` is a fraction in (0, 1) of the classes (rounded, at least 1), a count, or a
+    list of class names (looked up in ``class_names``) or label ids.  Fractions and counts
+    draw the classes with ``numpy.random.default_rng(seed)``: the same seed gives the same
+    classes.  At least one class is left for training."""
+    classes = np.unique(np.asarray(labels, dtype=np.int64))
+    n = len(classes)
+    key = "config key 'data.val_classes'"
+    if isinstance(spec, (list, tuple)):
+        names = list(class_names) if class_names is not None else []
+        chosen, unknown = [], []
+        for item in spec:
+            if isinstance(item, str) and item in names:
+                chosen.append(names.index(item))
+            elif isinstance(item, (int, np.integer)) and not isinstance(item, bool) and item in classes:
+                chosen.append(int(item))
+            else:
+                unknown.append(item)
+        if unknown:
+            known = f"names such as {names[:5]}" if names else f"label ids in [{classes.min()}, {classes.max()}]"
+            raise ValueError(f"{key}: {unknown[:10]} are not classes of the training split (expected {known})")
+        val = np.unique(np.asarray(chosen, dtype=np.int64))
+    else:
+        if isinstance(spec, float):
+            if not 0.0 < spec < 1.0:
+                raise ValueError(f"{key}: a fraction must be in (0, 1), got {spec}")
+            k = max(1, int(round(spec * n)))
+        elif isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+            k = int(spec)
+        else:
+            raise ValueError(f"{key}: expected a fraction, a count or a list of classes, got {spec!r}")
+        if not 1 <= k < n:
+            raise ValueError(f"{key}: asks for {k} validation classes, but the training split has "
+                             f"{n} classes (at least one must stay for training)")
+        val = np.sort(np.random.default_rng(seed).permutation(classes)[:k])
+    if len(val) >= n:
+        raise ValueError(f"{key}: every training class would be a validation class")
+    return np.setdiff1d(classes, val), val
+
+
+class ClassSubset(torch.utils.data.Dataset):
+    """The samples of ``dataset`` whose label is in ``classes``, labels renumbered 0..C-1 in
+    the order of ``classes`` (``original_classes[new] = old``)."""
+
+    def __init__(self, dataset, classes):
+        self.dataset = dataset
+        self.original_classes = np.asarray(classes, dtype=np.int64)
+        old = np.asarray(dataset.labels, dtype=np.int64)
+        new_of_old = np.full(int(old.max()) + 1, -1, dtype=np.int64)
+        new_of_old[self.original_classes] = np.arange(len(self.original_classes))
+        self.indices = np.flatnonzero(new_of_old[old] >= 0)
+        self.labels = new_of_old[old[self.indices]]
+        self.num_classes = len(self.original_classes)
+        names = getattr(dataset, "class_names", None)
+        self.class_names = [names[c] for c in self.original_classes] if names is not None else None
+        if getattr(dataset, "paths", None) is not None:
+            self.paths = [dataset.paths[i] for i in self.indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        x, _ = self.dataset[int(self.indices[i])]
+        return x, int(self.labels[i])
+
+    def __getattr__(self, name):  # paths, faces, from_cache, ... of the wrapped dataset
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 def build_sampler(cfg: Config, labels: np.ndarray, rank: int = 0, world: int = 1):

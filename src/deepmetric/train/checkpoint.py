@@ -6,7 +6,8 @@ loads with ``torch.load(path, weights_only=True)``.  ``checkpoint_dict`` writes 
 
     {"format": "deepmetric-checkpoint", "version": 2,
      **asdict(TrainState):  "epoch", "batch_in_epoch", "iteration", "epoch_loss_sum",
-                            "epoch_loss_n", "best", "metrics",
+                            "epoch_loss_n", "best", "metrics", "val_metrics",
+                            "stopped_early", "wall_time_s", "train_seconds", "train_images",
      "model": state_dict, "loss": [state_dict per term], "alphas": [float|None per term],
      "optimizer": state_dict, "grad_scaler": state_dict|None,
      "schedules": {"lr": ..., "temperature": ...}, "sampler": state_dict|None,
@@ -138,6 +139,11 @@ def _upgrade_v1(state: dict) -> dict:
         state["epoch_loss_sum"], state["epoch_loss_n"] = float(total), int(n)
     if "meta" in state:
         state["model_args"] = state.pop("meta")
+    config = state["config"]
+    if isinstance(config, dict) and not (config.get("data") or {}).get("val_classes"):
+        # version 1 chose best.pt on the test split; without a validation split nothing is chosen
+        state["config"] = {**config, "eval": {**(config.get("eval") or {}), "best_metric": None}}
+        state["best"] = {}
     state.setdefault("batch_in_epoch", 0)
     state["version"] = CHECKPOINT_VERSION
     return state
@@ -153,8 +159,14 @@ class TrainState:
     iteration: int = 0             # optimisation steps done
     epoch_loss_sum: float = 0.0    # running sum and count of this epoch's losses (the
     epoch_loss_n: int = 0          # train_loss monitor of auto_plateau)
-    best: dict = field(default_factory=dict)     # {"metric", "value", "epoch"}
-    metrics: dict = field(default_factory=dict)  # the last evaluation
+    best: dict = field(default_factory=dict)     # {"metric", "value", "epoch", "test"}: the
+                                                 # best validation value and that epoch's test metrics
+    metrics: dict = field(default_factory=dict)  # the last test evaluation
+    val_metrics: dict = field(default_factory=dict)  # the last validation evaluation
+    stopped_early: bool = False    # early stopping ended the run
+    wall_time_s: float = 0.0       # wall time of the run so far (all sessions)
+    train_seconds: float = 0.0     # time spent in training epochs (evaluation excluded)
+    train_images: int = 0          # images trained on (all ranks)
 
 
 @dataclass

@@ -14,14 +14,15 @@ A run is described by one YAML file that maps onto the nested dataclasses below
 run directory always records exactly what was trained.  The YAML layout (see
 docs/training.md for every key)::
 
-    data:     {name, root, options, train_split, transform, transform_options, num_workers}
+    data:     {name, root, options, train_split, transform, transform_options, num_workers,
+               val_classes, val_seed}
     model:    {name, options}
     loss:     [{name, weight, input: embedding|logits, options, gather}, ...]
     optim:    {name: sgd|adam|adamw, lr, momentum, weight_decay, new_layer_lr_mult, ...}
     schedule: {lr: {name: constant|step|multistep|poly, ...},
                temperature: {name: none|heat_up|gradual|auto_plateau, ...}}
     train:    {epochs | iterations, batch_size, sampler, m, n, amp, seed, out_dir, ...}
-    eval:     {every, split, gallery_split, ks, metrics, best_metric, baselines, ...}
+    eval:     {every, split, gallery_split, ks, metrics, best_metric, early_stop_patience, baselines, ...}
 """
 from __future__ import annotations
 
@@ -74,6 +75,14 @@ class DataConfig:
     transform: Optional[str] = None
     transform_options: dict[str, Any] = field(default_factory=dict)
     num_workers: int = 0
+    #: validation classes carved from the training split's classes (class-disjoint from
+    #: training and test): ``null`` (no validation split), a fraction in (0, 1) of the
+    #: training classes, a count, or an explicit list of class names / label ids.  Their
+    #: images leave the training set and form the ``val`` split, which selects ``best.pt``
+    #: and drives early stopping and ``auto_plateau`` on a metric.
+    val_classes: Union[int, float, list[Union[int, str]], None] = None
+    #: seed of the random choice of validation classes (``null`` = ``train.seed``).
+    val_seed: Optional[int] = None
 
 
 @dataclass
@@ -250,11 +259,16 @@ class EvalConfig:
     """Zero-shot evaluation during training with ``deepmetric.evaluate``.
 
     Every ``every`` epochs (0 = only at the end; the end is always evaluated) the model
-    embeds ``split``; with ``gallery_split`` (In-shop: ``split: query``,
-    ``gallery_split: gallery``) queries are ranked against the gallery.  The checkpoint
-    with the best ``best_metric`` is kept as ``best.pt``.  ``at_start`` also evaluates the
-    untrained model.  ``classification`` adds top-1 / mean-per-class accuracy of the
-    model's (or the loss's) classifier on ``split``.  ``baselines`` (default on) evaluates,
+    embeds the test ``split`` (logged, marked ``"split": "test"``; never used to choose
+    anything) and, when ``data.val_classes`` carves one, the validation split; with
+    ``gallery_split`` (In-shop: ``split: query``, ``gallery_split: gallery``) test queries
+    are ranked against the gallery.  With a validation split the checkpoint with the best
+    validation ``best_metric`` (default ``recall@1``) is kept as ``best.pt``, and
+    ``early_stop_patience`` stops training after that many epochs without a validation
+    improvement; without one there is no ``best.pt`` (the final model is the result) and
+    setting either key is an error.  ``at_start`` also evaluates the untrained model.
+    ``classification`` adds top-1 / mean-per-class accuracy of the model's (or the loss's)
+    classifier on ``split``.  ``baselines`` (default on) evaluates,
     before training, the untrained (or pretrained) network and, for images up to 64 x 64,
     the raw pixels; they are printed, logged as ``{"type": "baseline"}`` records and stored
     in ``metrics.json`` under ``baselines``.
@@ -266,7 +280,8 @@ class EvalConfig:
     gallery_split: Optional[str] = None
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     metrics: Optional[list[str]] = None
-    best_metric: str = "recall@1"
+    best_metric: Optional[str] = None
+    early_stop_patience: Optional[int] = None
     batch_size: int = 256
     classification: bool = False
     baselines: bool = True
@@ -446,6 +461,7 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'eval.every': must be >= 0, got {cfg.eval.every}")
     if not cfg.eval.ks or any(k < 1 for k in cfg.eval.ks):
         raise ConfigError(f"config key 'eval.ks': expected positive ints, got {cfg.eval.ks}")
+    _check_validation(cfg)
     s = cfg.schedule.lr
     if s.name == "step" and s.step_size < 1:
         raise ConfigError(f"config key 'schedule.lr.step_size': must be >= 1, got {s.step_size}")
@@ -470,6 +486,41 @@ def _check_values(cfg: Config) -> None:
         tc.alpha_factor = 1 / 1.41 if tc.name == "gradual" else 0.25
     if tc.lr_factor is None:
         tc.lr_factor = 0.562 if tc.name == "gradual" else 0.1
+
+
+def _check_validation(cfg: Config) -> None:
+    """Selecting (best.pt, early stopping, auto_plateau on a metric) needs a validation split:
+    the test split is never used to choose anything."""
+    v = cfg.data.val_classes
+    if isinstance(v, float) and not 0.0 < v < 1.0:
+        raise ConfigError(f"config key 'data.val_classes': a fraction must be in (0, 1), got {v}")
+    if isinstance(v, int) and v < 1:
+        raise ConfigError(f"config key 'data.val_classes': a class count must be >= 1, got {v}")
+    if isinstance(v, list) and not v:
+        raise ConfigError("config key 'data.val_classes': the list of validation classes is empty")
+    if cfg.eval.early_stop_patience is not None and cfg.eval.early_stop_patience < 1:
+        raise ConfigError(f"config key 'eval.early_stop_patience': must be >= 1, got "
+                          f"{cfg.eval.early_stop_patience}")
+    if v is not None and cfg.eval.classification:
+        raise ConfigError("config keys 'data.val_classes' and 'eval.classification': validation classes "
+                          "are carved out of training (class-disjoint), so a classifier cannot be "
+                          "evaluated on the test split's classes; use a zero-shot protocol")
+    if v is not None:
+        return
+    why = "the test split is never used to choose a model; add a validation split with " \
+          "data.val_classes (e.g. data.val_classes=0.2)"
+    if cfg.eval.best_metric is not None:
+        raise ConfigError(f"config key 'eval.best_metric' ({cfg.eval.best_metric!r}) selects best.pt "
+                          f"on validation metrics, but there is no validation split: {why}, or remove "
+                          f"the key (the final model is then the result)")
+    if cfg.eval.early_stop_patience is not None:
+        raise ConfigError(f"config key 'eval.early_stop_patience' stops on validation metrics, but "
+                          f"there is no validation split: {why}")
+    t = cfg.schedule.temperature
+    if t.name == "auto_plateau" and t.monitor != "train_loss":
+        raise ConfigError(f"config key 'schedule.temperature.monitor' ({t.monitor!r}) watches a "
+                          f"validation metric, but there is no validation split: {why}, or monitor "
+                          f"train_loss")
 
 
 def config_from_dict(raw: dict | None) -> Config:

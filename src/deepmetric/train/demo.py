@@ -5,7 +5,7 @@ weights, alpha = 16, then alpha x 1/4 and lr x 1/10 for the last third of traini
 a compact ResNet on glyphs of GB2312 characters rendered from the installed CJK fonts,
 and evaluates Recall@{1,2,4,8} and NMI on the *unseen* test characters before heating-up
 (at the heat-up epoch) and after it (at the end).  Writes, under ``--out``:
-``last.pt`` / ``best.pt`` (checkpoints), ``config.yaml``, ``log.jsonl``, ``metrics.json``,
+``last.pt`` (the final model: no validation split, nothing is selected), ``config.yaml``, ``log.jsonl``, ``metrics.json``,
 ``demo_metrics.json`` (before/after/timings) and the plots ``training_curves.png``,
 ``cosine_histograms.png`` (paper Fig. 4, test pairs) and ``recall_curve.png``.
 
@@ -48,7 +48,7 @@ schedule:
   lr: {name: constant}
   temperature: {name: heat_up, at: 4, alpha_factor: 0.25, lr_factor: 0.1}
 train: {epochs: 6, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo}
-eval: {every: 4, ks: [1, 2, 4, 8], best_metric: recall@1}
+eval: {every: 4, ks: [1, 2, 4, 8]}
 """
 
 #: ``--quick``: a seconds-long run for smoke tests (few characters and fonts).

@@ -17,7 +17,9 @@
    gradient accumulation and the fp16 scaler), step; log every step as JSON lines; stop
    cleanly on Ctrl-C (checkpoint first) or a non-finite loss (no checkpoint written);
 7. at epoch end: evaluate when due (zero-shot retrieval/clustering with
-   ``deepmetric.evaluate``), feed ``auto_plateau``, save ``last.pt`` (and ``best.pt``); the
+   ``deepmetric.evaluate``) on the validation split (``data.val_classes``) and the test
+   split, feed ``auto_plateau``, keep ``best.pt`` (best validation metric), stop early when
+   asked, save ``last.pt``.  The test split is logged, never used to choose anything.  The
    last epoch's ``last.pt`` is written before its evaluation runs, so a failing evaluation
    never loses the training (``--resume`` then only evaluates).
 
@@ -25,14 +27,15 @@ Before the first step (``deepmetric.train.preflight``) the config's option names
 names are checked, every image of every split has its header read, and the model runs on two
 training images; rank 0 prints a summary of the run (``deepmetric.train.summary``), warnings
 (small images enlarged, very few training classes) and the baselines (``eval.baselines``: the
-network at epoch 0 and, for images up to 64 x 64, raw pixels).  After the last step it prints
-the final metrics, the time and the paths of what was written.
+network at epoch 0 and, for images up to 64 x 64, raw pixels, on the test split).  After the
+last step it prints the final metrics, the time and the paths of what was written.
 
 Files in ``train.out_dir``: ``config.yaml`` (resolved), ``log.jsonl`` (one ``{"type":
-"step"}`` record per optimisation step, one ``{"type": "eval"}`` per evaluation, one
-``{"type": "heat_up"}`` per temperature event, one ``{"type": "baseline"}`` per baseline),
-``last.pt``, ``best.pt``, ``metrics.json`` (last and best metrics, heat-ups, ``baselines``,
-``warnings``).  Only rank 0 writes.
+"step"}`` record per optimisation step, one ``{"type": "eval", "split": "val"|"test"}`` per
+evaluation, one ``{"type": "heat_up"}`` per temperature event, one ``{"type":
+"early_stop"}``, one ``{"type": "baseline"}`` per baseline), ``last.pt``, ``best.pt`` (only
+with a validation split), ``metrics.json`` (with ``baselines`` and ``warnings``).  Only
+rank 0 writes.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,8 +54,8 @@ from torch import nn
 from . import distributed as D
 from . import preflight as P
 from .amp import autocast_context, check_amp
-from .builders import (build_dataset, build_losses, build_model, build_sampler, embedding_dim_of,
-                       seed_everything)
+from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler,
+                       embedding_dim_of, seed_everything)
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
                          restore, save_checkpoint)
 from .config import Config, config_to_dict, save_config
@@ -76,11 +79,17 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclass
 class TrainResult:
+    """What ``train`` returns; the same fields as ``metrics.json``."""
+
     out_dir: Path
-    metrics: dict[str, float]           # last evaluation
-    best: dict[str, Any]                # {"epoch", "metric", "value"}
+    metrics: dict[str, float]           # final test metrics (= final["test"])
+    final: dict[str, dict]              # {"test": {...}, "val": {...} with a validation split}
+    selected: dict[str, Any] | None     # best.pt: {"epoch", "metric", "value" (val), "test"}
     epochs_completed: int
     iteration: int
+    heat_ups: list = field(default_factory=list)
+    wall_time_s: float = 0.0
+    train_images_per_s: float = 0.0
     interrupted: bool = False
 
 
@@ -193,8 +202,11 @@ def set_learning_rates(optimizer: torch.optim.Optimizer, cfg: Config, factor: fl
 
 
 class Evaluator:
-    """Evaluate the model on the evaluation split(s), log and print the metrics (rank 0) and
-    share them with every rank.  ``evaluator(epoch, iteration, alphas) -> metrics``."""
+    """Evaluate the model on the evaluation splits (``{"val": sets, "test": sets}``, each
+    ``{"query": ds}`` or ``{"query": ds, "gallery": ds}``), log and print the metrics
+    (rank 0) and share them with every rank.  ``evaluator(epoch, iteration, alphas)``
+    returns ``{"val": metrics, "test": metrics}`` (``"val"`` only with a validation split).
+    ``on_eval`` sees the test evaluations."""
 
     def __init__(self, model: nn.Module, losses: nn.ModuleList, eval_sets: dict, cfg: Config, *,
                  device: torch.device, world: int, log: _JsonLog,
@@ -202,26 +214,27 @@ class Evaluator:
         self.model, self.losses, self.eval_sets, self.cfg = model, losses, eval_sets, cfg
         self.device, self.world, self.log, self.on_eval = device, world, log, on_eval
 
-    def __call__(self, epoch: int, iteration: int, alphas: list[float]) -> dict:
-        metrics: dict = {}
-        if self.eval_sets:  # rank 0 holds the evaluation splits
+    def __call__(self, epoch: int, iteration: int, alphas: list[float]) -> dict[str, dict]:
+        results: dict[str, dict] = {}
+        for split, sets in self.eval_sets.items():  # rank 0 holds the evaluation splits
             t0 = time.perf_counter()
-            metrics, embedded = evaluate_model(self.model, self.eval_sets, self.cfg, device=self.device,
+            metrics, embedded = evaluate_model(self.model, sets, self.cfg, device=self.device,
                                                losses=self.losses)
-            rec = {"type": "eval", "epoch": epoch, "step": iteration,
+            rec = {"type": "eval", "split": split, "epoch": epoch, "step": iteration,
                    "eval_seconds": round(time.perf_counter() - t0, 3), **metrics}
             if alphas:
                 rec["alpha"] = alphas[0]
             self.log.write(rec)
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-            print(f"[deepmetric] epoch {epoch} step {iteration}: {shown}", flush=True)
-            if self.on_eval is not None:
+            print(f"[deepmetric] epoch {epoch} step {iteration} {split}: {shown}", flush=True)
+            if split == "test" and self.on_eval is not None:
                 self.on_eval(epoch, metrics, embedded)
+            results[split] = metrics
         if self.world > 1:
-            box = [metrics]
+            box = [results]
             torch.distributed.broadcast_object_list(box, src=0)
-            metrics = box[0]
-        return metrics
+            results = box[0]
+        return results
 
 
 def _check_metric(key: str, cfg_key: str, metrics: dict) -> None:
@@ -240,7 +253,6 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     """
     # 1. process set-up ------------------------------------------------------------------
     tc = cfg.train
-    t_start = time.perf_counter()
     P.check_config(cfg)  # option and metric names: fail before anything is built
     dist_info = D.init_distributed(tc.device)
     device, rank, world, main = dist_info.device, dist_info.rank, dist_info.world_size, dist_info.is_main
@@ -259,11 +271,15 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     if batches_per_epoch == 0:
         raise ValueError(f"the training split has too few samples ({len(train_ds)}) for one batch")
     total_epochs, total_iters = _run_length(tc, batches_per_epoch)
-    eval_sets: dict[str, Any] = {}
+    has_val = cfg.data.val_classes is not None
+    select_key = (cfg.eval.best_metric or "recall@1") if has_val else None
+    eval_sets: dict[str, dict] = {}
     if main:
-        eval_sets["query"] = build_dataset(cfg, cfg.eval.split, train=False)
+        if has_val:
+            eval_sets["val"] = {"query": build_dataset(cfg, VAL_SPLIT, train=False)}
+        eval_sets["test"] = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
         if cfg.eval.gallery_split is not None:
-            eval_sets["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
+            eval_sets["test"]["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
 
     # 3. model and loss terms ------------------------------------------------------------
     model = build_model(cfg, num_classes=num_classes)
@@ -306,7 +322,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     config_dict = config_to_dict(cfg)
 
     # 5. resume --------------------------------------------------------------------------
-    state = TrainState(best={"metric": cfg.eval.best_metric, "value": None, "epoch": None})
+    state = TrainState(best={"metric": select_key, "value": None, "epoch": None, "test": None})
     last_ckpt = out_dir / "last.pt"
     if resume is not None:
         state = restore(load_checkpoint(resume, map_location=device), objs, rank=rank)
@@ -319,16 +335,17 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     log = _JsonLog(out_dir / "log.jsonl" if main else None)
     evaluate = Evaluator(model, losses, eval_sets, cfg, device=device, world=world, log=log, on_eval=on_eval)
 
+    t_start, wall_before = time.perf_counter(), state.wall_time_s
+
     def save(path: Path) -> Path:
+        state.wall_time_s = wall_before + time.perf_counter() - t_start
         return save_checkpoint(checkpoint_dict(state, objs, model_args=model_args, config=config_dict), path)
 
-    def keep_best(epoch: int) -> None:
-        """After an evaluation: check the metric, update ``state.best``, write ``best.pt``."""
-        key = cfg.eval.best_metric
-        _check_metric(key, "eval.best_metric", state.metrics)
-        value = state.metrics[key]
+    def choose_best(epoch: int) -> None:
+        """After a validation evaluation: update ``state.best`` and write ``best.pt``."""
+        value = state.val_metrics[select_key]
         if state.best["value"] is None or value > state.best["value"]:
-            state.best = {"metric": key, "value": value, "epoch": epoch}
+            state.best = {"metric": select_key, "value": value, "epoch": epoch, "test": dict(state.metrics)}
             if main:
                 save(out_dir / "best.pt")
 
@@ -337,24 +354,31 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     if resume is None:
         at_start = None
         if cfg.eval.at_start:
-            state.metrics = at_start = evaluate(0, 0, current_alphas(temperature, losses))
+            results = evaluate(0, 0, current_alphas(temperature, losses))
+            state.metrics, state.val_metrics = results.get("test", {}), results.get("val", {})
+            at_start = state.metrics
         if cfg.eval.baselines and main:
-            baselines = P.compute_baselines(model, losses, eval_sets, cfg, device=device, at_start=at_start)
+            baselines = P.compute_baselines(model, losses, eval_sets["test"], cfg, device=device,
+                                            at_start=at_start)
             for name, b in baselines.items():
                 print(format_baseline(b["label"], b.get("metrics"), b.get("skipped", "")), flush=True)
                 extra = {"skipped": b["skipped"]} if "skipped" in b else b["metrics"]
-                log.write({"type": "baseline", "name": name, "label": b["label"], "epoch": 0, "step": 0, **extra})
+                log.write({"type": "baseline", "name": name, "label": b["label"], "split": "test",
+                           "epoch": 0, "step": 0, **extra})
     elif main:
         baselines = _baselines_from_log(out_dir / "log.jsonl")
     interrupted = False
-    finished = state.iteration >= total_iters
+    finished = state.iteration >= total_iters or state.stopped_early
     if resume is not None and finished:
         # A run whose last evaluation failed after its checkpoint was written: evaluate now.
         evaluated = main and any(r.get("type") == "eval" and r.get("epoch") == state.epoch
                                  for r in _read_log(out_dir / "log.jsonl"))
         if D.any_true(main and not evaluated, device):
-            state.metrics = evaluate(state.epoch, state.iteration, current_alphas(temperature, losses))
-            keep_best(state.epoch)
+            results = evaluate(state.epoch, state.iteration, current_alphas(temperature, losses))
+            state.metrics, state.val_metrics = results["test"], results.get("val", {})
+            if has_val:
+                _check_metric(select_key, "eval.best_metric", state.val_metrics)
+                choose_best(state.epoch)
             if main:
                 last_ckpt = save(out_dir / "last.pt")
     try:
@@ -376,7 +400,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
                 bar = tqdm(total=batches_per_epoch, initial=state.batch_in_epoch,
                            desc=f"epoch {epoch + 1}/{total_epochs}", leave=False, dynamic_ncols=True)
             step_module.train()
-            t_step = time.perf_counter()
+            t_epoch = t_step = time.perf_counter()
             images_in_step = 0
             for x, y in loader:
                 x = x.to(device, non_blocking=True)
@@ -385,6 +409,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
                     x = x.contiguous(memory_format=torch.channels_last)
                 state.batch_in_epoch += 1
                 images_in_step += x.shape[0] * world
+                state.train_images += x.shape[0] * world
 
                 if bn_stats_only:  # warm-up: update batch-norm statistics, no weight change
                     with torch.no_grad(), autocast_context(device, tc.amp):
@@ -450,6 +475,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
                     break
             if bar is not None:
                 bar.close()
+            state.train_seconds += time.perf_counter() - t_epoch
 
             if interrupted:
                 if main:
@@ -471,31 +497,54 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
                                **temperature.history[-1]})
             if main and (epoch == total_epochs or finished):
                 last_ckpt = save(out_dir / "last.pt")  # the training is safe before evaluation runs
-            if _eval_due(cfg, epoch, total_epochs, finished):
-                state.metrics = evaluate(epoch, state.iteration, current_alphas(temperature, losses))
+            due = _eval_due(cfg, epoch, total_epochs, finished)
+            if due:
+                results = evaluate(epoch, state.iteration, current_alphas(temperature, losses))
+                state.metrics, state.val_metrics = results["test"], results.get("val", {})
+            if due and has_val:  # choose on validation metrics only
+                _check_metric(select_key, "eval.best_metric", state.val_metrics)
                 if monitor != "train_loss":
                     if cfg.schedule.temperature.name == "auto_plateau":
-                        _check_metric(monitor, "schedule.temperature.monitor", state.metrics)
-                    if monitor in state.metrics and temperature.observe(state.metrics[monitor], epoch,
-                                                                        state.iteration) and main:
+                        _check_metric(monitor, "schedule.temperature.monitor", state.val_metrics)
+                    if monitor in state.val_metrics and temperature.observe(
+                            state.val_metrics[monitor], epoch, state.iteration) and main:
                         log.write({"type": "heat_up", "epoch": epoch, "step": state.iteration,
                                    **temperature.history[-1]})
-                keep_best(epoch)
+                choose_best(epoch)
+                patience = cfg.eval.early_stop_patience
+                if patience is not None and epoch - state.best["epoch"] >= patience and not finished:
+                    finished = state.stopped_early = True
+                    log.write({"type": "early_stop", "epoch": epoch, "step": state.iteration,
+                               "best_epoch": state.best["epoch"], select_key: state.best["value"]})
+                    if main:
+                        print(f"[deepmetric] early stop at epoch {epoch}: validation {select_key} has not "
+                              f"improved for {patience} epoch(s) since epoch {state.best['epoch']}", flush=True)
             if main and (epoch % tc.checkpoint_every == 0 or epoch == total_epochs or finished):
                 last_ckpt = save(out_dir / "last.pt")
             D.barrier()
 
     log.close()
+    selected = None
+    if has_val and state.best.get("value") is not None:
+        selected = {k: state.best[k] for k in ("epoch", "metric", "value", "test")}
+    final = {"test": state.metrics, **({"val": state.val_metrics} if has_val else {})}
+    state.wall_time_s = wall_before + time.perf_counter() - t_start
+    result = TrainResult(out_dir, state.metrics, final, selected, state.epoch, state.iteration,
+                         heat_ups=list(temperature.history), wall_time_s=round(state.wall_time_s, 3),
+                         train_images_per_s=round(state.train_images / max(state.train_seconds, 1e-9), 2),
+                         interrupted=interrupted)
     if main and not interrupted:
-        summary = {"metrics": state.metrics, "best": state.best, "epochs": state.epoch,
-                   "steps": state.iteration, "heat_ups": temperature.history,
+        summary = {"metrics": result.metrics, "final": result.final, "selected": result.selected,
+                   "epochs": result.epochs_completed, "steps": result.iteration, "heat_ups": result.heat_ups,
+                   "wall_time_s": result.wall_time_s, "train_images_per_s": result.train_images_per_s,
                    "baselines": baselines, "warnings": run_warnings}
         (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=float))
-        print(format_run_end(metrics=state.metrics, best=state.best, seconds=time.perf_counter() - t_start,
+        print(format_run_end(metrics=state.metrics, val_metrics=state.val_metrics if has_val else None,
+                             best=state.best, key=select_key or "recall@1", seconds=result.wall_time_s,
                              epochs=state.epoch, steps=state.iteration, out_dir=out_dir,
                              baselines=baselines), flush=True)
     D.cleanup_distributed(dist_info)
-    return TrainResult(out_dir, state.metrics, state.best, state.epoch, state.iteration, interrupted)
+    return result
 
 
 def train_from_config_file(path: str, overrides: list[str] | None = None, resume: str | None = None) -> TrainResult:

@@ -215,8 +215,11 @@ def check_metric_names(cfg: Config) -> list[str]:
                            f"the evaluation gives {', '.join(names)} (see eval.ks, eval.metrics, "
                            "eval.classification)")
 
-    if cfg.eval.best_metric not in names:
-        raise fail("eval.best_metric", cfg.eval.best_metric)
+    best = cfg.eval.best_metric
+    if best is None and getattr(cfg.data, "val_classes", None) is not None:
+        best = "recall@1"  # the default selection metric with a validation split
+    if best is not None and best not in names:
+        raise fail("eval.best_metric", best)
     t = cfg.schedule.temperature
     if t.monitor != "train_loss" and t.name == "auto_plateau" and t.monitor not in names:
         raise fail("schedule.temperature.monitor", t.monitor)
@@ -462,13 +465,31 @@ def check_config(cfg: Config) -> None:
     check_metric_names(cfg)
 
 
+def split_names(cfg: Config, eval_sets: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``[(split name, dataset)]`` of the evaluation splits: ``eval_sets`` is ``{"val": {"query":
+    ds}, "test": {"query": ds[, "gallery": ds]}}`` (or one such inner mapping)."""
+    if eval_sets and all(isinstance(v, dict) for v in eval_sets.values()):
+        groups = list(eval_sets.items())
+    else:
+        groups = [("test", eval_sets)]
+    out = []
+    for group, sets in groups:
+        for key, ds in sets.items():
+            if group == "test":
+                name = cfg.eval.split if key == "query" else (cfg.eval.gallery_split or key)
+            else:
+                name = group if key == "query" else f"{group} {key}"
+            out.append((name, ds))
+    return out
+
+
 def check_run(cfg: Config, model: nn.Module, train_set, eval_sets: dict[str, Any]) -> tuple[tuple[int, ...], list[str]]:
     """Checks of the built run, before the first step: image headers of every split, the
     model on two training images, sizes and class count.  Returns ``(input shape, warnings)``;
     the random streams are left as they were."""
     check_images_readable(train_set, cfg.data.train_split)
-    for key, ds in eval_sets.items():
-        check_images_readable(ds, cfg.eval.split if key == "query" else (cfg.eval.gallery_split or key))
+    for name, ds in split_names(cfg, eval_sets):
+        check_images_readable(ds, name)
     with rng_preserved():
         shape = check_model_input(model, train_set, cfg)
     warns = size_warnings(cfg, train_set, shape)

@@ -76,6 +76,8 @@ def _describe_data(cfg: Config) -> str:
     d = cfg.data
     text = d.name + (f" '{d.root}'" if d.root else "")
     cs = d.options.get("class_split")
+    if getattr(d, "val_classes", None) is not None:
+        text += f", validation classes carved from train: {d.val_classes}"
     if isinstance(cs, str) and cs == "half":
         text += ", class_split 'half' (first half of the sorted class names = train)"
     elif isinstance(cs, dict):
@@ -106,16 +108,17 @@ def format_run_summary(cfg: Config, *, train_set, eval_sets: dict[str, Any], mod
                        total_epochs: int | None = None, total_steps: int | None = None,
                        out_dir: str | Path | None = None, splits: dict[str, Any] | None = None) -> str:
     """The block printed before training: data and split, model, loss, batches, device,
-    output directory.  ``splits`` adds further named splits (e.g. ``{"val": ds}``)."""
+    output directory.  ``eval_sets`` is the loop's ``{"val": {"query": ds}, "test": {"query": ds,
+    ...}}`` (or one inner mapping); ``splits`` adds further named splits."""
     t = cfg.train
     lines = [f"{PREFIX} run '{cfg.name}' -> {out_dir if out_dir is not None else t.out_dir}"]
     lines.append(f"  data     {_describe_data(cfg)}")
+    from .preflight import split_names
+
     rows = [(cfg.data.train_split, train_set)]
     for name, ds in (splits or {}).items():
         rows.append((name, ds))
-    for key, ds in eval_sets.items():
-        name = cfg.eval.split if key == "query" else (cfg.eval.gallery_split or key)
-        rows.append((name, ds))
+    rows += split_names(cfg, eval_sets)
     width = max(len(str(n)) for n, _ in rows)
     for name, ds in rows:
         lines.append(f"    {name:<{width}}  {describe_split(ds)}")
@@ -180,17 +183,22 @@ def format_baseline(name: str, metrics: dict[str, float] | None, note: str = "")
 
 def format_run_end(*, metrics: dict[str, float], best: dict[str, Any], seconds: float, epochs: int,
                    steps: int, out_dir: str | Path, baselines: dict[str, dict] | None = None,
+                   val_metrics: dict[str, float] | None = None, key: str | None = None,
                    files: Sequence[str] = ("last.pt", "best.pt", "log.jsonl", "metrics.json")) -> str:
-    """The block printed after training: final metrics (with the baselines for comparison),
-    time, and the paths of checkpoint, log, metrics and the report command."""
+    """The block printed after training: final test (and validation) metrics, the best.pt
+    selection, the baselines on ``key`` for comparison, time, and the paths of checkpoint,
+    log, metrics and the report command."""
     out = Path(out_dir)
     mins = f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.1f} s"
     lines = [f"{PREFIX} done: {epochs} epochs, {steps} steps in {mins}"]
     if metrics:
-        lines.append(f"  final    {format_metrics(metrics)}")
+        lines.append(f"  final    {format_metrics(metrics)}" + (" (test)" if val_metrics else ""))
+    if val_metrics:
+        lines.append(f"  final    {format_metrics(val_metrics)} (validation)")
     if best.get("value") is not None:
-        lines.append(f"  best     {best['metric']} {100 * best['value']:.1f}% at epoch {best['epoch']}")
-    key = best.get("metric")
+        lines.append(f"  best     validation {best['metric']} {100 * best['value']:.1f}% at epoch {best['epoch']}"
+                     " (best.pt)")
+    key = key or best.get("metric") or "recall@1"
     beaten_by = []
     for name, b in (baselines or {}).items():
         m = b.get("metrics") or {}

@@ -1,0 +1,200 @@
+"""Validation split carved from the training classes (``data.val_classes``): class-disjoint
+from training and test, seeded, used to choose ``best.pt``, early stopping and
+``auto_plateau``; the test split is never used to choose anything."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from deepmetric.train import loop
+from deepmetric.train.builders import VAL_SPLIT, ClassSubset, build_dataset, carve_val_classes
+from deepmetric.train.config import ConfigError, config_from_dict
+from deepmetric.train.loop import train
+
+
+def _raw(out_dir, val_classes=0.25, **train_extra):
+    return {
+        "data": {"name": "synthetic", "options": {"num_classes": 8, "per_class": 12, "dim": 16, "seed": 5},
+                 "val_classes": val_classes},
+        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"epochs": 5, "batch_size": 12, "seed": 0, "out_dir": str(out_dir), "progress": False,
+                  **train_extra},
+        "eval": {"every": 1},
+    }
+
+
+def _records(path, kind):
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == kind]
+
+
+# --------------------------------------------------------------------------- carving
+def test_fraction_count_and_list_choose_the_classes():
+    labels = np.repeat(np.arange(10), 3)
+    keep, val = carve_val_classes(labels, 0.2, seed=0)
+    assert len(val) == 2 and len(keep) == 8 and set(keep) | set(val) == set(range(10))
+    assert not set(keep) & set(val)
+    assert len(carve_val_classes(labels, 3, seed=0)[1]) == 3
+    assert len(carve_val_classes(labels, 0.01, seed=0)[1]) == 1  # at least one class
+    keep, val = carve_val_classes(labels, [7, 2], seed=0)
+    assert val.tolist() == [2, 7] and 7 not in keep
+    names = [f"c{i}" for i in range(10)]
+    assert carve_val_classes(labels, ["c4", 9], class_names=names)[1].tolist() == [4, 9]
+
+
+def test_seeded_choice_is_deterministic_and_depends_on_the_seed():
+    labels = np.repeat(np.arange(40), 2)
+    a = carve_val_classes(labels, 0.25, seed=3)[1]
+    assert np.array_equal(a, carve_val_classes(labels, 0.25, seed=3)[1])
+    expected = np.sort(np.random.default_rng(3).permutation(np.arange(40))[:10])
+    assert np.array_equal(a, expected)
+    assert not np.array_equal(a, carve_val_classes(labels, 0.25, seed=4)[1])
+
+
+def test_carving_errors_name_the_key_and_the_classes():
+    labels = np.repeat(np.arange(4), 2)
+    with pytest.raises(ValueError, match=r"data.val_classes.*asks for 4 validation classes.*4 classes"):
+        carve_val_classes(labels, 4)
+    with pytest.raises(ValueError, match=r"data.val_classes.*\['zebra'\] are not classes"):
+        carve_val_classes(labels, ["zebra"], class_names=["a", "b", "c", "d"])
+    with pytest.raises(ValueError, match=r"\[9\] are not classes.*label ids in \[0, 3\]"):
+        carve_val_classes(labels, [9])
+    with pytest.raises(ValueError, match="every training class"):
+        carve_val_classes(labels, [0, 1, 2, 3])
+
+
+def _png(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((4, 4, 3), 80, dtype=np.uint8)).save(path)
+
+
+def test_val_train_and_test_are_class_disjoint_on_a_folder_dataset(tmp_path):
+    classes = [f"class{i:02d}" for i in range(12)]
+    for c in classes:
+        for i in range(2 + len(c) % 3):
+            _png(tmp_path / "data" / c / f"{i}.png")
+    raw = {"data": {"name": "folder", "root": str(tmp_path / "data"), "options": {"class_split": "half"},
+                    "val_classes": 2, "val_seed": 1},
+           "train": {"epochs": 1}}
+    cfg = config_from_dict(raw)
+    tr = build_dataset(cfg, "train", train=True)
+    va = build_dataset(cfg, VAL_SPLIT, train=False)
+    te = build_dataset(cfg, "test", train=False)
+    names = lambda ds: {ds.class_names[l] for l in ds.labels}  # noqa: E731
+    assert len(names(va)) == 2 and len(names(tr)) == 4 and len(names(te)) == 6
+    assert not names(tr) & names(va) and not names(tr) & names(te) and not names(va) & names(te)
+    assert sorted(tr.paths + va.paths) == sorted(build_dataset(config_from_dict(
+        {**raw, "data": {**raw["data"], "val_classes": None}}), "train", train=True).paths)
+    assert set(tr.labels.tolist()) == set(range(4)) and tr.num_classes == 4  # renumbered for the classifier
+    for ds in (tr, va):  # labels follow the images
+        for i in (0, len(ds) - 1):
+            assert ds.class_names[ds[i][1]] == ds.paths[i].split("/")[-2]
+    # an explicit list of names picks exactly those classes
+    cfg.data.val_classes = ["class01", "class03"]
+    assert names(build_dataset(cfg, VAL_SPLIT, train=False)) <= {"class01", "class03"}
+
+
+def test_synthetic_val_split_holds_the_removed_training_images():
+    cfg = config_from_dict(_raw("unused", val_classes=3))
+    full = build_dataset(config_from_dict(_raw("unused", val_classes=None)), "train", train=True)
+    tr, va = build_dataset(cfg, "train", train=True), build_dataset(cfg, "val", train=False)
+    assert isinstance(tr, ClassSubset) and len(tr) + len(va) == len(full)
+    rows = lambda ds: {tuple(ds[i][0].tolist()) for i in range(len(ds))}  # noqa: E731
+    assert rows(tr) | rows(va) == rows(full) and not rows(tr) & rows(va)
+
+
+def test_config_errors_before_training():
+    base = _raw("x", val_classes=None)
+    with pytest.raises(ConfigError, match=r"'eval.best_metric'.*no validation split.*data.val_classes"):
+        config_from_dict({**base, "eval": {"best_metric": "recall@1"}})
+    with pytest.raises(ConfigError, match=r"'eval.early_stop_patience'.*no validation split"):
+        config_from_dict({**base, "eval": {"early_stop_patience": 3}})
+    with pytest.raises(ConfigError, match=r"'schedule.temperature.monitor'.*no validation split"):
+        config_from_dict({**base, "schedule": {"temperature": {"name": "auto_plateau", "monitor": "recall@1"}}})
+    with pytest.raises(ConfigError, match=r"'data.val_classes': a fraction must be in \(0, 1\)"):
+        config_from_dict(_raw("x", val_classes=1.5))
+    with pytest.raises(ConfigError, match=r"'data.val_classes'"):
+        config_from_dict(_raw("x", val_classes={"a": 1}))
+    config_from_dict({**base, "schedule": {"temperature": {"name": "auto_plateau", "monitor": "train_loss"}}})
+
+
+# --------------------------------------------------------------------------- selection
+def _scripted_evaluation(monkeypatch, val, test):
+    """Replace the evaluation by scripted metrics per split and epoch (index = call number):
+    the selection logic is what is under test, not the metric computation."""
+    calls = {"val": 0, "test": 0}
+
+    def fake(model, sets, cfg, *, device, losses=()):
+        split = "val" if isinstance(sets["query"], ClassSubset) else "test"
+        value = (val if split == "val" else test)[calls[split]]
+        calls[split] += 1
+        return {"recall@1": value, "nmi": 0.5}, {}
+
+    monkeypatch.setattr(loop, "evaluate_model", fake)
+
+
+def test_best_checkpoint_is_chosen_by_validation_not_test(tmp_path, monkeypatch):
+    # validation peaks at epoch 2, the test split at epoch 5 (it would pick the last model)
+    _scripted_evaluation(monkeypatch, val=[0.5, 0.9, 0.6, 0.4, 0.3], test=[0.1, 0.2, 0.3, 0.4, 0.5])
+    res = train(config_from_dict(_raw(tmp_path / "run")))
+    best = torch.load(tmp_path / "run" / "best.pt", weights_only=True)
+    assert best["epoch"] == 2
+    assert res.selected == {"epoch": 2, "metric": "recall@1", "value": 0.9,
+                            "test": {"recall@1": 0.2, "nmi": 0.5}}
+    assert res.metrics == res.final["test"] == {"recall@1": 0.5, "nmi": 0.5}
+    assert res.final["val"] == {"recall@1": 0.3, "nmi": 0.5}
+    summary = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert summary["selected"] == res.selected and summary["final"] == res.final
+    assert summary["metrics"] == res.metrics and summary["epochs"] == 5
+    evals = _records(tmp_path / "run" / "log.jsonl", "eval")
+    assert [(r["split"], r["epoch"]) for r in evals] == [(s, e) for e in range(1, 6) for s in ("val", "test")]
+
+    # best.pt holds the weights after epoch 2: the same as a run stopped after 2 epochs
+    _scripted_evaluation(monkeypatch, val=[0.5, 0.9], test=[0.1, 0.2])
+    train(config_from_dict(_raw(tmp_path / "two", epochs=2)))
+    two = torch.load(tmp_path / "two" / "last.pt", weights_only=True)
+    assert all(torch.equal(best["model"][k], two["model"][k]) for k in two["model"])
+
+
+def test_early_stopping_stops_after_patience_epochs_without_improvement(tmp_path, monkeypatch):
+    _scripted_evaluation(monkeypatch, val=[0.5, 0.9, 0.6, 0.9, 0.95, 0.99], test=[0.1] * 6)
+    raw = _raw(tmp_path / "run", epochs=6)
+    raw["eval"]["early_stop_patience"] = 2
+    res = train(config_from_dict(raw))
+    assert res.epochs_completed == 4 and res.iteration == 4 * (72 // 12)  # 0.9 at 4 is no improvement
+    (stop,) = _records(tmp_path / "run" / "log.jsonl", "early_stop")
+    assert (stop["epoch"], stop["best_epoch"]) == (4, 2)
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=True)["epoch"] == 4
+    assert torch.load(tmp_path / "run" / "best.pt", weights_only=True)["epoch"] == 2
+    # resuming a run that stopped early does not train further
+    again = train(config_from_dict(raw), resume=tmp_path / "run" / "last.pt")
+    assert again.iteration == res.iteration
+
+
+def test_auto_plateau_watches_the_validation_metric(tmp_path, monkeypatch):
+    # validation stalls after epoch 2; the test metric keeps improving (it would never heat up)
+    _scripted_evaluation(monkeypatch, val=[0.5, 0.9, 0.6, 0.6, 0.6], test=[0.1, 0.2, 0.3, 0.4, 0.5])
+    raw = _raw(tmp_path / "run")
+    raw["schedule"] = {"temperature": {"name": "auto_plateau", "monitor": "recall@1", "patience": 1}}
+    train(config_from_dict(raw))
+    heats = _records(tmp_path / "run" / "log.jsonl", "heat_up")
+    assert [h["epoch"] for h in heats] == [3]
+
+
+def test_real_run_with_validation_logs_both_splits(tmp_path):
+    raw = _raw(tmp_path / "run", epochs=3)
+    raw["eval"]["best_metric"] = "map@r"
+    res = train(config_from_dict(raw))
+    evals = _records(tmp_path / "run" / "log.jsonl", "eval")
+    assert {r["split"] for r in evals} == {"val", "test"} and len(evals) == 6
+    sel = res.selected
+    val_at = {r["epoch"]: r for r in evals if r["split"] == "val"}
+    test_at = {r["epoch"]: r for r in evals if r["split"] == "test"}
+    assert sel["value"] == max(r["map@r"] for r in val_at.values()) == val_at[sel["epoch"]]["map@r"]
+    assert sel["test"]["recall@1"] == test_at[sel["epoch"]]["recall@1"]
+    state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert state["model_args"]["num_classes"] == 6  # 8 training classes - 2 validation classes
+    assert tuple(state["loss"][0]["weight"].shape) == (6, 8)
