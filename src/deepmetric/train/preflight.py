@@ -421,19 +421,27 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     would take more than ``max_work`` multiply-adds."""
     from deepmetric.evaluate import evaluate
 
+    keys = [k for k in ("query", "gallery") if k in eval_sets]
+    n = sum(len(eval_sets[k]) for k in keys)
+    first = eval_sets[keys[0]]
+    if n and hasattr(first, "load_image"):
+        im = first.load_image(0)
+        d = im.size[0] * im.size[1] * len(im.getbands())
+    elif n:
+        d = int(torch.as_tensor(first[0][0]).numel())
+    else:
+        return None, "empty split"
+    if float(n) * n * d > max_work:  # decided before any image is read
+        return None, f"{n} images x {d} pixels is too large for an exact search here"
     parts = []
     desc = ""
-    for key in ("query", "gallery"):
-        if key not in eval_sets:
-            continue
+    for key in keys:
         x, desc_or_why = _pixels(eval_sets[key], max_side)
         if x is None:
             return None, desc_or_why
         parts.append((x, np.asarray(eval_sets[key].labels, dtype=np.int64)))
         desc = desc_or_why
-    n, d = sum(len(p[0]) for p in parts), parts[0][0].shape[1]
-    if float(n) * n * d > max_work:
-        return None, f"{n} images x {d} pixels is too large for an exact search here"
+    d = parts[0][0].shape[1]
     e = cfg.eval
     if len(parts) == 1:
         metrics = evaluate(parts[0][0], parts[0][1], ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed)
