@@ -233,3 +233,16 @@ def test_run_end_lists_metrics_time_paths_and_baselines(tmp_path):
     assert "warning: the trained embedding (recall@1 85.5%) is below the baseline of raw pixels" in text
     assert f"checkpoint {tmp_path / 'last.pt'}" in text and f"log       {tmp_path / 'log.jsonl'}" in text
     assert "best ckpt" not in text and f"deepmetric report {tmp_path}" in text
+
+
+def test_every_recipe_passes_the_config_checks():
+    """The option and metric checks accept every shipped recipe (no false alarms)."""
+    from pathlib import Path
+
+    from deepmetric.train import load_config
+    from deepmetric.train.preflight import check_config
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.yaml"))
+    assert len(recipes) > 100
+    for p in recipes:
+        check_config(load_config(p))
