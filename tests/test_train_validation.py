@@ -198,3 +198,33 @@ def test_real_run_with_validation_logs_both_splits(tmp_path):
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
     assert state["model_args"]["num_classes"] == 6  # 8 training classes - 2 validation classes
     assert tuple(state["loss"][0]["weight"].shape) == (6, 8)
+
+
+def test_k_folds_partition_the_training_classes():
+    from deepmetric.train.builders import class_fold
+
+    labels = np.repeat(np.arange(10), 2)
+    vals = [class_fold(labels, 4, k, seed=2)[1] for k in range(4)]
+    assert sorted(np.concatenate(vals).tolist()) == list(range(10))  # disjoint, cover every class
+    assert sorted(len(v) for v in vals) == [2, 2, 3, 3]
+    keep, val = class_fold(labels, 4, 1, seed=2)
+    assert not set(keep) & set(val) and len(keep) + len(val) == 10
+    cfg = config_from_dict({**_raw("x", val_classes=None), "data": {**_raw("x")["data"], "val_classes": None,
+                                                                   "val_folds": 4, "val_fold": 3}})
+    va = build_dataset(cfg, "val", train=False)
+    assert va.original_classes.tolist() == class_fold(np.repeat(np.arange(8), 12), 4, 3, seed=0)[1].tolist()
+    with pytest.raises(ConfigError, match="'data.val_fold': must be in \\[0, 4\\)"):
+        config_from_dict({"train": {"epochs": 1}, "data": {"val_folds": 4, "val_fold": 4}})
+    with pytest.raises(ConfigError, match="give one of them"):
+        config_from_dict({"train": {"epochs": 1}, "data": {"val_folds": 4, "val_classes": 0.2}})
+
+
+def test_embed_cli_embeds_the_validation_split(tmp_path):
+    from deepmetric import cli
+
+    cfg = config_from_dict(_raw(tmp_path / "run", val_classes=[1, 6], epochs=1))
+    train(cfg)
+    out = tmp_path / "val.npz"
+    assert cli.main(["embed", str(tmp_path / "run" / "last.pt"), "--split", "val", "--out", str(out)]) == 0
+    z = np.load(out)
+    assert z["embeddings"].shape == (24, 8) and sorted(set(z["labels"].tolist())) == [0, 1]

@@ -129,6 +129,9 @@ def _add_train_parser(sub) -> None:
                    help="config overrides, e.g. train.epochs=5 data.root=my_images (values are YAML)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
                    help="continue from this checkpoint (OUT_DIR/last.pt); exact on one process")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a non-empty train.out_dir, removing the previous run's config.yaml, "
+                        "log.jsonl, last.pt, best.pt and metrics.json (without it a new run refuses such a directory)")
     p.set_defaults(func=_run_train)
 
 
@@ -147,7 +150,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from deepmetric.train.loop import NonFiniteLossError, train_from_config_file
 
     try:
-        result = train_from_config_file(config, overrides, resume=args.resume)
+        result = train_from_config_file(config, overrides, resume=args.resume, overwrite=args.overwrite)
     except NonFiniteLossError as exc:
         print(f"deepmetric train: error: {exc}", file=sys.stderr)
         return 3
@@ -207,6 +210,7 @@ def _add_demo_parser(sub) -> None:
     )
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="a tiny run (seconds) for smoke tests")
+    p.add_argument("--overwrite", action="store_true", help="replace the run files of an earlier demo in --out")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="overrides of the demo config, e.g. train.epochs=2 (values are YAML)")
     p.set_defaults(func=_run_demo)
@@ -215,7 +219,7 @@ def _add_demo_parser(sub) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from deepmetric.train.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, overrides=args.overrides)
+    run_demo(args.out, quick=args.quick, overrides=args.overrides, overwrite=args.overwrite)
     return 0
 
 

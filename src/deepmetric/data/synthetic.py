@@ -26,10 +26,14 @@ __all__ = ["GaussianClusters", "build_synthetic_dataset", "SyntheticMLP", "write
 
 class GaussianClusters(Dataset):
     """Gaussian clusters; ``split`` "train" / "test" (disjoint classes), or for In-shop-like
-    tests "query" / "gallery" (the test classes, samples alternately assigned)."""
+    tests "query" / "gallery" (the test classes, samples alternately assigned).
+
+    ``augment`` > 0 adds fresh ``augment * N(0, I)`` noise (torch's global random stream) to
+    the training split's samples at every access: a stand-in for random image augmentation
+    in tests of seeding and resume."""
 
     def __init__(self, split: str = "train", *, num_classes: int = 8, per_class: int = 16,
-                 dim: int = 16, noise: float = 0.3, seed: int = 0, transform=None):
+                 dim: int = 16, noise: float = 0.3, seed: int = 0, transform=None, augment: float = 0.0):
         if split not in ("train", "test", "query", "gallery"):
             raise ValueError(f"synthetic: split must be train, test, query or gallery, got {split!r}")
         for name, v in (("num_classes", num_classes), ("per_class", per_class), ("dim", dim)):
@@ -51,12 +55,15 @@ class GaussianClusters(Dataset):
         self.num_classes = int(num_classes)
         self.class_names = None
         self.transform = transform
+        self.augment = float(augment) if split == "train" else 0.0
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int):
         x = self.x[i]
+        if self.augment > 0:
+            x = x + self.augment * torch.randn(x.shape)
         if self.transform is not None:
             x = self.transform(x)
         return x, int(self.labels[i])

@@ -27,7 +27,7 @@ from torch import nn
 from .config import Config
 
 __all__ = ["VAL_SPLIT", "seed_everything", "build_dataset", "build_sampler", "build_model", "build_losses",
-           "embedding_dim_of", "carve_val_classes", "ClassSubset"]
+           "embedding_dim_of", "carve_val_classes", "class_fold", "ClassSubset"]
 
 #: The name of the validation split carved by ``data.val_classes``.
 VAL_SPLIT = "val"
@@ -77,11 +77,14 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
     and ``split="val"`` is the validation classes' images (both ``ClassSubset``s of the
     training split, labels renumbered 0..C-1)."""
     d = cfg.data
-    if d.val_classes is None or split not in (d.train_split, VAL_SPLIT):
+    if not d.has_validation or split not in (d.train_split, VAL_SPLIT):
         return _build_named_split(cfg, split, train=train)
     full = _build_named_split(cfg, d.train_split, train=train)
-    keep, val = carve_val_classes(full.labels, d.val_classes, seed=_val_seed(cfg),
-                                  class_names=getattr(full, "class_names", None))
+    if d.val_folds is not None:
+        keep, val = class_fold(full.labels, d.val_folds, d.val_fold, seed=_val_seed(cfg))
+    else:
+        keep, val = carve_val_classes(full.labels, d.val_classes, seed=_val_seed(cfg),
+                                      class_names=getattr(full, "class_names", None))
     return ClassSubset(full, val if split == VAL_SPLIT else keep)
 
 
@@ -128,6 +131,22 @@ def carve_val_classes(labels, spec, *, seed: int = 0, class_names=None) -> tuple
         val = np.sort(np.random.default_rng(seed).permutation(classes)[:k])
     if len(val) >= n:
         raise ValueError(f"{key}: every training class would be a validation class")
+    return np.setdiff1d(classes, val), val
+
+
+def class_fold(labels, folds: int, fold: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(training classes, validation classes) of fold ``fold`` of ``folds`` class-disjoint
+    folds: the classes are permuted with ``numpy.random.default_rng(seed)`` and cut into
+    ``folds`` near-equal parts (``numpy.array_split``), so the folds of one seed partition the
+    classes (the Reality Check's 4-fold cross-validation)."""
+    classes = np.unique(np.asarray(labels, dtype=np.int64))
+    if not 2 <= folds <= len(classes):
+        raise ValueError(f"config key 'data.val_folds': {folds} folds need 2 to {len(classes)} "
+                         f"(the training classes)")
+    if not 0 <= fold < folds:
+        raise ValueError(f"config key 'data.val_fold': must be in [0, {folds}), got {fold}")
+    parts = np.array_split(np.random.default_rng(seed).permutation(classes), folds)
+    val = np.sort(parts[fold])
     return np.setdiff1d(classes, val), val
 
 

@@ -20,6 +20,8 @@ upgraded in memory by ``load_checkpoint``.
 
 Writes go to a temporary file in the same directory, are fsync'ed and then ``os.replace``d
 over the target, so a crash (even SIGKILL) during saving leaves the previous file intact.
+The file gets the user's normal mode (0644 under the default umask 022), not the 0600 of
+the temporary file.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ __all__ = [
     "Trainables",
     "checkpoint_dict",
     "restore",
+    "CheckpointMismatchError",
     "save_checkpoint",
     "load_checkpoint",
     "get_rng_state",
@@ -83,6 +86,7 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; use the user's normal mode
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -102,6 +106,12 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     """Load a deepmetric checkpoint with ``weights_only=True``.
 
@@ -109,6 +119,10 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     corrupt, truncated or not a deepmetric checkpoint.
     """
     path = Path(path)
+    if path.is_dir():
+        hint = (f"; did you mean {path / 'last.pt'}?" if (path / "last.pt").is_file()
+                else " (it holds no last.pt)")
+        raise IsADirectoryError(f"checkpoint {path} is a run directory, not a checkpoint file{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
@@ -140,7 +154,7 @@ def _upgrade_v1(state: dict) -> dict:
     if "meta" in state:
         state["model_args"] = state.pop("meta")
     config = state["config"]
-    if isinstance(config, dict) and not (config.get("data") or {}).get("val_classes"):
+    if isinstance(config, dict) and (config.get("data") or {}).get("val_classes") is None:
         # version 1 chose best.pt on the test split; without a validation split nothing is chosen
         state["config"] = {**config, "eval": {**(config.get("eval") or {}), "best_metric": None}}
         state["best"] = {}
@@ -201,9 +215,62 @@ def checkpoint_dict(state: TrainState, objs: Trainables, *, model_args: dict, co
     }
 
 
-def restore(ckpt: dict, objs: Trainables, *, rank: int = 0) -> TrainState:
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written for another model or config (one-paragraph message)."""
+
+
+def _shape(v) -> list | None:
+    return list(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def state_dict_mismatch(saved: dict, module: nn.Module, limit: int = 3) -> str:
+    """A short description of how ``saved`` does not fit ``module`` ('' when it fits)."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [f"{k} {_shape(saved[k])} -> {_shape(own[k])}" for k in own
+              if k in saved and _shape(saved[k]) != _shape(own[k])]
+    parts = []
+    for what, items in (("missing in the checkpoint", missing), ("not in the model", unexpected),
+                        ("with another shape (checkpoint -> now)", shapes)):
+        if items:
+            more = f", ... ({len(items)} in all)" if len(items) > limit else ""
+            parts.append(f"{len(items)} tensor(s) {what}: {', '.join(items[:limit])}{more}")
+    return "; ".join(parts)
+
+
+def _mismatch_message(path, what: str, detail: str, diff: list, limit: int = 8) -> str:
+    changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in diff[:limit])
+    if len(diff) > limit:
+        changed += f", ... ({len(diff)} keys in all)"
+    keys = (f"Config keys that differ (checkpoint -> now): {changed}." if diff
+            else "The configs are identical, so the code that builds the model has changed.")
+    return (f"cannot resume from {path}: it was written for a different model or config. {keys} "
+            f"The {what} do not fit: {detail}. Resume with the config the checkpoint was trained "
+            f"with (it is stored in the checkpoint and in its run directory's config.yaml), or "
+            f"start a new run.")
+
+
+def restore(ckpt: dict, objs: Trainables, *, rank: int = 0, config: dict | None = None,
+            path: str | os.PathLike = "the checkpoint") -> TrainState:
     """Load a ``checkpoint_dict`` (as returned by ``load_checkpoint``) into ``objs`` and the
-    RNGs of this rank; returns the saved ``TrainState``."""
+    RNGs of this rank; returns the saved ``TrainState``.
+
+    When the model or loss states do not fit, raises ``CheckpointMismatchError`` naming the
+    config keys that differ from ``config`` (the current run's) in one paragraph."""
+    from .config import config_diff
+
+    diff = config_diff(ckpt["config"], config) if config is not None else []
+    detail = state_dict_mismatch(ckpt["model"], objs.model)
+    if detail:
+        raise CheckpointMismatchError(_mismatch_message(path, "model weights", detail, diff))
+    if len(ckpt["loss"]) != len(objs.losses):
+        raise CheckpointMismatchError(_mismatch_message(
+            path, "loss terms", f"{len(ckpt['loss'])} in the checkpoint, {len(objs.losses)} now", diff))
+    for i, (loss, loss_state) in enumerate(zip(objs.losses, ckpt["loss"])):
+        detail = state_dict_mismatch(loss_state, loss)
+        if detail:
+            raise CheckpointMismatchError(_mismatch_message(path, f"states of loss term {i}", detail, diff))
     state = TrainState(**{f.name: ckpt[f.name] for f in fields(TrainState) if f.name in ckpt})
     objs.model.load_state_dict(ckpt["model"])
     for loss, loss_state in zip(objs.losses, ckpt["loss"]):
@@ -211,7 +278,11 @@ def restore(ckpt: dict, objs: Trainables, *, rank: int = 0) -> TrainState:
     for loss, alpha in zip(objs.losses, ckpt.get("alphas", [])):
         if alpha is not None and has_alpha(loss):
             set_alpha(loss, alpha)
-    objs.optimizer.load_state_dict(ckpt["optimizer"])
+    try:
+        objs.optimizer.load_state_dict(ckpt["optimizer"])
+    except (ValueError, KeyError) as exc:  # other parameter groups (optim.param_groups, new_layers)
+        raise CheckpointMismatchError(_mismatch_message(path, "optimiser parameter groups",
+                                                        str(exc)[:200], diff)) from None
     if ckpt.get("grad_scaler"):
         objs.scaler.load_state_dict(ckpt["grad_scaler"])
     objs.lr_schedule.load_state_dict(ckpt["schedules"]["lr"])

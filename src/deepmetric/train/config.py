@@ -51,6 +51,7 @@ __all__ = [
     "Config",
     "config_from_dict",
     "config_to_dict",
+    "config_diff",
     "apply_overrides",
     "load_config",
     "save_config",
@@ -83,6 +84,16 @@ class DataConfig:
     val_classes: Union[int, float, list[Union[int, str]], None] = None
     #: seed of the random choice of validation classes (``null`` = ``train.seed``).
     val_seed: Optional[int] = None
+    #: k-fold class-disjoint cross-validation (instead of ``val_classes``): the training
+    #: classes are split (seeded) into ``val_folds`` class-disjoint folds and fold
+    #: ``val_fold`` (0-based) is the validation split; run once per fold.
+    val_folds: Optional[int] = None
+    val_fold: int = 0
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether a validation split is carved from the training classes."""
+        return self.val_classes is not None or self.val_folds is not None
 
 
 @dataclass
@@ -498,14 +509,22 @@ def _check_validation(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.val_classes': a class count must be >= 1, got {v}")
     if isinstance(v, list) and not v:
         raise ConfigError("config key 'data.val_classes': the list of validation classes is empty")
+    if cfg.data.val_folds is not None:
+        if v is not None:
+            raise ConfigError("config keys 'data.val_classes' and 'data.val_folds': give one of them")
+        if cfg.data.val_folds < 2:
+            raise ConfigError(f"config key 'data.val_folds': needs at least 2 folds, got {cfg.data.val_folds}")
+        if not 0 <= cfg.data.val_fold < cfg.data.val_folds:
+            raise ConfigError(f"config key 'data.val_fold': must be in [0, {cfg.data.val_folds}), "
+                              f"got {cfg.data.val_fold}")
     if cfg.eval.early_stop_patience is not None and cfg.eval.early_stop_patience < 1:
         raise ConfigError(f"config key 'eval.early_stop_patience': must be >= 1, got "
                           f"{cfg.eval.early_stop_patience}")
-    if v is not None and cfg.eval.classification:
+    if cfg.data.has_validation and cfg.eval.classification:
         raise ConfigError("config keys 'data.val_classes' and 'eval.classification': validation classes "
                           "are carved out of training (class-disjoint), so a classifier cannot be "
                           "evaluated on the test split's classes; use a zero-shot protocol")
-    if v is not None:
+    if cfg.data.has_validation:
         return
     why = "the test split is never used to choose a model; add a validation split with " \
           "data.val_classes (e.g. data.val_classes=0.2)"
@@ -536,6 +555,29 @@ def config_from_dict(raw: dict | None) -> Config:
 def config_to_dict(cfg: Any) -> dict:
     """The configuration as plain Python data (YAML/JSON/``torch.save`` safe)."""
     return dataclasses.asdict(cfg)
+
+
+def _flatten(value: Any, prefix: str, out: dict) -> dict:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, dict) for v in value):
+        for i, v in enumerate(value):  # loss terms, parameter groups
+            _flatten(v, f"{prefix}.{i}", out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def config_diff(old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """The keys whose values differ between two configs (``Config`` or plain dicts), as
+    ``(dotted.key, old value, new value)`` sorted by key; a key missing on one side has
+    the value ``"<absent>"`` there."""
+    a = _flatten(config_to_dict(old) if dataclasses.is_dataclass(old) else old, "", {})
+    b = _flatten(config_to_dict(new) if dataclasses.is_dataclass(new) else new, "", {})
+    missing = "<absent>"
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
+            if a.get(k, missing) != b.get(k, missing)]
 
 
 # --------------------------------------------------------------------------- overrides

@@ -83,7 +83,7 @@ def _plots(out: Path, snapshots: dict, at: int) -> list[Path]:
     return paths
 
 
-def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=None) -> dict:
+def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=None, overwrite: bool = False) -> dict:
     """Run the demo; returns the summary written to ``demo_metrics.json``."""
     from .builders import build_dataset
     from .loop import train
@@ -111,7 +111,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, overrides=No
         snapshots["final"] = {**embedded, "metrics": metrics, "epoch": epoch}
 
     t0 = time.perf_counter()
-    result = train(cfg, on_eval=keep)
+    result = train(cfg, on_eval=keep, overwrite=overwrite)
     t_train = time.perf_counter() - t0
     if "final" in snapshots:
         snapshots["after heat-up"] = snapshots.pop("final")

@@ -17,7 +17,7 @@
    gradient accumulation and the fp16 scaler), step; log every step as JSON lines; stop
    cleanly on Ctrl-C (checkpoint first) or a non-finite loss (no checkpoint written);
 7. at epoch end: evaluate when due (zero-shot retrieval/clustering with
-   ``deepmetric.evaluate``) on the validation split (``data.val_classes``) and the test
+   ``deepmetric.evaluate``) on the validation split (``data.val_classes`` / ``val_folds``) and the test
    split, feed ``auto_plateau``, keep ``best.pt`` (best validation metric), stop early when
    asked, save ``last.pt``.  The test split is logged, never used to choose anything.  The
    last epoch's ``last.pt`` is written before its evaluation runs, so a failing evaluation
@@ -54,11 +54,12 @@ from torch import nn
 from . import distributed as D
 from . import preflight as P
 from .amp import autocast_context, check_amp
+from .batches import make_train_loader
 from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler,
                        embedding_dim_of, seed_everything)
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
                          restore, save_checkpoint)
-from .config import Config, config_to_dict, save_config
+from .config import Config, config_diff, config_to_dict, save_config
 from .embed import evaluate_model
 from .module import PAIR_BASED_LOSSES, TrainingModule, init_from_class_means
 from .optim import build_optimizer
@@ -68,7 +69,7 @@ from .summary import format_baseline, format_run_end, format_run_summary
 #: The builders' old names, still importable from here.
 build_dataset_split = build_dataset
 
-__all__ = ["train", "TrainResult", "TrainingModule", "NonFiniteLossError", "build_dataset_split",
+__all__ = ["train", "TrainResult", "RunDirectoryError", "prepare_run_dir", "TrainingModule", "NonFiniteLossError", "build_dataset_split",
            "build_model", "build_losses", "seed_everything", "init_from_class_means",
            "PAIR_BASED_LOSSES"]
 
@@ -151,6 +152,36 @@ def _baselines_from_log(path: Path) -> dict[str, dict]:
     return out
 
 
+#: What a run writes into its directory (``--overwrite`` removes these and nothing else).
+RUN_FILES = ("config.yaml", "log.jsonl", "last.pt", "best.pt", "metrics.json")
+
+
+class RunDirectoryError(ValueError):
+    """A new run was pointed at a directory that already holds files."""
+
+
+def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> None:
+    """Create ``out_dir``.  A new run refuses a non-empty directory (the report would mix
+    runs) unless ``overwrite`` (the previous run's files are removed) or ``resume``."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunDirectoryError(f"config key 'train.out_dir': {out_dir} is a file, not a directory")
+    existing = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if existing and resume is None:
+        if not overwrite:
+            shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
+            hint = f" --resume {out_dir / 'last.pt'}" if (out_dir / "last.pt").is_file() else ""
+            raise RunDirectoryError(
+                f"run directory {out_dir} is not empty ({shown}); a new run would mix its log and "
+                f"checkpoints with the old ones. Continue the old run with{hint or ' --resume CHECKPOINT'}, "
+                f"replace it with --overwrite (train(cfg, overwrite=True)), or choose another "
+                f"train.out_dir=...")
+        for name in RUN_FILES:
+            (out_dir / name).unlink(missing_ok=True)
+        for tmp in out_dir.glob(".*.pt.*.tmp"):  # left by a killed save
+            tmp.unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
 def _configure_torch(tc, device: torch.device) -> None:
     """Threads, precision check and determinism, decided once before anything is built."""
     if tc.num_threads is not None:
@@ -168,15 +199,6 @@ def _run_length(tc, batches_per_epoch: int) -> tuple[int, int]:
     if tc.epochs is not None:
         return tc.epochs, tc.epochs * steps_per_epoch
     return math.ceil(tc.iterations / steps_per_epoch), tc.iterations
-
-
-def _make_loader(dataset, sampler, num_workers: int, pin: bool, seed: int):
-    """A loader over the batch sampler.  ``seed`` (a function of run seed, epoch and rank)
-    seeds the workers, so augmentations differ between epochs and repeat on resume."""
-    from deepmetric.data import make_loader
-
-    return make_loader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin,
-                       persistent_workers=False, seed=seed)
 
 
 def _eval_due(cfg: Config, epoch_done: int, total_epochs: int, finished: bool) -> bool:
@@ -244,9 +266,12 @@ def _check_metric(key: str, cfg_key: str, metrics: dict) -> None:
 
 
 # --------------------------------------------------------------------------- the loop
-def train(cfg: Config, *, resume: str | os.PathLike | None = None,
+def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bool = False,
           on_eval: Callable[[int, dict, dict], None] | None = None) -> TrainResult:
     """Train according to ``cfg``; ``resume`` continues from a checkpoint (``last.pt``).
+
+    A new run refuses a non-empty ``train.out_dir`` unless ``overwrite=True`` (which
+    removes the previous run's files) or ``resume`` is given.
 
     ``on_eval(epoch, metrics, embedded)`` is called on rank 0 after every evaluation (the
     demo uses it to keep embeddings for plots).
@@ -258,8 +283,14 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     device, rank, world, main = dist_info.device, dist_info.rank, dist_info.world_size, dist_info.is_main
     _configure_torch(tc, device)
     out_dir = Path(tc.out_dir)
+    refused = None
     if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
+        except RunDirectoryError as exc:
+            refused = exc
+    if D.any_true(refused is not None, device):  # every rank stops, before anything is written
+        raise refused or RunDirectoryError(f"rank 0 refused the run directory {out_dir}")
     seed_everything(tc.seed)  # identical model/loss initialisation on every rank
 
     # 2. data ----------------------------------------------------------------------------
@@ -271,7 +302,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     if batches_per_epoch == 0:
         raise ValueError(f"the training split has too few samples ({len(train_ds)}) for one batch")
     total_epochs, total_iters = _run_length(tc, batches_per_epoch)
-    has_val = cfg.data.val_classes is not None
+    has_val = cfg.data.has_validation
     select_key = (cfg.eval.best_metric or "recall@1") if has_val else None
     eval_sets: dict[str, dict] = {}
     if main:
@@ -325,10 +356,15 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     state = TrainState(best={"metric": select_key, "value": None, "epoch": None, "test": None})
     last_ckpt = out_dir / "last.pt"
     if resume is not None:
-        state = restore(load_checkpoint(resume, map_location=device), objs, rank=rank)
+        ckpt = load_checkpoint(resume, map_location=device)
+        state = restore(ckpt, objs, rank=rank, config=config_dict, path=resume)
         if main:
             _truncate_log(out_dir / "log.jsonl", state.iteration, state.epoch)
             print(f"[deepmetric] resumed from {resume}: epoch {state.epoch}, step {state.iteration}", flush=True)
+            changed = [f"{k} {a!r} -> {b!r}" for k, a, b in config_diff(ckpt["config"], config_dict)]
+            if changed:
+                print(f"[deepmetric] resuming with changed config keys: {', '.join(changed)}", flush=True)
+        del ckpt
         last_ckpt = Path(resume)
     if main:
         save_config(cfg, out_dir / "config.yaml")
@@ -392,8 +428,10 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
                 # Each epoch's randomness is a function of (seed, epoch, rank) only.
                 seed_everything(tc.seed + 1_000_003 * (epoch + 1) + 7919 * rank)
             sampler.set_epoch(epoch)
-            loader = _make_loader(train_ds, sampler, cfg.data.num_workers, device.type == "cuda",
-                                  seed=(tc.seed * 1_000_003 + epoch * 7919 + rank) % 2**63)
+            # augmentation seeded by each sample's position: exact resume with loader workers
+            loader = make_train_loader(train_ds, sampler, epoch=epoch, start=state.batch_in_epoch,
+                                       run_seed=tc.seed, rank=rank, num_workers=cfg.data.num_workers,
+                                       pin_memory=device.type == "cuda")
             bn_stats_only = epoch < tc.warmup_epochs and tc.warmup_mode == "bn_stats"
             bar = None
             if tqdm is not None and tc.progress and main:
@@ -547,7 +585,8 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None,
     return result
 
 
-def train_from_config_file(path: str, overrides: list[str] | None = None, resume: str | None = None) -> TrainResult:
+def train_from_config_file(path: str, overrides: list[str] | None = None, resume: str | None = None,
+                           overwrite: bool = False) -> TrainResult:
     from .config import load_config
 
-    return train(load_config(path, overrides), resume=resume)
+    return train(load_config(path, overrides), resume=resume, overwrite=overwrite)

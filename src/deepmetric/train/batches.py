@@ -1,0 +1,102 @@
+"""Training batches whose random augmentation does not depend on where the run started.
+
+A DataLoader worker draws augmentations from its own random stream, so after a resume in
+the middle of an epoch (the sampler skips the batches already trained on) a worker would
+apply to batch ``b`` the randomness that batch ``b - skipped`` got in the uninterrupted
+run.  Here every sample is instead seeded from its *position*: ``(run seed, rank, epoch,
+batch index in the epoch, index in the batch)`` seeds torch, NumPy and ``random`` right
+before ``dataset[i]`` is loaded.  The augmentation of a batch is then the same whatever the
+number of workers, whichever worker loads it, and whether the run was resumed.  In the main
+process (``num_workers=0``) the global random states are restored after each sample, so
+the training randomness (dropout, ...) is untouched.
+
+Workers ignore SIGINT: Ctrl-C reaches the whole process group, and only the main process
+should react (finish the step, save, stop).
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+
+__all__ = ["PositionSeededDataset", "PositionedBatchSampler", "make_train_loader", "sample_seed"]
+
+
+def sample_seed(run_seed: int, rank: int, epoch: int, batch: int, position: int) -> int:
+    """A 64-bit seed that is a function of the sample's position only."""
+    words = np.random.SeedSequence([run_seed % 2**63, rank, epoch, batch, position]).generate_state(2)
+    return (int(words[0]) << 32) | int(words[1])
+
+
+@contextlib.contextmanager
+def _restored_rng():
+    torch_state, np_state, py_state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+class PositionSeededDataset(Dataset):
+    """``dataset`` indexed by ``(epoch, batch, position, index)`` keys (from
+    ``PositionedBatchSampler``): seeds the random streams from the position, then returns
+    ``dataset[index]``."""
+
+    def __init__(self, dataset: Dataset, run_seed: int, rank: int = 0):
+        self.dataset, self.run_seed, self.rank = dataset, int(run_seed), int(rank)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, batch, position, index = key
+        seed = sample_seed(self.run_seed, self.rank, epoch, batch, position)
+        if get_worker_info() is not None:  # a worker's random state is its own
+            _seed_all(seed)
+            return self.dataset[index]
+        with _restored_rng():
+            _seed_all(seed)
+            return self.dataset[index]
+
+
+class PositionedBatchSampler(Sampler):
+    """Wraps a batch sampler whose iteration starts at batch ``start`` of ``epoch`` (a
+    resumed epoch) and yields ``(epoch, batch, position, index)`` keys."""
+
+    def __init__(self, batch_sampler, epoch: int, start: int = 0):
+        self.batch_sampler, self.epoch, self.start = batch_sampler, int(epoch), int(start)
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.start, 0)
+
+    def __iter__(self):
+        for j, batch in enumerate(self.batch_sampler):
+            b = self.start + j
+            yield [(self.epoch, b, pos, int(i)) for pos, i in enumerate(batch)]
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def make_train_loader(dataset: Dataset, batch_sampler, *, epoch: int, start: int, run_seed: int,
+                      rank: int = 0, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    """The loader of one training epoch (or of its remainder from batch ``start``).  Its own
+    generator keeps the loader from drawing its base seed from torch's global stream."""
+    return DataLoader(PositionSeededDataset(dataset, run_seed, rank),
+                      batch_sampler=PositionedBatchSampler(batch_sampler, epoch, start),
+                      num_workers=num_workers, pin_memory=pin_memory,
+                      worker_init_fn=_ignore_sigint if num_workers > 0 else None,
+                      generator=torch.Generator().manual_seed(sample_seed(run_seed, rank, epoch, start, 0)))

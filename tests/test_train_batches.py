@@ -1,0 +1,74 @@
+"""Training batches seeded by each sample's position: the augmentation of batch b does not
+depend on the number of loader workers nor on the batch an epoch (re)started from."""
+import random
+
+import numpy as np
+import torch
+
+from deepmetric.data import RandomBatchSampler
+from deepmetric.data.synthetic import build_synthetic_dataset
+from deepmetric.train.batches import make_train_loader, sample_seed
+from deepmetric.train.config import config_from_dict
+from deepmetric.train.loop import train
+
+
+def _batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def test_resumed_epoch_with_a_worker_sees_the_same_augmented_batches():
+    ds = build_synthetic_dataset("train", num_classes=4, per_class=12, dim=8, augment=0.5)
+    sampler = RandomBatchSampler(len(ds), 8, seed=1)
+    sampler.set_epoch(3)
+    full = _batches(make_train_loader(ds, sampler, epoch=3, start=0, run_seed=7, num_workers=1))
+    assert len(full) == 6
+    # the run resumes after 2 batches: the sampler skips them, the loader starts at batch 2
+    sampler.load_state_dict(sampler.state_dict(batches_done=2))
+    rest = _batches(make_train_loader(ds, sampler, epoch=3, start=2, run_seed=7, num_workers=1))
+    assert len(rest) == 4
+    for (xa, ya), (xb, yb) in zip(full[2:], rest):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
+    # the augmentation is real (differs from the clean samples) and changes with the epoch
+    clean = torch.stack([ds.x[i] for i in sampler.batches_for_epoch(3)[2]])
+    assert not torch.allclose(rest[0][0], clean)
+    sampler.set_epoch(3)
+    zero_workers = _batches(make_train_loader(ds, sampler, epoch=3, start=0, run_seed=7, num_workers=0))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full, zero_workers))
+    other_epoch = _batches(make_train_loader(ds, sampler, epoch=4, start=0, run_seed=7, num_workers=0))
+    assert not torch.equal(other_epoch[0][0], full[0][0])
+
+
+def test_main_process_random_state_is_untouched_by_loading():
+    ds = build_synthetic_dataset("train", num_classes=2, per_class=8, dim=4, augment=1.0)
+    sampler = RandomBatchSampler(len(ds), 4, seed=0)
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    expected = (torch.rand(2).tolist(), np.random.rand(2).tolist(), random.random())
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    _batches(make_train_loader(ds, sampler, epoch=0, start=0, run_seed=0, num_workers=0))
+    assert (torch.rand(2).tolist(), np.random.rand(2).tolist(), random.random()) == expected
+
+
+def test_sample_seed_depends_on_every_part_of_the_position():
+    base = sample_seed(0, 0, 0, 0, 0)
+    assert base == sample_seed(0, 0, 0, 0, 0)
+    assert len({base, sample_seed(1, 0, 0, 0, 0), sample_seed(0, 1, 0, 0, 0), sample_seed(0, 0, 1, 0, 0),
+                sample_seed(0, 0, 0, 1, 0), sample_seed(0, 0, 0, 0, 1)}) == 6
+
+
+def test_training_is_identical_with_zero_and_two_workers(tmp_path):
+    def run(workers):
+        raw = {
+            "data": {"name": "synthetic", "num_workers": workers,
+                     "options": {"num_classes": 6, "per_class": 12, "dim": 16, "seed": 5, "augment": 0.3}},
+            "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
+            "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+            "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+            "train": {"epochs": 2, "batch_size": 12, "seed": 3, "out_dir": str(tmp_path / f"w{workers}"),
+                      "progress": False},
+            "eval": {"every": 0},
+        }
+        train(config_from_dict(raw))
+        return torch.load(tmp_path / f"w{workers}" / "last.pt", weights_only=True)["model"]
+
+    a, b = run(0), run(2)
+    assert all(torch.equal(a[k], b[k]) for k in a)

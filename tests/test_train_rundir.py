@@ -1,0 +1,125 @@
+"""Run directories are safe: a new run refuses a non-empty directory unless --overwrite or
+--resume; a mismatched --resume names the differing config keys in one paragraph; a run
+directory given as a checkpoint gets a hint; checkpoints get the user's normal file mode."""
+import json
+import os
+import stat
+
+import pytest
+import torch
+import yaml
+
+from deepmetric import cli
+from deepmetric.train import checkpoint as ck
+from deepmetric.train.config import config_diff, config_from_dict
+from deepmetric.train.loop import RunDirectoryError, train
+
+
+def _raw(out_dir, **model_options):
+    return {
+        "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 8, "dim": 16, "seed": 5}},
+        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 16, "embedding_dim": 8,
+                                                         **model_options}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+        "optim": {"name": "sgd", "lr": 0.05},
+        "train": {"epochs": 2, "batch_size": 12, "seed": 0, "out_dir": str(out_dir), "progress": False},
+        "eval": {"every": 1},
+    }
+
+
+def _steps(log):
+    return [json.loads(l)["step"] for l in log.read_text().splitlines() if '"type": "step"' in l]
+
+
+def test_new_run_refuses_a_non_empty_run_directory(tmp_path):
+    run = tmp_path / "run"
+    train(config_from_dict(_raw(run)))
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    with pytest.raises(RunDirectoryError) as exc:
+        train(config_from_dict(_raw(run)))
+    msg = str(exc.value)
+    assert f"run directory {run} is not empty" in msg and "last.pt" in msg
+    assert f"--resume {run / 'last.pt'}" in msg and "--overwrite" in msg and "\n" not in msg
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # nothing touched
+
+
+def test_overwrite_starts_afresh_and_resume_is_allowed(tmp_path):
+    run = tmp_path / "run"
+    raw = _raw(run)
+    raw["data"]["val_classes"] = 2  # the first run leaves a best.pt
+    train(config_from_dict(raw))
+    assert (run / "best.pt").is_file()
+    (run / "notes.txt").write_text("mine")
+    res = train(config_from_dict(_raw(run)), overwrite=True)  # no validation split now
+    assert _steps(run / "log.jsonl") == list(range(1, res.iteration + 1))  # one run's steps only
+    assert not (run / "best.pt").exists()  # the old run's best.pt would be misleading
+    assert (run / "notes.txt").read_text() == "mine"  # only run files are removed
+    assert json.loads((run / "metrics.json").read_text())["selected"] is None
+    # --resume into the same directory is fine
+    raw2 = _raw(run)
+    raw2["train"]["epochs"] = 3
+    again = train(config_from_dict(raw2), resume=run / "last.pt")
+    assert again.epochs_completed == 3
+
+
+def test_cli_refuses_then_overwrites(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(_raw(tmp_path / "run")))
+    assert cli.main(["train", str(cfg)]) == 0
+    assert cli.main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "--overwrite" in err
+    assert cli.main(["train", str(cfg), "--overwrite"]) == 0
+    assert "--overwrite" in cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+
+
+def test_resume_with_another_model_names_the_differing_keys(tmp_path):
+    train(config_from_dict(_raw(tmp_path / "run")))
+    cfg = config_from_dict(_raw(tmp_path / "other", embedding_dim=16))
+    with pytest.raises(ck.CheckpointMismatchError) as exc:
+        train(cfg, resume=tmp_path / "run" / "last.pt")
+    msg = str(exc.value)
+    assert "\n" not in msg and len(msg) < 1200, msg  # one paragraph, not a traceback of 80 keys
+    assert "different model or config" in msg
+    assert "model.options.embedding_dim 8 -> 16" in msg and "train.out_dir" in msg
+    assert "head.weight [8, 16] -> [16, 16]" in msg
+
+
+def test_resume_with_other_classes_names_the_loss_state(tmp_path):
+    train(config_from_dict(_raw(tmp_path / "run")))
+    raw = _raw(tmp_path / "other")
+    raw["data"]["options"]["num_classes"] = 5
+    with pytest.raises(ck.CheckpointMismatchError, match=r"data.options.num_classes 6 -> 5.*loss term 0.*weight \[6, 8\] -> \[5, 8\]"):
+        train(config_from_dict(raw), resume=tmp_path / "run" / "last.pt")
+
+
+def test_a_run_directory_given_as_checkpoint_gets_a_hint(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(config_from_dict(_raw(run)))
+    with pytest.raises(IsADirectoryError, match=rf"{run} is a run directory.*did you mean {run / 'last.pt'}\?"):
+        ck.load_checkpoint(run)
+    with pytest.raises(IsADirectoryError, match="holds no last.pt"):
+        ck.load_checkpoint(tmp_path)
+    assert cli.main(["embed", str(run), "--out", str(tmp_path / "e.npz")]) == 2
+    assert f"did you mean {run / 'last.pt'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_checkpoints_get_the_users_file_mode(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        path = ck.save_checkpoint({"model": {"w": torch.ones(2)}, "config": {}}, tmp_path / "x.pt")
+        train(config_from_dict(_raw(tmp_path / "run")))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert stat.S_IMODE((tmp_path / "run" / "last.pt").stat().st_mode) == mode
+
+
+def test_config_diff_lists_changed_keys():
+    a = config_from_dict(_raw("a"))
+    b = config_from_dict(_raw("b", embedding_dim=4))
+    b.loss[0].options["alpha"] = 8.0
+    assert config_diff(a, b) == [("loss.0.options.alpha", 16.0, 8.0),
+                                 ("model.options.embedding_dim", 8, 4), ("train.out_dir", "a", "b")]
+    assert config_diff(a, a) == []
