@@ -100,6 +100,9 @@ def test_explicit_class_lists_from_yaml(digits, tmp_path, capsys):
      "config key 'eval.best_metric': 'recal@1' is not a metric this run computes (did you mean 'recall@1'?)"),
     ("loss.0.options.alpah=4",
      "config key 'loss.0.options.alpah': unknown option 'alpah' for loss 'heated_softmax' (did you mean 'alpha'?)"),
+    ("data.val_classes=1",
+     "data split 'val' has 1 class(es): retrieval and clustering metrics need at least 2 classes; "
+     "give data.val_classes at least 2 classes (training has not started)"),
     ("data.transform_options.channels=3",
      "model 'glyph_resnet' takes 1-channel images (its first convolution 'backbone.stem.0' has in_channels=1) "
      "but data.transform 'mnist' gives 3-channel images of shape [3, 28, 28]. Set model.options.in_chans: 3, "

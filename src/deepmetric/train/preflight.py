@@ -498,6 +498,15 @@ def check_run(cfg: Config, model: nn.Module, train_set, eval_sets: dict[str, Any
     check_images_readable(train_set, cfg.data.train_split)
     for name, ds in split_names(cfg, eval_sets):
         check_images_readable(ds, name)
+    for group, sets in (eval_sets.items() if eval_sets and all(isinstance(v, dict) for v in eval_sets.values())
+                        else [("test", eval_sets)]):
+        labels = np.concatenate([np.asarray(ds.labels).reshape(-1) for ds in sets.values()]) if sets else []
+        n = len(np.unique(labels))
+        if sets and n < 2:
+            how = ("give data.val_classes at least 2 classes" if group == "val" else
+                   "the test split needs at least 2 classes (check data.options and eval.split)")
+            raise ValueError(f"data split '{group}' has {n} class(es): retrieval and clustering metrics need "
+                             f"at least 2 classes; {how} (training has not started)")
     with rng_preserved():
         shape = check_model_input(model, train_set, cfg)
     warns = size_warnings(cfg, train_set, shape)
