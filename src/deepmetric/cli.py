@@ -13,6 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
+
+
+def _wrap(text: str) -> str:
+    """A description filled to 79 columns (the raw formatter keeps the examples' lines as written)."""
+    return textwrap.fill(" ".join(text.split()), 79)
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -20,7 +26,7 @@ def _add_evaluate_parser(sub) -> None:
     p = sub.add_parser(
         "evaluate",
         help="retrieval / clustering metrics of saved embeddings (.npz)",
-        description=(
+        description=_wrap(
             "Evaluate embeddings stored in an .npz file with arrays 'embeddings' (N x d float), "
             "'labels' (N integers) and optionally boolean 'is_query' / 'is_gallery' (In-shop "
             "style). Without them every sample is a query against all the others. Write such a "
@@ -65,7 +71,7 @@ def _add_report_parser(sub) -> None:
     p = sub.add_parser(
         "report",
         help="figures and a Markdown report of a run (RUN_DIR/report/)",
-        description=(
+        description=_wrap(
             "Write PNG figures (training curves from log.jsonl; with --embeddings also "
             "Recall@K, cosine-similarity histograms, a 2-d embedding scatter, and Fig. 1 / "
             "two-head diagnostics when the .npz holds the needed arrays) and report.md into "
@@ -103,14 +109,15 @@ def _run_report(args: argparse.Namespace) -> int:
 def _add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="train a model from a YAML config (see docs/training.md)",
-        description=(
+        description=_wrap(
             "Train from CONFIG.yaml. KEY=VALUE overrides (values are YAML) change single keys of "
             "the config, e.g. optim.lr=0.001 train.epochs=5 'data.options={class_split: half}'. "
             "Without a config file the defaults apply and the overrides must give at least "
             "train.epochs (or train.iterations). The run prints a summary (data split, model, loss, "
             "device, output folder) and baselines (untrained network, raw pixels for images up to "
             "64x64), checks data, model and metric names before the first step, and writes "
-            "config.yaml, log.jsonl, last.pt, best.pt and metrics.json to train.out_dir. "
+            "config.yaml, log.jsonl, last.pt, best.pt (with a validation split, data.val_classes) and "
+            "metrics.json to train.out_dir. "
             "Use torchrun for DDP. See docs/training.md and, for your own images, docs/data.md."
         ),
         epilog=(
@@ -160,7 +167,7 @@ def _run_train(args: argparse.Namespace) -> int:
 def _add_embed_parser(sub) -> None:
     p = sub.add_parser(
         "embed", help="embed a dataset split with a trained checkpoint into an .npz",
-        description=("Rebuild the model stored in a training checkpoint, embed one split of a dataset "
+        description=_wrap("Rebuild the model stored in a training checkpoint, embed one split of a dataset "
                      "(by default the checkpoint's own data and test transform) and write an .npz "
                      "that 'deepmetric evaluate' and 'deepmetric report' read."),
         epilog=(
@@ -197,7 +204,7 @@ def _run_embed(args: argparse.Namespace) -> int:
 def _add_demo_parser(sub) -> None:
     p = sub.add_parser(
         "demo", help="offline demo: heated-up BN embedding on the glyph benchmark (CPU, <10 min)",
-        description=("Train recipes/demo_glyphs.yaml (heated softmax with a BN embedding on the offline "
+        description=_wrap("Train recipes/demo_glyphs.yaml (heated softmax with a BN embedding on the offline "
                      "glyph benchmark), evaluate on unseen characters and write a metrics table and "
                      "figures. Needs no download; see docs/training.md#the-offline-demo."),
         epilog=(

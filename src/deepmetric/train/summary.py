@@ -63,7 +63,7 @@ def describe_split(dataset, max_names: int = 10) -> str:
     n_cls = getattr(dataset, "num_classes", None)
     if n_cls is None and labels is not None:
         n_cls = len(np.unique(np.asarray(labels)))
-    text = f"{n_cls} classes, {n_img} images"
+    text = f"{n_cls} class{'es' if n_cls != 1 else ''}, {n_img} image{'s' if n_img != 1 else ''}"
     names = _class_names(dataset)
     if names:
         shown = ", ".join(names[:max_names])
