@@ -266,7 +266,7 @@ def load_folder(root, split: str = "all", *, class_split=None, split_file=None, 
         raise FileNotFoundError(f"folder: root '{r}' does not exist. Expected:\n{_FOLDER_LAYOUT}")
     if r.is_file():
         if r.suffix.lower() in (".csv", ".tsv", ".txt"):
-            raise ValueError(f"folder: root '{r}' is a file list; load it with name='csv' (build_dataset('csv', root='{r}')).")
+            raise ValueError(f"folder: root '{r}' is a file list; load it with name='csv' (build_dataset('csv', root='{r}'); in a YAML config: data.name: csv).")
         raise NotADirectoryError(f"folder: root '{r}' is a file; pass the folder that holds one sub-folder per class")
     if class_split is not None and split_file is not None:
         raise ValueError("folder: pass either class_split or split_file, not both")
