@@ -314,8 +314,15 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
 
     # 3. model and loss terms ------------------------------------------------------------
     model = build_model(cfg, num_classes=num_classes)
-    # pre-flight: image headers of every split, the model on two training images
-    input_shape, run_warnings = P.check_run(cfg, model, train_ds, eval_sets)
+    # pre-flight: image headers of every split, the model on two training images.  Rank 0 alone
+    # checks the evaluation splits, so a failure is shared before the ranks meet in DDP.
+    preflight_error: Exception | None = None
+    try:
+        input_shape, run_warnings = P.check_run(cfg, model, train_ds, eval_sets)
+    except (ValueError, OSError) as exc:
+        preflight_error = exc
+    if D.any_true(preflight_error is not None, device):
+        raise preflight_error or RuntimeError("pre-flight checks failed on another rank (see its message)")
     embedding_dim = embedding_dim_of(model, train_ds)
     losses = build_losses(cfg, num_classes=num_classes, embedding_dim=embedding_dim)
     if world > 1 and tc.sync_bn and device.type == "cuda":
