@@ -437,7 +437,7 @@ def test_error_parent_folder_suggests_subfolder(trees):
             build_dataset(name, root.parent)
         msg = str(e.value)
         assert f"expected '{root.parent / marker}'" in msg
-        assert f"Pass root='{root}'" in msg
+        assert f"Pass root='{root}' (in a YAML config: data.root: {root})" in msg
         assert "A correct root looks like" in msg
 
 

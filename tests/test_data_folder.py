@@ -146,9 +146,9 @@ def test_folder_error_no_images(tmp_path):
 
 def test_folder_error_split_options(tree, tmp_path):
     root, _ = tree
-    with pytest.raises(ValueError, match=r"split='test' asked for, but no split is defined(.|\n)*class_split='half'"):
+    with pytest.raises(ValueError, match=r"split='test' asked for, but no split is defined(.|\n)*class_split: half"):
         build_dataset("folder", root, split="test")
-    with pytest.raises(ValueError, match=r"class_split must be 'half' or a fraction in \(0, 1\), got 'third'"):
+    with pytest.raises(ValueError, match=r"class_split must be 'half', a fraction in \(0, 1\) or lists of class names .*got 'third'"):
         build_dataset("folder", root, class_split="third")
     with pytest.raises(ValueError, match=r"strictly between 0 and 1, got 1.5"):
         build_dataset("folder", root, class_split=1.5)
@@ -162,6 +162,58 @@ def test_folder_error_split_options(tree, tmp_path):
     _img(one / "only" / "a.png")
     with pytest.raises(ValueError, match=r"needs at least 2 classes, .* has 1: \['only'\]"):
         build_dataset("folder", one, class_split="half")
+
+
+def test_folder_class_split_half_takes_the_first_half_of_sorted_names(tmp_path):
+    """The documented order: Python's string sort ("10" < "2", upper case first); an odd count
+    gives the extra class to test."""
+    names = ["zero", "one", "two", "10", "2", "Zed", "ant"]
+    for c in names:
+        _img(tmp_path / c / "a.png")
+    tr = build_dataset("folder", tmp_path, split="train", class_split="half")
+    te = build_dataset("folder", tmp_path, split="test", class_split="half")
+    assert tr.class_names == ["10", "2", "Zed"]
+    assert te.class_names == ["ant", "one", "two", "zero"]
+
+
+def test_folder_class_split_explicit_lists(tree):
+    root, _ = tree
+    split = {"train": ["fox", "ant"], "val": ["bee"], "test": ["dog", "cat"]}
+    with pytest.warns(UserWarning, match=r"1 class folder\(s\) .* in no class_split list and are left out: \['eel'\]"):
+        tr = build_dataset("folder", root, split="train", class_split=split)
+    assert tr.class_names == ["ant", "fox"]
+    assert len(tr) == 1 + 7  # ant: 1 image, fox: 6 + the nested one
+    with pytest.warns(UserWarning):
+        te = build_dataset("folder", root, split="test", class_split=split)
+        va = build_dataset("folder", root, split="val", class_split=split)
+    assert te.class_names == ["cat", "dog"] and len(te) == 3 + 4
+    assert va.class_names == ["bee"] and len(va) == 2
+    with pytest.raises(ValueError, match=r"class_split.test names 'dgo', which is not a class folder .*did you mean 'dog'"):
+        build_dataset("folder", root, split="train", class_split={"train": ["ant"], "test": ["dgo"]})
+    with pytest.raises(ValueError, match=r"class 'ant' is listed in class_split.train and class_split.test"):
+        build_dataset("folder", root, split="train", class_split={"train": ["ant"], "test": ["ant"]})
+    with pytest.raises(ValueError, match=r"unknown split 'tset'"):
+        build_dataset("folder", root, split="train", class_split={"train": ["ant"], "tset": ["bee"]})
+    with pytest.raises(ValueError, match=r"class_split.train must be a list of class folder names"):
+        build_dataset("folder", root, split="train", class_split={"train": "ant", "test": ["bee"]})
+
+
+def test_folder_root_that_is_the_parent_of_the_dataset(tmp_path):
+    for c in ("cat", "dog", "owl"):
+        _img(tmp_path / "parent" / "digits" / c / "a.png")
+    with pytest.raises(ValueError, match=r"looks like the parent of the dataset folder: its only sub-folder "
+                                         r"'digits' holds 3 image folders \(cat, dog, owl\).*Pass root='.*digits'"
+                                         r" \(in a YAML config: data.root: .*digits\)"):
+        build_dataset("folder", tmp_path / "parent", split="all")
+    assert build_dataset("folder", tmp_path / "parent" / "digits", split="all").num_classes == 3
+
+
+def test_empty_class_error_speaks_yaml(tmp_path):
+    _img(tmp_path / "a" / "x.png")
+    _img(tmp_path / "b" / "x.png")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"data.options.allow_empty_classes: true"):
+        build_dataset("folder", tmp_path, split="all")
 
 
 def test_folder_error_split_file(tree, tmp_path):
@@ -245,8 +297,14 @@ def test_csv_missing_images_reported_with_line_numbers(csv_tree):
     assert f"{csv_tree / 'imgs' / 'nope.png'} (listed at d.csv:3)" in msg
     assert f"{csv_tree / 'imgs' / 'gone.jpg'} (listed at d.csv:5)" in msg
     assert "resolved against" in msg and "skip_missing=True" in msg
-    ds = build_dataset("csv", f, skip_missing=True)
+    assert "data.options.skip_missing: true" in msg
+    with pytest.warns(UserWarning) as rec:
+        ds = build_dataset("csv", f, skip_missing=True)
     assert ds.num_skipped == 2 and len(ds) == 2 and ds.labels.tolist() == [0, 1]
+    # the files dropped by skip_missing are counted and named
+    msg = next(str(w.message) for w in rec if "skip_missing dropped" in str(w.message))
+    assert "skip_missing dropped 2 of 4 images (missing)" in msg
+    assert f"{csv_tree / 'imgs' / 'nope.png'} (listed at d.csv:3)" in msg and "gone.jpg" in msg
 
 
 # ----------------------------------------------------------------------------- csv errors

@@ -64,9 +64,37 @@ def test_missing_and_corrupt_file(tmp_path, capsys):
     assert main(["evaluate", str(tmp_path / "nope.npz")]) == 2
     assert "no such file" in capsys.readouterr().err
     bad = tmp_path / "junk.npz"
-    bad.write_text("not a zip")
+    bad.write_bytes(b"\xfe\xfa\x00 not a zip")
     assert main(["evaluate", str(bad)]) == 2
     assert "not a readable .npz" in capsys.readouterr().err
+
+
+def test_wrong_kind_of_file_is_named(tmp_path, capsys):
+    """An .npy, an image, a checkpoint or a text file given to evaluate says what it is and what
+    was expected (before: numpy's 'Failed to interpret file ... as a pickle')."""
+    import torch
+    from PIL import Image
+
+    npy = tmp_path / "emb.npy"
+    np.save(npy, np.zeros((5, 3), np.float32))
+    png = tmp_path / "digit.png"
+    Image.new("L", (8, 8)).save(png)
+    ckpt = tmp_path / "last.pt"
+    torch.save({"model": {"w": torch.zeros(2)}}, ckpt)
+    txt = tmp_path / "config.yaml"
+    txt.write_text("data: {name: folder}\n")
+    cases = {npy: "a single .npy array of shape (5, 3) and dtype float32, not an .npz archive",
+             png: "a PNG image; to embed images, train a model and run 'deepmetric embed'",
+             ckpt: "a PyTorch checkpoint (torch.save), not embeddings",
+             txt: "a text file (it starts with 'data: {name: folder}')"}
+    for path, what in cases.items():
+        assert main(["evaluate", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{path}: this is {what}" in err, err
+        assert "expects an .npz file with arrays 'embeddings' (N x d float) and 'labels'" in err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(["evaluate", str(tmp_path)]) == 2
+    assert "is a folder; expected an .npz" in capsys.readouterr().err
 
 
 def test_debug_env_reraises_user_errors(tmp_path, monkeypatch):

@@ -244,8 +244,11 @@ def test_registry_names_and_errors():
     assert isinstance(built, TripletLoss) and built.mining == "hard" and built.soft_margin
     with pytest.raises(ValueError, match="unknown loss 'arcface'"):
         build_loss("arcface")
-    with pytest.raises(TypeError, match="bad options"):
+    # only the unknown option is named, with the closest valid one
+    with pytest.raises(TypeError, match=r"build_loss\('contrastive'\): unknown option 'margn' \(did you mean 'margin'\?\)$"):
         build_loss("contrastive", margn=1.0)
+    with pytest.raises(TypeError, match=r"unknown option 'zzz'; accepted: .*margin"):
+        build_loss("contrastive", margin=1.0, zzz=1)
 
 
 # ---------------------------------------------------------------- degenerate batches, autocast

@@ -158,3 +158,11 @@ def test_glyph_and_mnist_pipelines():
         y = build_transform("mnist", train)(m)
         assert y.shape == (1, 28, 28) and y.min() >= -1 and y.max() <= 1
     np.testing.assert_allclose(build_transform("mnist", False, normalize="none")(m).numpy(), m.numpy() / 255.0)
+    # size=: own images of any size and colour -> one grayscale size (PIL's antialiased resize as reference)
+    from PIL import Image
+
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 30, 3), dtype=np.uint8))
+    got = build_transform("mnist", False, normalize="none", size=20)(rgb)
+    want = np.asarray(rgb.convert("L").resize((20, 20), Image.BILINEAR), dtype=np.float32) / 255
+    assert got.shape == (1, 20, 20)
+    np.testing.assert_allclose(got[0].numpy(), want, atol=2 / 255)

@@ -1,9 +1,24 @@
-"""The ``deepmetric`` command line: thin parsing that calls the library.\n\nEach sub-command is registered by a small ``_add_<name>_parser(sub)`` function that adds its\narguments and ``set_defaults(func=...)``; ``main`` only dispatches. User errors (bad files,\nbad values) raised as ValueError / FileNotFoundError / TypeError / KeyError / OSError are\nprinted as one clear line on stderr with exit code 2, without a traceback; set the\nenvironment variable ``DEEPMETRIC_DEBUG=1`` to get the full traceback instead.\n"""
+"""The ``deepmetric`` command line: thin parsing that calls the library.
+
+Each sub-command is registered by a small ``_add_<name>_parser(sub)`` function that adds its
+arguments and ``set_defaults(func=...)``; ``main`` only dispatches. User errors (bad files,
+bad values) raised as ValueError / FileNotFoundError / TypeError / KeyError / OSError are
+printed as one clear line on stderr with exit code 2, without a traceback (an error raised in
+a data-loader worker is unwrapped to the worker's own message); set the environment variable
+``DEEPMETRIC_DEBUG=1`` to get the full traceback instead.  Every sub-command's ``--help``
+ends with runnable examples.
+"""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import textwrap
+
+
+def _wrap(text: str) -> str:
+    """A description filled to 79 columns (the raw formatter keeps the examples' lines as written)."""
+    return textwrap.fill(" ".join(text.split()), 79)
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -11,13 +26,22 @@ def _add_evaluate_parser(sub) -> None:
     p = sub.add_parser(
         "evaluate",
         help="retrieval / clustering metrics of saved embeddings (.npz)",
-        description=(
+        description=_wrap(
             "Evaluate embeddings stored in an .npz file with arrays 'embeddings' (N x d float), "
             "'labels' (N integers) and optionally boolean 'is_query' / 'is_gallery' (In-shop "
-            "style). Without them every sample is a query against all the others."
+            "style). Without them every sample is a query against all the others. Write such a "
+            "file with 'deepmetric embed' or numpy.savez(path, embeddings=E, labels=y)."
         ),
+        epilog=(
+            "examples:\n"
+            "  deepmetric embed runs/demo/best.pt --split test --out emb.npz\n"
+            "  deepmetric evaluate emb.npz\n"
+            "  deepmetric evaluate emb.npz --k 1 10 100 --metrics recall map@r --out metrics.json\n"
+            "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("npz", help="path to the .npz file")
+    p.add_argument("npz", help="the .npz file with 'embeddings' and 'labels'")
     p.add_argument("--k", dest="ks", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="K values for Recall@K (default: 1 2 4 8)")
     p.add_argument("--metrics", nargs="+", default=None,
@@ -56,10 +80,16 @@ def _add_report_parser(sub) -> None:
             "for classifiers, misclassified test images beside their nearest training image -\n"
             "plus the PNG figures and report.md. Embeddings come from --embeddings, else\n"
             "RUN_DIR/embeddings.npz, else the run's best.pt (or last.pt) on the test split.\n"
-            "See docs/report.md.\n\n"
-            "example:\n"
+            "See docs/report.md."
+        ),
+        epilog=(
+            "examples:\n"
             "  deepmetric demo --out runs/demo && deepmetric report runs/demo\n"
-            "  xdg-open runs/demo/report/report.html"
+            "  xdg-open runs/demo/report/report.html\n"
+            "  deepmetric demo --quick --out runs/quick\n"
+            "  deepmetric report runs/quick\n"
+            "  deepmetric embed runs/quick/last.pt --out runs/quick/embeddings.npz\n"
+            "  deepmetric report runs/quick --embeddings runs/quick/embeddings.npz --out runs/quick/figs"
         ),
     )
     p.add_argument("run_dir", help="the run directory 'deepmetric train' wrote (log.jsonl, config.yaml, "
@@ -104,12 +134,35 @@ def _run_report(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- train / embed / demo
 def _add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model from a YAML config (see docs/training.md)",
-                       description="Train from CONFIG.yaml; KEY=VALUE overrides (YAML values) change "
-                                   "single keys, e.g. optim.lr=0.001 train.epochs=5. Use torchrun for DDP.")
-    p.add_argument("config", help="YAML config file (e.g. recipes/demo_glyphs.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    p.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from this checkpoint (last.pt)")
+    p = sub.add_parser(
+        "train", help="train a model from a YAML config (see docs/training.md)",
+        description=_wrap(
+            "Train from CONFIG.yaml. KEY=VALUE overrides (values are YAML) change single keys of "
+            "the config, e.g. optim.lr=0.001 train.epochs=5 'data.options={class_split: half}'. "
+            "Without a config file the defaults apply and the overrides must give at least "
+            "train.epochs (or train.iterations). The run prints a summary (data split, model, loss, "
+            "device, output folder) and baselines (untrained network, raw pixels for images up to "
+            "64x64), checks data, model and metric names before the first step, and writes "
+            "config.yaml, log.jsonl, last.pt, best.pt (with a validation split, data.val_classes) and "
+            "metrics.json to train.out_dir. "
+            "Use torchrun for DDP. See docs/training.md and, for your own images, docs/data.md."
+        ),
+        epilog=(
+            "examples:\n"
+            "  deepmetric train recipes/demo_glyphs.yaml train.epochs=2\n"
+            "  deepmetric train recipes/own_folder.yaml data.root=my_images train.out_dir=runs/mine\n"
+            "  deepmetric train recipes/demo_glyphs.yaml --resume runs/demo/last.pt\n"
+            "  torchrun --nproc_per_node 2 -m deepmetric.cli train recipes/demo_glyphs.yaml"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", default=None,
+                   help="YAML config file (e.g. recipes/own_folder.yaml); may be left out when "
+                        "KEY=VALUE overrides describe the whole run")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides, e.g. train.epochs=5 data.root=my_images (values are YAML)")
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                   help="continue from this checkpoint (OUT_DIR/last.pt); exact on one process")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in a non-empty train.out_dir, removing the previous run's config.yaml, "
                         "log.jsonl, last.pt, best.pt and metrics.json (without it a new run refuses such a directory)")
@@ -117,11 +170,21 @@ def _add_train_parser(sub) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not os.path.isfile(config):
+        overrides.insert(0, config)  # 'deepmetric train train.epochs=2 ...' without a file
+        config = None
+    if config is None and not overrides:
+        print("deepmetric train: error: nothing to train: give a YAML config and/or KEY=VALUE overrides, e.g.\n"
+              "  deepmetric train recipes/own_folder.yaml data.root=my_images\n"
+              "  deepmetric train recipes/demo_glyphs.yaml train.epochs=2\n"
+              "Without a config file the defaults apply, and the overrides must give at least "
+              "train.epochs=N (or train.iterations=N). See 'deepmetric train --help'.", file=sys.stderr)
+        return 2
     from deepmetric.train.loop import NonFiniteLossError, train_from_config_file
 
     try:
-        result = train_from_config_file(args.config, args.overrides, resume=args.resume,
-                                        overwrite=args.overwrite)
+        result = train_from_config_file(config, overrides, resume=args.resume, overwrite=args.overwrite)
     except NonFiniteLossError as exc:
         print(f"deepmetric train: error: {exc}", file=sys.stderr)
         return 3
@@ -129,16 +192,31 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _add_embed_parser(sub) -> None:
-    p = sub.add_parser("embed", help="embed a dataset split with a trained checkpoint into an .npz")
+    p = sub.add_parser(
+        "embed", help="embed a dataset split with a trained checkpoint into an .npz",
+        description=_wrap("Rebuild the model stored in a training checkpoint, embed one split of a dataset "
+                     "(by default the checkpoint's own data and test transform) and write an .npz "
+                     "that 'deepmetric evaluate' and 'deepmetric report' read."),
+        epilog=(
+            "examples:\n"
+            "  deepmetric embed runs/demo/best.pt --split test --out emb.npz\n"
+            "  deepmetric embed runs/mine/best.pt --data folder --root new_images --split all --out new.npz\n"
+            "  deepmetric embed runs/inshop/best.pt --split query+gallery --out inshop.npz"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train' (last.pt / best.pt)")
     p.add_argument("--data", default=None, help="dataset name (default: the checkpoint's training data)")
-    p.add_argument("--root", default=None, help="dataset root directory")
-    p.add_argument("--split", default="test", help="split to embed (default test); query+gallery (In-shop: test) embeds both with is_query/is_gallery; "
-                   "val: the validation classes of data.val_classes; a split that marks its own queries (glyphs protocol=cross_family: test) stores its masks too")
+    p.add_argument("--root", default=None, help="dataset root directory (default: the checkpoint's data.root)")
+    p.add_argument("--split", default="test", help="split to embed (default test; 'all' for a folder without "
+                   "splits); query+gallery (In-shop: test) embeds both with is_query/is_gallery; "
+                   "val: the validation classes of data.val_classes; a split that marks its own queries "
+                   "(glyphs protocol=cross_family: test) stores its masks too")
     p.add_argument("--out", required=True, help="output .npz (embeddings, labels[, is_query, is_gallery, paths, class_names])")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
-    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:i]")
+    p.add_argument("--num-workers", type=int, default=0,
+                   help="data-loader worker processes (default 0: load in the main process)")
     p.set_defaults(func=_run_embed)
 
 
@@ -401,10 +479,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, TypeError, KeyError, OSError) as exc:
-        if os.environ.get("DEEPMETRIC_DEBUG"):
+    except (ValueError, FileNotFoundError, TypeError, KeyError, OSError, RuntimeError) as exc:
+        from deepmetric.data.loader import worker_error_message
+
+        in_worker = worker_error_message(exc)
+        if os.environ.get("DEEPMETRIC_DEBUG") or (isinstance(exc, RuntimeError) and in_worker is None):
             raise
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        msg = in_worker if in_worker is not None else msg
         print(f"deepmetric {args.command}: error: {msg}", file=sys.stderr)
         return 2
 

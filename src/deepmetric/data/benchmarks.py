@@ -214,7 +214,7 @@ def _resolve_root(name: str, root, required: list[str | tuple[str, ...]]) -> Pat
         if below:
             msg += (
                 f"\nRoot looks like a parent folder: '{want}' is in '{below[0]}'. "
-                f"Pass root='{below[0]}'."
+                f"Pass root='{below[0]}' (in a YAML config: data.root: {below[0]})."
             )
         elif archives:
             msg += (
@@ -273,7 +273,8 @@ def _check_counts(name, check_counts, total, protocol, split, image_list: ImageL
         if check_counts:
             raise ValueError(
                 f"{name}: check_counts=True expects the full official dataset of {official['total']:,} "
-                f"images, but {source} lists {total:,}. Pass check_counts=False to load a subset."
+                f"images, but {source} lists {total:,}. Pass check_counts=False to load a subset "
+                f"(in a YAML config: data.options.check_counts: false)."
             )
         return
     n_img, n_cls = official[protocol][split]
@@ -283,7 +284,7 @@ def _check_counts(name, check_counts, total, protocol, split, image_list: ImageL
             f"{name} ({protocol}, {split}): read {got_img:,} images of {got_cls:,} classes from root "
             f"'{image_list.root}', but the official split has "
             f"{'an unpublished number of' if n_img is None else format(n_img, ',')} images of {n_cls:,} classes. The annotation files look modified; re-extract the official archive "
-            "or pass check_counts=False."
+            "or pass check_counts=False (in a YAML config: data.options.check_counts: false)."
         )
 
 

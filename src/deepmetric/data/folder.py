@@ -7,10 +7,15 @@ and what to do instead.
 folder). Splits:
 
 * no split option: the whole tree is one set (``split="all"`` or ``"train"``);
-* ``class_split="half"``: the first half of the sorted class names is ``train``, the rest
-  ``test`` (the zero-shot convention of CUB/Cars, REFERENCE.md section 4);
+* ``class_split="half"``: the first half of the class folder names, sorted as Python sorts
+  strings (by code point: ``"10" < "2"``, ``"Zebra" < "ant"``), is ``train``, the rest
+  ``test`` (the zero-shot convention of CUB/Cars, REFERENCE.md section 4); with an odd count
+  the extra class goes to ``test``;
 * ``class_split=0.7`` (a fraction in (0, 1)): that share of classes, drawn with ``seed``,
   is ``train``; the rest ``test``;
+* ``class_split={"train": [...], "test": [...]}`` (optionally ``"val"``, ``"query"``,
+  ``"gallery"``): explicit class-name lists; classes may not appear twice, every name must
+  be a class folder, and classes listed nowhere are left out (with a warning);
 * ``split_file="splits.txt"``: one ``<split> <class name or relative image path>`` per
   line (``#`` comments allowed); splits are train, val, test, query, gallery.
 
@@ -66,9 +71,11 @@ def _mapping_order(split: str, per_split_classes: dict[str, set]) -> list | None
 def _no_split_error(kind: str, where: str, split: str) -> ValueError:
     return ValueError(
         f"{kind} '{where}': split={split!r} asked for, but no split is defined. Either use split='all' "
-        "(or 'train') for the whole set, or define one: class_split='half' (first half of the sorted "
-        "classes = train, rest = test), class_split=0.7 with seed=0 (a random 70% of the classes = "
-        "train), or split_file='splits.txt' (lines '<split> <class name or relative image path>')."
+        "(or 'train') for the whole set, or define one (in a YAML config under data.options): "
+        "class_split: half (first half of the sorted class names = train, rest = test), "
+        "class_split: 0.7 with seed: 0 (a random 70% of the classes = train), "
+        "class_split: {train: [a, b], test: [c, d]} (explicit class names), or "
+        "split_file: splits.txt (lines '<split> <class name or relative image path>')."
     )
 
 
@@ -95,6 +102,7 @@ def _scan_classes(root: Path, exts, allow_empty: bool) -> dict[str, list[Path]]:
             "only images inside class folders are used",
             stacklevel=3,
         )
+    _check_not_parent(root, subdirs, exts)
     classes: dict[str, list[Path]] = {}
     empty: list[tuple[str, list[str]]] = []
     for d in subdirs:
@@ -124,11 +132,42 @@ def _scan_classes(root: Path, exts, allow_empty: bool) -> dict[str, list[Path]]:
         if not allow_empty:
             raise ValueError(
                 f"folder: {len(empty)} class folder(s) under '{root}' contain no images: {desc}{more}. "
-                f"Accepted extensions: {' '.join(exts)}. Remove or fill these folders, or pass "
-                "allow_empty_classes=True to ignore them."
+                f"Accepted extensions: {' '.join(exts)}. Remove or fill these folders, or ignore them "
+                "with allow_empty_classes=True (in a YAML config: data.options.allow_empty_classes: true)."
             )
         warnings.warn(f"folder: ignoring {len(empty)} class folder(s) without images: {desc}{more}", stacklevel=3)
     return classes
+
+
+def _image_subfolders(d: Path, exts) -> list[Path]:
+    """Sub-folders of ``d`` that directly hold images (hidden ones skipped)."""
+    out = []
+    for e in sorted(d.iterdir()):
+        if e.is_dir() and not e.name.startswith("."):
+            try:
+                if any(f.is_file() and _is_image(f, exts) for f in e.iterdir()):
+                    out.append(e)
+            except OSError:
+                continue
+    return out
+
+
+def _check_not_parent(root: Path, subdirs: list[Path], exts) -> None:
+    """A root with one sub-folder that itself holds several image folders is the *parent* of
+    the dataset folder (``root/digits/<class>/...``): say so instead of training on one class."""
+    if len(subdirs) != 1:
+        return
+    only = subdirs[0]
+    if any(f.is_file() and _is_image(f, exts) for f in only.iterdir()):
+        return
+    inner = _image_subfolders(only, exts)
+    if len(inner) >= 2:
+        names = ", ".join(p.name for p in inner[:5]) + (", ..." if len(inner) > 5 else "")
+        raise ValueError(
+            f"folder: root '{root}' looks like the parent of the dataset folder: its only sub-folder "
+            f"'{only.name}' holds {len(inner)} image folders ({names}), which would make one single "
+            f"class. Pass root='{only}' (in a YAML config: data.root: {only})."
+        )
 
 
 def _read_split_file(path: Path, root: Path, classes: dict[str, list[Path]]) -> dict[Path, str]:
@@ -185,6 +224,38 @@ def _read_split_file(path: Path, root: Path, classes: dict[str, list[Path]]) -> 
     return assign
 
 
+def _explicit_class_split(class_split: dict, names: list[str], root: Path) -> dict[str, str]:
+    """``{"train": [names], "test": [names], ...}`` -> class name -> split, checked."""
+    assign: dict[str, str] = {}
+    known = set(names)
+    for split, listed in class_split.items():
+        where = f"class_split.{split}"
+        if split not in SPLIT_NAMES:
+            raise ValueError(f"folder: class_split has an unknown split {split!r}; allowed: {', '.join(SPLIT_NAMES)}")
+        if isinstance(listed, str) or not isinstance(listed, (list, tuple)):
+            raise ValueError(f"folder: {where} must be a list of class folder names, got {listed!r}")
+        for c in listed:
+            c = str(c)
+            if c not in known:
+                import difflib
+
+                close = difflib.get_close_matches(c, names, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else f"; the classes are {names[:20]}"
+                raise ValueError(f"folder: {where} names '{c}', which is not a class folder with images "
+                                 f"under '{root}'{hint}")
+            if c in assign:
+                raise ValueError(f"folder: class '{c}' is listed in class_split.{assign[c]} and {where}; "
+                                 "train and test classes must be disjoint")
+            assign[c] = split
+    if not assign:
+        raise ValueError("folder: class_split lists no classes; give e.g. {train: [a, b], test: [c, d]}")
+    left = [c for c in names if c not in assign]
+    if left:
+        warnings.warn(f"folder: {len(left)} class folder(s) under '{root}' are in no class_split list and "
+                      f"are left out: {left[:10]}{' ...' if len(left) > 10 else ''}", stacklevel=4)
+    return assign
+
+
 def load_folder(root, split: str = "all", *, class_split=None, split_file=None, seed: int = 0,
                 extensions=IMAGE_EXTENSIONS, allow_empty_classes: bool = False) -> ImageList:
     """Read ``root/<class>/<image>``; see the module docstring for the split options."""
@@ -195,7 +266,7 @@ def load_folder(root, split: str = "all", *, class_split=None, split_file=None, 
         raise FileNotFoundError(f"folder: root '{r}' does not exist. Expected:\n{_FOLDER_LAYOUT}")
     if r.is_file():
         if r.suffix.lower() in (".csv", ".tsv", ".txt"):
-            raise ValueError(f"folder: root '{r}' is a file list; load it with name='csv' (build_dataset('csv', root='{r}')).")
+            raise ValueError(f"folder: root '{r}' is a file list; load it with name='csv' (build_dataset('csv', root='{r}'); in a YAML config: data.name: csv).")
         raise NotADirectoryError(f"folder: root '{r}' is a file; pass the folder that holds one sub-folder per class")
     if class_split is not None and split_file is not None:
         raise ValueError("folder: pass either class_split or split_file, not both")
@@ -215,15 +286,19 @@ def load_folder(root, split: str = "all", *, class_split=None, split_file=None, 
     else:
         if len(names) < 2:
             raise ValueError(f"folder: class_split needs at least 2 classes, '{r}' has {len(names)}: {names}")
-        if isinstance(class_split, str):
+        if isinstance(class_split, dict):
+            assign_class = _explicit_class_split(class_split, names, r)
+        elif isinstance(class_split, str):
             if class_split != "half":
-                raise ValueError(f"folder: class_split must be 'half' or a fraction in (0, 1), got {class_split!r}")
+                raise ValueError(f"folder: class_split must be 'half', a fraction in (0, 1) or lists of class names "
+                                 f"({{train: [...], test: [...]}}), got {class_split!r}")
             train_names = set(names[: len(names) // 2])
         else:
             try:
                 frac = float(class_split)
             except (TypeError, ValueError):
-                raise ValueError(f"folder: class_split must be 'half' or a fraction in (0, 1), got {class_split!r}") from None
+                raise ValueError(f"folder: class_split must be 'half', a fraction in (0, 1) or lists of class names "
+                                 f"({{train: [...], test: [...]}}), got {class_split!r}") from None
             if not 0.0 < frac < 1.0:
                 raise ValueError(f"folder: class_split fraction must lie strictly between 0 and 1, got {frac}")
             n_train = int(round(frac * len(names)))
@@ -234,13 +309,14 @@ def load_folder(root, split: str = "all", *, class_split=None, split_file=None, 
                 )
             perm = np.random.default_rng(seed).permutation(len(names))
             train_names = {names[i] for i in perm[:n_train]}
-        assign_class = {c: ("train" if c in train_names else "test") for c in names}
+        if not isinstance(class_split, dict):
+            assign_class = {c: ("train" if c in train_names else "test") for c in names}
         per_image = None
 
     items: list[tuple[Path, str, str]] = []  # (path, class, split)
     for c in names:
         for p in classes[c]:
-            s = per_image.get(p) if per_image is not None else assign_class[c]
+            s = per_image.get(p) if per_image is not None else assign_class.get(c)
             if s is not None:
                 items.append((p, c, s))
     available = sorted({s for _, _, s in items})

@@ -180,10 +180,21 @@ class ImageListDataset(Dataset):
                     f"  {shown}{more}\n"
                     + (image_list.hint or "Check that the image archive was fully extracted next to the "
                        "annotation files.")
-                    + " Pass skip_missing=True to skip and count them."
+                    + " Pass skip_missing=True to skip and count them (in a YAML config: "
+                    "data.options.skip_missing: true" + ("" if verify == "open" else
+                                                         ", with data.options.verify: open for unreadable files")
+                    + ")."
                 )
             if bad:
                 self.skipped = [image_list.paths[i] for i in bad]
+                what = "missing" if verify == "exists" else "missing or unreadable"
+                shown = ", ".join(_describe(image_list, i) for i in bad[:5])
+                more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+                warnings.warn(
+                    f"{image_list.name} ({image_list.split or 'all'}): skip_missing dropped {len(bad)} of "
+                    f"{len(image_list)} images ({what}): {shown}{more}",
+                    stacklevel=2,
+                )
                 keep = np.ones(len(image_list), dtype=bool)
                 keep[bad] = False
                 before = set(np.unique(image_list.labels).tolist())
@@ -227,7 +238,8 @@ class ImageListDataset(Dataset):
         except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
             raise OSError(
                 f"{self.name}: cannot read image {_describe(self.image_list, i)}: {e}. "
-                "Build the dataset with verify='open', skip_missing=True to drop unreadable files."
+                "Build the dataset with verify='open', skip_missing=True to drop unreadable files "
+                "(in a YAML config: data.options.verify: open and data.options.skip_missing: true)."
             ) from e
 
     def __getitem__(self, i: int):

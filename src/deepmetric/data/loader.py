@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from typing import Callable
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["make_loader", "default_num_workers", "seed_worker"]
+__all__ = ["make_loader", "default_num_workers", "seed_worker", "worker_error_message"]
 
 
 def default_num_workers(cap: int = 2) -> int:
@@ -78,3 +79,32 @@ def make_loader(dataset: Dataset, batch_sampler=None, batch_size: int | None = N
     if batch_sampler is not None:
         return DataLoader(dataset, batch_sampler=batch_sampler, **kwargs)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, **kwargs)
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")
+
+
+def worker_error_message(exc: BaseException) -> str | None:
+    """The message of the exception raised inside a DataLoader worker, without torch's wrapper.
+
+    PyTorch re-raises a worker's exception in the main process with the whole worker traceback
+    in the message (``Caught OSError in DataLoader worker process 0. Original Traceback ...``).
+    This returns only what the worker's exception said (for example ``folder: cannot read
+    image <path>: <reason>``), or None when ``exc`` did not come from a worker.
+    """
+    text = str(exc)
+    if "in DataLoader worker process" not in text:
+        return None
+    lines = text.splitlines()
+    heads = [i for i, l in enumerate(lines) if l.startswith(("Traceback (most recent call last)",
+                                                             "Original Traceback (most recent call last)"))]
+    if not heads:
+        return None
+    i = heads[-1] + 1
+    while i < len(lines) and (not lines[i].strip() or lines[i].startswith((" ", "\t"))):
+        i += 1  # the frames ("  File ...", source lines, carets) are indented
+    body = "\n".join(lines[i:]).strip()
+    m = _EXCEPTION_LINE.match(body)
+    if m:
+        body = body[m.end():]
+    return body or None

@@ -12,7 +12,8 @@ image tensor (``uint8 [C, H, W]``) and returns a normalised ``float32 [C, H, W]`
 * ``"glyph"`` - glyph benchmark: training applies a small random affine jitter, a random
   stroke-thickness change (grey-scale dilation = 3x3 max-pool, erosion = -max-pool(-x)), a
   random Gaussian blur and Gaussian noise; test only converts and normalises.
-* ``"mnist"`` - Fashion-MNIST: training applies a small random translation (and optional flip).
+* ``"mnist"`` - Fashion-MNIST and small grayscale images of your own: training applies a small
+  random translation (and optional flip); ``size=28`` first resizes every image to 28 x 28.
 * ``"emoji"`` - emoji benchmark (RGB on white): optional resize to ``size``; training applies a
   small random affine (rotation, translation, scale; the uncovered border is filled white) and
   a mild brightness / contrast / saturation jitter. No hue jitter (colour names classes: red vs
@@ -183,8 +184,11 @@ def _glyph(train, degrees=6.0, translate=0.06, scale=(0.9, 1.1), shear=6.0, stro
     return _finish(steps, normalize, channels)
 
 
-def _mnist(train, translate=0.08, flip=False, channels=1, normalize="minus_one_one"):
-    steps = [v2.ToImage(), v2.Grayscale(1), v2.ToDtype(torch.float32, scale=True)]
+def _mnist(train, translate=0.08, flip=False, channels=1, normalize="minus_one_one", size=None):
+    steps = [v2.ToImage(), v2.Grayscale(1)]
+    if size is not None:  # your own small images: one size for every image (aspect not kept)
+        steps.append(v2.Resize((int(size), int(size)), antialias=True))
+    steps.append(v2.ToDtype(torch.float32, scale=True))
     if train:
         if translate > 0:
             steps.append(v2.RandomAffine(degrees=0.0, translate=(translate, translate), fill=0.0))

@@ -8,16 +8,76 @@ from pathlib import Path
 import numpy as np
 
 
+_EXPECTED = ("an .npz file with arrays 'embeddings' (N x d float) and 'labels' (N integers), "
+             "as written by 'deepmetric embed CHECKPOINT --out EMB.npz' or "
+             "numpy.savez(path, embeddings=E, labels=y)")
+
+# (leading bytes, what the file is, what to do instead)
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "a PNG image", "to embed images, train a model and run 'deepmetric embed'"),
+    (b"\xff\xd8\xff", "a JPEG image", "to embed images, train a model and run 'deepmetric embed'"),
+    (b"GIF8", "a GIF image", "to embed images, train a model and run 'deepmetric embed'"),
+    (b"BM", "a BMP image", "to embed images, train a model and run 'deepmetric embed'"),
+    (b"RIFF", "a RIFF file (e.g. a WebP image)", "to embed images, train a model and run 'deepmetric embed'"),
+    (b"\x1f\x8b", "a gzip archive", "extract it first"),
+    (b"%PDF", "a PDF document", ""),
+)
+
+
+def describe_file(path: Path) -> str | None:
+    """What ``path`` is when it is clearly not an .npz of embeddings (None when it may be one):
+    a single-array ``.npy``, an image, a PyTorch checkpoint, a text file..."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if not head:
+        return "an empty file"
+    if head.startswith(b"\x93NUMPY"):
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            what = f"a single .npy array of shape {arr.shape} and dtype {arr.dtype}"
+        except (ValueError, OSError):
+            what = "a single .npy array"
+        return (f"{what}, not an .npz archive. Save the embeddings together with their labels: "
+                "numpy.savez('emb.npz', embeddings=E, labels=y)")
+    for magic, what, todo in _SIGNATURES:
+        if head.startswith(magic):
+            return what + (f"; {todo}" if todo else "")
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+        except zipfile.BadZipFile:
+            return None
+        if any(n.endswith("data.pkl") for n in names):
+            return ("a PyTorch checkpoint (torch.save), not embeddings; write the embeddings of a split "
+                    "with 'deepmetric embed CHECKPOINT --out EMB.npz' and evaluate that")
+        if names and not all(n.endswith(".npy") for n in names):
+            return f"a zip archive of {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}, not an .npz"
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    first = text.strip().splitlines()[0][:60] if text.strip() else ""
+    return f"a text file (it starts with {first!r})"
+
+
 def load_npz(path) -> dict[str, np.ndarray | None]:
     """Load ``embeddings`` (N x d float), ``labels`` (N int) and optional boolean ``is_query`` /
-    ``is_gallery`` from an .npz file; every problem is reported with the file and key."""
+    ``is_gallery`` from an .npz file; every problem is reported with the file and key.  A file
+    that is something else (an .npy array, an image, a checkpoint, text) is named as such."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a folder; expected {_EXPECTED}")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
+    what = describe_file(path)
+    if what is not None:
+        raise ValueError(f"{path}: this is {what}. 'deepmetric evaluate' expects {_EXPECTED}.")
     try:
         data = np.load(path, allow_pickle=False)
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise ValueError(f"{path}: not a readable .npz file ({exc})") from None
+        raise ValueError(f"{path}: not a readable .npz file ({exc}); expected {_EXPECTED}") from None
     with data:
         keys = set(data.files)
         out = {}

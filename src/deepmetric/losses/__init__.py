@@ -73,7 +73,18 @@ def build_loss(name: str, **kwargs) -> nn.Module:
     ``build_loss("proxy_nca", num_classes=100, embedding_dim=512)``.
     Unknown names or options raise ValueError / TypeError naming the loss and the option.
     """
+    import difflib
+    import inspect
+
     cls = loss_class(name)
+    params = inspect.signature(cls).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        accepted = sorted(n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        for key in kwargs:
+            if key not in accepted:
+                close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else f"; accepted: {', '.join(accepted)}"
+                raise TypeError(f"build_loss({name!r}): unknown option {key!r}{hint}")
     try:
         return cls(**kwargs)
     except TypeError as err:

@@ -22,7 +22,7 @@ docs/training.md for every key)::
     schedule: {lr: {name: constant|step|multistep|poly, ...},
                temperature: {name: none|heat_up|gradual|auto_plateau, ...}}
     train:    {epochs | iterations, batch_size, sampler, m, n, amp, seed, out_dir, ...}
-    eval:     {every, split, gallery_split, ks, metrics, best_metric, early_stop_patience, ...}
+    eval:     {every, split, gallery_split, ks, metrics, best_metric, early_stop_patience, baselines, ...}
 """
 from __future__ import annotations
 
@@ -284,7 +284,10 @@ class EvalConfig:
     improvement; without one there is no ``best.pt`` (the final model is the result) and
     setting either key is an error.  ``at_start`` also evaluates the untrained model.
     ``classification`` adds top-1 / mean-per-class accuracy of the model's (or the loss's)
-    classifier on ``split``.
+    classifier on ``split``.  ``baselines`` (default on) evaluates,
+    before training, the untrained (or pretrained) network and, for images up to 64 x 64,
+    the raw pixels; they are printed, logged as ``{"type": "baseline"}`` records and stored
+    in ``metrics.json`` under ``baselines``.
     """
 
     every: int = 1
@@ -297,6 +300,7 @@ class EvalConfig:
     early_stop_patience: Optional[int] = None
     batch_size: int = 256
     classification: bool = False
+    baselines: bool = True
 
 
 @dataclass

@@ -62,7 +62,7 @@ schedule:
   lr: {name: constant}
   temperature: {name: heat_up, at: 3, alpha_factor: 0.25, lr_factor: 0.1}
 train: {epochs: 4, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo}
-eval: {every: 3, at_start: true, ks: [1, 2, 4, 8], metrics: [recall, map@r, nmi]}
+eval: {every: 3, at_start: true, ks: [1, 2, 4, 8], metrics: [recall, map@r, nmi], baselines: false}
 """
 
 GLYPHS_CONFIG = """\
@@ -88,7 +88,7 @@ schedule:
   lr: {name: constant}
   temperature: {name: heat_up, at: 4, alpha_factor: 0.25, lr_factor: 0.1}
 train: {epochs: 6, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo_glyphs}
-eval: {every: 4, at_start: true, ks: [1, 2, 4, 8]}
+eval: {every: 4, at_start: true, ks: [1, 2, 4, 8], baselines: false}
 """
 
 DEMO_CONFIGS = {"emoji": EMOJI_CONFIG, "glyphs": GLYPHS_CONFIG}

@@ -19,13 +19,23 @@
 7. at epoch end: evaluate when due (zero-shot retrieval/clustering with
    ``deepmetric.evaluate``) on the validation split (``data.val_classes`` / ``val_folds``) and the test
    split, feed ``auto_plateau``, keep ``best.pt`` (best validation metric), stop early when
-   asked, save ``last.pt``.  The test split is logged, never used to choose anything.
+   asked, save ``last.pt``.  The test split is logged, never used to choose anything.  The
+   last epoch's ``last.pt`` is written before its evaluation runs, so a failing evaluation
+   never loses the training (``--resume`` then only evaluates).
+
+Before the first step (``deepmetric.train.preflight``) the config's option names and metric
+names are checked, every image of every split has its header read, and the model runs on two
+training images; rank 0 prints a summary of the run (``deepmetric.train.summary``), warnings
+(small images enlarged, very few training classes) and the baselines (``eval.baselines``: the
+network at epoch 0 and, for images up to 64 x 64, raw pixels, on the test split).  After the
+last step it prints the final metrics, the time and the paths of what was written.
 
 Files in ``train.out_dir``: ``config.yaml`` (resolved), ``log.jsonl`` (one ``{"type":
 "step"}`` record per optimisation step, one ``{"type": "eval", "split": "val"|"test"}`` per
 evaluation, one ``{"type": "heat_up"}`` per temperature event, one ``{"type":
-"early_stop"}``), ``last.pt``, ``best.pt`` (only with a validation split),
-``metrics.json``.  Only rank 0 writes.
+"early_stop"}``, one ``{"type": "baseline"}`` per baseline), ``last.pt``, ``best.pt`` (only
+with a validation split), ``metrics.json`` (with ``baselines`` and ``warnings``).  Only
+rank 0 writes.
 """
 from __future__ import annotations
 
@@ -42,6 +52,7 @@ import torch
 from torch import nn
 
 from . import distributed as D
+from . import preflight as P
 from .amp import autocast_context, check_amp
 from .batches import make_train_loader
 from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler,
@@ -53,6 +64,7 @@ from .embed import evaluate_model
 from .module import PAIR_BASED_LOSSES, TrainingModule, init_from_class_means
 from .optim import build_optimizer
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
+from .summary import format_baseline, format_run_end, format_run_summary
 
 #: The builders' old names, still importable from here.
 build_dataset_split = build_dataset
@@ -115,6 +127,29 @@ def _truncate_log(path: Path, iteration: int, epoch: int) -> None:
             continue
         keep.append(line)
     path.write_text("".join(l + "\n" for l in keep), encoding="utf-8")
+
+
+def _read_log(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _baselines_from_log(path: Path) -> dict[str, dict]:
+    """The ``{"type": "baseline"}`` records of a resumed run, as ``compute_baselines`` returns them."""
+    out = {}
+    for rec in _read_log(path):
+        if rec.get("type") == "baseline":
+            rest = {k: v for k, v in rec.items() if k not in ("type", "name", "label", "epoch", "step", "skipped")}
+            out[rec["name"]] = ({"label": rec.get("label"), "skipped": rec["skipped"]} if "skipped" in rec
+                                else {"label": rec.get("label"), "metrics": rest})
+    return out
 
 
 #: What a run writes into its directory (``--overwrite`` removes these and nothing else).
@@ -248,6 +283,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     """
     # 1. process set-up ------------------------------------------------------------------
     tc = cfg.train
+    P.check_config(cfg)  # option and metric names: fail before anything is built
     dist_info = D.init_distributed(tc.device)
     device, rank, world, main = dist_info.device, dist_info.rank, dist_info.world_size, dist_info.is_main
     _configure_torch(tc, device)
@@ -283,6 +319,15 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
 
     # 3. model and loss terms ------------------------------------------------------------
     model = build_model(cfg, num_classes=num_classes)
+    # pre-flight: image headers of every split, the model on two training images.  Rank 0 alone
+    # checks the evaluation splits, so a failure is shared before the ranks meet in DDP.
+    preflight_error: Exception | None = None
+    try:
+        input_shape, run_warnings = P.check_run(cfg, model, train_ds, eval_sets)
+    except (ValueError, OSError) as exc:
+        preflight_error = exc
+    if D.any_true(preflight_error is not None, device):
+        raise preflight_error or RuntimeError("pre-flight checks failed on another rank (see its message)")
     embedding_dim = embedding_dim_of(model, train_ds)
     losses = build_losses(cfg, num_classes=num_classes, embedding_dim=embedding_dim)
     if world > 1 and tc.sync_bn and device.type == "cuda":
@@ -291,6 +336,14 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     losses.to(device)
     if tc.channels_last:
         model.to(memory_format=torch.channels_last)
+    if main:
+        print(format_run_summary(cfg, train_set=train_ds, eval_sets=eval_sets, model=model, losses=losses,
+                                 embedding_dim=embedding_dim, input_shape=input_shape, device=device,
+                                 world=world, threads=torch.get_num_threads(),
+                                 steps_per_epoch=max(batches_per_epoch // tc.grad_accum, 1),
+                                 total_epochs=total_epochs, total_steps=total_iters, out_dir=out_dir), flush=True)
+        for w in run_warnings:
+            print(f"[deepmetric] warning: {w}", flush=True)
     if resume is None and main:  # rank 0 only: DDP broadcasts rank 0's parameters below
         for term, loss in zip(cfg.loss, losses):
             if term.init == "class_means":
@@ -336,12 +389,46 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
         state.wall_time_s = wall_before + time.perf_counter() - t_start
         return save_checkpoint(checkpoint_dict(state, objs, model_args=model_args, config=config_dict), path)
 
+    def choose_best(epoch: int) -> None:
+        """After a validation evaluation: update ``state.best`` and write ``best.pt``."""
+        value = state.val_metrics[select_key]
+        if state.best["value"] is None or value > state.best["value"]:
+            state.best = {"metric": select_key, "value": value, "epoch": epoch, "test": dict(state.metrics)}
+            if main:
+                save(out_dir / "best.pt")
+
     # 6. epochs --------------------------------------------------------------------------
-    if resume is None and cfg.eval.at_start:
-        results = evaluate(0, 0, current_alphas(temperature, losses))
-        state.metrics, state.val_metrics = results.get("test", {}), results.get("val", {})
+    baselines: dict[str, dict] = {}
+    if resume is None:
+        at_start = None
+        if cfg.eval.at_start:
+            results = evaluate(0, 0, current_alphas(temperature, losses))
+            state.metrics, state.val_metrics = results.get("test", {}), results.get("val", {})
+            at_start = state.metrics
+        if cfg.eval.baselines and main:
+            baselines = P.compute_baselines(model, losses, eval_sets["test"], cfg, device=device,
+                                            at_start=at_start)
+            for name, b in baselines.items():
+                print(format_baseline(b["label"], b.get("metrics"), b.get("skipped", "")), flush=True)
+                extra = {"skipped": b["skipped"]} if "skipped" in b else b["metrics"]
+                log.write({"type": "baseline", "name": name, "label": b["label"], "split": "test",
+                           "epoch": 0, "step": 0, **extra})
+    elif main:
+        baselines = _baselines_from_log(out_dir / "log.jsonl")
     interrupted = False
     finished = state.iteration >= total_iters or state.stopped_early
+    if resume is not None and finished:
+        # A run whose last evaluation failed after its checkpoint was written: evaluate now.
+        evaluated = main and any(r.get("type") == "eval" and r.get("epoch") == state.epoch
+                                 for r in _read_log(out_dir / "log.jsonl"))
+        if D.any_true(main and not evaluated, device):
+            results = evaluate(state.epoch, state.iteration, current_alphas(temperature, losses))
+            state.metrics, state.val_metrics = results["test"], results.get("val", {})
+            if has_val:
+                _check_metric(select_key, "eval.best_metric", state.val_metrics)
+                choose_best(state.epoch)
+            if main:
+                last_ckpt = save(out_dir / "last.pt")
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
@@ -458,6 +545,8 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                 if temperature.observe(mean_loss, epoch, state.iteration) and main:
                     log.write({"type": "heat_up", "epoch": epoch, "step": state.iteration,
                                **temperature.history[-1]})
+            if main and (epoch == total_epochs or finished):
+                last_ckpt = save(out_dir / "last.pt")  # the training is safe before evaluation runs
             due = _eval_due(cfg, epoch, total_epochs, finished)
             if due:
                 results = evaluate(epoch, state.iteration, current_alphas(temperature, losses))
@@ -471,12 +560,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                             state.val_metrics[monitor], epoch, state.iteration) and main:
                         log.write({"type": "heat_up", "epoch": epoch, "step": state.iteration,
                                    **temperature.history[-1]})
-                value = state.val_metrics[select_key]
-                if state.best["value"] is None or value > state.best["value"]:
-                    state.best = {"metric": select_key, "value": value, "epoch": epoch,
-                                  "test": dict(state.metrics)}
-                    if main:
-                        save(out_dir / "best.pt")
+                choose_best(epoch)
                 patience = cfg.eval.early_stop_patience
                 if patience is not None and epoch - state.best["epoch"] >= patience and not finished:
                     finished = state.stopped_early = True
@@ -502,8 +586,13 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     if main and not interrupted:
         summary = {"metrics": result.metrics, "final": result.final, "selected": result.selected,
                    "epochs": result.epochs_completed, "steps": result.iteration, "heat_ups": result.heat_ups,
-                   "wall_time_s": result.wall_time_s, "train_images_per_s": result.train_images_per_s}
+                   "wall_time_s": result.wall_time_s, "train_images_per_s": result.train_images_per_s,
+                   "baselines": baselines, "warnings": run_warnings}
         (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=float))
+        print(format_run_end(metrics=state.metrics, val_metrics=state.val_metrics if has_val else None,
+                             best=state.best, key=select_key or "recall@1", seconds=result.wall_time_s,
+                             epochs=state.epoch, steps=state.iteration, out_dir=out_dir,
+                             baselines=baselines), flush=True)
     D.cleanup_distributed(dist_info)
     return result
 

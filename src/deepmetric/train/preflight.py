@@ -1,0 +1,545 @@
+"""Checks that run before the first training step, and the baselines a run is compared with.
+
+Everything here that can fail does so *before* training, with a message in the terms of the
+YAML config (``config key 'eval.best_metric'``, ``data.options.skip_missing: true``):
+
+* :func:`check_config_options`: unknown keys inside the free-form ``options`` mappings of
+  ``data``, ``data.transform_options``, ``model`` and ``loss.i``, with the closest valid name
+  (``unknown option 'alpah' (did you mean 'alpha'?)``);
+* :func:`check_metric_names`: ``eval.best_metric`` and ``schedule.temperature.monitor``
+  against :func:`expected_metrics`, the metric names the evaluation will produce;
+* :func:`check_images_readable`: every image of a file-based split opens (PIL reads the header
+  and ``verify()`` checks the file structure; nothing is decoded);
+* :func:`check_model_input`: the transform's channels against the model's first convolution,
+  then one dry forward pass of two training images;
+* :func:`size_warnings`: small images enlarged many times by the transform, or fed to an
+  ImageNet architecture; :func:`few_classes_warning`.
+
+Baselines: :func:`raw_pixel_baseline` evaluates the flattened, l2-normalised pixels of the
+evaluation images (images up to 64 x 64) with :func:`deepmetric.evaluate.evaluate`, the
+nearest-neighbour retrieval that needs no training at all.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+import time
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import Config, ConfigError
+
+__all__ = [
+    "FEW_CLASSES",
+    "RAW_PIXEL_MAX_SIDE",
+    "expected_metrics",
+    "check_metric_names",
+    "check_config_options",
+    "unknown_option_error",
+    "check_images_readable",
+    "check_model_input",
+    "size_warnings",
+    "few_classes_warning",
+    "raw_pixel_baseline",
+    "rng_preserved",
+    "check_config",
+    "check_run",
+    "compute_baselines",
+]
+
+#: Fewer training classes than this triggers :func:`few_classes_warning`.
+FEW_CLASSES = 20
+#: The raw-pixel baseline is computed for images whose sides are at most this many pixels.
+RAW_PIXEL_MAX_SIDE = 64
+#: ... and skipped when the exact k-NN would cost more than this many multiply-adds.
+RAW_PIXEL_MAX_WORK = 2e11
+
+
+# --------------------------------------------------------------------------- option names
+def unknown_option_error(path: str, key: str, accepted: Iterable[str], owner: str) -> ConfigError:
+    """``config key 'loss.0.options.alpah': unknown option 'alpah' for loss 'heated_softmax'
+    (did you mean 'alpha'?)`` -- or the list of accepted options when nothing is close."""
+    accepted = sorted(set(accepted))
+    close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else f"; accepted: {', '.join(accepted) or 'none'}"
+    return ConfigError(f"config key '{path}.{key}': unknown option '{key}' for {owner}{hint}")
+
+
+def _parameters(fn) -> tuple[set[str], bool]:
+    """(keyword names, takes **kwargs) of a function or class."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return set(), True
+    names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _data_option_names(name: str) -> set[str] | None:
+    """Options ``data.options`` accepts for dataset ``name`` (None: cannot tell)."""
+    if name == "synthetic":
+        from deepmetric.data.synthetic import GaussianClusters
+
+        names, _ = _parameters(GaussianClusters)
+        return names - {"split", "transform"}
+    from deepmetric.data import registry
+
+    try:
+        key = registry._canonical(name)
+    except (ValueError, TypeError):
+        return None  # build_dataset names the unknown dataset itself
+    if key == "glyphs":
+        from deepmetric.data.glyphs import build_glyph_dataset as fn
+    elif key == "fashion-mnist":
+        from deepmetric.data.fashion_mnist import build_fashion_mnist as fn
+    elif key == "emoji":
+        from deepmetric.data.emoji import build_emoji_dataset as fn
+    elif key in ("events", "hdd", "synthetic-events"):
+        return None  # several loaders share EventDataset's options: build_dataset checks them
+    else:
+        kind = key if key in ("folder", "csv") else "benchmark"
+        return set(registry._OPTIONS[kind]) | set(registry._DATASET_OPTIONS)
+    names, var = _parameters(fn)
+    return None if var else names - {"split", "transform", "root"}
+
+
+def _model_option_names(name: str) -> set[str] | None:
+    """Options ``model.options`` accepts for model ``name`` (None: cannot tell)."""
+    if name == "synthetic_mlp":
+        from deepmetric.data.synthetic import SyntheticMLP
+
+        return _parameters(SyntheticMLP)[0]
+    from deepmetric import models as M
+
+    common = set(M._COMMON_ARGS) | {"pool"} | set(M._HEAD_OPTIONS)
+    if name in M.list_backbones():
+        builder = M.get_backbone_spec(name).builder
+        return common | _parameters(builder)[0]
+    if name == "two_head":
+        return common | {"backbone", "input_size", "feature_shape", "embedding_head"}  # + the backbone's, see below
+    factory = M._MODELS.get(name)
+    if factory is None:
+        return None  # create_model names the unknown model itself
+    names, var = _parameters(factory)
+    return None if var else names
+
+
+def check_config_options(cfg: Config) -> None:
+    """Unknown keys inside ``data.options``, ``data.transform_options``, ``model.options`` and
+    ``loss.i.options`` raise a :class:`ConfigError` naming the full key and the closest valid
+    option, before anything is built."""
+    d = cfg.data
+    accepted = _data_option_names(d.name)
+    if accepted is not None:
+        for key in d.options:
+            if key not in accepted:
+                raise unknown_option_error("data.options", key, accepted, f"dataset '{d.name}'")
+    if d.transform is not None:
+        from deepmetric.data.transforms import _BUILDERS, list_transforms
+
+        if d.transform not in _BUILDERS:
+            close = difflib.get_close_matches(d.transform, list_transforms(), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"config key 'data.transform': unknown transform '{d.transform}'{hint}; "
+                              f"available: {', '.join(list_transforms())}")
+        names = _parameters(_BUILDERS[d.transform])[0] - {"train"}
+        for key in d.transform_options:
+            if key not in names:
+                raise unknown_option_error("data.transform_options", key, names, f"transform '{d.transform}'")
+
+    m = cfg.model
+    accepted = _model_option_names(m.name)
+    if accepted is not None and m.name == "two_head":
+        from deepmetric import models as M
+
+        backbone = m.options.get("backbone", "resnet50")
+        if backbone in M.list_backbones():
+            accepted |= _parameters(M.get_backbone_spec(backbone).builder)[0]
+    if accepted is not None:
+        for key in m.options:
+            if key not in accepted:
+                raise unknown_option_error("model.options", key, accepted, f"model '{m.name}'")
+
+    from deepmetric.losses import list_losses, loss_class
+
+    for i, term in enumerate(cfg.loss):
+        try:
+            cls = loss_class(term.name)
+        except ValueError:
+            close = difflib.get_close_matches(str(term.name), list_losses(), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"config key 'loss.{i}.name': unknown loss '{term.name}'{hint}; "
+                              f"available: {', '.join(list_losses())}") from None
+        names, var = _parameters(cls)
+        if var:
+            continue
+        for key in term.options:
+            if key not in names:
+                raise unknown_option_error(f"loss.{i}.options", key, names, f"loss '{term.name}'")
+
+
+# --------------------------------------------------------------------------- metric names
+def expected_metrics(cfg: Config) -> list[str]:
+    """The metric names one evaluation with ``cfg.eval`` produces (``recall@K`` for each K,
+    ``map@r``, ``r_precision``, ``nmi``, ``f1``, and ``top1`` / ``mean_per_class`` with
+    ``eval.classification``), as in :func:`deepmetric.train.embed.evaluate_model`."""
+    from deepmetric.evaluate.engine import METRICS, _check_metrics
+
+    e = cfg.eval
+    try:
+        wanted = _check_metrics(e.metrics)
+    except ValueError as exc:
+        raise ConfigError(f"config key 'eval.metrics': {exc}") from None
+    names = []
+    for m in METRICS:
+        if m not in wanted:
+            continue
+        if m == "recall":
+            names += [f"recall@{k}" for k in sorted(set(e.ks))]
+        else:
+            names.append(m)
+    if e.classification:
+        names += ["top1", "mean_per_class"]
+    return names
+
+
+def check_metric_names(cfg: Config) -> list[str]:
+    """``eval.best_metric`` (and an evaluation metric as ``schedule.temperature.monitor``) must
+    be among :func:`expected_metrics`; returns those names."""
+    names = expected_metrics(cfg)
+
+    def fail(key: str, value: str) -> ConfigError:
+        close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return ConfigError(f"config key '{key}': '{value}' is not a metric this run computes{hint}; "
+                           f"the evaluation gives {', '.join(names)} (see eval.ks, eval.metrics, "
+                           "eval.classification)")
+
+    best = cfg.eval.best_metric
+    if best is None and getattr(cfg.data, "val_classes", None) is not None:
+        best = "recall@1"  # the default selection metric with a validation split
+    if best is not None and best not in names:
+        raise fail("eval.best_metric", best)
+    t = cfg.schedule.temperature
+    if t.monitor != "train_loss" and t.name == "auto_plateau" and t.monitor not in names:
+        raise fail("schedule.temperature.monitor", t.monitor)
+    return names
+
+
+# --------------------------------------------------------------------------- images
+def _header_problem(path: str) -> str | None:
+    """None when PIL can open ``path`` and verify its structure, else the reason (one line)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except FileNotFoundError:
+        return "file not found"
+    except UnidentifiedImageError:
+        return "not an image PIL can identify"
+    except (OSError, SyntaxError, ValueError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
+def check_images_readable(dataset, split: str, *, show: int = 10) -> tuple[int, float]:
+    """Open the header of every image of a file-based ``dataset`` (one with ``paths``); raise
+    ``OSError`` listing the unreadable files.  Returns ``(images checked, seconds)``;
+    in-memory datasets (glyphs, Fashion-MNIST, synthetic) check nothing."""
+    paths = getattr(dataset, "paths", None)
+    if not paths:
+        return 0, 0.0
+    t0 = time.perf_counter()
+    bad = []
+    for p in paths:
+        why = _header_problem(p)
+        if why is not None:
+            bad.append((p, why))
+    if bad:
+        shown = "\n  ".join(f"{p}: {why}" for p, why in bad[:show])
+        more = f"\n  ... and {len(bad) - show} more" if len(bad) > show else ""
+        raise OSError(
+            f"data split '{split}': {len(bad)} of {len(paths)} images cannot be read:\n  {shown}{more}\n"
+            "Fix or delete these files, or drop them with data.options.skip_missing: true and "
+            "data.options.verify: open (training has not started)."
+        )
+    return len(paths), time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- model input
+def _first_conv(model: nn.Module) -> tuple[str, nn.Module] | None:
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Conv2d, nn.Conv1d, nn.Conv3d)):
+            return name, mod
+    return None
+
+
+def _channel_hint(cfg: Config, want: int) -> str:
+    d = cfg.data
+    if d.transform in ("glyph", "mnist"):
+        return f"data.transform_options.channels: {want}"
+    if d.transform in ("resize_crop", "short_side"):
+        return f"a transform with {want} channel(s) (resize_crop and short_side always give 3)"
+    if d.transform is None and want in (1, 3):
+        return f"data.options.mode: {'L' if want == 1 else 'RGB'}"
+    return f"a transform that gives {want} channel(s)"
+
+
+def check_model_input(model: nn.Module, dataset, cfg: Config) -> tuple[int, ...]:
+    """Compare the channels of one transformed training sample with the model's first
+    convolution, then run the model on two samples (eval mode, no gradients).  Raises a
+    ``ValueError`` in config terms; returns the sample shape.  RNG states are not touched
+    beyond what the caller saves (the training transform is random)."""
+    x0 = torch.as_tensor(dataset[0][0])
+    shape = tuple(x0.shape)
+    m = cfg.model
+    conv = _first_conv(model)
+    if conv is not None and x0.dim() == 3 and isinstance(conv[1], nn.Conv2d):
+        cname, c = conv
+        if c.in_channels != x0.shape[0]:
+            have, want = x0.shape[0], c.in_channels
+            what = f"data.transform '{cfg.data.transform}'" if cfg.data.transform else "the dataset"
+            raise ValueError(
+                f"model '{m.name}' takes {want}-channel images (its first convolution '{cname}' has "
+                f"in_channels={want}) but {what} gives {have}-channel images of shape {list(shape)}. "
+                f"Set model.options.in_chans: {have}, or use {_channel_hint(cfg, want)}."
+            )
+    xs = torch.stack([x0] + [torch.as_tensor(dataset[i][0]) for i in range(1, min(2, len(dataset)))])
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(xs)
+    except Exception as exc:  # noqa: BLE001 - any failure here is reported in config terms
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"model '{m.name}' cannot process the training images (a test forward pass on {len(xs)} "
+            f"images of shape {list(shape)} failed: {first}). Check model.options and data.transform "
+            "(size, channels)."
+        ) from None
+    finally:
+        model.train(was)
+    if not isinstance(out, dict) or "embedding" not in out:
+        raise ValueError(f"model '{m.name}' must return a dict with an 'embedding' entry, "
+                         f"got {type(out).__name__}")
+    return shape
+
+
+def native_size(dataset) -> tuple[int, int] | None:
+    """(width, height) of the first image file of a file-based dataset (header only)."""
+    paths = getattr(dataset, "paths", None)
+    if not paths:
+        return None
+    from PIL import Image
+
+    try:
+        with Image.open(paths[0]) as im:
+            return im.size
+    except OSError:
+        return None
+
+
+def size_warnings(cfg: Config, dataset, sample_shape: tuple[int, ...]) -> list[str]:
+    """Warnings about image size vs architecture: small images (<= 64 px) that the transform
+    enlarges at least 4 times, and inputs under 64 px fed to an ImageNet architecture."""
+    if len(sample_shape) != 3:
+        return []
+    out = []
+    h, w = sample_shape[-2:]
+    native = native_size(dataset)
+    if native is not None:
+        nw, nh = native
+        if max(nw, nh) <= RAW_PIXEL_MAX_SIDE and min(h, w) >= 4 * max(nw, nh):
+            out.append(
+                f"images are {nw}x{nh} px but data.transform '{cfg.data.transform}' enlarges them to "
+                f"{w}x{h}: about {(h * w) // (nw * nh)}x the computation with no new detail; for "
+                "small images a small model at native size is faster (see recipes/own_folder.yaml)"
+            )
+    from deepmetric import models as M
+
+    name = cfg.model.options.get("backbone", "resnet50") if cfg.model.name == "two_head" else cfg.model.name
+    if name in M.list_backbones() and M.get_backbone_spec(name).default_in_chans == 3 and min(h, w) < 64:
+        out.append(
+            f"model '{name}' is an ImageNet architecture made for about 224x224 inputs; on {w}x{h} "
+            "inputs its last feature map is tiny (it downsamples 32x). Use model.name: glyph_resnet "
+            "(or lenet) for small images, or enlarge them"
+        )
+    return out
+
+
+def few_classes_warning(num_classes: int, threshold: int = FEW_CLASSES) -> str | None:
+    """A warning when the training split has fewer than ``threshold`` classes."""
+    if num_classes >= threshold:
+        return None
+    return (f"only {num_classes} training classes: an embedding learnt from so few classes "
+            "generalises poorly to unseen (test) classes; check that training beats the "
+            "baselines, and add classes if you can")
+
+
+# --------------------------------------------------------------------------- raw pixels
+def _pixels(dataset, max_side: int) -> tuple[np.ndarray | None, str]:
+    """Float32 [N, D] pixel rows of every image of ``dataset``, or (None, why not).
+
+    File-based datasets use the images as stored (values in [0, 1], in the dataset's mode);
+    in-memory datasets use their samples with the test transform."""
+    n = len(dataset)
+    if n == 0:
+        return None, "empty split"
+    if hasattr(dataset, "load_image"):
+        from torchvision.transforms.v2 import functional as TF
+
+        first = dataset.load_image(0)
+        size = first.size
+        if max(size) > max_side:
+            return None, f"images are {size[0]}x{size[1]} px (baseline only up to {max_side}x{max_side})"
+        rows = []
+        for i in range(n):
+            im = first if i == 0 else dataset.load_image(i)
+            if im.size != size:
+                return None, f"image sizes differ ({size[0]}x{size[1]} and {im.size[0]}x{im.size[1]})"
+            rows.append(TF.to_dtype(TF.to_image(im), torch.float32, scale=True).reshape(-1))
+        return torch.stack(rows).numpy(), f"{size[0]}x{size[1]}x{len(first.getbands())}"
+    x0 = torch.as_tensor(dataset[0][0])
+    if x0.dim() != 3:
+        return None, "samples are not images"
+    if max(x0.shape[-2:]) > max_side:
+        return None, f"images are {x0.shape[-1]}x{x0.shape[-2]} px (baseline only up to {max_side}x{max_side})"
+    rows = [x0.reshape(-1)] + [torch.as_tensor(dataset[i][0]).reshape(-1) for i in range(1, n)]
+    return torch.stack(rows).float().numpy(), f"{x0.shape[-1]}x{x0.shape[-2]}x{x0.shape[0]}"
+
+
+def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
+                       max_side: int = RAW_PIXEL_MAX_SIDE,
+                       max_work: float = RAW_PIXEL_MAX_WORK) -> tuple[dict[str, float] | None, str]:
+    """Evaluate raw pixels as embeddings: every image flattened and l2-normalised (cosine
+    nearest neighbours), with the metrics of ``cfg.eval``.  ``eval_sets`` is ``{"query": ds}``
+    or ``{"query": ds, "gallery": ds}``.
+
+    Returns ``(metrics, description)``; metrics is None (and the description says why) when the
+    images are larger than ``max_side`` x ``max_side``, differ in size, or the exact search
+    would take more than ``max_work`` multiply-adds."""
+    from deepmetric.evaluate import evaluate
+
+    keys = [k for k in ("query", "gallery") if k in eval_sets]
+    n = sum(len(eval_sets[k]) for k in keys)
+    first = eval_sets[keys[0]]
+    if n and hasattr(first, "load_image"):
+        im = first.load_image(0)
+        d = im.size[0] * im.size[1] * len(im.getbands())
+    elif n:
+        d = int(torch.as_tensor(first[0][0]).numel())
+    else:
+        return None, "empty split"
+    if float(n) * n * d > max_work:  # decided before any image is read
+        return None, f"{n} images x {d} pixels is too large for an exact search here"
+    parts = []
+    desc = ""
+    for key in keys:
+        x, desc_or_why = _pixels(eval_sets[key], max_side)
+        if x is None:
+            return None, desc_or_why
+        parts.append((x, np.asarray(eval_sets[key].labels, dtype=np.int64)))
+        desc = desc_or_why
+    d = parts[0][0].shape[1]
+    e = cfg.eval
+    if len(parts) == 1:
+        metrics = evaluate(parts[0][0], parts[0][1], ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed)
+    else:
+        (xq, yq), (xg, yg) = parts
+        is_query = np.r_[np.ones(len(yq), bool), np.zeros(len(yg), bool)]
+        metrics = evaluate(np.concatenate([xq, xg]), np.concatenate([yq, yg]), is_query=is_query,
+                           is_gallery=~is_query, ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed)
+    return {k: float(v) for k, v in metrics.items()}, f"raw pixels ({desc} = {d}-d)"
+
+
+# --------------------------------------------------------------------------- as the loop uses them
+@contextlib.contextmanager
+def rng_preserved():
+    """Run a block without changing the Python / NumPy / torch random streams (checks and
+    baselines must not change what training does)."""
+    from .checkpoint import get_rng_state, set_rng_state
+
+    saved = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
+
+
+def check_config(cfg: Config) -> None:
+    """Everything checkable from the config alone (before data or model are built)."""
+    check_config_options(cfg)
+    check_metric_names(cfg)
+
+
+def split_names(cfg: Config, eval_sets: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``[(split name, dataset)]`` of the evaluation splits: ``eval_sets`` is ``{"val": {"query":
+    ds}, "test": {"query": ds[, "gallery": ds]}}`` (or one such inner mapping)."""
+    if eval_sets and all(isinstance(v, dict) for v in eval_sets.values()):
+        groups = list(eval_sets.items())
+    else:
+        groups = [("test", eval_sets)]
+    out = []
+    for group, sets in groups:
+        for key, ds in sets.items():
+            if group == "test":
+                name = cfg.eval.split if key == "query" else (cfg.eval.gallery_split or key)
+            else:
+                name = group if key == "query" else f"{group} {key}"
+            out.append((name, ds))
+    return out
+
+
+def check_run(cfg: Config, model: nn.Module, train_set, eval_sets: dict[str, Any]) -> tuple[tuple[int, ...], list[str]]:
+    """Checks of the built run, before the first step: image headers of every split, the
+    model on two training images, sizes and class count.  Returns ``(input shape, warnings)``;
+    the random streams are left as they were."""
+    check_images_readable(train_set, cfg.data.train_split)
+    for name, ds in split_names(cfg, eval_sets):
+        check_images_readable(ds, name)
+    for group, sets in (eval_sets.items() if eval_sets and all(isinstance(v, dict) for v in eval_sets.values())
+                        else [("test", eval_sets)]):
+        labels = np.concatenate([np.asarray(ds.labels).reshape(-1) for ds in sets.values()]) if sets else []
+        n = len(np.unique(labels))
+        if sets and n < 2:
+            how = ("give data.val_classes at least 2 classes" if group == "val" else
+                   "the test split needs at least 2 classes (check data.options and eval.split)")
+            raise ValueError(f"data split '{group}' has {n} class(es): retrieval and clustering metrics need "
+                             f"at least 2 classes; {how} (training has not started)")
+    with rng_preserved():
+        shape = check_model_input(model, train_set, cfg)
+    warns = size_warnings(cfg, train_set, shape)
+    n = getattr(train_set, "num_classes", None)
+    if n is None:
+        n = len(np.unique(np.asarray(train_set.labels)))
+    w = few_classes_warning(int(n))
+    if w is not None:
+        warns.append(w)
+    return shape, warns
+
+
+def compute_baselines(model: nn.Module, losses, eval_sets: dict[str, Any], cfg: Config, *,
+                      device: torch.device, at_start: dict[str, float] | None = None) -> dict[str, dict]:
+    """``{"epoch0": {"label", "metrics"}, "raw_pixels": {"label", "metrics"} or {"label",
+    "skipped"}}``: the network before training (``at_start`` when already evaluated) and raw
+    pixels, evaluated like the trained model."""
+    from .embed import evaluate_model
+
+    out: dict[str, dict] = {}
+    pre = cfg.model.options.get("pretrained")
+    label = f"epoch 0 ({'pretrained' if pre else 'untrained'} network)"
+    with rng_preserved():
+        if at_start is None:
+            at_start, _ = evaluate_model(model, eval_sets, cfg, device=device, losses=losses)
+        out["epoch0"] = {"label": label, "metrics": dict(at_start)}
+        metrics, desc = raw_pixel_baseline(eval_sets, cfg)
+    if metrics is not None:
+        out["raw_pixels"] = {"label": desc, "metrics": metrics}
+    else:
+        out["raw_pixels"] = {"label": "raw pixels", "skipped": desc}
+    return out

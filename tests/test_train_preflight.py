@@ -1,0 +1,248 @@
+"""Pre-flight checks (before the first step), the raw-pixel baseline and the run summary."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from deepmetric.data import build_dataset, build_transform
+from deepmetric.evaluate import evaluate
+from deepmetric.train.config import ConfigError, config_from_dict
+from deepmetric.train.preflight import (check_config_options, check_images_readable, check_metric_names,
+                                        check_model_input, expected_metrics, few_classes_warning,
+                                        raw_pixel_baseline, size_warnings)
+from deepmetric.train.summary import describe_split, format_run_end, format_run_summary
+
+
+def _cfg(**sections):
+    raw = {"train": {"epochs": 1}}
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            raw.setdefault(key, {}).update(value)
+        else:
+            raw[key] = value
+    return config_from_dict(raw)
+
+
+# ----------------------------------------------------------------------------- metric names
+def test_expected_metrics_follow_the_eval_config():
+    assert expected_metrics(_cfg()) == ["recall@1", "recall@2", "recall@4", "recall@8", "map@r",
+                                        "r_precision", "nmi", "f1"]
+    cfg = _cfg(eval={"ks": [10, 1], "metrics": ["recall", "nmi"], "classification": True})
+    assert expected_metrics(cfg) == ["recall@1", "recall@10", "nmi", "top1", "mean_per_class"]
+
+
+def test_expected_metrics_equal_what_evaluate_returns(rng):
+    """The list is checked against the real evaluation, not a copy of it."""
+    y = np.repeat(np.arange(4), 5)
+    x = rng.standard_normal((20, 3)).astype(np.float32)
+    for ev in ({}, {"ks": [1, 3], "metrics": ["recall", "map@r", "f1"]}):
+        cfg = _cfg(eval=ev)
+        got = evaluate(x, y, ks=tuple(cfg.eval.ks), metrics=cfg.eval.metrics)
+        assert sorted(got) == sorted(expected_metrics(cfg))
+
+
+def test_best_metric_typo_fails_before_training():
+    val = {"val_classes": 0.2}  # best.pt is chosen on a validation split
+    with pytest.raises(ConfigError, match=r"config key 'eval.best_metric': 'recal@1' is not a metric this run "
+                                          r"computes \(did you mean 'recall@1'\?\); the evaluation gives recall@1"):
+        check_metric_names(_cfg(data=val, eval={"best_metric": "recal@1"}))
+    with pytest.raises(ConfigError, match=r"'recall@16' is not a metric"):
+        check_metric_names(_cfg(data=val, eval={"best_metric": "recall@16"}))  # K not in eval.ks
+    with pytest.raises(ConfigError, match=r"'eval.best_metric': 'recall@1' is not a metric"):
+        check_metric_names(_cfg(data=val, eval={"ks": [2, 4]}))  # the default selection metric
+    check_metric_names(_cfg(eval={"ks": [2, 4]}))  # without a validation split nothing is selected
+    with pytest.raises(ConfigError, match=r"config key 'schedule.temperature.monitor': 'map@R'.*did you mean 'map@r'"):
+        check_metric_names(_cfg(data=val, schedule={"temperature": {"name": "auto_plateau", "monitor": "map@R"}}))
+    assert "top1" in check_metric_names(_cfg(eval={"metrics": ["recall"], "classification": True}))
+
+
+# ----------------------------------------------------------------------------- options
+def test_unknown_options_name_the_yaml_key_and_the_closest_option():
+    with pytest.raises(ConfigError, match=r"^config key 'loss.0.options.alpah': unknown option 'alpah' for loss "
+                                          r"'heated_softmax' \(did you mean 'alpha'\?\)$"):
+        check_config_options(_cfg(loss=[{"name": "heated_softmax", "options": {"alpha": 16, "alpah": 4}}]))
+    with pytest.raises(ConfigError, match=r"'model.options.embeding_dim': .*model 'glyph_resnet' \(did you mean 'embedding_dim'"):
+        check_config_options(_cfg(model={"name": "glyph_resnet", "options": {"embeding_dim": 8}}))
+    with pytest.raises(ConfigError, match=r"'data.options.class_splt': .*dataset 'folder' \(did you mean 'class_split'"):
+        check_config_options(_cfg(data={"name": "folder", "options": {"class_splt": "half"}}))
+    with pytest.raises(ConfigError, match=r"'data.transform_options.chanels': .*transform 'mnist' \(did you mean 'channels'"):
+        check_config_options(_cfg(data={"name": "folder", "transform": "mnist", "transform_options": {"chanels": 3}}))
+    with pytest.raises(ConfigError, match=r"'data.transform': unknown transform 'mnsit' \(did you mean 'mnist'"):
+        check_config_options(_cfg(data={"transform": "mnsit"}))
+    with pytest.raises(ConfigError, match=r"'loss.1.name': unknown loss 'triplett' \(did you mean 'triplet'"):
+        check_config_options(_cfg(loss=[{"name": "heated_softmax"}, {"name": "triplett"}]))
+    with pytest.raises(ConfigError, match=r"'model.options.wdiths'.*model 'two_head' \(did you mean 'widths'"):
+        check_config_options(_cfg(model={"name": "two_head", "options": {"backbone": "glyph_resnet", "wdiths": [8]}}))
+    with pytest.raises(ConfigError, match=r"unknown option 'qqq' for model 'synthetic_mlp'; accepted: .*embedding_dim"):
+        check_config_options(_cfg(model={"name": "synthetic_mlp", "options": {"qqq": 1}}))
+    # valid options pass (including the backbone's own and the dataset wrapper's)
+    check_config_options(_cfg(data={"name": "folder", "options": {"class_split": "half", "skip_missing": True},
+                                    "transform": "glyph", "transform_options": {"channels": 1}},
+                              model={"name": "glyph_resnet", "options": {"widths": [8, 16], "depths": [1, 1],
+                                                                         "in_chans": 1}},
+                              loss=[{"name": "triplet", "options": {"margin": 0.2, "mining": "hard"}}]))
+    check_config_options(_cfg(data={"name": "synthetic", "options": {"num_classes": 4}}))
+
+
+# ----------------------------------------------------------------------------- images
+def _digits(root, classes=("a", "b", "c"), n=3, size=(12, 10), mode="L"):
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            shape = (size[1], size[0]) if mode == "L" else (size[1], size[0], 3)
+            Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8), mode=mode).save(root / c / f"{i}.png")
+    return root
+
+
+def test_unreadable_image_is_found_before_training(tmp_path):
+    root = _digits(tmp_path / "d")
+    ds = build_dataset("folder", root, split="all")
+    assert check_images_readable(ds, "all")[0] == 9
+    (root / "b" / "1.png").write_bytes(b"this is not a png")
+    (root / "c" / "2.png").write_bytes((root / "a" / "0.png").read_bytes()[:40])  # truncated
+    ds = build_dataset("folder", root, split="all")  # files exist: the build passes
+    with pytest.raises(OSError) as exc:
+        check_images_readable(ds, "test")
+    msg = str(exc.value)
+    assert "data split 'test': 2 of 9 images cannot be read" in msg
+    assert f"{root / 'b' / '1.png'}: not an image PIL can identify" in msg
+    assert f"{root / 'c' / '2.png'}:" in msg and "data.options.skip_missing: true" in msg
+    assert check_images_readable(torch.utils.data.TensorDataset(torch.zeros(2)), "x") == (0, 0.0)
+
+
+# ----------------------------------------------------------------------------- model input
+def test_channel_mismatch_is_one_sentence_in_config_terms(tmp_path):
+    from deepmetric.models import create_model
+
+    root = _digits(tmp_path / "d", size=(28, 28))
+    cfg = _cfg(data={"name": "folder", "root": str(root), "transform": "mnist",
+                     "transform_options": {"channels": 3}},
+               model={"name": "glyph_resnet"})
+    ds = build_dataset("folder", root, split="all", transform=build_transform("mnist", train=True, channels=3))
+    model = create_model("glyph_resnet", widths=(8,), depths=(1,))
+    with pytest.raises(ValueError) as exc:
+        check_model_input(model, ds, cfg)
+    msg = str(exc.value)
+    assert msg == ("model 'glyph_resnet' takes 1-channel images (its first convolution 'backbone.stem.0' has "
+                   "in_channels=1) but data.transform 'mnist' gives 3-channel images of shape [3, 28, 28]. "
+                   "Set model.options.in_chans: 3, or use data.transform_options.channels: 1.")
+    model3 = create_model("glyph_resnet", widths=(8,), depths=(1,), in_chans=3)
+    assert check_model_input(model3, ds, cfg) == (3, 28, 28)
+    # any other failure of the dry forward pass is one line too
+    lenet = create_model("lenet", in_chans=3)
+    small = build_dataset("folder", root, split="all", transform=build_transform(
+        "resize_crop", train=False, resize=20, crop=16))
+    with pytest.raises(ValueError, match=r"^model 'glyph_resnet' cannot process the training images \(a test forward "
+                                         r"pass on 2 images of shape \[3, 16, 16\] failed: LeNet needs inputs of at "
+                                         r"least 28x28 pixels"):
+        check_model_input(lenet, small, cfg)
+
+
+def test_size_warnings(tmp_path):
+    root = _digits(tmp_path / "d", size=(28, 28))
+    ds = build_dataset("folder", root, split="all")
+    cfg = _cfg(data={"name": "folder", "transform": "resize_crop"}, model={"name": "resnet18"})
+    w = size_warnings(cfg, ds, (3, 224, 224))
+    assert len(w) == 1 and w[0].startswith("images are 28x28 px but data.transform 'resize_crop' enlarges them "
+                                           "to 224x224: about 64x the computation")
+    w = size_warnings(cfg, ds, (3, 28, 28))
+    assert len(w) == 1 and "model 'resnet18' is an ImageNet architecture" in w[0]
+    assert size_warnings(_cfg(model={"name": "glyph_resnet"}), ds, (1, 28, 28)) == []
+
+
+def test_few_classes_warning():
+    assert "only 5 training classes" in few_classes_warning(5)
+    assert few_classes_warning(20) is None and few_classes_warning(100) is None
+
+
+# ----------------------------------------------------------------------------- raw pixels
+def test_raw_pixel_baseline_equals_evaluate_on_flattened_pixels(tmp_path):
+    root = _digits(tmp_path / "d", classes=("a", "b", "c", "d"), n=4, size=(9, 7), mode="RGB")
+    ds = build_dataset("folder", root, split="all", transform=build_transform("mnist", train=False))
+    cfg = _cfg(eval={"ks": [1, 2]})
+    got, desc = raw_pixel_baseline({"query": ds}, cfg)
+    # independent reference: read the PNGs with PIL/numpy, flatten, let evaluate() normalise
+    x = np.stack([np.asarray(Image.open(p), dtype=np.float32).reshape(-1) / 255 for p in ds.paths])
+    want = evaluate(x, ds.labels, ks=(1, 2))
+    assert got == pytest.approx(want) and desc == "raw pixels (9x7x3 = 189-d)"
+    # query / gallery
+    q = np.arange(len(ds)) % 2 == 0
+    sub_q = torch.utils.data.Subset(ds, np.flatnonzero(q))
+    sub_g = torch.utils.data.Subset(ds, np.flatnonzero(~q))
+    sub_q.labels, sub_g.labels = ds.labels[q], ds.labels[~q]
+    got, _ = raw_pixel_baseline({"query": sub_q, "gallery": sub_g}, cfg)
+    xm = np.stack([torch.as_tensor(ds[i][0]).reshape(-1).numpy() for i in range(len(ds))])
+    order = np.r_[np.flatnonzero(q), np.flatnonzero(~q)]
+    want = evaluate(xm[order], ds.labels[order], is_query=np.r_[np.ones(q.sum(), bool), np.zeros((~q).sum(), bool)],
+                    is_gallery=np.r_[np.zeros(q.sum(), bool), np.ones((~q).sum(), bool)], ks=(1, 2))
+    assert got == pytest.approx(want)
+
+
+def test_raw_pixel_baseline_skips_large_or_mixed_images(tmp_path):
+    big = _digits(tmp_path / "big", size=(80, 65))
+    m, why = raw_pixel_baseline({"query": build_dataset("folder", big, split="all")}, _cfg())
+    assert m is None and why == "images are 80x65 px (baseline only up to 64x64)"
+    mixed = _digits(tmp_path / "mixed", size=(10, 10))
+    Image.new("L", (12, 10)).save(mixed / "a" / "9.png")
+    m, why = raw_pixel_baseline({"query": build_dataset("folder", mixed, split="all")}, _cfg())
+    assert m is None and "image sizes differ" in why
+    m, why = raw_pixel_baseline({"query": build_dataset("folder", big, split="all")}, _cfg(),
+                                max_side=100, max_work=10)
+    assert m is None and "too large" in why
+
+
+# ----------------------------------------------------------------------------- summary
+def test_run_summary_names_split_model_loss_device_and_output(tmp_path):
+    from deepmetric.models import create_model
+
+    root = _digits(tmp_path / "d", classes=("eight", "five", "four", "nine", "one", "seven"), n=2)
+    cfg = _cfg(name="digits", data={"name": "folder", "root": str(root), "options": {"class_split": "half"}},
+               loss=[{"name": "heated_softmax", "options": {"alpha": 16}}],
+               train={"epochs": 3, "out_dir": str(tmp_path / "run")})
+    tr = build_dataset("folder", root, split="train", class_split="half")
+    te = build_dataset("folder", root, split="test", class_split="half")
+    model = create_model("glyph_resnet", widths=(8,), depths=(1,), embedding_dim=4)
+    text = format_run_summary(cfg, train_set=tr, eval_sets={"query": te}, model=model, embedding_dim=4,
+                              input_shape=(1, 12, 10), device="cpu", threads=2, steps_per_epoch=5,
+                              total_epochs=3, total_steps=15, out_dir=tmp_path / "run")
+    n_params = sum(p.numel() for p in model.parameters())
+    assert f"[deepmetric] run 'digits' -> {tmp_path / 'run'}" in text
+    assert "class_split 'half' (first half of the sorted class names = train)" in text
+    assert "train  3 classes, 6 images: eight, five, four" in text
+    assert "test   3 classes, 6 images: nine, one, seven" in text
+    assert f"glyph_resnet: {n_params / 1e3:.1f} k parameters, 4-d embedding, input [1, 12, 10]" in text
+    assert "1 x heated_softmax(alpha=16)" in text and "5 steps/epoch x 3 epochs = 15 steps" in text
+    assert "device   cpu, 2 threads, 0 loader workers" in text
+    assert "warning" not in format_run_end(metrics={"recall@1": 0.9}, best={"metric": "recall@1", "value": 0.9, "epoch": 1},
+                                           seconds=1, epochs=1, steps=1, out_dir=tmp_path,
+                                           baselines={"epoch0": {"label": "epoch 0", "metrics": {"recall@1": 0.5}}})
+    assert describe_split(tr, max_names=2) == "3 classes, 6 images: eight, five, ... (+1 more)"
+
+
+def test_run_end_lists_metrics_time_paths_and_baselines(tmp_path):
+    (tmp_path / "last.pt").write_bytes(b"x")
+    (tmp_path / "log.jsonl").write_text("")
+    text = format_run_end(metrics={"recall@1": 0.855, "nmi": 0.5}, best={"metric": "recall@1", "value": 0.86, "epoch": 4},
+                          seconds=12.34, epochs=5, steps=75, out_dir=tmp_path,
+                          baselines={"raw_pixels": {"label": "raw pixels", "metrics": {"recall@1": 0.96}}})
+    assert "done: 5 epochs, 75 steps in 12.3 s" in text
+    assert "final    recall@1 85.5%, nmi 0.500" in text
+    assert "best     validation recall@1 86.0% at epoch 4 (best.pt)" in text
+    assert "baseline raw pixels: recall@1 96.0%" in text
+    assert "warning: the trained embedding (recall@1 85.5%) is below the baseline of raw pixels" in text
+    assert f"checkpoint {tmp_path / 'last.pt'}" in text and f"log       {tmp_path / 'log.jsonl'}" in text
+    assert "best ckpt" not in text and f"deepmetric report {tmp_path}" in text
+
+
+def test_every_recipe_passes_the_config_checks():
+    """The option and metric checks accept every shipped recipe (no false alarms)."""
+    from pathlib import Path
+
+    from deepmetric.train import load_config
+    from deepmetric.train.preflight import check_config
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.yaml"))
+    assert len(recipes) > 100
+    for p in recipes:
+        check_config(load_config(p))
