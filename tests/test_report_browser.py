@@ -1,7 +1,7 @@
 """report.html in headless Chromium, from two tiny real training runs on a folder of images.
 
 Zero-shot run (class_split half) and classifier run (split file, shared classes): the
-report embeds the test split with best.pt by itself; the page must load without console
+report embeds the test split with last.pt by itself (no validation classes: no best.pt); the page must load without console
 errors, every <img> must decode, and the retrieval grids / misclassified pairs must agree
 with a brute-force cosine ranking of embeddings computed here independently.
 """
@@ -82,7 +82,7 @@ def _embed(run, split):
     from deepmetric.train.embed import compute_embeddings
     from deepmetric.train.loop import build_dataset_split
 
-    model, losses, cfg, _ = load_model_from_checkpoint(run / "best.pt")
+    model, losses, cfg, _ = load_model_from_checkpoint(run / "last.pt")
     r = compute_embeddings(model, build_dataset_split(cfg, split, train=False), with_logits=True,
                            loss_with_logits=losses[0])
     return r
@@ -98,7 +98,7 @@ def _grid(page, grid_id):
 
 def test_report_page_of_a_zero_shot_run(zero_shot_run):
     tmp, run = zero_shot_run
-    make_report(run, max_pairs=10_000)  # embeds the test split with best.pt itself
+    make_report(run, max_pairs=10_000)  # embeds the test split with last.pt itself
     page_path = run / "report" / "report.html"
     assert page_path.is_file()
     ref = _embed(run, "test")
