@@ -118,7 +118,7 @@ def _fake_run(tmp_path, summary, log_ips=None, record=None):
         (d / "log.jsonl").write_text("".join(json.dumps({"type": "step", "step": i + 1, "images_per_s": v}) + "\n"
                                              for i, v in enumerate(log_ips)) + '{"type": "eval", "epoch": 1}\n')
     if record is not None:
-        (d / "study_run.json").write_text(json.dumps(record))
+        (d / "attempts.json").write_text(json.dumps(record))
     return StudyRun("v/seed0", None, "v", 0, d, {"train": {"batch_size": 8}})
 
 
@@ -157,8 +157,8 @@ def test_study_runs_writes_results_and_resumes_after_kill(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "study", str(path)], env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 60
-        record = first.out_dir / "study_run.json"  # written just after metrics.json
+        deadline = time.time() + 300  # generous: a loaded CI machine
+        record = first.record_dir / "attempts.json"  # written just after metrics.json
         while not record.is_file() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
         assert first.finished and record.is_file()
@@ -174,7 +174,7 @@ def test_study_runs_writes_results_and_resumes_after_kill(tmp_path):
     assert result["skipped"] == done_before and not result["failed"]
     assert sorted(result["finished"] + done_before) == sorted(r.key for r in study.runs)
     assert (first.out_dir / "metrics.json").stat().st_mtime_ns == mtime            # not recomputed
-    assert len(json.loads((first.out_dir / "study_run.json").read_text())["attempts"]) == 1
+    assert len(json.loads((first.record_dir / "attempts.json").read_text())["attempts"]) == 1
 
     rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
     assert [(r["variant"], r["seed"]) for r in rows] == [("a16", "0"), ("a16", "1"), ("a4", "0"), ("a4", "1")]
@@ -207,7 +207,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     run_study(study, log=lambda m: None)
     log = [json.loads(l) for l in (study.runs[0].out_dir / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r["type"] == "step"] == list(range(1, 13))  # epoch 1 not redone
-    attempts = json.loads((study.runs[0].out_dir / "study_run.json").read_text())["attempts"]
+    attempts = json.loads((study.runs[0].record_dir / "attempts.json").read_text())["attempts"]
     assert [a["resumed"] for a in attempts] == [True]
     got = json.loads((study.runs[0].out_dir / "metrics.json").read_text())["metrics"]
     want = json.loads((tmp_path / "ref" / "a16" / "seed0" / "metrics.json").read_text())["metrics"]
@@ -219,13 +219,18 @@ def test_parallel_workers_give_the_same_rows(tmp_path):
     path = _study(tmp_path, variants={"a4": ["loss.0.options.alpha=4"]}, compare=[])
     serial = run_study(load_study(path, out_dir=tmp_path / "serial"), log=lambda m: None)
     assert len(serial["finished"]) == 2
+    stale = tmp_path / "par" / "a4" / "seed1"  # a killed run's leftovers, no last.pt: starts again
+    stale.mkdir(parents=True)
+    (stale / "log.jsonl").write_text('{"type": "step", "step": 1, "loss": 9.0}\n')
     rc = cli.main(["study", str(path), "--out", str(tmp_path / "par"), "--workers", "2"])
     assert rc == 0
+    steps = [json.loads(l) for l in (stale / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["type"] == "step"] == list(range(1, 13))
     a = collect_rows(load_study(path, out_dir=tmp_path / "serial"))
     b = collect_rows(load_study(path, out_dir=tmp_path / "par"))
     strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_time_s", "images_per_s")}  # noqa: E731
     assert [strip(r) for r in a] == [pytest.approx(strip(r)) for r in b]
-    assert "train" in (tmp_path / "par" / "a4" / "seed1" / "train_output.txt").read_text()
+    assert "deepmetric.cli train" in (tmp_path / "par" / ".study" / "a4" / "seed1" / "train_output.txt").read_text()
 
 
 def test_cli_list_and_summary(tmp_path, capsys):

@@ -66,9 +66,14 @@ __all__ = ["StudyRun", "Study", "load_study", "run_study", "collect_rows", "mean
 
 _STUDY_KEYS = ("name", "description", "base", "overrides", "benchmarks", "variants", "seeds",
                "out_dir", "workers", "metrics", "compare", "confidence")
-RUN_CONFIG = "study_config.yaml"   # the resolved config of a run, written before it starts
-RUN_RECORD = "study_run.json"      # wall time of each attempt, written by the study runner
+# The runner's own files of a run live in OUT/.study/<run key>/, never in the run directory
+# (train refuses to start a new run in a directory holding foreign files).
+RUN_CONFIG = "config.yaml"         # the resolved config of a run, written before it starts
+RUN_RECORD = "attempts.json"       # wall time of each attempt
 RUN_OUTPUT = "train_output.txt"    # stdout/stderr of a run trained in a subprocess
+RUN_ERROR = "error.txt"            # the exception of a failed in-process run
+#: what ``train`` writes into a run directory: a partial run without ``last.pt`` loses them
+TRAIN_FILES = ("config.yaml", "log.jsonl", "best.pt", "metrics.json")
 
 
 # --------------------------------------------------------------------------- the study file
@@ -83,9 +88,15 @@ class StudyRun:
     out_dir: Path
     raw: dict                # the run's config mapping (validated)
 
+    study_dir: Path | None = None   # OUT/.study/<key>: the runner's files of this run
+
     @property
     def finished(self) -> bool:
         return (self.out_dir / "metrics.json").is_file()
+
+    @property
+    def record_dir(self) -> Path:
+        return self.study_dir if self.study_dir is not None else self.out_dir
 
 
 @dataclass
@@ -247,7 +258,7 @@ def load_study(path: str | os.PathLike | None = None, *, raw: dict | None = None
                     config_from_dict(copy.deepcopy(cfg_raw))  # validate now
                 except ConfigError as exc:
                     raise _err(where, f"run {key}: {exc}") from None
-                runs.append(StudyRun(key, b, v, int(s), run_dir, cfg_raw))
+                runs.append(StudyRun(key, b, v, int(s), run_dir, cfg_raw, out / ".study" / key))
     return Study(name=name, path=study_path, out_dir=out, runs=runs, variants=list(variants),
                  benchmarks=list(benches), seeds=[int(s) for s in seeds], workers=workers,
                  metrics=metrics, compare=compare, confidence=float(confidence),
@@ -317,7 +328,7 @@ def run_row(run: StudyRun) -> dict | None:
             for k, v in sel_test.items():
                 if _num(v) is not None:
                     row[f"selected/{k}"] = float(v)
-    record = _read_json(run.out_dir / RUN_RECORD) or {}
+    record = _read_json(run.record_dir / RUN_RECORD) or {}
     wall = _num(summary.get("wall_time_s"))
     if wall is None:
         wall = _num(record.get("wall_time_s"))
@@ -568,21 +579,30 @@ def _cores() -> int:
 
 def _prepare_run(run: StudyRun, *, threads: int | None, progress: bool) -> tuple[Any, Path | None]:
     """The run's validated Config (threads/progress filled in) and the checkpoint to resume
-    from (a killed run's ``last.pt``), after writing ``study_config.yaml``."""
+    from (a killed run's ``last.pt``); the config is written to the run's study folder.  A
+    partial run without ``last.pt`` starts again: the files ``train`` wrote are removed
+    (anything else in the directory stays, and ``train`` then refuses it)."""
     raw = copy.deepcopy(run.raw)
     t = raw.setdefault("train", {})
     if threads is not None and t.get("num_threads") is None:
         t["num_threads"] = threads
     t["progress"] = bool(progress and t.get("progress", True))
     cfg = config_from_dict(raw)
-    run.out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run.out_dir / RUN_CONFIG)
+    run.record_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run.record_dir / RUN_CONFIG)
     last = run.out_dir / "last.pt"
-    return cfg, (last if last.is_file() else None)
+    if last.is_file():
+        return cfg, last
+    if run.out_dir.is_dir():
+        for name in TRAIN_FILES:
+            (run.out_dir / name).unlink(missing_ok=True)
+        for tmp in run.out_dir.glob(".*.tmp"):  # left by a killed checkpoint save
+            tmp.unlink(missing_ok=True)
+    return cfg, None
 
 
 def _record_attempt(run: StudyRun, seconds: float, resumed_from: Path | None, status: str) -> None:
-    path = run.out_dir / RUN_RECORD
+    path = run.record_dir / RUN_RECORD
     record = _read_json(path) or {"attempts": []}
     record["attempts"].append({"wall_time_s": round(seconds, 3), "resumed": resumed_from is not None,
                                "status": status, "ended": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -605,7 +625,7 @@ def _run_in_process(run: StudyRun, progress: bool) -> str:
     except Exception as exc:  # one broken run must not stop a study of hours: record, go on
         import traceback
 
-        (run.out_dir / "study_error.txt").write_text(
+        (run.record_dir / RUN_ERROR).write_text(
             f"{type(exc).__name__}: {exc}\n\n" + ("" if isinstance(exc, NonFiniteLossError)
                                                  else traceback.format_exc()))
         status = f"failed ({type(exc).__name__}: {exc})"
@@ -627,13 +647,13 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 def _run_subprocess(run: StudyRun, threads: int, progress: bool) -> str:
     cfg, resume = _prepare_run(run, threads=threads, progress=progress)
-    cmd = [sys.executable, "-m", "deepmetric.cli", "train", str(run.out_dir / RUN_CONFIG)]
+    cmd = [sys.executable, "-m", "deepmetric.cli", "train", str(run.record_dir / RUN_CONFIG)]
     if resume is not None:
         cmd += ["--resume", str(resume)]
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.train.num_threads or threads),
                MKL_NUM_THREADS=str(cfg.train.num_threads or threads))
     t0 = time.perf_counter()
-    with open(run.out_dir / RUN_OUTPUT, "a", encoding="utf-8") as log:
+    with open(run.record_dir / RUN_OUTPUT, "a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -764,6 +784,6 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
                 pool.shutdown(wait=True)
         paths.update(write_results(study))
     if failed:
-        log(f"failed runs (see their train_output.txt / study_error.txt): {', '.join(failed)}")
+        log(f"failed runs (see {study.out_dir / '.study'}/<run>/{RUN_OUTPUT} or {RUN_ERROR}): {', '.join(failed)}")
     return {"finished": finished, "skipped": skipped, "failed": failed, "interrupted": interrupted,
             "paths": paths}
