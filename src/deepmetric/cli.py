@@ -160,6 +160,9 @@ def _add_study_parser(sub) -> None:
                    help="runs in parallel (default: the file's 'workers', else 1); each of N > 1 "
                         "runs is a subprocess with cores/N torch threads")
     p.add_argument("--out", default=None, help="study directory (default: the file's 'out_dir')")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="config overrides for every run, after the variants' (e.g. train.epochs=1 "
+                        "with --out /tmp/smoke for a quick check of the whole study)")
     p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
                    help="train only runs whose key starts with PREFIX (e.g. HBN or HBN/seed0)")
     p.add_argument("--summary", action="store_true",
@@ -174,7 +177,7 @@ def _add_study_parser(sub) -> None:
 def _run_study(args: argparse.Namespace) -> int:
     from deepmetric.train.study import load_study, run_study, write_results
 
-    study = load_study(args.study, out_dir=args.out)
+    study = load_study(args.study, out_dir=args.out, overrides=args.overrides)
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers: expected an int >= 1, got {args.workers}")
     if args.list:

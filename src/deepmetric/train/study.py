@@ -165,10 +165,11 @@ def _override_strings(items: Any, where: str) -> list[str]:
 
 
 def load_study(path: str | os.PathLike | None = None, *, raw: dict | None = None,
-               out_dir: str | os.PathLike | None = None) -> Study:
+               out_dir: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Study:
     """Read and validate a study file (or an already-read mapping ``raw``, relative paths then
     resolved against the working directory).  Every run's config is built and validated here,
-    so a mistake in the last variant is reported before the first run starts."""
+    so a mistake in the last variant is reported before the first run starts.  ``overrides``
+    (``key=value``) apply to every run after the variant's (smoke tests: ``train.epochs=1``)."""
     study_path = Path(path) if path is not None else None
     where = str(study_path) if study_path is not None else "study"
     if raw is None:
@@ -253,7 +254,7 @@ def load_study(path: str | os.PathLike | None = None, *, raw: dict | None = None
                 run_dir = out / key
                 cfg_raw = copy.deepcopy(base_raw)
                 try:
-                    apply_overrides(cfg_raw, common + b_over + v_over)
+                    apply_overrides(cfg_raw, common + b_over + v_over + list(overrides))
                     apply_overrides(cfg_raw, [f"train.seed={s}", f"train.out_dir={json.dumps(str(run_dir))}"])
                     config_from_dict(copy.deepcopy(cfg_raw))  # validate now
                 except ConfigError as exc:
