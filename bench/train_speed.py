@@ -1,8 +1,9 @@
 """Training throughput: ``deepmetric train`` against a bare PyTorch loop.
 
 For one recipe (``glyph``: the demo recipe, compact ResNet on 32x32 glyphs, batch 64, heated
-softmax, glyph augmentation; ``emoji``: EfficientNet-Lite0 on 64x64 emoji, batch 32, heated
-softmax, emoji augmentation) it measures images/s of
+softmax, glyph augmentation; ``emoji``: studies/emoji.yaml's BN run, EfficientNet-Lite0 on
+64x64 emoji, first 3 stages frozen, batch 64, heated softmax, emoji augmentation; needs the
+emoji benchmark and the EfficientNet-Lite backbones) it measures images/s of
 
 * **deepmetric**: ``deepmetric.train.train(cfg)``, i.e. the real loop with the dataset, the
   augmentation, the batch sampler, the DataLoader (``data.num_workers`` workers) and logging;
@@ -50,21 +51,20 @@ def recipe(name: str) -> dict:
         # training on the demo's 400 characters; evaluate only 20 test characters (not timed)
         raw["data"]["options"] = {"max_train_classes": 400, "max_classes": 20, "size": 32}
         return raw
-    if name == "emoji":
+    if name == "emoji":  # studies/emoji.yaml's BN run (speed only: no pretrained weights needed)
         return {
-            "data": {"name": "emoji", "options": {"size": 64, "max_classes": None}, "transform": "emoji"},
-            "model": {"name": "efficientnet_lite0", "options": {"embedding_dim": 64, "norm": "bn"}},
+            "data": {"name": "emoji", "options": {"size": 64}, "transform": "emoji",
+                     "transform_options": {"normalize": "minus_one_one"}},
+            "model": {"name": "efficientnet_lite0", "options": {"embedding_dim": 64, "norm": "bn", "freeze_stages": 3}},
             "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
-            "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0005},
-            "train": {"batch_size": 32},
+            "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0001, "new_layer_lr_mult": 10.0},
+            "train": {"batch_size": 64},
         }
     raise SystemExit(f"unknown recipe {name!r}; use glyph or emoji")
 
 
 def make_config(name: str, out_dir: Path, threads: int, workers: int, iterations: int, extra: list[str]):
     raw = recipe(name)
-    if name == "emoji":
-        raw["data"]["options"].pop("max_classes")
     raw.setdefault("train", {}).update({"iterations": iterations, "num_threads": threads, "progress": False,
                                         "out_dir": str(out_dir), "checkpoint_every": 1000})
     raw["train"].pop("epochs", None)
@@ -159,14 +159,16 @@ def main() -> None:
     ap.add_argument("--recipe", default="glyph", choices=["glyph", "emoji"])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads T (both sides)")
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1], help="deepmetric data.num_workers")
-    ap.add_argument("--batched", type=int, nargs="+", default=[0, 1], choices=[0, 1],
+    ap.add_argument("--batched", type=int, nargs="+", default=None, choices=[0, 1],
                     help="deepmetric with per-image (0) and/or batched (1) augmentation "
-                         "(data.transform_options.batched; glyph recipe)")
+                         "(data.transform_options.batched; default: 0 1 for glyph, 0 for emoji)")
     ap.add_argument("--steps", type=int, default=60, help="timed steps per measurement")
     ap.add_argument("--warmup", type=int, default=8, help="untimed steps first")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("overrides", nargs="*", help="config overrides for both sides, e.g. train.batch_size=128")
     args = ap.parse_args()
+    if args.batched is None:
+        args.batched = [0, 1] if args.recipe == "glyph" else [0]
 
     print(f"machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores visible, torch {torch.__version__}, "
           f"load average {tuple(round(v, 2) for v in os.getloadavg())}")
