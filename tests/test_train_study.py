@@ -241,3 +241,28 @@ def test_cli_list_and_summary(tmp_path, capsys):
     assert cli.main(["study", str(path), "--summary"]) == 0
     assert "0 of 4 runs finished" in (tmp_path / "out" / "summary.md").read_text()
     assert cli.main(["study", str(tmp_path / "missing.yaml")]) == 2
+
+
+@pytest.mark.parametrize("name", ["emoji", "glyphs_cross_family", "fashion_mnist_two_head"])
+def test_repository_study_files_are_valid(name):
+    """Every run of the studies/ files validates, and names a dataset, transform, model and
+    losses that exist (PML class names included)."""
+    from deepmetric.data import list_datasets
+    from deepmetric.data.transforms import list_transforms
+    from deepmetric.losses import list_losses
+    from deepmetric.models import list_models
+    from deepmetric.train.config import DataConfig
+
+    if "val_classes" not in DataConfig.__dataclass_fields__:
+        pytest.skip("needs the validation split (data.val_classes) of the training package")
+    study = load_study(Path(__file__).resolve().parents[1] / "studies" / f"{name}.yaml")
+    assert len(study.runs) == len(study.variants) * len(study.seeds)
+    for run in study.runs:
+        raw = run.raw
+        assert raw["data"]["name"] in list_datasets() and raw["data"]["transform"] in list_transforms()
+        assert raw["model"]["name"] in list_models()
+        for term in raw["loss"]:
+            assert term["name"] in list_losses()
+            if term["name"] == "pml":
+                pml = pytest.importorskip("pytorch_metric_learning.losses")
+                assert hasattr(pml, term["options"]["loss"])
