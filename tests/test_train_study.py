@@ -266,3 +266,25 @@ def test_repository_study_files_are_valid(name):
             if term["name"] == "pml":
                 pml = pytest.importorskip("pytorch_metric_learning.losses")
                 assert hasattr(pml, term["options"]["loss"])
+
+
+def test_git_commit_of_results_commits_only_those_files(tmp_path):
+    from deepmetric.train.study import _git_commit
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "other.txt").write_text("staged, not ours\n")
+    git("add", "other.txt")
+    out = tmp_path / "runs" / "s"
+    out.mkdir(parents=True)
+    (out / "summary.md").write_text("# s\n")
+    (out / "results.csv").write_text("a\n")
+    messages = []
+    _git_commit([out / "summary.md", out / "results.csv", out / "missing.png"], "study s: 1/2", messages.append)
+    assert not messages
+    assert sorted(git("show", "--name-only", "--format=", "HEAD").split()) == ["runs/s/results.csv", "runs/s/summary.md"]
+    assert "other.txt" in git("diff", "--cached", "--name-only")  # still staged, not committed

@@ -696,11 +696,14 @@ class _StudyLock:
 
 def _git_commit(paths: list[Path], message: str, log: Callable[[str], None]) -> None:
     """Commit only the study's result files (``git commit --only``), best effort."""
-    files = [str(p) for p in paths if p.is_file()]
+    files = [str(p.resolve()) for p in paths if p.is_file()]
+    if not files:
+        return
+    cwd = Path(files[0]).parent  # git runs in the repository that holds the study directory
     try:
-        subprocess.run(["git", "add", "-f", "--", *files], check=True, capture_output=True)
+        subprocess.run(["git", "add", "-f", "--", *files], check=True, capture_output=True, cwd=cwd)
         r = subprocess.run(["git", "commit", "-q", "-m", message, "--only", "--", *files],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, cwd=cwd)
         if r.returncode != 0 and "nothing" not in (r.stdout + r.stderr):
             log(f"git commit failed: {(r.stderr or r.stdout).strip()}")
     except (OSError, subprocess.CalledProcessError) as exc:
