@@ -37,6 +37,10 @@ checkpoint.  Results, rewritten after every run, in ``OUT``:
   ``compare`` pair the mean paired difference (same benchmark and seed) with its t interval;
 * ``summary.png`` (one panel per summary metric: mean with 95 % CI error bars per variant).
 
+The runner's own files of a run (the resolved ``config.yaml`` it trains, ``attempts.json``
+with the wall time of each attempt, ``train_output.txt`` of subprocess runs) are in
+``OUT/.study/<run key>/``, so run directories hold only what ``train`` writes.
+
 Statistics (``mean_ci``): for values ``x_1..x_n``, ``mean = sum x_i / n``, ``sd`` with
 ``n - 1`` in the denominator, and ``mean +- t_{0.975, n-1} sd / sqrt(n)``.  Paired
 differences use ``d_i = a_i - b_i`` over the seeds both variants finished.
