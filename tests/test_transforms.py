@@ -166,3 +166,98 @@ def test_glyph_and_mnist_pipelines():
     want = np.asarray(rgb.convert("L").resize((20, 20), Image.BILINEAR), dtype=np.float32) / 255
     assert got.shape == (1, 20, 20)
     np.testing.assert_allclose(got[0].numpy(), want, atol=2 / 255)
+
+
+# --------------------------------------------------------------------------- batched glyph augmentation
+def _glyph_batch(n=6, size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 1, size, size, generator=g)
+
+
+def test_batched_affine_equals_torchvision_affine_per_image():
+    from torchvision.transforms.v2 import functional as TF
+
+    from deepmetric.data.transforms import _affine_batch, affine_inverse_matrices
+
+    x = _glyph_batch(5, 32)
+    params = [(3.0, (2, -1), 1.05, 4.0), (-6.0, (0, 0), 0.9, -5.5), (0.0, (1, 2), 1.0, 0.0),
+              (5.9, (-2, -2), 1.1, 6.0), (1.0, (0, 1), 0.95, 1.0)]
+    ref = torch.stack([TF.affine(x[i], angle=a, translate=list(t), scale=s, shear=[sh, 0.0],
+                                 interpolation=TF.InterpolationMode.BILINEAR, fill=0.0)
+                       for i, (a, t, s, sh) in enumerate(params)])
+    col = lambda f: torch.tensor([f(p) for p in params], dtype=torch.float64)  # noqa: E731
+    theta = affine_inverse_matrices(col(lambda p: p[0]), col(lambda p: p[1][0]), col(lambda p: p[1][1]),
+                                    col(lambda p: p[2]), col(lambda p: p[3]), torch.zeros(5, dtype=torch.float64))
+    assert torch.allclose(_affine_batch(x, theta), ref, atol=1e-6)
+
+
+def test_batched_glyph_augment_parts_against_references():
+    from torchvision.transforms.v2 import functional as TF
+
+    from deepmetric.data.transforms import GlyphBatchAugment
+
+    x = _glyph_batch()
+    none = dict(degrees=0.0, translate=0.0, scale=(1.0, 1.0), shear=0.0, stroke_p=0.0, blur_p=0.0, noise_sigma=0.0)
+    assert torch.allclose(GlyphBatchAugment(**none)(x), x, atol=1e-6)        # identity warp is exact
+    # translation only: every image is shifted by whole pixels within +-round(0.1 * 16) = 2
+    torch.manual_seed(1)
+    out = GlyphBatchAugment(**{**none, "translate": 0.1})(x)
+    pad = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(len(x)):
+        shifts = [(dx, dy) for dx in range(-2, 3) for dy in range(-2, 3)
+                  if torch.allclose(out[i, 0], pad[i, 0, 2 - dy:18 - dy, 2 - dx:18 - dx], atol=1e-6)]
+        assert shifts, f"image {i} is no integer shift of its input"
+    # strokes always on: each image is its dilation or its erosion (StrokeWidth.morph)
+    out = GlyphBatchAugment(**{**none, "stroke_p": 1.0})(x)
+    kinds = [next(s for s in (1, -1) if torch.allclose(out[i], StrokeWidth.morph(x[i], s))) for i in range(len(x))]
+    assert set(kinds) <= {1, -1}
+    # blur always on with a fixed sigma: torchvision's gaussian_blur
+    out = GlyphBatchAugment(**{**none, "blur_p": 1.0, "blur_sigma": (0.6, 0.6)})(x)
+    assert torch.allclose(out, TF.gaussian_blur(x, [3, 3], [0.6, 0.6]), atol=1e-6)
+    # noise: N(0, 0.05^2) on a mid-grey batch, clamped to [0, 1]
+    grey = torch.full((64, 1, 16, 16), 0.5)
+    d = GlyphBatchAugment(**{**none, "noise_sigma": 0.05})(grey) - 0.5
+    assert abs(float(d.std()) - 0.05) < 0.003 and abs(float(d.mean())) < 0.003
+
+
+def test_batched_glyph_transform_through_make_loader():
+    from deepmetric.data import make_loader
+
+    class Images(torch.utils.data.Dataset):
+        def __init__(self, transform):
+            self.transform = transform
+            self.x = (_glyph_batch(10, 16) * 255).to(torch.uint8)
+
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return self.transform(self.x[i]), i % 3
+
+    t = build_transform("glyph", True, batched=True)
+    assert t(torch.zeros(1, 16, 16, dtype=torch.uint8)).dtype == torch.uint8  # per image: as it is
+    x, y = next(iter(make_loader(Images(t), batch_size=10, num_workers=0)))
+    assert x.shape == (10, 1, 16, 16) and x.dtype == torch.float32 and -1.0 <= x.min() and x.max() <= 1.0
+    assert y.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+    plain = next(iter(make_loader(Images(build_transform("glyph", False)), batch_size=10, num_workers=0)))[0]
+    assert not torch.allclose(x, plain)  # augmented, in the same [-1, 1] scale
+    x3 = build_transform("glyph", True, batched=True, channels=3).batch_transform(torch.zeros(2, 1, 16, 16,
+                                                                                            dtype=torch.uint8))
+    assert x3.shape == (2, 3, 16, 16)
+
+
+def test_batched_glyph_augmentation_has_the_per_image_distribution():
+    """Same augmentation, drawn per image by torchvision or per batch by us: the per-pixel mean
+    profiles and standard deviations over 400 augmented copies of one glyph-like image agree."""
+    img = torch.zeros(1, 16, 16, dtype=torch.uint8)
+    img[:, 4:12, 7:9] = 255   # a vertical stroke
+    img[:, 5:7, 3:13] = 255   # and a horizontal one
+    torch.manual_seed(0)
+    per_image = torch.stack([build_transform("glyph", True)(img) for _ in range(400)])
+    t = build_transform("glyph", True, batched=True)
+    batched = t.batch_transform(torch.stack([t(img)] * 400))
+    # row and column profiles (sampling noise < 0.05 over seeds; translate 0.06 -> 0.12 moves them > 0.1)
+    for axis in (2, 3):
+        assert torch.allclose(per_image.mean((0, axis)), batched.mean((0, axis)), atol=0.07)
+        assert torch.allclose(per_image.std(0).mean(axis - 1), batched.std(0).mean(axis - 1), atol=0.07)
+    assert abs(float(per_image.mean() - batched.mean())) < 0.01

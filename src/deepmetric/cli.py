@@ -454,6 +454,63 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- study
+def _add_study_parser(sub) -> None:
+    p = sub.add_parser(
+        "study", help="train variants x seeds (x benchmarks) of a config; mean, sd and 95%% CI tables",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Run every (benchmark, variant, seed) of STUDY.yaml in order, skipping finished runs "
+            "(a killed study resumes; a killed run continues from its last.pt), and rewrite "
+            "OUT/results.json, results.csv, summary.md (mean ± sd, Student-t CI, paired "
+            "differences) and summary.png after every run. File format: docs/study.md."),
+        epilog=(
+            "example:\n"
+            "  deepmetric study studies/fashion_mnist_two_head.yaml --workers 2\n"
+            "  deepmetric study studies/fashion_mnist_two_head.yaml --summary   # tables only\n"
+            "  nohup deepmetric study studies/emoji.yaml --commit > emoji.log 2>&1 &"),
+    )
+    p.add_argument("study", help="study file (YAML: base, overrides, variants, seeds, benchmarks, compare)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="runs in parallel (default: the file's 'workers', else 1); each of N > 1 "
+                        "runs is a subprocess with cores/N torch threads")
+    p.add_argument("--out", default=None, help="study directory (default: the file's 'out_dir')")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="config overrides for every run, after the variants' (e.g. train.epochs=1 "
+                        "with --out /tmp/smoke for a quick check of the whole study)")
+    p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
+                   help="train only runs whose key starts with PREFIX (e.g. HBN or HBN/seed0)")
+    p.add_argument("--summary", action="store_true",
+                   help="train nothing: rewrite the results files from the finished runs")
+    p.add_argument("--list", action="store_true", help="list the runs and whether they are finished")
+    p.add_argument("--progress", action="store_true", help="show the per-epoch progress bars of each run")
+    p.add_argument("--commit", action="store_true",
+                   help="git-commit the result files (only those) after every run")
+    p.set_defaults(func=_run_study)
+
+
+def _run_study(args: argparse.Namespace) -> int:
+    from deepmetric.train.study import load_study, run_study, write_results
+
+    study = load_study(args.study, out_dir=args.out, overrides=args.overrides)
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers: expected an int >= 1, got {args.workers}")
+    if args.list:
+        for run in study.runs:
+            state = "finished" if run.finished else ("partial" if (run.out_dir / "last.pt").is_file() else "-")
+            print(f"{run.key:40s} {state:9s} {run.out_dir}")
+        return 0
+    if args.summary:
+        paths = write_results(study)
+        print(f"wrote {', '.join(str(p) for p in paths.values())}")
+        return 0
+    result = run_study(study, workers=args.workers, progress=args.progress, commit=args.commit, only=args.only)
+    print(f"summary: {result['paths']['md']}")
+    if result["interrupted"]:
+        return 130
+    return 1 if result["failed"] else 0
+
+
 # --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     from deepmetric import __version__
@@ -471,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_search_parser(sub)
     _add_export_parser(sub)
     _add_serve_parser(sub)
+    _add_study_parser(sub)
     return parser
 
 

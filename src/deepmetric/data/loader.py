@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["make_loader", "default_num_workers", "seed_worker", "worker_error_message"]
+__all__ = ["make_loader", "default_num_workers", "seed_worker", "worker_error_message", "BatchTransformCollate"]
 
 
 def default_num_workers(cap: int = 2) -> int:
@@ -36,6 +36,20 @@ def seed_worker(worker_id: int) -> None:
     random.seed(s)
 
 
+class BatchTransformCollate:
+    """``default_collate``, then ``batch_transform`` on the stacked images (batched
+    augmentation, e.g. ``build_transform("glyph", train=True, batched=True)``)."""
+
+    def __init__(self, batch_transform: Callable):
+        self.batch_transform = batch_transform
+
+    def __call__(self, samples):
+        from torch.utils.data import default_collate
+
+        x, *rest = default_collate(samples)
+        return (self.batch_transform(x), *rest)
+
+
 def make_loader(dataset: Dataset, batch_sampler=None, batch_size: int | None = None, shuffle: bool = False,
                 num_workers: int | None = None, pin_memory: bool | None = None,
                 persistent_workers: bool | None = None, seed: int = 0, drop_last: bool = False,
@@ -53,6 +67,9 @@ def make_loader(dataset: Dataset, batch_sampler=None, batch_size: int | None = N
             the batch sampler runs in the main process, so ``set_epoch`` still takes effect).
         seed: seeds the loader's generator, hence the per-worker torch seeds (augmentations) and
             the shuffle order of ``shuffle=True``.
+        collate_fn: default ``default_collate``; when the dataset's ``transform`` has a
+            ``batch_transform`` (a batched augmentation) and no ``collate_fn`` is given, each
+            collated batch goes through it (:class:`BatchTransformCollate`).
     """
     if batch_sampler is not None:
         if batch_size is not None or shuffle or drop_last:
@@ -67,6 +84,9 @@ def make_loader(dataset: Dataset, batch_sampler=None, batch_size: int | None = N
         raise ValueError(f"make_loader: num_workers must be an int >= 0, got {num_workers!r}")
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
+    batch_transform = getattr(getattr(dataset, "transform", None), "batch_transform", None)
+    if collate_fn is None and batch_transform is not None:
+        collate_fn = BatchTransformCollate(batch_transform)
     if persistent_workers is None:
         persistent_workers = num_workers > 0
     generator = torch.Generator()

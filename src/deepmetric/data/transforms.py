@@ -28,6 +28,13 @@ image tensor (``uint8 [C, H, W]``) and returns a normalised ``float32 [C, H, W]`
   training; centre crop for test), ``scale`` (default 1/255: values in [-1, 1]; ``1.0`` keeps the
   paper's integer range [-255, 255]). No flip: a mirrored left turn is a right turn.
 
+``build_transform("glyph", train=True, batched=True)`` draws the same augmentations per image
+but applies them to whole batches (:class:`GlyphBatchAugment`: one ``grid_sample``, one
+max-pool, one grouped convolution), about 10x cheaper than per-image torchvision calls on
+32x32 glyphs.  It returns a :class:`BatchedTransform`: the dataset's per-image part only
+converts to ``float32 [1, H, W]``; ``make_loader`` finds its ``batch_transform`` and applies it
+to each collated batch (in the loader workers when there are any).
+
 Normalisations (``normalize=``): ``"imagenet"`` (mean 0.485/0.456/0.406, std 0.229/0.224/0.225;
 their channel averages 0.449 / 0.226 for one-channel images), ``"minus_one_one"`` (x * 2 - 1)
 and ``"none"``, or any mapping with ``mean`` and ``std`` such as a backbone's ``pretrained_cfg``
@@ -37,6 +44,7 @@ the channel for ImageNet backbones.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -44,7 +52,8 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 __all__ = ["build_transform", "list_transforms", "StrokeWidth", "RepeatChannels", "normalization",
-           "StackOfDifferences", "to_grayscale_uint8"]
+           "StackOfDifferences", "to_grayscale_uint8", "GlyphBatchAugment", "BatchedTransform",
+           "affine_inverse_matrices"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -166,10 +175,144 @@ def _short_side(train, min_size=350, max_size=512, crop=224, test_size=350, flip
     return _finish(steps, normalize, 3)
 
 
+def affine_inverse_matrices(angle: torch.Tensor, tx: torch.Tensor, ty: torch.Tensor, scale: torch.Tensor,
+                            shear_x: torch.Tensor, shear_y: torch.Tensor) -> torch.Tensor:
+    """[B, 2, 3] inverse affine matrices about the image centre, in pixels: torchvision's
+    ``_get_inverse_affine_matrix`` (``M = T C R S SHy SHx C^-1``, inverted) for a batch.
+    Angles and shears in degrees."""
+    rot, sx, sy = torch.deg2rad(angle), torch.deg2rad(shear_x), torch.deg2rad(shear_y)
+    a = torch.cos(rot - sy) / torch.cos(sy)
+    b = -torch.cos(rot - sy) * torch.tan(sx) / torch.cos(sy) - torch.sin(rot)
+    c = torch.sin(rot - sy) / torch.cos(sy)
+    d = -torch.sin(rot - sy) * torch.tan(sx) / torch.cos(sy) + torch.cos(rot)
+    m0, m1, m3, m4 = d / scale, -b / scale, -c / scale, a / scale
+    m2 = m0 * -tx + m1 * -ty
+    m5 = m3 * -tx + m4 * -ty
+    return torch.stack([torch.stack([m0, m1, m2], 1), torch.stack([m3, m4, m5], 1)], 1)
+
+
+def _affine_batch(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """Bilinear warp of ``x [B, C, H, W]`` by per-image inverse matrices ``theta [B, 2, 3]``
+    with fill 0, exactly as torchvision's ``affine`` on tensors (same pixel-centre grid, and
+    its fill mask: the warped image times the warped all-ones image)."""
+    n, ch, h, w = x.shape
+    xs = torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, w, dtype=x.dtype)
+    ys = torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, h, dtype=x.dtype)
+    base = torch.stack([xs.expand(h, w), ys.unsqueeze(1).expand(h, w), torch.ones(h, w, dtype=x.dtype)], -1)
+    scaled = theta.to(x.dtype).transpose(1, 2) / torch.tensor([0.5 * w, 0.5 * h], dtype=x.dtype)
+    grid = base.reshape(1, h * w, 3).expand(n, -1, -1).bmm(scaled).reshape(n, h, w, 2)
+    both = torch.cat([x, torch.ones(n, 1, h, w, dtype=x.dtype)], 1)
+    out = F.grid_sample(both, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return out[:, :ch] * out[:, ch:]
+
+
+class GlyphBatchAugment(torch.nn.Module):
+    """The ``glyph`` training augmentation for a batch ``float [B, 1, H, W]`` in [0, 1], with
+    independent random parameters per image drawn as torchvision does: affine (angle
+    ``U(-degrees, degrees)``, translation ``round(U(-t W, t W))`` pixels, scale ``U(scale)``,
+    x-shear ``U(-shear, shear)``; bilinear, fill 0), then with probability ``stroke_p`` a
+    dilation or erosion of radius ``1..max_radius`` (:class:`StrokeWidth`), with probability
+    ``blur_p`` a 3x3 Gaussian blur of ``sigma ~ U(blur_sigma)`` (torchvision's kernel,
+    reflect padding), then ``N(0, noise_sigma^2)`` noise and clamping to [0, 1]."""
+
+    def __init__(self, degrees=6.0, translate=0.06, scale=(0.9, 1.1), shear=6.0, stroke_p=0.5, max_radius=1,
+                 blur_p=0.3, blur_sigma=(0.1, 0.8), noise_sigma=0.05):
+        super().__init__()
+        if max_radius < 1:
+            raise ValueError(f"GlyphBatchAugment: max_radius must be >= 1, got {max_radius}")
+        for name, p in (("stroke_p", stroke_p), ("blur_p", blur_p)):
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"GlyphBatchAugment: {name} must be in [0, 1], got {p}")
+        self.degrees, self.translate, self.scale, self.shear = float(degrees), float(translate), tuple(scale), float(shear)
+        self.stroke_p, self.max_radius = float(stroke_p), int(max_radius)
+        self.blur_p, self.blur_sigma, self.noise_sigma = float(blur_p), tuple(blur_sigma), float(noise_sigma)
+
+    @staticmethod
+    def _uniform(n: int, lo: float, hi: float) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.float64).uniform_(lo, hi)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or not x.dtype.is_floating_point:
+            raise ValueError(f"GlyphBatchAugment: expected a float batch [B, C, H, W], got {x.dtype} {tuple(x.shape)}")
+        n, _, h, w = x.shape
+        u = self._uniform
+        tx = torch.round(u(n, -self.translate * w, self.translate * w))
+        ty = torch.round(u(n, -self.translate * h, self.translate * h))
+        theta = affine_inverse_matrices(u(n, -self.degrees, self.degrees), tx, ty, u(n, *self.scale),
+                                        u(n, -self.shear, self.shear), torch.zeros(n, dtype=torch.float64))
+        x = _affine_batch(x, theta)
+        if self.stroke_p > 0:
+            apply = torch.rand(n) < self.stroke_p
+            radius = torch.randint(1, self.max_radius + 1, (n,))
+            sign = torch.where(torch.rand(n) < 0.5, 1, -1)
+            out = x.clone()
+            for r in range(1, self.max_radius + 1):
+                for s in (1, -1):
+                    sel = apply & (radius == r) & (sign == s)
+                    if sel.any():
+                        out[sel] = StrokeWidth.morph(x[sel], s * r)
+            x = out
+        if self.blur_p > 0:
+            apply = torch.rand(n) < self.blur_p
+            sigma = u(n, *self.blur_sigma).to(x.dtype)
+            lim = 1.0 / math.sqrt(2.0)  # torchvision's 3-tap kernel positions: linspace(-lim, lim, 3)
+            pos = torch.tensor([-lim, 0.0, lim], dtype=x.dtype)
+            k1 = torch.softmax(-(pos / sigma[:, None]) ** 2, dim=1)
+            k1 = torch.where(apply[:, None], k1, torch.tensor([0.0, 1.0, 0.0], dtype=x.dtype))
+            c = x.shape[1]
+            k2 = (k1[:, :, None] * k1[:, None, :]).repeat_interleave(c, 0).unsqueeze(1)  # [B*C, 1, 3, 3]
+            y = F.pad(x.reshape(1, n * c, h, w), (1, 1, 1, 1), mode="reflect")
+            x = F.conv2d(y, k2, groups=n * c).reshape(n, c, h, w)
+        if self.noise_sigma > 0:
+            x = (x + self.noise_sigma * torch.randn_like(x)).clamp_(0.0, 1.0)
+        return x
+
+
+class _ToImageTensor(torch.nn.Module):
+    """A ``[C, H, W]`` tensor as it is (no copy); anything else (PIL, ndarray) through ``v2.ToImage``."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_image = v2.ToImage()
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor) and x.dim() == 3:
+            return x.as_subclass(torch.Tensor)
+        return self.to_image(x).as_subclass(torch.Tensor)
+
+
+class _GrayscaleBatch(torch.nn.Module):
+    """``[B, C, H, W]`` -> one channel (ITU-R 601-2 luma for RGB, as ``v2.Grayscale``)."""
+
+    def forward(self, x):
+        return x if x.shape[-3] == 1 else v2.functional.rgb_to_grayscale(x, num_output_channels=1)
+
+
+class BatchedTransform(torch.nn.Module):
+    """A per-image transform (``forward``) plus a ``batch_transform`` that ``make_loader``
+    applies to every collated batch of images."""
+
+    def __init__(self, per_image, batch_transform):
+        super().__init__()
+        self.per_image = per_image
+        self.batch_transform = batch_transform
+
+    def forward(self, x):
+        return self.per_image(x)
+
+
 def _glyph(train, degrees=6.0, translate=0.06, scale=(0.9, 1.1), shear=6.0, stroke_p=0.5,
            max_radius=1, blur_p=0.3, blur_sigma=(0.1, 0.8), noise_sigma=0.05, channels=1,
-           normalize="minus_one_one"):
+           normalize="minus_one_one", batched=False):
     steps = [v2.ToImage(), v2.Grayscale(1), v2.ToDtype(torch.float32, scale=True)]
+    if train and batched:
+        # per image only what collation needs (uint8 tensors pass through); the rest per batch
+        batch = [_GrayscaleBatch(), v2.ToDtype(torch.float32, scale=True),
+                 GlyphBatchAugment(degrees, translate, scale, shear, stroke_p, max_radius, blur_p, blur_sigma,
+                                   noise_sigma)]
+        if channels != 1:
+            batch.append(RepeatChannels(channels))
+        return BatchedTransform(_ToImageTensor(), _finish(batch, normalize, channels))
     if train:
         steps.append(v2.RandomAffine(degrees=degrees, translate=(translate, translate), scale=scale,
                                      shear=shear, interpolation=v2.InterpolationMode.BILINEAR, fill=0.0))

@@ -30,6 +30,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "lifted": ("lifted", "LiftedStructureLoss"),
     "proxy_nca": ("proxy_nca", "ProxyNCALoss"),
     "cross_entropy": ("cross_entropy", "CrossEntropyLoss"),
+    # optional dependency pytorch-metric-learning; imported only when used
+    "pml": ("pml", "PMLLoss"),
 }
 
 __all__ = [
