@@ -64,6 +64,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .glyphs import atomic_savez as _atomic_savez  # one atomic cache writer for both benchmarks
+
 __all__ = [
     "EmojiDataset",
     "EmojiPackage",
@@ -450,19 +452,6 @@ def _build_arrays(entries, vendors, dirs, size, verbose) -> dict:
         "sort_order": np.array([int(e["sort_order"]) for e in entries], dtype=np.int64),
         "vendors": np.array(vendors),
     }
-
-
-def _atomic_savez(path: Path, arrays: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # --------------------------------------------------------------------------- dataset

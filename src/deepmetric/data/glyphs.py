@@ -379,7 +379,9 @@ def _render_all(faces, chars, params, num_workers, verbose) -> dict:
     }
 
 
-def _atomic_savez(path: Path, arrays: dict) -> None:
+def atomic_savez(path: Path, arrays: dict) -> None:
+    """Write a compressed ``.npz`` atomically (temporary file in the same folder, then
+    ``os.replace``): a killed build never leaves a half-written cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp")
     try:
@@ -504,7 +506,7 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
         t0 = time.perf_counter()
         data = _render_all(faces, chars, params, num_workers, verbose)
         data["build_seconds"] = np.array(time.perf_counter() - t0)
-        _atomic_savez(path, data)
+        atomic_savez(path, data)
 
     n_tr = len(train_chars)
     cidx = data["char_index"]
