@@ -156,6 +156,21 @@ def test_few_classes_warning():
     assert few_classes_warning(20) is None and few_classes_warning(100) is None
 
 
+def test_few_classes_warning_only_for_unseen_test_classes(tmp_path):
+    """A classification protocol tests the training classes themselves: no zero-shot warning."""
+    from deepmetric.models import create_model
+    from deepmetric.train.preflight import check_run
+
+    root = _digits(tmp_path / "d", size=(28, 28))
+    ds = build_dataset("folder", root, split="all", transform=build_transform("mnist", train=False))
+    model = create_model("glyph_resnet", widths=(8,), depths=(1,))
+    base = dict(data={"name": "folder", "root": str(root), "transform": "mnist"}, model={"name": "glyph_resnet"})
+    _, zero_shot = check_run(_cfg(**base), model, ds, {"query": ds})
+    assert any("training classes" in w for w in zero_shot)
+    _, classification = check_run(_cfg(**base, eval={"classification": True}), model, ds, {"query": ds})
+    assert not any("training classes" in w for w in classification)
+
+
 # ----------------------------------------------------------------------------- raw pixels
 def test_raw_pixel_baseline_equals_evaluate_on_flattened_pixels(tmp_path):
     root = _digits(tmp_path / "d", classes=("a", "b", "c", "d"), n=4, size=(9, 7), mode="RGB")

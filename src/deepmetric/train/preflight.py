@@ -517,7 +517,9 @@ def check_run(cfg: Config, model: nn.Module, train_set, eval_sets: dict[str, Any
     n = getattr(train_set, "num_classes", None)
     if n is None:
         n = len(np.unique(np.asarray(train_set.labels)))
-    w = few_classes_warning(int(n))
+    # zero-shot only: in a classification protocol the test classes are the training classes
+    same_classes = cfg.eval.classification or cfg.data.options.get("protocol") == "classification"
+    w = None if same_classes else few_classes_warning(int(n))
     if w is not None:
         warns.append(w)
     return shape, warns
