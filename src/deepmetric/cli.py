@@ -34,7 +34,7 @@ def _add_evaluate_parser(sub) -> None:
         ),
         epilog=(
             "examples:\n"
-            "  deepmetric embed runs/demo/best.pt --split test --out emb.npz\n"
+            "  deepmetric embed runs/demo/last.pt --split test --out emb.npz\n"
             "  deepmetric evaluate emb.npz\n"
             "  deepmetric evaluate emb.npz --k 1 10 100 --metrics recall map@r --out metrics.json\n"
             "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images"
@@ -199,7 +199,7 @@ def _add_embed_parser(sub) -> None:
                      "that 'deepmetric evaluate' and 'deepmetric report' read."),
         epilog=(
             "examples:\n"
-            "  deepmetric embed runs/demo/best.pt --split test --out emb.npz\n"
+            "  deepmetric embed runs/demo/last.pt --split test --out emb.npz\n"
             "  deepmetric embed runs/mine/best.pt --data folder --root new_images --split all --out new.npz\n"
             "  deepmetric embed runs/inshop/best.pt --split query+gallery --out inshop.npz"
         ),
@@ -327,7 +327,7 @@ def _add_index_parser(sub) -> None:
             "Embed a dataset split with CHECKPOINT (its test transform) and write INDEX_DIR: embeddings.npy, "
             "labels.npy, class_names.json, paths.json, index.faiss and manifest.json (checkpoint path, SHA-256 "
             "and config). Exact inner-product search by default. See docs/search.md."),
-        epilog=("example:\n  deepmetric index runs/demo/best.pt --out runs/demo/index\n"
+        epilog=("example:\n  deepmetric index runs/demo/last.pt --out runs/demo/index\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root photos/ --out photos.index\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root more_photos/ --out photos.index --add"))
     p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train' (best.pt / last.pt)")
@@ -409,8 +409,8 @@ def _add_export_parser(sub) -> None:
         description=("Write the embedding network (input: preprocessed image batch [N, C, H, W] float32; "
                      "output: l2-normalised embedding [N, d]) and FILE's .preprocessing.json beside it "
                      "(resize, crop, mean/std, channels). ONNX needs the 'onnx' package."),
-        epilog=("example:\n  deepmetric export runs/demo/best.pt --format onnx --out demo.onnx\n"
-                "  deepmetric export runs/demo/best.pt --format torchscript --out demo.pt"))
+        epilog=("example:\n  deepmetric export runs/demo/last.pt --format onnx --out demo.onnx\n"
+                "  deepmetric export runs/demo/last.pt --format torchscript --out demo.pt"))
     p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train'")
     p.add_argument("--format", dest="fmt", default="onnx", choices=["onnx", "torchscript"],
                    help="onnx (default) or torchscript")

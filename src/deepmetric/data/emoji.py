@@ -55,7 +55,6 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -64,7 +63,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .glyphs import atomic_savez as _atomic_savez  # one atomic cache writer for both benchmarks
+from .glyphs import cached_npz  # one atomic .npz cache for both benchmarks
 
 __all__ = [
     "EmojiDataset",
@@ -559,19 +558,8 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
     }, sort_keys=True)
     key = hashlib.sha256(key_blob.encode()).hexdigest()[:20]
     path = emoji_cache_dir(root) / f"emoji-{size}px-{len(vendors)}v-{key}.npz"
-    from_cache = path.is_file()
-    if from_cache:
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                data = {k: z[k] for k in z.files}
-        except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt, not fatal
-            from_cache = False
-    if not from_cache:
-        t0 = time.perf_counter()
-        entries = load_emoji_index(index_path)
-        data = _build_arrays(entries, vendors, dirs, size, verbose)
-        data["build_seconds"] = np.array(time.perf_counter() - t0)
-        _atomic_savez(path, data)
+    data, from_cache = cached_npz(path, lambda: _build_arrays(load_emoji_index(index_path), vendors, dirs,
+                                                              size, verbose))
 
     n_all = len(data["unified"])
     n_train = n_all // 2

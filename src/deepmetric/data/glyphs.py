@@ -379,6 +379,22 @@ def _render_all(faces, chars, params, num_workers, verbose) -> dict:
     }
 
 
+def cached_npz(path: Path, build: Callable[[], dict]) -> tuple[dict, bool]:
+    """``(arrays, from_cache)``: the arrays of the ``.npz`` cache at ``path``, or ``build()``'s
+    (timed as ``build_seconds``) written there atomically; a damaged cache file is rebuilt."""
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}, True
+        except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt, not fatal
+            pass
+    t0 = time.perf_counter()
+    data = build()
+    data["build_seconds"] = np.array(time.perf_counter() - t0)
+    atomic_savez(path, data)
+    return data, False
+
+
 def atomic_savez(path: Path, arrays: dict) -> None:
     """Write a compressed ``.npz`` atomically (temporary file in the same folder, then
     ``os.replace``): a killed build never leaves a half-written cache."""
@@ -495,18 +511,7 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
     params = {"size": size, "margin": margin, "oversample": oversample, "fit": fit, "dedup": dedup,
               "near_threshold": float(near_threshold) if dedup == "near" else None}
     path = glyph_cache_dir(root) / f"glyphs-{size}px-{_cache_key(faces, chars, params)}.npz"
-    from_cache = path.is_file()
-    if from_cache:
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                data = {k: z[k] for k in z.files}
-        except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt, not fatal
-            from_cache = False
-    if not from_cache:
-        t0 = time.perf_counter()
-        data = _render_all(faces, chars, params, num_workers, verbose)
-        data["build_seconds"] = np.array(time.perf_counter() - t0)
-        atomic_savez(path, data)
+    data, from_cache = cached_npz(path, lambda: _render_all(faces, chars, params, num_workers, verbose))
 
     n_tr = len(train_chars)
     cidx = data["char_index"]
