@@ -232,7 +232,7 @@ def _run_embed(args: argparse.Namespace) -> int:
 def _add_demo_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, <10 min)",
+        help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, ~9 min on 2 idle cores)",
         description=(
             "Fine-tune the ImageNet-pretrained EfficientNet-Lite0 with the heated-up BN softmax "
             "(alpha 16, then alpha 4 and lr / 10) on the training half of the emoji benchmark and "
