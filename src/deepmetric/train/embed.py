@@ -203,14 +203,15 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
         arrays = {"embeddings": np.concatenate([q["embeddings"], g["embeddings"]]),
                   "labels": np.concatenate([q["labels"], g["labels"]]),
                   "is_query": is_query, "is_gallery": ~is_query}
+        parts = [q, g]
     else:
         ds = build_dataset(cfg, split, train=False)
         r = compute_embeddings(model, ds, **kw)
         arrays = {"embeddings": r["embeddings"], "labels": r["labels"],
                   **dataset_query_gallery_masks(ds)}
+        parts = [r]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    parts = [q, g] if split == "query+gallery" or (split == "test" and cfg.data.name == "inshop") else [r]
     # image paths and class names, when known
     if all("paths" in p for p in parts):
         arrays["paths"] = np.concatenate([p["paths"] for p in parts])
