@@ -139,6 +139,29 @@ def test_channel_mismatch_is_one_sentence_in_config_terms(tmp_path):
         check_model_input(lenet, small, cfg)
 
 
+def test_model_input_check_applies_the_batched_augmentation(tmp_path):
+    """With ``transform_options.batched`` the dataset yields uint8 images and the loader's
+    collate finishes them (float, augmentation, channels); the dry forward pass must see
+    what the loader gives the model, also through a validation ClassSubset."""
+    from deepmetric.models import create_model
+    from deepmetric.train.builders import ClassSubset
+
+    root = _digits(tmp_path / "d", size=(28, 28))
+    cfg = _cfg(data={"name": "folder", "root": str(root), "transform": "glyph",
+                     "transform_options": {"batched": True}},
+               model={"name": "glyph_resnet"})
+    ds = build_dataset("folder", root, split="all", transform=build_transform("glyph", train=True, batched=True))
+    assert ds[0][0].dtype == torch.uint8  # what made the unbatched check fail
+    model = create_model("glyph_resnet", widths=(8,), depths=(1,))
+    assert check_model_input(model, ds, cfg) == (1, 28, 28)
+    assert check_model_input(model, ClassSubset(ds, [0, 2]), cfg) == (1, 28, 28)
+    # channels added per batch count in the channel check
+    ds3 = build_dataset("folder", root, split="all",
+                        transform=build_transform("glyph", train=True, batched=True, channels=3))
+    with pytest.raises(ValueError, match=r"in_channels=1\) but data.transform 'glyph' gives 3-channel images"):
+        check_model_input(model, ds3, cfg)
+
+
 def test_size_warnings(tmp_path):
     root = _digits(tmp_path / "d", size=(28, 28))
     ds = build_dataset("folder", root, split="all")

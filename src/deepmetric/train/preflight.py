@@ -295,7 +295,13 @@ def check_model_input(model: nn.Module, dataset, cfg: Config) -> tuple[int, ...]
     convolution, then run the model on two samples (eval mode, no gradients).  Raises a
     ``ValueError`` in config terms; returns the sample shape.  RNG states are not touched
     beyond what the caller saves (the training transform is random)."""
-    x0 = torch.as_tensor(dataset[0][0])
+    xs = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(min(2, len(dataset)))])
+    # a batched augmentation (data.transform_options.batched) finishes the images per batch,
+    # as the loader's collate does: the model sees them only after it
+    batch_transform = getattr(getattr(dataset, "transform", None), "batch_transform", None)
+    if batch_transform is not None:
+        xs = batch_transform(xs)
+    x0 = xs[0]
     shape = tuple(x0.shape)
     m = cfg.model
     conv = _first_conv(model)
@@ -309,7 +315,6 @@ def check_model_input(model: nn.Module, dataset, cfg: Config) -> tuple[int, ...]
                 f"in_channels={want}) but {what} gives {have}-channel images of shape {list(shape)}. "
                 f"Set model.options.in_chans: {have}, or use {_channel_hint(cfg, want)}."
             )
-    xs = torch.stack([x0] + [torch.as_tensor(dataset[i][0]) for i in range(1, min(2, len(dataset)))])
     was = model.training
     model.eval()
     try:
