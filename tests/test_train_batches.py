@@ -72,3 +72,47 @@ def test_training_is_identical_with_zero_and_two_workers(tmp_path):
 
     a, b = run(0), run(2)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Glyphs(torch.utils.data.Dataset):
+    """Six 16x16 uint8 "glyphs" (a bar each) behind the batched glyph transform."""
+
+    def __init__(self, transform):
+        self.transform = transform
+        self.images = torch.zeros(6, 1, 16, 16, dtype=torch.uint8)
+        for i in range(6):
+            self.images[i, 0, 2 + i, 3:13] = 255
+        self.labels = [0, 0, 1, 1, 2, 2]
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return self.transform(self.images[i]), self.labels[i]
+
+
+def test_batched_augmentation_runs_in_the_collate_seeded_by_the_batch_position():
+    from deepmetric.data import build_transform
+
+    ds = _Glyphs(build_transform("glyph", train=True, batched=True, normalize="none"))
+    assert ds[0][0].dtype == torch.uint8  # the per-image part does not even convert
+    sampler = RandomBatchSampler(len(ds), 3, seed=0)
+    sampler.set_epoch(1)
+    torch.manual_seed(5)
+    expected = torch.rand(2).tolist()
+    torch.manual_seed(5)
+    full = _batches(make_train_loader(ds, sampler, epoch=1, start=0, run_seed=7, num_workers=0))
+    assert torch.rand(2).tolist() == expected  # the main process's stream is untouched
+    assert len(full) == 2 and all(x.dtype == torch.float32 and x.shape == (3, 1, 16, 16) for x, _ in full)
+    # augmented (the bars moved / blurred / got noise), not just converted
+    clean = torch.stack([ds.images[i].float() / 255 for i in sampler.batches_for_epoch(1)[0]])
+    assert not torch.allclose(full[0][0], clean, atol=1e-3)
+    # a worker, or a resume at batch 1, gives the same batches
+    with_worker = _batches(make_train_loader(ds, sampler, epoch=1, start=0, run_seed=7, num_workers=1))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(full, with_worker))
+    sampler.load_state_dict(sampler.state_dict(batches_done=1))
+    rest = _batches(make_train_loader(ds, sampler, epoch=1, start=1, run_seed=7, num_workers=0))
+    assert len(rest) == 1 and torch.equal(rest[0][0], full[1][0]) and torch.equal(rest[0][1], full[1][1])
+    sampler.set_epoch(2)
+    other = _batches(make_train_loader(ds, sampler, epoch=2, start=0, run_seed=7, num_workers=0))
+    assert not torch.equal(other[0][0], full[0][0])

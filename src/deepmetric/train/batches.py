@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-__all__ = ["PositionSeededDataset", "PositionedBatchSampler", "make_train_loader", "sample_seed"]
+__all__ = ["PositionSeededDataset", "PositionSeededBatchTransform", "PositionedBatchSampler", "make_train_loader",
+           "sample_seed"]
 
 
 def sample_seed(run_seed: int, rank: int, epoch: int, batch: int, position: int) -> int:
@@ -49,13 +50,31 @@ def _seed_all(seed: int) -> None:
     random.seed(seed)
 
 
+#: the "position" that seeds a whole batch's augmentation (batched transforms)
+BATCH_POSITION = 2**31
+
+
+def _seeded_call(seed: int, fn, *args):
+    """``fn(*args)`` with the random streams seeded by ``seed``; in the main process the
+    global states are restored afterwards (a worker's random state is its own)."""
+    if get_worker_info() is not None:
+        _seed_all(seed)
+        return fn(*args)
+    with _restored_rng():
+        _seed_all(seed)
+        return fn(*args)
+
+
 class PositionSeededDataset(Dataset):
     """``dataset`` indexed by ``(epoch, batch, position, index)`` keys (from
     ``PositionedBatchSampler``): seeds the random streams from the position, then returns
-    ``dataset[index]``."""
+    ``dataset[index]``.  With ``batch_seeds`` each sample also carries the seed of its
+    batch's augmentation (``sample_seed(..., batch, BATCH_POSITION)``, below 2**63 so it
+    collates into an int64 tensor) for :class:`PositionSeededBatchTransform`."""
 
-    def __init__(self, dataset: Dataset, run_seed: int, rank: int = 0):
+    def __init__(self, dataset: Dataset, run_seed: int, rank: int = 0, batch_seeds: bool = False):
         self.dataset, self.run_seed, self.rank = dataset, int(run_seed), int(rank)
+        self.batch_seeds = bool(batch_seeds)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -63,12 +82,25 @@ class PositionSeededDataset(Dataset):
     def __getitem__(self, key):
         epoch, batch, position, index = key
         seed = sample_seed(self.run_seed, self.rank, epoch, batch, position)
-        if get_worker_info() is not None:  # a worker's random state is its own
-            _seed_all(seed)
-            return self.dataset[index]
-        with _restored_rng():
-            _seed_all(seed)
-            return self.dataset[index]
+        sample = _seeded_call(seed, self.dataset.__getitem__, index)
+        if self.batch_seeds:
+            return (*sample, sample_seed(self.run_seed, self.rank, epoch, batch, BATCH_POSITION) % 2**63)
+        return sample
+
+
+class PositionSeededBatchTransform:
+    """Collate for a dataset whose transform has a ``batch_transform`` (batched augmentation,
+    ``data.transform_options.batched``): ``default_collate``, then the batch transform under
+    the batch's own seed, so a batch is augmented the same whatever the workers and resumes."""
+
+    def __init__(self, batch_transform):
+        self.batch_transform = batch_transform
+
+    def __call__(self, samples):
+        from torch.utils.data import default_collate
+
+        x, y, seeds = default_collate(samples)
+        return _seeded_call(int(seeds[0]), self.batch_transform, x), y
 
 
 class PositionedBatchSampler(Sampler):
@@ -94,9 +126,13 @@ def _ignore_sigint(worker_id: int) -> None:
 def make_train_loader(dataset: Dataset, batch_sampler, *, epoch: int, start: int, run_seed: int,
                       rank: int = 0, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """The loader of one training epoch (or of its remainder from batch ``start``).  Its own
-    generator keeps the loader from drawing its base seed from torch's global stream."""
-    return DataLoader(PositionSeededDataset(dataset, run_seed, rank),
+    generator keeps the loader from drawing its base seed from torch's global stream.  A
+    batched augmentation (the dataset transform's ``batch_transform``) runs in the collate,
+    in the workers when there are any."""
+    batch_transform = getattr(getattr(dataset, "transform", None), "batch_transform", None)
+    return DataLoader(PositionSeededDataset(dataset, run_seed, rank, batch_seeds=batch_transform is not None),
                       batch_sampler=PositionedBatchSampler(batch_sampler, epoch, start),
+                      collate_fn=None if batch_transform is None else PositionSeededBatchTransform(batch_transform),
                       num_workers=num_workers, pin_memory=pin_memory,
                       worker_init_fn=_ignore_sigint if num_workers > 0 else None,
                       generator=torch.Generator().manual_seed(sample_seed(run_seed, rank, epoch, start, 0)))
