@@ -7,7 +7,8 @@ See docs/evaluation.md. Public API::
     recall_at_k, map_at_r, r_precision, nmi, pairwise_f1, knn, kmeans, classification_accuracy
     evaluate_cross_domain(embeddings, labels, domains, domain_names=None, ...) -> {domain: metrics, "mean": ...}
 """
-from deepmetric.evaluate.classification import classification_accuracy, format_per_class_table, per_class_accuracy
+from deepmetric.evaluate.classification import (classification_accuracy, format_per_class_table,
+                                                misclassified_neighbour_agreement, per_class_accuracy)
 from deepmetric.evaluate.clustering import (
     kmeans,
     nmi,
@@ -25,6 +26,7 @@ __all__ = [
     "classification_accuracy",
     "per_class_accuracy",
     "format_per_class_table",
+    "misclassified_neighbour_agreement",
     "evaluate",
     "evaluate_cross_domain",
     "kmeans",

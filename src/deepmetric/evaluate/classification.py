@@ -1,5 +1,6 @@
 """Classification accuracy: top-1 (micro) and mean per-class (macro) accuracy, the per-class
-accuracy table (two-head paper, Tables 3-4) and its Markdown formatter."""
+accuracy table (two-head paper, Tables 3-4) and its Markdown formatter, and how the embedding
+explains the classifier's mistakes (:func:`misclassified_neighbour_agreement`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,8 @@ import torch
 from deepmetric.evaluate._checks import to_numpy_labels
 
 
-__all__ = ["classification_accuracy", "per_class_accuracy", "format_per_class_table"]
+__all__ = ["classification_accuracy", "per_class_accuracy", "format_per_class_table",
+           "misclassified_neighbour_agreement"]
 
 
 def _predictions(logits_or_preds) -> np.ndarray:
@@ -115,3 +117,37 @@ def classification_accuracy(logits_or_preds, labels) -> dict[str, float]:
     classes, inv = np.unique(y, return_inverse=True)
     per_class = np.bincount(inv, weights=correct) / np.bincount(inv)
     return {"top1": float(correct.mean()), "mean_per_class": float(per_class.mean())}
+
+
+def misclassified_neighbour_agreement(logits_or_preds, labels, test_embeddings, train_embeddings,
+                                      train_labels, **knn_kw) -> dict[str, float]:
+    """How the embedding explains the classifier's mistakes (two-head paper, Sec. 5, Fig. 10:
+    "79.34 % of misclassified predictions, from Flowers-102 test split, match the label of their
+    nearest training neighbor").
+
+    Every test image is matched to its nearest *training* image by cosine similarity of the
+    embeddings (:func:`deepmetric.evaluate.knn`).  Returns
+
+    * ``misclassified_nn_agrees``: among the misclassified test images (prediction != label),
+      the share whose nearest training image carries the *predicted* label (NaN when the
+      classifier makes no mistake);
+    * ``misclassified``: their number;
+    * ``train_1nn_top1``: the accuracy of that nearest-training-image classifier on all test
+      images (the embedding used as a 1-NN classifier, next to the softmax's ``top1``).
+    """
+    from deepmetric.evaluate.knn import knn
+
+    preds = _predictions(logits_or_preds)
+    y = to_numpy_labels(labels, n=len(preds))
+    train_y = to_numpy_labels(train_labels, name="train_labels")
+    if len(train_y) != len(train_embeddings):
+        raise ValueError(f"{len(train_y)} training labels for {len(train_embeddings)} training embeddings")
+    if len(test_embeddings) != len(y):
+        raise ValueError(f"{len(test_embeddings)} test embeddings for {len(y)} labels")
+    _, idx = knn(test_embeddings, train_embeddings, k=1, **knn_kw)
+    nn_label = train_y[idx[:, 0]]
+    wrong = preds != y
+    n_wrong = int(wrong.sum())
+    return {"misclassified_nn_agrees": float((nn_label[wrong] == preds[wrong]).mean()) if n_wrong else float("nan"),
+            "misclassified": float(n_wrong),
+            "train_1nn_top1": float((nn_label == y).mean())}

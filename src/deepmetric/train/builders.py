@@ -67,7 +67,21 @@ def _build_named_split(cfg: Config, split: str, *, train: bool):
     transform = None
     if d.transform is not None:
         transform = build_transform(d.transform, train=train, **d.transform_options)
-    return build_named_dataset(d.name, root=d.root, split=split, transform=transform, **d.options)
+    options = dict(d.options)
+    if not train and "random_window" not in options and _is_event_dataset(d.name):
+        # an event dataset draws a random window per access on its "train" split; evaluated
+        # (validation classes, eval.train_neighbours) it must give the same centre window
+        options["random_window"] = False
+    return build_named_dataset(d.name, root=d.root, split=split, transform=transform, **options)
+
+
+def _is_event_dataset(name: str) -> bool:
+    from deepmetric.data.registry import _canonical
+
+    try:
+        return _canonical(name) in ("events", "hdd", "synthetic-events")
+    except (TypeError, ValueError):
+        return False
 
 
 def build_dataset(cfg: Config, split: str, *, train: bool):
@@ -167,6 +181,10 @@ class ClassSubset(torch.utils.data.Dataset):
         self.class_names = [names[c] for c in self.original_classes] if names is not None else None
         if getattr(dataset, "paths", None) is not None:
             self.paths = [dataset.paths[i] for i in self.indices]
+        for per_sample in ("vendor_ids", "domain_ids"):  # domains (eval.cross_domain) follow the samples
+            ids = getattr(dataset, per_sample, None)
+            if ids is not None and len(ids) == len(old):
+                setattr(self, per_sample, np.asarray(ids)[self.indices])
 
     def __len__(self) -> int:
         return len(self.indices)

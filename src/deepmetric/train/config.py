@@ -22,7 +22,8 @@ docs/training.md for every key)::
     schedule: {lr: {name: constant|step|multistep|poly, ...},
                temperature: {name: none|heat_up|gradual|auto_plateau, ...}}
     train:    {epochs | iterations, batch_size, sampler, m, n, amp, seed, out_dir, ...}
-    eval:     {every, split, gallery_split, ks, metrics, best_metric, early_stop_patience, baselines, ...}
+    eval:     {every, split, gallery_split, ks, metrics, best_metric, early_stop_patience, baselines,
+               cross_domain, train_neighbours, ...}
 """
 from __future__ import annotations
 
@@ -288,6 +289,16 @@ class EvalConfig:
     before training, the untrained (or pretrained) network and, for images up to 64 x 64,
     the raw pixels; they are printed, logged as ``{"type": "baseline"}`` records and stored
     in ``metrics.json`` under ``baselines``.
+
+    ``cross_domain`` (test split only) adds ``cross_domain_recall@K`` and
+    ``cross_domain_map@r``: the queries of each domain (the emoji vendors) against the
+    images of the other domains, averaged over domains
+    (:func:`deepmetric.evaluate.evaluate_cross_domain`); the split must carry domains.
+    ``train_neighbours`` (with ``classification``, final evaluation only) embeds the training
+    split and adds ``misclassified_nn_agrees`` (the share of misclassified test images whose
+    nearest training image carries the predicted label, two-head paper Sec. 5),
+    ``misclassified`` and ``train_1nn_top1``
+    (:func:`deepmetric.evaluate.misclassified_neighbour_agreement`).
     """
 
     every: int = 1
@@ -301,6 +312,8 @@ class EvalConfig:
     batch_size: int = 256
     classification: bool = False
     baselines: bool = True
+    cross_domain: bool = False
+    train_neighbours: bool = False
 
 
 @dataclass
@@ -525,6 +538,12 @@ def _check_validation(cfg: Config) -> None:
     if cfg.eval.early_stop_patience is not None and cfg.eval.early_stop_patience < 1:
         raise ConfigError(f"config key 'eval.early_stop_patience': must be >= 1, got "
                           f"{cfg.eval.early_stop_patience}")
+    if cfg.eval.cross_domain and cfg.eval.gallery_split is not None:
+        raise ConfigError("config keys 'eval.cross_domain' and 'eval.gallery_split': cross-domain retrieval "
+                          "splits one test set by domain into queries and gallery; drop one of the two")
+    if cfg.eval.train_neighbours and not cfg.eval.classification:
+        raise ConfigError("config key 'eval.train_neighbours': compares the classifier's mistakes with the "
+                          "nearest training images, so it needs eval.classification: true")
     if cfg.data.has_validation and cfg.eval.classification:
         raise ConfigError("config keys 'data.val_classes' and 'eval.classification': validation classes "
                           "are carved out of training (class-disjoint), so a classifier cannot be "

@@ -107,6 +107,52 @@ def dataset_query_gallery_masks(dataset) -> dict[str, np.ndarray]:
     return {"is_query": q, "is_gallery": g}
 
 
+def dataset_domains(dataset) -> tuple[np.ndarray, list[str]] | None:
+    """``(domain id per sample, domain names)`` of a dataset that has domains: ``domain_ids`` /
+    ``domain_names``, or the emoji benchmark's ``vendor_ids`` / ``vendors``; else ``None``."""
+    for ids_attr, names_attr in (("domain_ids", "domain_names"), ("vendor_ids", "vendors")):
+        ids = getattr(dataset, ids_attr, None)
+        if ids is None:
+            continue
+        ids = np.asarray(ids)
+        if ids.shape != (len(dataset),):  # e.g. a class subset forwarding its parent's array
+            return None
+        names = getattr(dataset, names_attr, None)
+        return ids.astype(np.int64), ([str(n) for n in names] if names is not None
+                                       else [str(i) for i in range(int(ids.max()) + 1)])
+    return None
+
+
+def cross_domain_metrics(embedded: dict, dataset, cfg) -> dict[str, float]:
+    """``eval.cross_domain``: ``cross_domain_<metric>``, the mean over domains of each domain's
+    queries against the other domains' images (:func:`deepmetric.evaluate.evaluate_cross_domain`)."""
+    from deepmetric.evaluate import evaluate_cross_domain
+
+    domains = dataset_domains(dataset)
+    if domains is None:
+        raise ValueError(f"config key 'eval.cross_domain': the test split ({type(dataset).__name__}) has no "
+                         "domains (domain_ids, or vendor_ids as in the emoji benchmark)")
+    wanted = [m for m in (cfg.eval.metrics or ("recall", "map@r")) if m in ("recall", "map@r", "r_precision")]
+    res = evaluate_cross_domain(embedded["embeddings"], embedded["labels"], domains[0], domain_names=domains[1],
+                                ks=tuple(cfg.eval.ks), metrics=wanted or ("recall", "map@r"), seed=cfg.train.seed)
+    return {f"cross_domain_{k}": float(v) for k, v in res["mean"].items()}
+
+
+def train_neighbour_metrics(model: nn.Module, embedded: dict, cfg, *, device: torch.device) -> dict[str, float]:
+    """``eval.train_neighbours``: embed the training split (test transform) and compare every
+    misclassified test image's prediction with its nearest training image
+    (:func:`deepmetric.evaluate.misclassified_neighbour_agreement`)."""
+    from deepmetric.evaluate import misclassified_neighbour_agreement
+
+    from .builders import build_dataset
+
+    train_set = build_dataset(cfg, cfg.data.train_split, train=False)
+    t = compute_embeddings(model, train_set, batch_size=cfg.eval.batch_size, device=device, amp=cfg.train.amp,
+                           channels_last=cfg.train.channels_last, num_workers=cfg.data.num_workers)
+    return misclassified_neighbour_agreement(embedded["logits"], embedded["labels"], embedded["embeddings"],
+                                             t["embeddings"], t["labels"])
+
+
 def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, device: torch.device,
                    losses: Sequence[nn.Module] = ()) -> tuple[dict[str, float], dict[str, Any]]:
     """Evaluate ``model`` on ``eval_sets`` (``{"query": ds}`` or ``{"query": ds, "gallery": ds}``)

@@ -60,7 +60,7 @@ from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, buil
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
                          restore, save_checkpoint)
 from .config import Config, config_diff, config_to_dict, save_config
-from .embed import evaluate_model
+from .embed import cross_domain_metrics, evaluate_model, train_neighbour_metrics
 from .module import PAIR_BASED_LOSSES, TrainingModule, init_from_class_means
 from .optim import build_optimizer
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
@@ -241,12 +241,17 @@ class Evaluator:
         self.model, self.losses, self.eval_sets, self.cfg = model, losses, eval_sets, cfg
         self.device, self.world, self.log, self.on_eval = device, world, log, on_eval
 
-    def __call__(self, epoch: int, iteration: int, alphas: list[float]) -> dict[str, dict]:
+    def __call__(self, epoch: int, iteration: int, alphas: list[float], final: bool = False) -> dict[str, dict]:
         results: dict[str, dict] = {}
+        ec = self.cfg.eval
         for split, sets in self.eval_sets.items():  # rank 0 holds the evaluation splits
             t0 = time.perf_counter()
             metrics, embedded = evaluate_model(self.model, sets, self.cfg, device=self.device,
                                                losses=self.losses)
+            if split == "test" and ec.cross_domain:
+                metrics.update(cross_domain_metrics(embedded, sets["query"], self.cfg))
+            if split == "test" and ec.train_neighbours and final:  # 1 pass over the training set
+                metrics.update(train_neighbour_metrics(self.model, embedded, self.cfg, device=self.device))
             rec = {"type": "eval", "split": split, "epoch": epoch, "step": iteration,
                    "eval_seconds": round(time.perf_counter() - t0, 3), **metrics}
             if alphas:
@@ -422,7 +427,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
         evaluated = main and any(r.get("type") == "eval" and r.get("epoch") == state.epoch
                                  for r in _read_log(out_dir / "log.jsonl"))
         if D.any_true(main and not evaluated, device):
-            results = evaluate(state.epoch, state.iteration, current_alphas(temperature, losses))
+            results = evaluate(state.epoch, state.iteration, current_alphas(temperature, losses), final=True)
             state.metrics, state.val_metrics = results["test"], results.get("val", {})
             if has_val:
                 _check_metric(select_key, "eval.best_metric", state.val_metrics)
@@ -549,7 +554,8 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                 last_ckpt = save(out_dir / "last.pt")  # the training is safe before evaluation runs
             due = _eval_due(cfg, epoch, total_epochs, finished)
             if due:
-                results = evaluate(epoch, state.iteration, current_alphas(temperature, losses))
+                results = evaluate(epoch, state.iteration, current_alphas(temperature, losses),
+                                   final=epoch == total_epochs or finished)
                 state.metrics, state.val_metrics = results["test"], results.get("val", {})
             if due and has_val:  # choose on validation metrics only
                 _check_metric(select_key, "eval.best_metric", state.val_metrics)

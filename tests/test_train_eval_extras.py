@@ -1,0 +1,152 @@
+"""Evaluation extras of the training loop: ``eval.cross_domain`` (emoji vendors, on a miniature
+package tree) and ``eval.train_neighbours`` (the two-head paper's share of misclassified test
+images whose nearest training image carries the predicted label), each checked against a
+brute-force recomputation from the saved checkpoint."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from deepmetric.evaluate import misclassified_neighbour_agreement
+from deepmetric.train import train
+from deepmetric.train.builders import build_dataset
+from deepmetric.train.config import ConfigError, config_from_dict
+from deepmetric.train.embed import compute_embeddings, dataset_domains, load_model_from_checkpoint
+
+
+def _brute_force_agreement(pred, y, test_emb, train_emb, train_y):
+    """Loops: the nearest training image by cosine similarity (ties: the smaller index)."""
+    t = train_emb / np.linalg.norm(train_emb, axis=1, keepdims=True)
+    agree, wrong, nn_right = 0, 0, 0
+    for i in range(len(y)):
+        q = test_emb[i] / np.linalg.norm(test_emb[i])
+        best, best_j = -np.inf, -1
+        for j in range(len(t)):
+            s = float(q @ t[j])
+            if s > best:
+                best, best_j = s, j
+        nn_right += int(train_y[best_j] == y[i])
+        if pred[i] != y[i]:
+            wrong += 1
+            agree += int(train_y[best_j] == pred[i])
+    return agree / wrong if wrong else float("nan"), wrong, nn_right / len(y)
+
+
+def test_misclassified_neighbour_agreement_against_brute_force():
+    rng = np.random.default_rng(0)
+    train_y = rng.integers(0, 4, 60)
+    centres = rng.normal(size=(4, 8))
+    train_emb = centres[train_y] + 0.8 * rng.normal(size=(60, 8))
+    y = rng.integers(0, 4, 40)
+    test_emb = centres[y] + 0.8 * rng.normal(size=(40, 8))
+    logits = rng.normal(size=(40, 4))
+    logits[np.arange(25), y[:25]] += 4  # 25 right by construction, the rest at chance
+    res = misclassified_neighbour_agreement(logits, y, test_emb.astype(np.float32), train_emb.astype(np.float32),
+                                            train_y)
+    share, wrong, nn_top1 = _brute_force_agreement(logits.argmax(1), y, test_emb, train_emb, train_y)
+    assert wrong >= 5 and res["misclassified"] == wrong
+    assert res["misclassified_nn_agrees"] == pytest.approx(share)
+    assert res["train_1nn_top1"] == pytest.approx(nn_top1)
+    # no mistake: the share is undefined (NaN), not 0 or 1
+    perfect = misclassified_neighbour_agreement(y, y, test_emb, train_emb, train_y)
+    assert np.isnan(perfect["misclassified_nn_agrees"]) and perfect["misclassified"] == 0
+    with pytest.raises(ValueError, match="3 training labels for 60"):
+        misclassified_neighbour_agreement(logits, y, test_emb, train_emb, train_y[:3])
+
+
+def _events_config(tmp_path, **eval_extra):
+    return {
+        "data": {"name": "synthetic_events", "options": {"num_train": 40, "num_test": 20, "size": 16, "cache": True},
+                 "transform": "sod"},
+        "model": {"name": "two_head", "options": {"backbone": "glyph_resnet", "in_chans": 5, "input_size": 16,
+                                                  "embedding_dim": 16, "widths": [8, 16], "depths": [1, 1]}},
+        "loss": [{"name": "cross_entropy", "input": "logits"},
+                 {"name": "triplet", "input": "embedding", "options": {"mining": "semihard", "margin": 0.2}}],
+        "train": {"iterations": 3, "batch_size": 11, "seed": 0, "out_dir": str(tmp_path), "progress": False},
+        "eval": {"every": 0, "split": "val", "ks": [1], "metrics": ["recall"], "classification": True,
+                 "baselines": False, **eval_extra},
+    }
+
+
+@pytest.mark.filterwarnings("ignore:.*no same-label reference")
+def test_train_neighbours_in_the_final_metrics_match_a_recomputation(tmp_path):
+    res = train(config_from_dict(_events_config(tmp_path, train_neighbours=True)))
+    got = json.loads((tmp_path / "metrics.json").read_text())["final"]["test"]
+    assert got == pytest.approx(res.metrics, nan_ok=True)
+    for key in ("misclassified_nn_agrees", "misclassified", "train_1nn_top1", "top1"):
+        assert key in got
+    # recompute from the checkpoint: the test split and the training split (test transform;
+    # the centre window of each event: evaluation sets are deterministic)
+    model, losses, cfg, _ = load_model_from_checkpoint(tmp_path / "last.pt")
+    test = compute_embeddings(model, build_dataset(cfg, "val", train=False), with_logits=True)
+    tr = compute_embeddings(model, build_dataset(cfg, cfg.data.train_split, train=False))
+    share, wrong, nn_top1 = _brute_force_agreement(test["logits"].argmax(1), test["labels"], test["embeddings"],
+                                                   tr["embeddings"], tr["labels"])
+    assert got["misclassified"] == wrong
+    assert got["train_1nn_top1"] == pytest.approx(nn_top1, abs=1e-6)
+    if wrong:
+        assert got["misclassified_nn_agrees"] == pytest.approx(share, abs=1e-6)
+    assert got["top1"] == pytest.approx(1 - wrong / len(test["labels"]), abs=1e-6)
+
+
+def test_extras_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="eval.train_neighbours.*needs eval.classification"):
+        config_from_dict(_events_config(tmp_path, train_neighbours=True, classification=False))
+    raw = _events_config(tmp_path, cross_domain=True)
+    raw["eval"]["gallery_split"] = "val"
+    with pytest.raises(ConfigError, match="'eval.cross_domain' and 'eval.gallery_split'"):
+        config_from_dict(raw)
+    # a split without domains is named in the error, before training
+    raw = _events_config(tmp_path / "r", cross_domain=True)
+    with pytest.raises(ValueError, match="eval.cross_domain.*has no domains"):
+        train(config_from_dict(raw))
+
+
+@pytest.mark.filterwarnings("ignore:.*no same-label reference")
+def test_cross_domain_metrics_of_an_emoji_run_match_cross_vendor_metrics(tmp_path):
+    from test_data_emoji import make_tree
+
+    from deepmetric.data.emoji import cross_vendor_metrics
+
+    make_tree(tmp_path / "tree")
+    raw = {
+        "data": {"name": "emoji", "root": str(tmp_path / "tree"), "options": {"size": 32}, "transform": "emoji",
+                 "transform_options": {"normalize": "minus_one_one"}},
+        "model": {"name": "glyph_resnet", "options": {"in_chans": 3, "embedding_dim": 8, "widths": [8], "depths": [1],
+                                                      "norm": "l2"}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+        "train": {"iterations": 2, "batch_size": 8, "seed": 0, "out_dir": str(tmp_path / "run"), "progress": False},
+        "eval": {"every": 0, "ks": [1, 2], "metrics": ["recall", "map@r"], "cross_domain": True, "baselines": False},
+    }
+    train(config_from_dict(raw))
+    got = json.loads((tmp_path / "run" / "metrics.json").read_text())["final"]["test"]
+    model, _, cfg, _ = load_model_from_checkpoint(tmp_path / "run" / "last.pt")
+    test_set = build_dataset(cfg, "test", train=False)
+    ids, names = dataset_domains(test_set)
+    assert names == list(test_set.vendors) and np.array_equal(ids, test_set.vendor_ids)
+    emb = compute_embeddings(model, test_set)
+    ref = cross_vendor_metrics(emb["embeddings"], emb["labels"], test_set.vendor_ids, test_set.vendors,
+                               ks=(1, 2), metrics=("recall", "map@r"))["mean"]
+    for k in ("recall@1", "recall@2", "map@r"):
+        assert got[f"cross_domain_{k}"] == pytest.approx(ref[k], abs=1e-6)
+    assert "recall@1" in got  # the all-vs-all metrics stay
+
+
+def test_class_subset_keeps_each_samples_domain():
+    from deepmetric.train.builders import ClassSubset
+
+    class Vendored(torch.utils.data.Dataset):
+        labels = np.array([0, 1, 2, 1, 0, 2])
+        vendor_ids = np.array([0, 0, 1, 1, 2, 2])
+        vendors = ["a", "b", "c"]
+
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return torch.zeros(1), int(self.labels[i])
+
+    sub = ClassSubset(Vendored(), [1, 2])
+    ids, names = dataset_domains(sub)
+    assert sub.indices.tolist() == [1, 2, 3, 5] and ids.tolist() == [0, 1, 1, 2] and names == ["a", "b", "c"]
