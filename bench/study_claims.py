@@ -1,0 +1,221 @@
+"""Each paper claim, read from the committed study results (bench/studies/*/results.json).
+
+    python bench/study_claims.py                 # writes bench/studies/CLAIMS.md
+    python bench/study_claims.py --out -         # prints it
+    python bench/study_claims.py --copy-from runs/studies   # first copy each study's result
+                                                 # files (results.json/.csv, summary.md/.png) here
+
+A claim is a list of checks "A > B on metric M in study S".  A check is read from the paired
+differences d_i = M(A, seed i) - M(B, seed i) over the seeds both variants finished (the
+study runner's :func:`deepmetric.train.study.paired_differences`: mean, sample sd, 95 %
+Student-t interval):
+
+* **holds**: the interval lies above 0;
+* **reversed**: the interval lies below 0 (B is better);
+* **not resolved**: the interval contains 0 (the difference is within the seed noise);
+* **pending**: fewer than 2 paired seeds yet (no interval).
+
+With 3 seeds the t interval is wide (t_{0.975, 2} = 4.30): "not resolved" means this study
+cannot tell, not that the methods are equal.  A claim holds when all its checks hold.  The
+file says which study files and commits the numbers come from; nothing here is chosen on
+test data (the variants and budgets were fixed before the runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from deepmetric.train.study import mean_ci  # noqa: E402
+
+STUDIES = ROOT / "bench" / "studies"
+
+
+@dataclass(frozen=True)
+class Check:
+    study: str
+    a: str
+    b: str
+    metric: str
+
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    paper: str
+    text: str
+    checks: tuple[Check, ...]
+
+
+def _each(study: str, pairs, metrics) -> tuple[Check, ...]:
+    return tuple(Check(study, a, b, m) for a, b in pairs for m in metrics)
+
+
+RETRIEVAL = ("final/recall@1", "final/map@r")
+G, E, F = "glyphs_cross_family", "emoji", "fashion_mnist_two_head"
+
+CLAIMS = (
+    Claim("hbn_bn_sm_ln", "heated-up softmax, Tables 1-2",
+          "HBN > BN > SM and LN (heating-up beats the fixed alpha; the batch-norm embedding beats plain "
+          "softmax and the l2 embedding)",
+          _each(G, [("HBN", "alpha16"), ("alpha16", "SM"), ("alpha16", "LN")], RETRIEVAL)
+          + _each(E, [("HBN", "BN"), ("BN", "SM"), ("BN", "LN")], RETRIEVAL)),
+    Claim("heating_ln", "heated-up softmax, Tables 1-2", "heating-up also helps the l2 embedding (HLN > LN)",
+          _each(G, [("HLN", "LN")], RETRIEVAL) + _each(E, [("HLN", "LN")], RETRIEVAL)),
+    Claim("alpha16_best", "heated-up softmax, Table 3",
+          "alpha 16 is the best fixed temperature (vs 4, 8, 32, 64)",
+          _each(G, [("alpha16", "alpha4"), ("alpha16", "alpha8"), ("alpha16", "alpha32"), ("alpha16", "alpha64")],
+                RETRIEVAL)),
+    Claim("heating_learnable", "heated-up softmax, Table 5",
+          "heating-up helps a learnable alpha too (learned + heating > learned)",
+          _each(G, [("learned_heated", "learned")], RETRIEVAL)),
+    Claim("almn_margin", "ALMN, Table 2",
+          "ALMN beta 3 > beta 0 (the adaptive margin) > N-pair",
+          _each(G, [("almn_beta3", "almn_beta0"), ("almn_beta0", "npair")], RETRIEVAL)
+          + _each(E, [("almn_beta3", "almn_beta0"), ("almn_beta0", "npair")], RETRIEVAL)),
+    Claim("almn_mxn", "ALMN, Table 1",
+          "the m x n optimum is in the middle (16 x 4 beats 32 x 2 and 8 x 8 at batch 64)",
+          _each(G, [("almn_beta3", "almn_beta3_32x2"), ("almn_beta3", "almn_beta3_8x8")], RETRIEVAL)),
+    Claim("two_head_accuracy", "two-head, Tables 1-2",
+          "two-head hard / semi-hard > softmax in classification accuracy",
+          _each(F, [("hard", "softmax"), ("semihard", "softmax")], ("final/top1",))),
+    Claim("two_head_embedding", "two-head, Table 5",
+          "two-head hard / semi-hard give far better embeddings than softmax",
+          _each(F, [("hard", "softmax"), ("semihard", "softmax")], ("final/recall@1", "final/nmi"))),
+)
+
+
+def load_rows(study: str, root: Path = STUDIES) -> list[dict] | None:
+    path = root / study / "results.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())["rows"]
+
+
+def paired(rows: list[dict], a: str, b: str, metric: str) -> dict:
+    """mean_ci of d_i = metric(a, seed i) - metric(b, seed i) over the seeds both finished."""
+    by = {(r["variant"], r["seed"]): r.get(metric) for r in rows}
+    seeds = sorted(s for (v, s) in by if v == a and (b, s) in by)
+    diffs = [by[(a, s)] - by[(b, s)] for s in seeds if by[(a, s)] is not None and by[(b, s)] is not None]
+    return {**mean_ci(diffs), "seeds": seeds}
+
+
+def verdict(stats: dict) -> str:
+    if stats["n"] < 2 or math.isnan(stats["ci_low"]):
+        return "pending"
+    if stats["ci_low"] > 0:
+        return "holds"
+    if stats["ci_high"] < 0:
+        return "reversed"
+    return "not resolved"
+
+
+def claim_verdict(verdicts: list[str]) -> str:
+    if not verdicts or all(v == "pending" for v in verdicts):
+        return "pending"
+    done = [v for v in verdicts if v != "pending"]
+    if all(v == "holds" for v in verdicts):
+        return "holds"
+    if any(v == "reversed" for v in done):
+        return "does not hold (reversed in at least one check)"
+    if all(v == "holds" for v in done):
+        return "holds so far (checks pending)"
+    return "not resolved"
+
+
+def _pct(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:+.2f}"
+
+
+def centre_loss_stability(rows: list[dict] | None) -> list[str]:
+    """The two-head paper finds centre loss unstable: the spread over seeds of each variant."""
+    if not rows:
+        return ["Pending: no fashion_mnist_two_head results yet."]
+    out = ["| variant | seeds | top-1 sd (points) | Recall@1 sd (points) | NMI sd (points) |", "|---|---|---|---|---|"]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    for v in variants:
+        rs = [r for r in rows if r["variant"] == v]
+        cells = []
+        for m in ("final/top1", "final/recall@1", "final/nmi"):
+            st = mean_ci([r.get(m) for r in rs])
+            cells.append("-" if math.isnan(st["std"]) else f"{100 * st['std']:.2f}")
+        out.append(f"| {v} | {len(rs)} | " + " | ".join(cells) + " |")
+    return out
+
+
+def render(root: Path = STUDIES) -> str:
+    lines = ["# Paper claims against our studies", "",
+             "Generated by `python bench/study_claims.py` from `bench/studies/*/results.json` (the study runner's "
+             "results, copied as runs finish). Differences are in points (x 100) of the final model's test metric, "
+             "paired by seed: mean [95 % t interval] (n seeds). **holds**: interval above 0; **reversed**: below 0; "
+             "**not resolved**: contains 0 (3 seeds cannot separate them); **pending**: runs not finished. "
+             "The written reading is in [README.md](README.md).", ""]
+    cache: dict[str, list[dict] | None] = {}
+    summary = ["| claim | paper | verdict |", "|---|---|---|"]
+    body = []
+    for c in CLAIMS:
+        body += [f"## {c.text}", "", f"*{c.paper}*", "", "| study | A - B | metric | difference (points) | verdict |",
+                 "|---|---|---|---|---|"]
+        verdicts = []
+        for ch in c.checks:
+            if ch.study not in cache:
+                cache[ch.study] = load_rows(ch.study, root)
+            rows = cache[ch.study]
+            if rows is None:
+                st = mean_ci([])
+                st["seeds"] = []
+            else:
+                st = paired(rows, ch.a, ch.b, ch.metric)
+            v = verdict(st)
+            verdicts.append(v)
+            if st["n"] >= 2 and not math.isnan(st["ci_low"]):
+                diff = f"{_pct(st['mean'])} [{_pct(st['ci_low'])}, {_pct(st['ci_high'])}] (n={st['n']})"
+            elif st["n"] == 1:
+                diff = f"{_pct(st['mean'])} (n=1)"
+            else:
+                diff = "-"
+            body.append(f"| {ch.study} | {ch.a} - {ch.b} | {ch.metric} | {diff} | {v} |")
+        cv = claim_verdict(verdicts)
+        summary.append(f"| {c.text} | {c.paper} | {cv} |")
+        body += ["", f"**Verdict: {cv}.**", ""]
+    body += ["## Centre loss is unstable (two-head paper)", "",
+             "Spread over seeds of each Fashion-MNIST variant (sample sd in points); with 3 seeds this is "
+             "descriptive, not a test.", ""]
+    body += centre_loss_stability(cache.get(F) if F in cache else load_rows(F, root))
+    return "\n".join(lines + summary + [""] + body) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=STUDIES, help="folder of the study result folders")
+    ap.add_argument("--out", default=str(STUDIES / "CLAIMS.md"), help="output Markdown file, or - for stdout")
+    ap.add_argument("--copy-from", type=Path, default=None,
+                    help="copy results.json, results.csv, summary.md and summary.png of each study folder "
+                         "found there (the study runner's out_dir parent, e.g. runs/studies) into --root first")
+    args = ap.parse_args()
+    if args.copy_from is not None:
+        import shutil
+
+        for src in sorted(args.copy_from.glob("*/results.json")):
+            dst = args.root / src.parent.name
+            dst.mkdir(parents=True, exist_ok=True)
+            for name in ("results.json", "results.csv", "summary.md", "summary.png"):
+                if (src.parent / name).is_file():
+                    shutil.copy2(src.parent / name, dst / name)
+            print(f"copied {src.parent} -> {dst}")
+    text = render(args.root)
+    if args.out == "-":
+        print(text, end="")
+    else:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

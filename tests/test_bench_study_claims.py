@@ -1,0 +1,63 @@
+"""bench/study_claims.py: the verdict of each paper claim from study results, against
+hand-computed paired t intervals."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("study_claims", ROOT / "bench" / "study_claims.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["study_claims"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write(root, study, values):
+    """values: {variant: [recall@1 per seed]} (map@r = recall@1 / 2)."""
+    rows = [{"benchmark": "", "variant": v, "seed": s, "final/recall@1": x, "final/map@r": x / 2}
+            for v, xs in values.items() for s, x in enumerate(xs) if x is not None]
+    (root / study).mkdir(parents=True)
+    (root / study / "results.json").write_text(json.dumps({"rows": rows}))
+
+
+def test_verdicts_against_hand_computed_intervals(tmp_path):
+    sc = _module()
+    _write(tmp_path, "glyphs_cross_family", {
+        "alpha16": [0.70, 0.71, 0.72],
+        "alpha4": [0.68, 0.68, 0.68],     # d = 2, 3, 4 points: mean 3, sd 1, t(0.975, 2) = 4.3027
+        "alpha8": [0.72, 0.73, 0.74],     # d = -2 -2 -2 +- 0: sd 0 -> interval is the point -2: reversed
+        "alpha32": [0.60, 0.80, 0.70],    # d = 10, -9, 2: contains 0
+        "alpha64": [0.69, None, None],    # one pair: pending
+    })
+    rows = sc.load_rows("glyphs_cross_family", tmp_path)
+    st = sc.paired(rows, "alpha16", "alpha4", "final/recall@1")
+    half = 4.302652729911275 * 0.01 / 3 ** 0.5
+    assert st["n"] == 3 and st["mean"] == pytest.approx(0.03)
+    assert (st["ci_low"], st["ci_high"]) == pytest.approx((0.03 - half, 0.03 + half))
+    assert sc.verdict(st) == "holds"
+    assert sc.verdict(sc.paired(rows, "alpha16", "alpha8", "final/recall@1")) == "reversed"
+    assert sc.verdict(sc.paired(rows, "alpha16", "alpha32", "final/recall@1")) == "not resolved"
+    assert sc.verdict(sc.paired(rows, "alpha16", "alpha64", "final/recall@1")) == "pending"
+    text = sc.render(tmp_path)
+    assert (f"| glyphs_cross_family | alpha16 - alpha4 | final/recall@1 | +3.00 [{100 * (0.03 - half):+.2f}, "
+            f"{100 * (0.03 + half):+.2f}] (n=3) | holds |") in text
+    assert "| glyphs_cross_family | alpha16 - alpha64 | final/recall@1 | +1.00 (n=1) | pending |" in text
+    # the alpha-16 claim: one check reversed -> does not hold; a study with no results -> pending
+    assert "| alpha 16 is the best fixed temperature (vs 4, 8, 32, 64) | heated-up softmax, Table 3 | " \
+           "does not hold (reversed in at least one check) |" in text
+    assert "two-head hard / semi-hard > softmax in classification accuracy | two-head, Tables 1-2 | pending |" in text
+
+
+def test_claim_verdict_combinations():
+    sc = _module()
+    assert sc.claim_verdict(["holds", "holds"]) == "holds"
+    assert sc.claim_verdict(["holds", "pending"]) == "holds so far (checks pending)"
+    assert sc.claim_verdict(["holds", "not resolved"]) == "not resolved"
+    assert sc.claim_verdict(["pending"]) == "pending"
+    assert sc.claim_verdict(["holds", "reversed", "pending"]).startswith("does not hold")
