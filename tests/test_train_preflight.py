@@ -215,6 +215,11 @@ def test_raw_pixel_baseline_equals_evaluate_on_flattened_pixels(tmp_path):
     want = evaluate(xm[order], ds.labels[order], is_query=np.r_[np.ones(q.sum(), bool), np.zeros((~q).sum(), bool)],
                     is_gallery=np.r_[np.zeros(q.sum(), bool), np.ones((~q).sum(), bool)], ks=(1, 2))
     assert got == pytest.approx(want)
+    # a split that marks its own queries and gallery (glyphs cross_family) is searched the same way
+    ds.is_query, ds.is_gallery = q, ~q
+    got, _ = raw_pixel_baseline({"query": ds}, cfg)
+    want = evaluate(x, ds.labels, is_query=q, is_gallery=~q, ks=(1, 2))
+    assert got == pytest.approx(want) and got != pytest.approx(evaluate(x, ds.labels, ks=(1, 2)))
 
 
 def test_raw_pixel_baseline_skips_large_or_mixed_images(tmp_path):

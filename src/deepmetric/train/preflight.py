@@ -430,9 +430,20 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     would take more than ``max_work`` multiply-adds."""
     from deepmetric.evaluate import evaluate
 
+    from .embed import dataset_query_gallery_masks
+
     keys = [k for k in ("query", "gallery") if k in eval_sets]
     n = sum(len(eval_sets[k]) for k in keys)
     first = eval_sets[keys[0]]
+    # a split that marks its own queries and gallery (glyphs cross_family) is searched like the
+    # trained embedding: its queries against its gallery
+    masks = dataset_query_gallery_masks(first) if len(keys) == 1 else {}
+    if masks:
+        pairs = float(masks["is_query"].sum()) * float(masks["is_gallery"].sum())
+    elif len(keys) == 2:
+        pairs = float(len(eval_sets["query"])) * float(len(eval_sets["gallery"]))
+    else:
+        pairs = float(n) * n
     if n and hasattr(first, "load_image"):
         im = first.load_image(0)
         d = im.size[0] * im.size[1] * len(im.getbands())
@@ -440,7 +451,7 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
         d = int(torch.as_tensor(first[0][0]).numel())
     else:
         return None, "empty split"
-    if float(n) * n * d > max_work:  # decided before any image is read
+    if pairs * d > max_work:  # decided before any image is read
         return None, f"{n} images x {d} pixels is too large for an exact search here"
     parts = []
     desc = ""
@@ -453,7 +464,8 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     d = parts[0][0].shape[1]
     e = cfg.eval
     if len(parts) == 1:
-        metrics = evaluate(parts[0][0], parts[0][1], ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed)
+        metrics = evaluate(parts[0][0], parts[0][1], ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed,
+                           **masks)
     else:
         (xq, yq), (xg, yg) = parts
         is_query = np.r_[np.ones(len(yq), bool), np.zeros(len(yg), bool)]
