@@ -66,6 +66,10 @@ CLAIMS = (
           "softmax and the l2 embedding)",
           _each(G, [("HBN", "alpha16"), ("alpha16", "SM"), ("alpha16", "LN")], RETRIEVAL)
           + _each(E, [("HBN", "BN"), ("BN", "SM"), ("BN", "LN")], RETRIEVAL)),
+    Claim("heating_vs_heated_alpha", "heated-up softmax, Table 3",
+          "heating-up beats training at the heated alpha (4) from the start: the schedule, not the final "
+          "temperature, does the work",
+          _each(G, [("HBN", "alpha4")], RETRIEVAL)),
     Claim("heating_ln", "heated-up softmax, Tables 1-2", "heating-up also helps the l2 embedding (HLN > LN)",
           _each(G, [("HLN", "LN")], RETRIEVAL) + _each(E, [("HLN", "LN")], RETRIEVAL)),
     Claim("alpha16_best", "heated-up softmax, Table 3",
