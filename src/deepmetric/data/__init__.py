@@ -17,7 +17,7 @@ from .benchmarks import (
     load_sop,
 )
 from .folder import load_csv, load_folder
-from .registry import build_dataset, list_datasets
+from .registry import build_dataset, is_event_dataset, list_datasets
 from .fashion_mnist import ArrayImageDataset, build_fashion_mnist
 from .glyphs import GlyphDataset, build_glyph_dataset, gb2312_level1_chars
 from .emoji import EmojiDataset, build_emoji_dataset, cross_vendor_metrics

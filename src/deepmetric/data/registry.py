@@ -52,6 +52,18 @@ def list_datasets() -> list[str]:
     return list(DATASET_NAMES)
 
 
+#: the video-event datasets (a random window per access on their "train" split)
+EVENT_DATASETS = ("events", "hdd", "synthetic-events")
+
+
+def is_event_dataset(name: str) -> bool:
+    """Whether ``name`` (or an alias) is one of :data:`EVENT_DATASETS`; unknown names are not."""
+    try:
+        return _canonical(name) in EVENT_DATASETS
+    except (TypeError, ValueError):
+        return False
+
+
 def _canonical(name: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"dataset name must be a string, got {type(name).__name__}")
@@ -99,7 +111,7 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
     Returns: a Dataset with ``labels`` (int64, 0..C-1), ``num_classes``, ``class_names``.
     """
     key = _canonical(name)
-    if key in ("events", "hdd", "synthetic-events"):
+    if key in EVENT_DATASETS:
         return _build_events(key, root, split, transform, options)
     if key == "glyphs":
         from .glyphs import build_glyph_dataset

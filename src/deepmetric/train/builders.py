@@ -62,26 +62,17 @@ def _build_named_split(cfg: Config, split: str, *, train: bool):
 
         return build_synthetic_dataset(split, **d.options)
     from deepmetric.data import build_dataset as build_named_dataset
-    from deepmetric.data import build_transform
+    from deepmetric.data import build_transform, is_event_dataset
 
     transform = None
     if d.transform is not None:
         transform = build_transform(d.transform, train=train, **d.transform_options)
     options = dict(d.options)
-    if not train and "random_window" not in options and _is_event_dataset(d.name):
+    if not train and "random_window" not in options and is_event_dataset(d.name):
         # an event dataset draws a random window per access on its "train" split; evaluated
         # (validation classes, eval.train_neighbours) it must give the same centre window
         options["random_window"] = False
     return build_named_dataset(d.name, root=d.root, split=split, transform=transform, **options)
-
-
-def _is_event_dataset(name: str) -> bool:
-    from deepmetric.data.registry import _canonical
-
-    try:
-        return _canonical(name) in ("events", "hdd", "synthetic-events")
-    except (TypeError, ValueError):
-        return False
 
 
 def build_dataset(cfg: Config, split: str, *, train: bool):
