@@ -45,9 +45,9 @@ from deepmetric.train.optim import build_optimizer
 def recipe(name: str) -> dict:
     """The raw config of a recipe (speed only: short evaluation on a few test classes)."""
     if name == "glyph":
-        from deepmetric.train.demo import DEMO_CONFIG
+        from deepmetric.train.demo import DEMO_CONFIGS
 
-        raw = yaml.safe_load(DEMO_CONFIG)
+        raw = yaml.safe_load(DEMO_CONFIGS["glyphs"])
         # training on the demo's 400 characters; evaluate only 20 test characters (not timed)
         raw["data"]["options"] = {"max_train_classes": 400, "max_classes": 20, "size": 32}
         return raw
@@ -69,7 +69,7 @@ def make_config(name: str, out_dir: Path, threads: int, workers: int, iterations
                                         "out_dir": str(out_dir), "checkpoint_every": 1000})
     raw["train"].pop("epochs", None)
     raw["data"]["num_workers"] = workers
-    raw["eval"] = {"every": 0, "metrics": ["recall"], "ks": [1]}
+    raw["eval"] = {"every": 0, "metrics": ["recall"], "ks": [1], "baselines": False}
     raw["schedule"] = {"temperature": {"name": "none"}}
     apply_overrides(raw, extra)
     return config_from_dict(raw)
