@@ -228,3 +228,36 @@ def test_embed_cli_embeds_the_validation_split(tmp_path):
     assert cli.main(["embed", str(tmp_path / "run" / "last.pt"), "--split", "val", "--out", str(out)]) == 0
     z = np.load(out)
     assert z["embeddings"].shape == (24, 8) and sorted(set(z["labels"].tolist())) == [0, 1]
+
+
+def test_run_killed_between_the_final_evaluations_reevaluates_on_resume(tmp_path, monkeypatch):
+    """The last checkpoint is written before the final evaluation; a run that dies after the
+    validation records but before the test records must not report the previous
+    evaluation's test metrics when resumed."""
+    straight = train(config_from_dict(_raw(tmp_path / "straight", epochs=3)))
+    real = loop.evaluate_model
+    calls = {"n": 0}
+
+    def dies_at_the_last_test_split(model, sets, cfg, **kw):
+        calls["n"] += 1
+        if calls["n"] == 6:  # epochs 1-3 x (val, test): the 6th is epoch 3's test split
+            raise RuntimeError("killed")
+        return real(model, sets, cfg, **kw)
+
+    monkeypatch.setattr(loop, "evaluate_model", dies_at_the_last_test_split)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(config_from_dict(_raw(tmp_path / "run", epochs=3)))
+    evals = _records(tmp_path / "run" / "log.jsonl", "eval")
+    assert [(r["split"], r["epoch"]) for r in evals][-1] == ("val", 3)  # the partial evaluation
+    monkeypatch.setattr(loop, "evaluate_model", real)
+    res = train(config_from_dict(_raw(tmp_path / "run", epochs=3)), resume=tmp_path / "run" / "last.pt")
+    for split in ("test", "val"):
+        assert res.final[split] == pytest.approx(straight.final[split])
+    assert res.selected["epoch"] == straight.selected["epoch"]
+    assert res.selected["test"] == pytest.approx(straight.selected["test"])
+    evals = _records(tmp_path / "run" / "log.jsonl", "eval")
+    assert [(r["split"], r["epoch"]) for r in evals] == [(s, e) for e in range(1, 4) for s in ("val", "test")]
+    # resuming the finished run again changes nothing and evaluates nothing
+    monkeypatch.setattr(loop, "evaluate_model", lambda *a, **k: pytest.fail("evaluated again"))
+    again = train(config_from_dict(_raw(tmp_path / "run", epochs=3)), resume=tmp_path / "run" / "last.pt")
+    assert again.final == res.final

@@ -129,6 +129,24 @@ def _truncate_log(path: Path, iteration: int, epoch: int) -> None:
     path.write_text("".join(l + "\n" for l in keep), encoding="utf-8")
 
 
+def _final_evaluation_saved(records: list[dict], epoch: int, splits: list[str], test_metrics: dict) -> bool:
+    """Whether epoch ``epoch`` was evaluated on every split and the checkpoint's test metrics
+    are that evaluation's (not an earlier one's)."""
+    at = {r.get("split"): r for r in records if r.get("type") == "eval" and r.get("epoch") == epoch}
+    if not splits or not set(splits) <= set(at) or not test_metrics:
+        return False
+    return all(at["test"].get(k) == v for k, v in test_metrics.items())
+
+
+def _drop_eval_records(path: Path, epoch: int) -> None:
+    """Remove a partial evaluation's records of ``epoch`` (it is about to be redone)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if not (line.strip() and (rec := json.loads(line)).get("type") == "eval" and rec.get("epoch") == epoch)]
+    path.write_text("".join(l + "\n" for l in keep), encoding="utf-8")
+
+
 def _read_log(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -423,9 +441,14 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     interrupted = False
     finished = state.iteration >= total_iters or state.stopped_early
     if resume is not None and finished:
-        # A run whose last evaluation failed after its checkpoint was written: evaluate now.
-        evaluated = main and any(r.get("type") == "eval" and r.get("epoch") == state.epoch
-                                 for r in _read_log(out_dir / "log.jsonl"))
+        # The last epoch's checkpoint is written before its evaluation: a run killed during (or
+        # right after) that evaluation resumes here with the previous evaluation's metrics.
+        # Evaluate again unless the log holds this epoch's records of every split and the
+        # checkpoint already carries their test metrics.
+        evaluated = main and _final_evaluation_saved(_read_log(out_dir / "log.jsonl"), state.epoch,
+                                                     list(eval_sets), state.metrics)
+        if main and not evaluated:
+            _drop_eval_records(out_dir / "log.jsonl", state.epoch)
         if D.any_true(main and not evaluated, device):
             results = evaluate(state.epoch, state.iteration, current_alphas(temperature, losses), final=True)
             state.metrics, state.val_metrics = results["test"], results.get("val", {})
