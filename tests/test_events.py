@@ -13,6 +13,7 @@ from deepmetric.data.events import (Event, EventDataset, EventList, VideoDecodeE
                                     sampled_frame_indices, window_starts)
 from deepmetric.data.transforms import StackOfDifferences
 from deepmetric.evaluate import format_per_class_table, per_class_accuracy
+from events_data import synthetic_events_config
 
 
 # --------------------------------------------------------------------------- SOD
@@ -279,18 +280,7 @@ def test_synthetic_events_train_and_predict_end_to_end(tmp_path):
     from deepmetric.train import train
     from deepmetric.train.config import config_from_dict
 
-    cfg = config_from_dict({
-        "data": {"name": "synthetic_events", "options": {"num_train": 40, "num_test": 20, "size": 16, "cache": True},
-                 "transform": "sod"},
-        "model": {"name": "two_head", "options": {"backbone": "glyph_resnet", "in_chans": 5, "input_size": 16,
-                                                  "embedding_dim": 16, "widths": [8, 16], "depths": [1, 1]}},
-        "loss": [{"name": "cross_entropy", "input": "logits"},
-                 {"name": "triplet", "input": "embedding", "options": {"mining": "semihard", "margin": 0.2}}],
-        "train": {"iterations": 3, "batch_size": 11, "seed": 0, "out_dir": str(tmp_path), "progress": False,
-                  "device": "cpu"},
-        "eval": {"every": 0, "split": "val", "ks": [1], "metrics": ["recall"],
-                 "classification": True},
-    })
+    cfg = config_from_dict(synthetic_events_config(tmp_path))
     res = train(cfg)
     assert {"top1", "mean_per_class"} <= set(res.metrics)
     from deepmetric.train.embed import load_model_from_checkpoint

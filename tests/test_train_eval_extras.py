@@ -13,6 +13,7 @@ from deepmetric.train import train
 from deepmetric.train.builders import build_dataset
 from deepmetric.train.config import ConfigError, config_from_dict
 from deepmetric.train.embed import compute_embeddings, dataset_domains, load_model_from_checkpoint
+from events_data import synthetic_events_config
 
 
 def _brute_force_agreement(pred, y, test_emb, train_emb, train_y):
@@ -56,17 +57,7 @@ def test_misclassified_neighbour_agreement_against_brute_force():
 
 
 def _events_config(tmp_path, **eval_extra):
-    return {
-        "data": {"name": "synthetic_events", "options": {"num_train": 40, "num_test": 20, "size": 16, "cache": True},
-                 "transform": "sod"},
-        "model": {"name": "two_head", "options": {"backbone": "glyph_resnet", "in_chans": 5, "input_size": 16,
-                                                  "embedding_dim": 16, "widths": [8, 16], "depths": [1, 1]}},
-        "loss": [{"name": "cross_entropy", "input": "logits"},
-                 {"name": "triplet", "input": "embedding", "options": {"mining": "semihard", "margin": 0.2}}],
-        "train": {"iterations": 3, "batch_size": 11, "seed": 0, "out_dir": str(tmp_path), "progress": False},
-        "eval": {"every": 0, "split": "val", "ks": [1], "metrics": ["recall"], "classification": True,
-                 "baselines": False, **eval_extra},
-    }
+    return synthetic_events_config(tmp_path, baselines=False, **eval_extra)
 
 
 @pytest.mark.filterwarnings("ignore:.*no same-label reference")

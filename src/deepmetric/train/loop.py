@@ -111,8 +111,9 @@ class _JsonLog:
             self.f.close()
 
 
-def _truncate_log(path: Path, iteration: int, epoch: int) -> None:
-    """On resume drop the records a killed run wrote after its last checkpoint."""
+def _rewrite_log(path: Path, drop) -> None:
+    """Rewrite the JSON-lines log without the records for which ``drop(record)`` is true, and
+    without a truncated last line (a run killed while writing it)."""
     if not path.is_file():
         return
     keep = []
@@ -120,13 +121,16 @@ def _truncate_log(path: Path, iteration: int, epoch: int) -> None:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            continue  # truncated last line of a killed run
-        if rec.get("type") == "step" and rec.get("step", 0) > iteration:
             continue
-        if rec.get("type") in ("eval", "heat_up") and rec.get("epoch", 0) > epoch:
-            continue
-        keep.append(line)
+        if not drop(rec):
+            keep.append(line)
     path.write_text("".join(l + "\n" for l in keep), encoding="utf-8")
+
+
+def _truncate_log(path: Path, iteration: int, epoch: int) -> None:
+    """On resume drop the records a killed run wrote after its last checkpoint."""
+    _rewrite_log(path, lambda rec: (rec.get("type") == "step" and rec.get("step", 0) > iteration)
+                 or (rec.get("type") in ("eval", "heat_up") and rec.get("epoch", 0) > epoch))
 
 
 def _final_evaluation_saved(records: list[dict], epoch: int, splits: list[str], test_metrics: dict) -> bool:
@@ -140,11 +144,7 @@ def _final_evaluation_saved(records: list[dict], epoch: int, splits: list[str], 
 
 def _drop_eval_records(path: Path, epoch: int) -> None:
     """Remove a partial evaluation's records of ``epoch`` (it is about to be redone)."""
-    if not path.is_file():
-        return
-    keep = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if not (line.strip() and (rec := json.loads(line)).get("type") == "eval" and rec.get("epoch") == epoch)]
-    path.write_text("".join(l + "\n" for l in keep), encoding="utf-8")
+    _rewrite_log(path, lambda rec: rec.get("type") == "eval" and rec.get("epoch") == epoch)
 
 
 def _read_log(path: Path) -> list[dict]:
