@@ -326,3 +326,46 @@ def test_cross_family_end_to_end_train_and_embed(tmp_path):
     nearest = g[np.argmax(x[q] @ x[g].T, axis=1)]
     r1 = float(np.mean(z["labels"][nearest] == z["labels"][q]))
     assert metrics["recall@1"] == pytest.approx(r1, abs=1e-6)
+
+
+@pytest.mark.skipif(_three_families() is None, reason="fonts-wqy-* and fonts-arphic-ukai not installed")
+def test_validation_families_mirror_the_cross_family_test(tmp_path):
+    """data.val_query_families: a training family leaves training, and the validation
+    characters are searched with that family's images as queries against the other training
+    family, as the test searches the held-out families against the training families."""
+    import json
+
+    from deepmetric.train import train
+    from deepmetric.train.builders import build_dataset as build_split
+    from deepmetric.train.config import config_from_dict
+    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+
+    fonts = _three_families()
+    run = tmp_path / "run"
+    opts = {"fonts": fonts, "max_classes": 8, "size": 16, "protocol": "cross_family",
+            "test_families": ["AR PL UKai"]}
+    raw = {
+        "data": {"name": "glyphs", "root": str(tmp_path / "cache"), "options": opts, "val_classes": 3,
+                 "val_query_families": ["WenQuanYi Zen Hei"]},
+        "model": {"name": "glyph_resnet", "options": {"embedding_dim": 8, "norm": "bn", "widths": [4, 8],
+                                                     "depths": [1, 1]}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"epochs": 1, "batch_size": 4, "seed": 0, "out_dir": str(run), "progress": False},
+        "eval": {"every": 1, "ks": [1], "metrics": ["recall"], "best_metric": "recall@1", "baselines": False},
+    }
+    cfg = config_from_dict(raw)
+    tr, va = build_split(cfg, "train", train=False), build_split(cfg, "val", train=False)
+    assert set(tr.families.tolist()) == {"WenQuanYi Micro Hei"} and tr.num_classes == 5
+    assert va.num_classes == 3 and set(va.families.tolist()) == {"WenQuanYi Micro Hei", "WenQuanYi Zen Hei"}
+    np.testing.assert_array_equal(va.is_query, va.families == "WenQuanYi Zen Hei")
+    train(cfg)
+    rec = [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
+           if r["type"] == "eval" and r["split"] == "val"][-1]
+    # validation Recall@1 by brute force: each Zen Hei query against the Micro Hei gallery
+    model, *_ = load_model_from_checkpoint(run / "last.pt")
+    z = compute_embeddings(model, va, batch_size=8)
+    x = z["embeddings"] / np.linalg.norm(z["embeddings"], axis=1, keepdims=True)
+    q, g = np.flatnonzero(va.is_query), np.flatnonzero(va.is_gallery)
+    nearest = g[np.argmax(x[q] @ x[g].T, axis=1)]
+    assert rec["recall@1"] == pytest.approx(float(np.mean(va.labels[nearest] == va.labels[q])), abs=1e-6)

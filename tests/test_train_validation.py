@@ -121,6 +121,85 @@ def test_config_errors_before_training():
     config_from_dict({**base, "schedule": {"temperature": {"name": "auto_plateau", "monitor": "train_loss"}}})
 
 
+class _FamilyImages(torch.utils.data.Dataset):
+    """In-memory images with a per-image family, like the glyph benchmark: image i is filled
+    with the value i, so a row identifies its sample."""
+
+    def __init__(self, labels, families):
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.families = np.asarray(families)
+        self.images = np.arange(len(labels), dtype=np.float32)[:, None, None] * np.ones((1, 2, 2), np.float32)
+        self.faces = ["a font list, not per sample"]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return torch.from_numpy(self.images[i]), int(self.labels[i])
+
+
+def test_class_subset_gives_per_sample_arrays_of_its_own_samples():
+    labels = [0, 1, 2, 0, 1, 2, 0, 1, 2]
+    fams = np.array(list("xxxyyyzzz"))
+    ds = _FamilyImages(labels, fams)
+    sub = ClassSubset(ds, [2, 0])
+    assert sub.indices.tolist() == [0, 2, 3, 5, 6, 8] and sub.labels.tolist() == [1, 0, 1, 0, 1, 0]
+    # images[i] is the image of sub[i] (an index build writes these as thumbnails)
+    for i in range(len(sub)):
+        assert np.array_equal(sub.images[i], sub[i][0].numpy())
+    assert sub.families.tolist() == list("xxyyzz")
+    assert sub.faces == ds.faces  # not per sample: passed through
+    masked = ClassSubset(ds, [2, 0], samples=fams != "y")
+    assert masked.indices.tolist() == [0, 2, 6, 8] and masked.families.tolist() == list("xxzz")
+    with pytest.raises(ValueError, match="boolean mask of 9 entries"):
+        ClassSubset(ds, [0], samples=[True, False])
+
+
+def test_val_query_families_hold_a_family_out_of_training_and_query_with_it(monkeypatch):
+    from deepmetric.train import builders
+
+    labels = np.repeat(np.arange(6), 3)  # class c drawn in families x, y, z
+    fams = np.tile(np.array(["x", "y", "z"]), 6)
+    monkeypatch.setattr(builders, "_build_named_split", lambda cfg, split, train: _FamilyImages(labels, fams))
+    raw = _raw("unused", val_classes=2)
+    raw["data"]["val_query_families"] = ["z"]
+    cfg = config_from_dict(raw)
+    tr, va = build_dataset(cfg, "train", train=True), build_dataset(cfg, "val", train=False)
+    keep, val = carve_val_classes(labels, 2, seed=0)
+    # training: the training classes, never an image of family z
+    assert sorted(set(tr.original_classes.tolist())) == keep.tolist()
+    assert set(tr.families.tolist()) == {"x", "y"} and len(tr) == 2 * len(keep)
+    # validation: every image of the validation classes; queries = family z, gallery = x and y
+    assert len(va) == 3 * len(val)
+    assert set(labels[va.indices].tolist()) == set(val.tolist())
+    np.testing.assert_array_equal(va.is_query, fams[va.indices] == "z")
+    np.testing.assert_array_equal(va.is_gallery, ~va.is_query)
+    from deepmetric.train.embed import dataset_query_gallery_masks
+
+    assert set(dataset_query_gallery_masks(va)) == {"is_query", "is_gallery"}
+    # errors name the key, the unknown family and the families there are
+    raw["data"]["val_query_families"] = ["w"]
+    with pytest.raises(ValueError, match=r"'data.val_query_families': \['w'\] are not families.*\['x', 'y', 'z'\]"):
+        build_dataset(config_from_dict(raw), "train", train=True)
+    raw["data"]["val_query_families"] = ["x", "y", "z"]
+    with pytest.raises(ValueError, match="at least one must stay for training"):
+        build_dataset(config_from_dict(raw), "val", train=False)
+    monkeypatch.undo()  # the synthetic dataset itself: no families
+    raw["data"]["val_query_families"] = ["z"]
+    with pytest.raises(ValueError, match="has no per-image typeface families"):
+        build_dataset(config_from_dict(raw), "train", train=True)
+
+
+def test_val_query_families_config_errors():
+    raw = _raw("x", val_classes=None)
+    raw["data"]["val_query_families"] = ["z"]
+    with pytest.raises(ConfigError, match=r"'data.val_query_families': needs validation classes"):
+        config_from_dict(raw)
+    raw["data"].update(val_classes=2, val_query_families=[])
+    with pytest.raises(ConfigError, match=r"'data.val_query_families': expected a non-empty list"):
+        config_from_dict(raw)
+
+
 # --------------------------------------------------------------------------- selection
 def _scripted_evaluation(monkeypatch, val, test):
     """Replace the evaluation by scripted metrics per split and epoch (index = call number):

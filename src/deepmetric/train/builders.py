@@ -90,7 +90,36 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
     else:
         keep, val = carve_val_classes(full.labels, d.val_classes, seed=_val_seed(cfg),
                                       class_names=getattr(full, "class_names", None))
-    return ClassSubset(full, val if split == VAL_SPLIT else keep)
+    if not d.val_query_families:
+        return ClassSubset(full, val if split == VAL_SPLIT else keep)
+    held = held_out_family_mask(full, d.val_query_families, d.name)
+    if split != VAL_SPLIT:  # the validation families are unseen in training, like the test's
+        return ClassSubset(full, keep, samples=~held)
+    sub = ClassSubset(full, val)
+    sub.is_query = held[sub.indices]
+    sub.is_gallery = ~sub.is_query
+    return sub
+
+
+def held_out_family_mask(dataset, families, name: str = "dataset") -> np.ndarray:
+    """Boolean mask of the images of ``dataset`` drawn in one of ``families``
+    (``data.val_query_families``; the dataset needs a per-image ``families`` array, as the
+    glyph benchmark has)."""
+    key = "config key 'data.val_query_families'"
+    fams = getattr(dataset, "families", None)
+    if fams is None or len(fams) != len(dataset):
+        raise ValueError(f"{key}: dataset {name!r} has no per-image typeface families (the glyphs "
+                         f"benchmark has them); remove the key")
+    fams = np.asarray(fams).astype(str)
+    present = sorted(set(fams.tolist()))
+    unknown = [f for f in families if f not in present]
+    if unknown:
+        raise ValueError(f"{key}: {unknown} are not families of the training split; its families "
+                         f"are {present}")
+    if set(present) <= set(families):
+        raise ValueError(f"{key}: {list(families)} are every family of the training split ({present}); "
+                         f"at least one must stay for training")
+    return np.isin(fams, list(families))
 
 
 def _val_seed(cfg: Config) -> int:
@@ -156,16 +185,30 @@ def class_fold(labels, folds: int, fold: int, *, seed: int = 0) -> tuple[np.ndar
 
 
 class ClassSubset(torch.utils.data.Dataset):
-    """The samples of ``dataset`` whose label is in ``classes``, labels renumbered 0..C-1 in
-    the order of ``classes`` (``original_classes[new] = old``)."""
+    """The samples of ``dataset`` whose label is in ``classes`` (and, given ``samples``, a
+    boolean mask over ``dataset``, whose mask is true), labels renumbered 0..C-1 in the order
+    of ``classes`` (``original_classes[new] = old``).
 
-    def __init__(self, dataset, classes):
+    Other attributes come from ``dataset``; its per-sample NumPy arrays (``images``,
+    ``families``, ``vendor_ids``, ...: first dimension ``len(dataset)``) are returned for the
+    subset's samples only, so ``subset.images[i]`` is the image of ``subset[i]``."""
+
+    def __init__(self, dataset, classes, samples=None):
         self.dataset = dataset
         self.original_classes = np.asarray(classes, dtype=np.int64)
         old = np.asarray(dataset.labels, dtype=np.int64)
         new_of_old = np.full(int(old.max()) + 1, -1, dtype=np.int64)
         new_of_old[self.original_classes] = np.arange(len(self.original_classes))
-        self.indices = np.flatnonzero(new_of_old[old] >= 0)
+        chosen = new_of_old[old] >= 0
+        if samples is not None:
+            samples = np.asarray(samples, dtype=bool)
+            if samples.shape != old.shape:
+                raise ValueError(f"ClassSubset: samples must be a boolean mask of {len(old)} entries, "
+                                 f"got shape {samples.shape}")
+            chosen &= samples
+        self.indices = np.flatnonzero(chosen)
+        self._parent_len = len(old)
+        self._per_sample: dict[str, np.ndarray] = {}
         self.labels = new_of_old[old[self.indices]]
         self.num_classes = len(self.original_classes)
         names = getattr(dataset, "class_names", None)
@@ -184,10 +227,16 @@ class ClassSubset(torch.utils.data.Dataset):
         x, _ = self.dataset[int(self.indices[i])]
         return x, int(self.labels[i])
 
-    def __getattr__(self, name):  # paths, faces, from_cache, ... of the wrapped dataset
-        if name == "dataset":
+    def __getattr__(self, name):  # faces, from_cache, images, families, ... of the wrapped dataset
+        if name in ("dataset", "indices", "_parent_len", "_per_sample"):
             raise AttributeError(name)
-        return getattr(self.dataset, name)
+        value = getattr(self.dataset, name)
+        if isinstance(value, np.ndarray) and value.ndim >= 1 and value.shape[0] == self._parent_len:
+            # per-sample: this subset's samples only (copied once: thumbnails index it per image)
+            if name not in self._per_sample:
+                self._per_sample[name] = value[self.indices]
+            return self._per_sample[name]
+        return value
 
 
 def build_sampler(cfg: Config, labels: np.ndarray, rank: int = 0, world: int = 1):

@@ -15,7 +15,7 @@ run directory always records exactly what was trained.  The YAML layout (see
 docs/training.md for every key)::
 
     data:     {name, root, options, train_split, transform, transform_options, num_workers,
-               val_classes, val_seed}
+               val_classes, val_seed, val_folds, val_fold, val_query_families}
     model:    {name, options}
     loss:     [{name, weight, input: embedding|logits, options, gather}, ...]
     optim:    {name: sgd|adam|adamw, lr, momentum, weight_decay, new_layer_lr_mult, ...}
@@ -90,6 +90,12 @@ class DataConfig:
     #: ``val_fold`` (0-based) is the validation split; run once per fold.
     val_folds: Optional[int] = None
     val_fold: int = 0
+    #: validation that mirrors a cross-family test (glyphs): the images of these typeface
+    #: families leave training (every class), and the validation classes are searched with
+    #: their images in these families as queries against the other families' images, as the
+    #: test's held-out families are searched against the training families.  Needs
+    #: ``val_classes`` or ``val_folds`` and a dataset with per-image ``families``.
+    val_query_families: Optional[list[str]] = None
 
     @property
     def has_validation(self) -> bool:
@@ -527,6 +533,14 @@ def _check_validation(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.val_classes': a class count must be >= 1, got {v}")
     if isinstance(v, list) and not v:
         raise ConfigError("config key 'data.val_classes': the list of validation classes is empty")
+    vq = cfg.data.val_query_families
+    if vq is not None:
+        if not isinstance(vq, list) or not vq or not all(isinstance(f, str) and f for f in vq):
+            raise ConfigError(f"config key 'data.val_query_families': expected a non-empty list of family "
+                              f"names, got {vq!r}")
+        if not cfg.data.has_validation:
+            raise ConfigError("config key 'data.val_query_families': needs validation classes "
+                              "(data.val_classes or data.val_folds)")
     if cfg.data.val_folds is not None:
         if v is not None:
             raise ConfigError("config keys 'data.val_classes' and 'data.val_folds': give one of them")

@@ -78,6 +78,8 @@ def _describe_data(cfg: Config) -> str:
     cs = d.options.get("class_split")
     if getattr(d, "val_classes", None) is not None:
         text += f", validation classes carved from train: {d.val_classes}"
+    if getattr(d, "val_query_families", None):
+        text += f" (queried from the held-out families {', '.join(d.val_query_families)})"
     if isinstance(cs, str) and cs == "half":
         text += ", class_split 'half' (first half of the sorted class names = train)"
     elif isinstance(cs, dict):
