@@ -76,7 +76,8 @@ def build_synthetic_dataset(split: str = "train", transform=None, **options) -> 
 class SyntheticMLP(nn.Module):
     """``backbone`` (Linear + ReLU) -> ``head`` (Linear to ``embedding_dim``) -> normalisation
     (``none`` or ``l2``); with ``num_classes`` also a ``classifier`` on the backbone features
-    (the two-head layout)."""
+    (the two-head layout).  Outputs ``embedding``, ``features`` (the backbone's) and
+    ``logits`` (with a classifier)."""
 
     def __init__(self, in_dim: int = 16, hidden: int = 32, embedding_dim: int = 8,
                  normalization: str = "l2", num_classes: int | None = None, two_head: bool = False):
@@ -94,7 +95,7 @@ class SyntheticMLP(nn.Module):
         e = self.head(h)
         if self.normalization == "l2":
             e = F.normalize(e, dim=1)
-        out = {"embedding": e}
+        out = {"embedding": e, "features": h}
         if self.classifier is not None:
             out["logits"] = self.classifier(h)
         return out

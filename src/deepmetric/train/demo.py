@@ -127,23 +127,6 @@ def _raw_pixels(ds, cfg) -> dict:
     return evaluate(x, ds.labels, ks=tuple(cfg.eval.ks), metrics=("recall", "map@r"), seed=cfg.train.seed)
 
 
-def _pretrained_features(cfg, num_classes: int, test_ds) -> tuple[dict, int]:
-    """The pretrained backbone's pooled features (no training), as a baseline; (metrics, dim)."""
-    import torch
-
-    from deepmetric.evaluate import evaluate
-
-    from .builders import build_model, seed_everything
-    from .embed import compute_embeddings
-
-    seed_everything(cfg.train.seed)
-    model = build_model(cfg, num_classes=num_classes)
-    with torch.no_grad():
-        f = compute_embeddings(model, test_ds, batch_size=cfg.eval.batch_size, output="features")
-    m = evaluate(f["embeddings"], f["labels"], ks=tuple(cfg.eval.ks), metrics=cfg.eval.metrics, seed=cfg.train.seed)
-    return m, f["embeddings"].shape[1]
-
-
 def _pictures(out: Path, cfg, snapshots: dict, test_ds, title: str) -> list[Path]:
     """Retrieval grid of the final model, training curves, cosine histograms, recall curves."""
     from deepmetric.report.diagnostics import pair_cosine_histograms, retrieval_examples
@@ -211,8 +194,10 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
     h, w = test_ds.images.shape[1:3]
     rows.append((f"raw pixels ({w}x{h})", _raw_pixels(test_ds, cfg)))
     if cfg.model.options.get("pretrained"):
-        feats, dim = _pretrained_features(cfg, train_ds.num_classes, test_ds)
-        rows.append((f"ImageNet features ({dim}-d)", feats))
+        from .preflight import backbone_features_baseline
+
+        feats, _, f = backbone_features_baseline(cfg, test_ds, num_classes=train_ds.num_classes)
+        rows.append((f"ImageNet features ({f['embeddings'].shape[1]}-d)", feats))
     t_base = time.perf_counter() - t0
     for name, m in rows:
         print(f"[demo] baseline {name}: recall@1={m['recall@1']:.4f} map@r={m['map@r']:.4f}", flush=True)

@@ -44,6 +44,8 @@ __all__ = [
     "check_model_input",
     "size_warnings",
     "few_classes_warning",
+    "pixel_rows",
+    "backbone_features_baseline",
     "raw_pixel_baseline",
     "rng_preserved",
     "check_config",
@@ -387,7 +389,7 @@ def few_classes_warning(num_classes: int, threshold: int = FEW_CLASSES) -> str |
 
 
 # --------------------------------------------------------------------------- raw pixels
-def _pixels(dataset, max_side: int) -> tuple[np.ndarray | None, str]:
+def pixel_rows(dataset, max_side: int) -> tuple[np.ndarray | None, str]:
     """Float32 [N, D] pixel rows of every image of ``dataset``, or (None, why not).
 
     File-based datasets use the images as stored (values in [0, 1], in the dataset's mode);
@@ -456,7 +458,7 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     parts = []
     desc = ""
     for key in keys:
-        x, desc_or_why = _pixels(eval_sets[key], max_side)
+        x, desc_or_why = pixel_rows(eval_sets[key], max_side)
         if x is None:
             return None, desc_or_why
         parts.append((x, np.asarray(eval_sets[key].labels, dtype=np.int64)))
@@ -472,6 +474,29 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
         metrics = evaluate(np.concatenate([xq, xg]), np.concatenate([yq, yg]), is_query=is_query,
                            is_gallery=~is_query, ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed)
     return {k: float(v) for k, v in metrics.items()}, f"raw pixels ({desc} = {d}-d)"
+
+
+def backbone_features_baseline(cfg: Config, dataset, *,
+                               num_classes: int | None = None) -> tuple[dict[str, float], str, dict]:
+    """Evaluate the backbone's pooled features before any training (``output="features"``,
+    e.g. EfficientNet-Lite0's 1,280 ImageNet features): what the (pretrained) network gives
+    without metric learning.  Evaluated like the trained embedding: the metrics of
+    ``cfg.eval``, the split's own query/gallery masks.  Returns ``(metrics, description,
+    features)``, features as :func:`~deepmetric.train.embed.compute_embeddings` returns them."""
+    from deepmetric.evaluate import evaluate
+
+    from .builders import build_model, seed_everything
+    from .embed import compute_embeddings, dataset_query_gallery_masks
+
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg, num_classes=num_classes or 2)  # the classifier, if any, is not used
+    with torch.no_grad():
+        f = compute_embeddings(model, dataset, batch_size=cfg.eval.batch_size, output="features")
+    m = evaluate(f["embeddings"], f["labels"], ks=tuple(cfg.eval.ks), metrics=cfg.eval.metrics, seed=cfg.train.seed,
+                 **dataset_query_gallery_masks(dataset))
+    weights = cfg.model.options.get("pretrained") or "untrained"
+    desc = f"{cfg.model.name} {weights} features ({f['embeddings'].shape[1]}-d)"
+    return {k: float(v) for k, v in m.items()}, desc, f
 
 
 # --------------------------------------------------------------------------- as the loop uses them
