@@ -28,6 +28,18 @@ def test_round_trip_matches_api(npz, tmp_path, capsys):
     assert got == pytest.approx(evaluate(x, y, ks=(1, 5)))
 
 
+def test_kmeans_restarts_option(npz, tmp_path):
+    path, x, y = npz
+    out = tmp_path / "m.json"
+    assert main(["evaluate", str(path), "--metrics", "nmi", "f1", "--kmeans-restarts", "4", "--seed", "2",
+                 "--out", str(out)]) == 0
+    from deepmetric.evaluate import kmeans
+    from deepmetric.evaluate.clustering import nmi_from_clusters
+
+    clusters = kmeans(x, 6, seed=2, restarts=4)
+    assert json.loads(out.read_text())["nmi"] == pytest.approx(nmi_from_clusters(y, clusters))
+
+
 def test_query_gallery_masks_and_metric_subset(tmp_path, npz, capsys):
     _, x, y = npz
     is_q = np.arange(60) % 2 == 0

@@ -105,3 +105,35 @@ def test_kmeans_trivial_and_bad_arguments(rng):
         kmeans(x, 3, niter=-1)
     with pytest.raises(ValueError, match="n_clusters"):
         kmeans(x, 0)
+
+
+def _ref_inertia(x, assign):
+    x = x.astype(np.float64)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return sum(((x[assign == j] - x[assign == j].mean(0)) ** 2).sum() for j in np.unique(assign))
+
+
+def test_restarts_keep_the_lowest_inertia_initialisation(rng):
+    # few clusters, overlapping: the initialisation matters (as for NMI on 10 classes)
+    x, y = blobs(rng, 600, 10, 6, 1.3)
+    restarts = 6
+    # 100 rounds: every restart reaches its fixed point, where the final centroids are the
+    # means of the final assignment (what _ref_inertia measures)
+    refs = [ref_lloyd(x, 10, 7 if r == 0 else [7, r], 100)[0] for r in range(restarts)]
+    inertias = [_ref_inertia(x, a) for a in refs]
+    assert len({round(v, 6) for v in inertias}) > 1  # the restarts really differ
+    got, info = kmeans(x, 10, seed=7, restarts=restarts, niter=100, return_info=True)
+    assert info["converged"]
+    best = int(np.argmin(inertias))
+    assert info["restart"] == best
+    np.testing.assert_array_equal(got, refs[best])
+    # the reported inertia is the sum of squared distances to the final centroids (means)
+    assert info["inertia"] == pytest.approx(inertias[best], rel=1e-5)
+    # restarts=1 is the plain k-means of the seed, and evaluate passes the option through
+    np.testing.assert_array_equal(kmeans(x, 10, seed=7, restarts=1, niter=100), refs[0])
+    res = evaluate(x, y, metrics=["nmi"], seed=7, kmeans_restarts=restarts)  # niter 20
+    twenty = kmeans(x, 10, seed=7, restarts=restarts)
+    assert res["nmi"] == pytest.approx(normalized_mutual_info_score(y, twenty), abs=1e-12)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="restarts must be an integer >= 1"):
+            kmeans(x, 10, restarts=bad)

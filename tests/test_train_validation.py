@@ -119,6 +119,8 @@ def test_config_errors_before_training():
     with pytest.raises(ConfigError, match=r"'data.val_classes'"):
         config_from_dict(_raw("x", val_classes={"a": 1}))
     config_from_dict({**base, "schedule": {"temperature": {"name": "auto_plateau", "monitor": "train_loss"}}})
+    with pytest.raises(ConfigError, match=r"'eval.kmeans_restarts': must be >= 1, got 0"):
+        config_from_dict({**base, "eval": {"kmeans_restarts": 0}})
 
 
 class _FamilyImages(torch.utils.data.Dataset):

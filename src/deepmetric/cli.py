@@ -57,6 +57,8 @@ def _add_evaluate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="k-means seed for NMI / F1")
     p.add_argument("--nmi-average", default="arithmetic", choices=["arithmetic", "geometric"],
                    help="NMI normalisation (default arithmetic, as scikit-learn)")
+    p.add_argument("--kmeans-restarts", type=int, default=1,
+                   help="k-means initialisations for NMI / F1, the lowest-inertia one kept (default 1)")
     p.set_defaults(func=_run_evaluate)
 
 

@@ -57,7 +57,7 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
              ks: Iterable[int] = (1, 2, 4, 8), metrics: Iterable[str] | None = None,
              seed: int = 0, chunk_size: int | None = None, backend: str = "auto",
              memory_mb: float | None = None, nmi_average: str = "arithmetic",
-             progress: bool = False) -> dict[str, float]:
+             progress: bool = False, kmeans_restarts: int = 1) -> dict[str, float]:
     """Retrieval and clustering metrics of ``embeddings`` (l2-normalised first).
 
     Args:
@@ -75,6 +75,9 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
         memory_mb: bound on the k-NN working memory per chunk (default 256 MiB).
         nmi_average: ``"arithmetic"`` (default, as scikit-learn) or ``"geometric"``.
         progress: show a tqdm bar over the queries of the k-NN pass (large sets).
+        kmeans_restarts: k-means initialisations for NMI / F1, the lowest-inertia one kept
+            (:func:`~deepmetric.evaluate.clustering.kmeans` ``restarts``; 1 = one, as
+            pytorch-metric-learning).
 
     Returns:
         dict with ``recall@K`` for each K, ``map@r``, ``r_precision``, ``nmi``, ``f1`` (each in
@@ -150,7 +153,8 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
     if "nmi" in metrics or "f1" in metrics:
         ev = np.flatnonzero(evaluated)
         xe = _rows(x, ev)
-        clusters = kmeans(xe if isinstance(xe, np.ndarray) else xe.cpu().numpy(), n_classes, seed=seed)
+        clusters = kmeans(xe if isinstance(xe, np.ndarray) else xe.cpu().numpy(), n_classes, seed=seed,
+                          restarts=kmeans_restarts)
         if "nmi" in metrics:
             out["nmi"] = nmi_from_clusters(y[ev], clusters, average=nmi_average)
         if "f1" in metrics:

@@ -122,7 +122,8 @@ def run_evaluate_cli(args) -> int:
         res = evaluate(data["embeddings"], data["labels"], is_query=data["is_query"],
                        is_gallery=data["is_gallery"], ks=args.ks, metrics=args.metrics,
                        seed=args.seed, chunk_size=args.chunk_size, backend=args.backend,
-                       memory_mb=args.memory_mb, nmi_average=args.nmi_average)
+                       memory_mb=args.memory_mb, nmi_average=args.nmi_average,
+                       kmeans_restarts=args.kmeans_restarts)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{args.npz}: {exc}") from None
     print(format_table(res))

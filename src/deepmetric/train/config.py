@@ -320,6 +320,8 @@ class EvalConfig:
     baselines: bool = True
     cross_domain: bool = False
     train_neighbours: bool = False
+    #: k-means initialisations behind NMI / F1 (lowest inertia kept); 1 as pytorch-metric-learning
+    kmeans_restarts: int = 1
 
 
 @dataclass
@@ -549,6 +551,8 @@ def _check_validation(cfg: Config) -> None:
         if not 0 <= cfg.data.val_fold < cfg.data.val_folds:
             raise ConfigError(f"config key 'data.val_fold': must be in [0, {cfg.data.val_folds}), "
                               f"got {cfg.data.val_fold}")
+    if cfg.eval.kmeans_restarts < 1:
+        raise ConfigError(f"config key 'eval.kmeans_restarts': must be >= 1, got {cfg.eval.kmeans_restarts}")
     if cfg.eval.early_stop_patience is not None and cfg.eval.early_stop_patience < 1:
         raise ConfigError(f"config key 'eval.early_stop_patience': must be >= 1, got "
                           f"{cfg.eval.early_stop_patience}")

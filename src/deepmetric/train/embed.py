@@ -174,13 +174,14 @@ def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, devi
         lab = np.concatenate([q["labels"], g["labels"]])
         is_query = np.r_[np.ones(len(q["labels"]), bool), np.zeros(len(g["labels"]), bool)]
         metrics = evaluate(emb, lab, is_query=is_query, is_gallery=~is_query, ks=tuple(ec.ks),
-                           metrics=ec.metrics, seed=cfg.train.seed)
+                           metrics=ec.metrics, seed=cfg.train.seed,
+                           kmeans_restarts=ec.kmeans_restarts)
         embedded = {"embeddings": emb, "labels": lab, "is_query": is_query, "is_gallery": ~is_query}
     else:
         # a split that marks its own queries and gallery (glyphs, protocol cross_family: test)
         masks = dataset_query_gallery_masks(eval_sets["query"])
         metrics = evaluate(q["embeddings"], q["labels"], ks=tuple(ec.ks), metrics=ec.metrics,
-                           seed=cfg.train.seed, **masks)
+                           seed=cfg.train.seed, kmeans_restarts=ec.kmeans_restarts, **masks)
         embedded = {**q, **masks}
     metrics = {k: float(v) for k, v in metrics.items()}
     if ec.classification:

@@ -467,12 +467,14 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     e = cfg.eval
     if len(parts) == 1:
         metrics = evaluate(parts[0][0], parts[0][1], ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed,
+                           kmeans_restarts=e.kmeans_restarts,
                            **masks)
     else:
         (xq, yq), (xg, yg) = parts
         is_query = np.r_[np.ones(len(yq), bool), np.zeros(len(yg), bool)]
         metrics = evaluate(np.concatenate([xq, xg]), np.concatenate([yq, yg]), is_query=is_query,
-                           is_gallery=~is_query, ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed)
+                           is_gallery=~is_query, ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed,
+                           kmeans_restarts=e.kmeans_restarts)
     return {k: float(v) for k, v in metrics.items()}, f"raw pixels ({desc} = {d}-d)"
 
 
@@ -493,7 +495,7 @@ def backbone_features_baseline(cfg: Config, dataset, *,
     with torch.no_grad():
         f = compute_embeddings(model, dataset, batch_size=cfg.eval.batch_size, output="features")
     m = evaluate(f["embeddings"], f["labels"], ks=tuple(cfg.eval.ks), metrics=cfg.eval.metrics, seed=cfg.train.seed,
-                 **dataset_query_gallery_masks(dataset))
+                 kmeans_restarts=cfg.eval.kmeans_restarts, **dataset_query_gallery_masks(dataset))
     weights = cfg.model.options.get("pretrained") or "untrained"
     desc = f"{cfg.model.name} {weights} features ({f['embeddings'].shape[1]}-d)"
     return {k: float(v) for k, v in m.items()}, desc, f
