@@ -5,8 +5,10 @@
     python bench/study_claims.py --copy-from runs/studies   # first copy each study's result
                                                  # files (results.json/.csv, summary.md/.png) here
 
-A claim is a list of checks "A > B on metric M in study S".  A check is read from the paired
-differences d_i = M(A, seed i) - M(B, seed i) over the seeds both variants finished (the
+A claim is a list of checks "A > B on metric M in study S".  A metric ``M[NAME]`` is
+read from ``reevaluated_NAME.json`` (``bench/study_reevaluate.py``: the final checkpoints
+evaluated again, e.g. ``final/nmi[kmeans10]`` = NMI from 10 k-means restarts).  A check is read
+from the paired differences d_i = M(A, seed i) - M(B, seed i) over the seeds both variants finished (the
 study runner's :func:`deepmetric.train.study.paired_differences`: mean, sample sd, 95 %
 Student-t interval):
 
@@ -95,22 +97,34 @@ CLAIMS = (
           _each(F, [("hard", "softmax"), ("semihard", "softmax")], ("final/top1",))),
     Claim("two_head_embedding", "two-head, Table 5",
           "two-head hard / semi-hard give far better embeddings than softmax",
-          _each(F, [("hard", "softmax"), ("semihard", "softmax")], ("final/recall@1", "final/nmi"))),
+          _each(F, [("hard", "softmax"), ("semihard", "softmax")],
+                ("final/recall@1", "final/map@r", "final/nmi", "final/nmi[kmeans10]"))),
     Claim("two_head_hard_vs_semihard", "two-head, Table 5 (ResNet-50)",
           "hard mining learns the better embedding (semi-hard is the stabler one)",
-          _each(F, [("hard", "semihard")], ("final/recall@1", "final/nmi"))),
+          _each(F, [("hard", "semihard")], ("final/recall@1", "final/map@r", "final/nmi", "final/nmi[kmeans10]"))),
     Claim("two_head_center", "two-head, Sec. 4.2 / Table 5",
           "the triplet regulariser beats the centre-loss baseline in accuracy and embedding "
           "(centre loss: inferior, least stable; its spread over seeds is read in README.md)",
-          _each(F, [("hard", "center"), ("semihard", "center")], ("final/top1", "final/recall@1"))),
+          _each(F, [("hard", "center"), ("semihard", "center")], ("final/top1", "final/recall@1", "final/map@r"))),
 )
 
 
 def load_rows(study: str, root: Path = STUDIES) -> list[dict] | None:
+    """The study's result rows, each with the metrics of its re-evaluations
+    (``reevaluated_NAME.json`` of ``bench/study_reevaluate.py``) added as ``METRIC[NAME]``,
+    e.g. ``final/nmi[kmeans10]``."""
     path = root / study / "results.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text())["rows"]
+    rows = json.loads(path.read_text())["rows"]
+    by_run = {(r.get("benchmark") or "", r["variant"], r["seed"]): r for r in rows}
+    for extra in sorted((root / study).glob("reevaluated_*.json")):
+        name = extra.stem[len("reevaluated_"):]
+        for r in json.loads(extra.read_text())["rows"]:
+            row = by_run.get((r.get("benchmark") or "", r["variant"], r["seed"]))
+            if row is not None:
+                row.update({f"{k}[{name}]": v for k, v in r.items() if k.startswith("final/")})
+    return rows
 
 
 def paired(rows: list[dict], a: str, b: str, metric: str) -> dict:

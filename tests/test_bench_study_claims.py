@@ -61,3 +61,18 @@ def test_claim_verdict_combinations():
     assert sc.claim_verdict(["holds", "not resolved"]) == "not resolved"
     assert sc.claim_verdict(["pending"]) == "pending"
     assert sc.claim_verdict(["holds", "reversed", "pending"]).startswith("does not hold")
+
+
+def test_reevaluated_metrics_join_their_runs(tmp_path):
+    sc = _module()
+    _write(tmp_path, "fashion_mnist_two_head", {"semihard": [0.90, 0.91, 0.92], "softmax": [0.90, 0.90, 0.90]})
+    again = [{"benchmark": None, "variant": v, "seed": s, "final/nmi": x}
+             for v, xs in {"semihard": [0.85, 0.86, 0.84], "softmax": [0.82, 0.83, 0.84]}.items()
+             for s, x in enumerate(xs)]
+    (tmp_path / "fashion_mnist_two_head" / "reevaluated_kmeans10.json").write_text(json.dumps({"rows": again}))
+    rows = sc.load_rows("fashion_mnist_two_head", tmp_path)
+    semi1 = next(r for r in rows if r["variant"] == "semihard" and r["seed"] == 1)
+    assert semi1["final/nmi[kmeans10]"] == 0.86 and semi1["final/recall@1"] == 0.91
+    st = sc.paired(rows, "semihard", "softmax", "final/nmi[kmeans10]")
+    assert st["n"] == 3 and st["mean"] == pytest.approx(0.02)  # d = 3, 3, 0 points
+    assert "| fashion_mnist_two_head | semihard - softmax | final/nmi[kmeans10] | +2.00 [" in sc.render(tmp_path)
