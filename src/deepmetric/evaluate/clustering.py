@@ -152,25 +152,27 @@ def kmeans(embeddings, n_clusters: int, *, seed: int = 0, niter: int = KMEANS_NI
     """
     if isinstance(restarts, bool) or not isinstance(restarts, (int, np.integer)) or restarts < 1:
         raise ValueError(f"restarts must be an integer >= 1, got {restarts!r}")
+    x = check_embeddings(embeddings)  # checked and converted once for every restart
+    x = x if isinstance(x, np.ndarray) else x.cpu().numpy()
+    n = x.shape[0]
+    n_clusters = int(n_clusters)
+    if not 1 <= n_clusters <= n:
+        raise ValueError(f"n_clusters must be between 1 and the number of samples ({n}), got {n_clusters}")
+    if int(niter) < 0:
+        raise ValueError(f"niter must be >= 0, got {niter}")
     best = None
     for r in range(int(restarts)):
-        assign, info = _kmeans_once(embeddings, n_clusters, seed if r == 0 else [seed, r], niter, accelerate)
+        assign, info = _kmeans_once(x, n_clusters, seed if r == 0 else [seed, r], niter, accelerate)
         info["restart"] = r
         if best is None or info["inertia"] < best[1]["inertia"]:
             best = (assign, info)
     return best if return_info else best[0]
 
 
-def _kmeans_once(embeddings, n_clusters, seed, niter, accelerate):
-    """One k-means run of :func:`kmeans` (its definition); returns (assignment, info)."""
-    x = check_embeddings(embeddings)
-    x = x if isinstance(x, np.ndarray) else x.cpu().numpy()
+def _kmeans_once(x: np.ndarray, n_clusters: int, seed, niter, accelerate):
+    """One k-means run of :func:`kmeans` (its definition) on the checked embeddings ``x``;
+    returns (assignment, info)."""
     n, d = x.shape
-    n_clusters = int(n_clusters)
-    if not 1 <= n_clusters <= n:
-        raise ValueError(f"n_clusters must be between 1 and the number of samples ({n}), got {n_clusters}")
-    if int(niter) < 0:
-        raise ValueError(f"niter must be >= 0, got {niter}")
     info = {"iterations": 0, "converged": True, "searched": [], "exact_moved": []}
     if n_clusters in (1, n):  # trivial partitions: one cluster, or every sample alone
         out = np.zeros(n, np.int64) if n_clusters == 1 else np.arange(n, dtype=np.int64)
