@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from deepmetric.models import (
     EmbeddingHead,
@@ -177,6 +178,35 @@ def test_bn_head_train_mode_matches_reference_and_running_stats():
     with torch.no_grad():
         expected_eval = ((f - head.bn.running_mean) / torch.sqrt(head.bn.running_var + eps) + head.bn.bias) / math.sqrt(k)
         torch.testing.assert_close(head(x), expected_eval, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the backward that failed there)"))])
+def test_shift_only_bn_gradients_match_affine_batchnorm_with_unit_scale(device):
+    # Reference: nn.BatchNorm1d with a learned scale fixed at 1. Its bias gradient is also
+    # the closed form sum_b dL/dy_b; on CUDA, F.batch_norm(weight=None, bias=b) returned an
+    # empty bias gradient, which this test catches on a GPU.
+    torch.manual_seed(0)
+    k = 6
+    ours = ShiftOnlyBatchNorm1d(k).to(device)
+    ref = nn.BatchNorm1d(k, eps=ours.eps, momentum=ours.momentum).to(device)
+    with torch.no_grad():
+        ours.bias.copy_(torch.randn(k))
+        ref.bias.copy_(ours.bias)
+    ref.weight.requires_grad_(False)
+    x = torch.randn(16, k, device=device)
+    g = torch.randn(16, k, device=device)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = ours(xa), ref(xb)
+    (ya * g).sum().backward()
+    (yb * g).sum().backward()
+    torch.testing.assert_close(ya, yb)
+    torch.testing.assert_close(ours.bias.grad, g.sum(0))
+    torch.testing.assert_close(ours.bias.grad, ref.bias.grad)
+    torch.testing.assert_close(xa.grad, xb.grad)
+    torch.testing.assert_close(ours.running_mean, ref.running_mean)
+    torch.testing.assert_close(ours.running_var, ref.running_var)
+    assert int(ours.num_batches_tracked) == 1
 
 
 def test_bn_head_options_fold_sqrt_k_and_custom_momentum():

@@ -53,9 +53,20 @@ class ShiftOnlyBatchNorm1d(nn.BatchNorm1d):
         # affine=False: no weight at all (rather than a frozen weight) so that no optimiser,
         # weight decay or checkpoint can ever touch a scale.
         super().__init__(num_features, eps=eps, momentum=momentum, affine=False)
-        # nn.BatchNorm1d.forward passes (self.weight, self.bias) = (None, bias) to
-        # F.batch_norm, which then adds the shift and applies no scale.
         self.bias = nn.Parameter(torch.zeros(num_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise with no affine part, then add the shift. Passing (weight, bias) = (None,
+        # bias) to F.batch_norm is what nn.BatchNorm1d.forward would do, and it is right on the
+        # CPU, but on CUDA its backward returns an empty gradient for the bias ("invalid
+        # gradient at index 2 - got [0] but expected shape compatible with [k]", seen with
+        # torch 2.11 on an H100, bench/RESULTS.md), so no BN-head model could train on a GPU.
+        self._check_input_dim(x)
+        if self.training:
+            self.num_batches_tracked.add_(1)  # (momentum is always set: it is not used)
+        y = F.batch_norm(x, self.running_mean, self.running_var, None, None, self.training,
+                         self.momentum, self.eps)
+        return y + self.bias
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", learned shift only (no scale)"
