@@ -139,3 +139,61 @@ def test_all_gather_with_grad_unequal_sizes(ddp_results):
     assert torch.equal(g0, expected) and torch.equal(g1, expected)
     coeff = torch.arange(16, dtype=torch.float32).reshape(8, 2)
     assert torch.equal(grad0, coeff[:3]) and torch.equal(grad1, coeff[3:])
+
+
+def _sync_bn_model():
+    from deepmetric.models import ShiftOnlyBatchNorm1d
+
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, K), ShiftOnlyBatchNorm1d(K))
+    with torch.no_grad():
+        model[1].bias.copy_(torch.randn(K))
+    return model
+
+
+def _sync_bn_data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(2 * B, DIM, generator=g) * 3 + 1, torch.randn(2 * B, K, generator=g)
+
+
+def _sync_bn_worker(rank, world, port, out_dir):
+    from deepmetric.train.distributed import convert_sync_batchnorm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = convert_sync_batchnorm(_sync_bn_model())
+        x, g = _sync_bn_data()
+        xs = x[rank * B:(rank + 1) * B].clone().requires_grad_(True)
+        y = model(xs)
+        (y * g[rank * B:(rank + 1) * B]).sum().backward()
+        bn = model[1]
+        torch.save({"y": y.detach(), "x_grad": xs.grad, "bias_grad": bn.bias.grad, "w_grad": model[0].weight.grad,
+                    "running_mean": bn.running_mean, "running_var": bn.running_var,
+                    "keys": sorted(model.state_dict()), "type": type(bn).__name__},
+                   os.path.join(out_dir, f"sync{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_bn_keeps_the_heads_shift_and_matches_one_process_on_the_whole_batch(tmp_path):
+    """train.sync_bn: torch's convert_sync_batchnorm turned the BN head's ShiftOnlyBatchNorm1d
+    into an affine-less SyncBatchNorm and dropped its learned shift. Ours keeps the module, and
+    2 ranks x B rows give the outputs, input gradients, summed parameter gradients and running
+    statistics of one process on all 2B rows."""
+    mp.spawn(_sync_bn_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"sync{r}.pt", weights_only=True) for r in range(2)]
+    ref_model = _sync_bn_model()
+    x, g = _sync_bn_data()
+    x = x.clone().requires_grad_(True)
+    y = ref_model(x)
+    (y * g).sum().backward()
+    for r in ranks:
+        assert r["type"] == "ShiftOnlyBatchNorm1d" and "1.bias" in r["keys"]
+        torch.testing.assert_close(r["running_mean"], ref_model[1].running_mean)
+        torch.testing.assert_close(r["running_var"], ref_model[1].running_var)
+    torch.testing.assert_close(torch.cat([r["y"] for r in ranks]), y.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([r["x_grad"] for r in ranks]), x.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ranks[0]["bias_grad"] + ranks[1]["bias_grad"], ref_model[1].bias.grad)
+    torch.testing.assert_close(ranks[0]["w_grad"] + ranks[1]["w_grad"], ref_model[0].weight.grad, atol=1e-4, rtol=1e-4)

@@ -34,6 +34,14 @@ def check_norm(norm: str) -> str:
     return norm
 
 
+def _world_size(group) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
 class ShiftOnlyBatchNorm1d(nn.BatchNorm1d):
     """Batch norm over [B, k] with a learned shift ``bias`` and NO learned scale.
 
@@ -54,8 +62,15 @@ class ShiftOnlyBatchNorm1d(nn.BatchNorm1d):
         # weight decay or checkpoint can ever touch a scale.
         super().__init__(num_features, eps=eps, momentum=momentum, affine=False)
         self.bias = nn.Parameter(torch.zeros(num_features))
+        # Multi-process training: set by deepmetric.train.distributed.convert_sync_batchnorm
+        # (nn.SyncBatchNorm's own conversion would replace this module by an affine-less
+        # SyncBatchNorm and silently drop the learned shift).
+        self.sync = False
+        self.process_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.sync and _world_size(self.process_group) > 1:
+            return self._synchronised_forward(x)
         # Normalise with no affine part, then add the shift. Passing (weight, bias) = (None,
         # bias) to F.batch_norm is what nn.BatchNorm1d.forward would do, and it is right on the
         # CPU, but on CUDA its backward returns an empty gradient for the bias ("invalid
@@ -67,6 +82,27 @@ class ShiftOnlyBatchNorm1d(nn.BatchNorm1d):
         y = F.batch_norm(x, self.running_mean, self.running_var, None, None, self.training,
                          self.momentum, self.eps)
         return y + self.bias
+
+    def _synchronised_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Training-mode forward with the batch statistics of every rank's batch together (as
+        nn.SyncBatchNorm: the gradient flows back to each rank's inputs through the statistics).
+        Two passes (mean, then the mean squared deviation), each one autograd-aware all_reduce
+        of a k-vector, in float32."""
+        from torch.distributed.nn.functional import all_reduce
+
+        self._check_input_dim(x)
+        group = {} if self.process_group is None else {"group": self.process_group}
+        x = x.float()
+        k = x.shape[1]
+        sums = all_reduce(torch.cat([x.sum(0), x.new_full((1,), x.shape[0])]), **group)
+        n = sums[k]
+        mean = sums[:k] / n
+        var = all_reduce(((x - mean) ** 2).sum(0), **group) / n  # biased, as F.batch_norm
+        with torch.no_grad():
+            self.num_batches_tracked.add_(1)
+            self.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
+            self.running_var.mul_(1 - self.momentum).add_(var * n / (n - 1), alpha=self.momentum)
+        return (x - mean) / torch.sqrt(var + self.eps) + self.bias
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", learned shift only (no scale)"

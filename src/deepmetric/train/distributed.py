@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DistInfo",
+    "convert_sync_batchnorm",
     "init_distributed",
     "cleanup_distributed",
     "is_distributed",
@@ -107,6 +108,29 @@ def is_main_process() -> bool:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def convert_sync_batchnorm(module: torch.nn.Module, process_group=None) -> torch.nn.Module:
+    """``nn.SyncBatchNorm.convert_sync_batchnorm``, except for the heads' shift-only batch norm.
+
+    torch's conversion turns every ``_BatchNorm`` into ``nn.SyncBatchNorm`` with the same
+    ``affine`` flag; ``ShiftOnlyBatchNorm1d`` has ``affine=False`` plus its own learned shift,
+    so it would come back without the shift (and its checkpoints without ``bn.bias``). Here it
+    stays itself and synchronises its statistics itself (``sync = True``); every other batch
+    norm is converted by torch. Returns the converted module (a new one only when ``module``
+    itself is a plain batch norm)."""
+    from deepmetric.models.heads import ShiftOnlyBatchNorm1d
+
+    if isinstance(module, ShiftOnlyBatchNorm1d):
+        module.sync, module.process_group = True, process_group
+        return module
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+    for name, child in list(module.named_children()):
+        converted = convert_sync_batchnorm(child, process_group)
+        if converted is not child:
+            module.add_module(name, converted)
+    return module
 
 
 def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:

@@ -354,7 +354,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     embedding_dim = embedding_dim_of(model, train_ds)
     losses = build_losses(cfg, num_classes=num_classes, embedding_dim=embedding_dim)
     if world > 1 and tc.sync_bn and device.type == "cuda":
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = D.convert_sync_batchnorm(model)  # keeps the BN head's learned shift
     model.to(device)
     losses.to(device)
     if tc.channels_last:
