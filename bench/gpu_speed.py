@@ -86,7 +86,6 @@ def train_speed(name: str, amp: str, channels_last: bool, steps: int, warmup: in
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     scaler = torch.amp.GradScaler("cuda", enabled=(amp == "fp16"))
     model.train()
-    losses = []
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -97,7 +96,7 @@ def train_speed(name: str, amp: str, channels_last: bool, steps: int, warmup: in
         scaler.update()
         return loss
 
-    losses.append(step().item())  # the first step's loss, from the seed-0 weights
+    first_loss = step().item()  # from the seed-0 weights: what autocast changes in one forward
     for _ in range(warmup - 1):
         step()
     _sync()
@@ -109,7 +108,7 @@ def train_speed(name: str, amp: str, channels_last: bool, steps: int, warmup: in
     dt = time.perf_counter() - t0
     return {"model": name, "size": size, "batch": batch, "amp": amp, "channels_last": channels_last,
             "images_per_s": steps * batch / dt, "ms_per_step": 1000 * dt / steps,
-            "peak_mem_mib": _peak_mib(device), "first_loss": losses[0]}
+            "peak_mem_mib": _peak_mib(device), "first_loss": first_loss}
 
 
 def knn_speed(threads: int, repeats: int, device) -> list[dict]:
