@@ -36,6 +36,15 @@ def test_every_subcommand_help_has_examples_and_describes_every_option(name):
         assert args.command in _subparsers()
 
 
+def test_top_level_help_has_examples_that_parse():
+    text = build_parser().format_help()
+    lines = [line.split("#")[0].strip() for line in text.split("examples:")[-1].splitlines()]
+    lines = [line for line in lines if line.startswith("deepmetric ")]
+    assert len(lines) >= 5, text
+    for line in lines:
+        assert build_parser().parse_args(shlex.split(line)[1:]).command in _subparsers()
+
+
 def test_train_without_arguments_says_what_is_needed(capsys):
     assert main(["train"]) == 2
     err = capsys.readouterr().err

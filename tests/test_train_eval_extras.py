@@ -141,3 +141,20 @@ def test_class_subset_keeps_each_samples_domain():
     sub = ClassSubset(Vendored(), [1, 2])
     ids, names = dataset_domains(sub)
     assert sub.indices.tolist() == [1, 2, 3, 5] and ids.tolist() == [0, 1, 1, 2] and names == ["a", "b", "c"]
+
+
+def test_compute_embeddings_progress_bar_changes_nothing_but_stderr(capsys):
+    from torch.utils.data import TensorDataset
+
+    from deepmetric.data.synthetic import SyntheticMLP
+
+    torch.manual_seed(0)
+    model = SyntheticMLP(in_dim=5, hidden=8, embedding_dim=3, normalization="l2")
+    ds = TensorDataset(torch.randn(10, 5), torch.arange(10) % 3)
+    quiet = compute_embeddings(model, ds, batch_size=4)
+    assert capsys.readouterr().err == ""
+    shown = compute_embeddings(model, ds, batch_size=4, progress="embedding test")
+    err = capsys.readouterr().err
+    assert "embedding test" in err and "/3 " in err  # a bar over 3 batches (10 samples by 4)
+    np.testing.assert_array_equal(quiet["embeddings"], shown["embeddings"])
+    np.testing.assert_array_equal(quiet["labels"], shown["labels"])

@@ -517,7 +517,17 @@ def _run_study(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from deepmetric import __version__
 
-    parser = argparse.ArgumentParser(prog="deepmetric", description="Deep metric learning toolkit.")
+    parser = argparse.ArgumentParser(
+        prog="deepmetric", description="Deep metric learning toolkit. 'deepmetric COMMAND --help' "
+        "describes each command's options, with examples.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=("examples:\n"
+                "  deepmetric demo                                   # the offline demo (emoji, CPU)\n"
+                "  deepmetric train recipes/own_folder.yaml data.root=my_images train.out_dir=runs/mine\n"
+                "  deepmetric report runs/demo                       # one HTML page of the run\n"
+                "  deepmetric index runs/demo/last.pt --out runs/demo/index\n"
+                "  deepmetric search runs/demo/index query.png --k 5\n"
+                "  deepmetric study studies/emoji.yaml --workers 2   # variants x seeds, with CIs"))
     parser.add_argument("--version", action="version", version=f"deepmetric {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_evaluate_parser(sub)

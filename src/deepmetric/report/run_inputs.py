@@ -105,11 +105,14 @@ def embed_run(checkpoint: Path, *, split: str | None = None, device: str = "auto
     clf_loss = next((l for l in losses if hasattr(l, "logits")), None)
     kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp,
               channels_last=cfg.train.channels_last, num_workers=0)
+    # the report's slow part on a CPU (minutes for thousands of images): show it
     q = compute_embeddings(model, build_dataset_split(cfg, q_split, train=False), **kw,
-                           with_logits=bool(cfg.eval.classification), loss_with_logits=clf_loss)
+                           with_logits=bool(cfg.eval.classification), loss_with_logits=clf_loss,
+                           progress=f"embedding {q_split}")
     arrays: dict[str, np.ndarray] = {"embeddings": q["embeddings"], "labels": q["labels"]}
     if g_split is not None:
-        g = compute_embeddings(model, build_dataset_split(cfg, g_split, train=False), **kw)
+        g = compute_embeddings(model, build_dataset_split(cfg, g_split, train=False), **kw,
+                               progress=f"embedding {g_split}")
         is_query = np.r_[np.ones(len(q["labels"]), bool), np.zeros(len(g["labels"]), bool)]
         arrays = {"embeddings": np.concatenate([q["embeddings"], g["embeddings"]]),
                   "labels": np.concatenate([q["labels"], g["labels"]]),
@@ -120,7 +123,8 @@ def embed_run(checkpoint: Path, *, split: str | None = None, device: str = "auto
     if embed_train is None:
         embed_train = bool(cfg.eval.classification) or heated is not None
     if embed_train:
-        tr = compute_embeddings(model, build_dataset_split(cfg, cfg.data.train_split, train=False), **kw)
+        tr = compute_embeddings(model, build_dataset_split(cfg, cfg.data.train_split, train=False), **kw,
+                                progress=f"embedding {cfg.data.train_split}")
         arrays["train_embeddings"], arrays["train_labels"] = tr["embeddings"], tr["labels"]
         w = getattr(heated, "weight", None)
         if w is not None and w.ndim == 2 and w.shape[1] == tr["embeddings"].shape[1]:

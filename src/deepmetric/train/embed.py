@@ -34,7 +34,8 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
                        device: torch.device | str = "cpu", amp: str = "none",
                        channels_last: bool = False, num_workers: int = 0,
                        with_logits: bool = False, loss_with_logits: nn.Module | None = None,
-                       output: str = "embedding", with_paths: bool = False) -> dict:
+                       output: str = "embedding", with_paths: bool = False,
+                       progress: str | None = None) -> dict:
     """Embed every sample of ``dataset`` in order.
 
     ``output`` names the model output kept as ``"embeddings"``: ``"embedding"`` (the trained
@@ -43,7 +44,8 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
 
     Returns ``{"embeddings": float32 [N, k], "labels": int64 [N]}`` plus ``"logits"`` when
     ``with_logits`` and the model outputs them (or ``loss_with_logits.logits(emb)`` exists).
-    The model's train/eval mode is restored afterwards.
+    The model's train/eval mode is restored afterwards. ``progress``: a label for a tqdm bar
+    over the batches (none when None).
     """
     device = torch.device(device)
     was_training = model.training
@@ -51,6 +53,10 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
     embs, labels, logits = [], [], []
     try:
+        if progress is not None:
+            from tqdm.auto import tqdm
+
+            loader = tqdm(loader, desc=progress, unit="batch", leave=False)
         for x, y in loader:
             x = x.to(device, non_blocking=True)
             if channels_last and x.dim() == 4:
