@@ -480,8 +480,9 @@ def _add_study_parser(sub) -> None:
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="config overrides for every run, after the variants' (e.g. train.epochs=1 "
                         "with --out /tmp/smoke for a quick check of the whole study)")
-    p.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
-                   help="train only runs whose key starts with PREFIX (e.g. HBN or HBN/seed0)")
+    p.add_argument("--only", nargs="+", default=None, metavar="KEY",
+                   help="train only the runs under these keys, by whole path parts (HBN or "
+                        "HBN/seed0; 'triplet' does not match triplet_hard)")
     p.add_argument("--summary", action="store_true",
                    help="train nothing: rewrite the results files from the finished runs")
     p.add_argument("--list", action="store_true", help="list the runs and whether they are finished")
