@@ -243,6 +243,16 @@ def test_cli_list_and_summary(tmp_path, capsys):
     assert cli.main(["study", str(tmp_path / "missing.yaml")]) == 2
 
 
+def test_only_matches_whole_key_parts_and_rejects_a_key_that_matches_nothing(tmp_path):
+    """`--only a` must not select a16 / a4 (path parts, not string prefixes), and a typo among
+    good keys is an error, not a silently smaller study (seen on a GPU run: `--only triplet`
+    next to exact names trained nothing of triplet_semihard / triplet_hard)."""
+    study = load_study(_study(tmp_path))
+    with pytest.raises(ValueError, match=r"\['a'\] matches no run"):
+        run_study(study, only=["a16/seed0", "a"], log=lambda m: None)
+    assert not (tmp_path / "out" / "a16" / "seed0" / "metrics.json").exists()  # nothing trained
+
+
 @pytest.mark.parametrize("name", ["emoji", "glyphs_cross_family", "fashion_mnist_two_head"])
 def test_repository_study_files_are_valid(name):
     """Every run of the studies/ files validates, and names a dataset, transform, model and

@@ -722,16 +722,20 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
     ``workers`` (default: the study's) runs in parallel: 1 trains in this process, N > 1
     starts each run as ``python -m deepmetric.cli train`` in a subprocess with
     ``train.num_threads = max(1, cores // N)`` (unless the config sets it).  ``only`` keeps
-    the runs whose key starts with one of the given prefixes (e.g. ``HBN`` or
-    ``HBN/seed0``).  ``commit`` commits the result files with git after every run.
+    the runs under one of the given keys, by whole path parts (``HBN`` or ``HBN/seed0``);
+    a key that matches no run is an error.  ``commit`` commits the result files with git after every run.
     Returns ``{"finished", "skipped", "failed", "interrupted", "paths"}``.
     """
     log = log or (lambda msg: print(f"[study {study.name}] {msg}", flush=True))
     workers = workers or study.workers
-    runs = [r for r in study.runs if not only or any(r.key == p or r.key.startswith(p.rstrip("/") + "/")
-                                                      for p in only)]
-    if only and not runs:
-        raise ValueError(f"--only {list(only)} matches no run; runs are e.g. {study.runs[0].key}")
+    def under(key: str, p: str) -> bool:
+        return key == p or key.startswith(p.rstrip("/") + "/")
+
+    runs = [r for r in study.runs if not only or any(under(r.key, p) for p in only)]
+    unmatched = [p for p in only or () if not any(under(r.key, p) for r in study.runs)]
+    if unmatched:  # a typo must not silently shrink the study to the other keys
+        raise ValueError(f"--only {unmatched} matches no run (keys match by whole path parts); "
+                         f"runs are e.g. {', '.join(r.key for r in study.runs[:3])}")
     todo = [r for r in runs if not r.finished]
     skipped = [r.key for r in runs if r.finished]
     failed: list[str] = []
