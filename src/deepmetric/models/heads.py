@@ -78,7 +78,7 @@ class ShiftOnlyBatchNorm1d(nn.BatchNorm1d):
         # torch 2.11 on an H100, bench/RESULTS.md), so no BN-head model could train on a GPU.
         self._check_input_dim(x)
         if self.training:
-            self.num_batches_tracked.add_(1)  # (momentum is always set: it is not used)
+            self.num_batches_tracked.add_(1)  # kept as nn.BatchNorm1d keeps it (unused: momentum is set)
         y = F.batch_norm(x, self.running_mean, self.running_var, None, None, self.training,
                          self.momentum, self.eps)
         return y + self.bias
