@@ -39,7 +39,6 @@ rank 0 writes.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -53,6 +52,7 @@ from torch import nn
 
 from . import distributed as D
 from . import preflight as P
+from . import rundir as R
 from .amp import autocast_context, check_amp
 from .batches import make_train_loader
 from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler,
@@ -63,14 +63,17 @@ from .config import Config, config_diff, config_to_dict, save_config
 from .embed import cross_domain_metrics, evaluate_model, train_neighbour_metrics
 from .module import PAIR_BASED_LOSSES, TrainingModule, init_from_class_means
 from .optim import build_optimizer
+from .rundir import RunDirectoryError, RunLog, prepare_run_dir
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
 from .summary import format_baseline, format_run_end, format_run_summary
 
 #: The builders' old names, still importable from here.
 build_dataset_split = build_dataset
+#: What a run writes into its directory (kept for callers of the old name; see rundir).
+RUN_FILES = R.RUN_FILES
 
-__all__ = ["train", "TrainResult", "RunDirectoryError", "prepare_run_dir", "TrainingModule", "NonFiniteLossError", "build_dataset_split",
-           "build_model", "build_losses", "seed_everything", "init_from_class_means",
+__all__ = ["train", "TrainResult", "RunDirectoryError", "prepare_run_dir", "TrainingModule", "NonFiniteLossError",
+           "build_dataset_split", "build_model", "build_losses", "seed_everything", "init_from_class_means",
            "PAIR_BASED_LOSSES"]
 
 
@@ -95,111 +98,6 @@ class TrainResult:
 
 
 # --------------------------------------------------------------------------- helpers
-class _JsonLog:
-    """Append-only JSON-lines log (rank 0 only; other ranks get a no-op)."""
-
-    def __init__(self, path: Path | None):
-        self.f = open(path, "a", encoding="utf-8") if path is not None else None
-
-    def write(self, record: dict) -> None:
-        if self.f is not None:
-            self.f.write(json.dumps(record, default=float) + "\n")
-            self.f.flush()
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
-
-
-def _rewrite_log(path: Path, drop) -> None:
-    """Rewrite the JSON-lines log without the records for which ``drop(record)`` is true, and
-    without a truncated last line (a run killed while writing it)."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not drop(rec):
-            keep.append(line)
-    path.write_text("".join(l + "\n" for l in keep), encoding="utf-8")
-
-
-def _truncate_log(path: Path, iteration: int, epoch: int) -> None:
-    """On resume drop the records a killed run wrote after its last checkpoint."""
-    _rewrite_log(path, lambda rec: (rec.get("type") == "step" and rec.get("step", 0) > iteration)
-                 or (rec.get("type") in ("eval", "heat_up") and rec.get("epoch", 0) > epoch))
-
-
-def _final_evaluation_saved(records: list[dict], epoch: int, splits: list[str], test_metrics: dict) -> bool:
-    """Whether epoch ``epoch`` was evaluated on every split and the checkpoint's test metrics
-    are that evaluation's (not an earlier one's)."""
-    at = {r.get("split"): r for r in records if r.get("type") == "eval" and r.get("epoch") == epoch}
-    if not splits or not set(splits) <= set(at) or not test_metrics:
-        return False
-    return all(at["test"].get(k) == v for k, v in test_metrics.items())
-
-
-def _drop_eval_records(path: Path, epoch: int) -> None:
-    """Remove a partial evaluation's records of ``epoch`` (it is about to be redone)."""
-    _rewrite_log(path, lambda rec: rec.get("type") == "eval" and rec.get("epoch") == epoch)
-
-
-def _read_log(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-def _baselines_from_log(path: Path) -> dict[str, dict]:
-    """The ``{"type": "baseline"}`` records of a resumed run, as ``compute_baselines`` returns them."""
-    out = {}
-    for rec in _read_log(path):
-        if rec.get("type") == "baseline":
-            rest = {k: v for k, v in rec.items() if k not in ("type", "name", "label", "epoch", "step", "skipped")}
-            out[rec["name"]] = ({"label": rec.get("label"), "skipped": rec["skipped"]} if "skipped" in rec
-                                else {"label": rec.get("label"), "metrics": rest})
-    return out
-
-
-#: What a run writes into its directory (``--overwrite`` removes these and nothing else).
-RUN_FILES = ("config.yaml", "log.jsonl", "last.pt", "best.pt", "metrics.json")
-
-
-class RunDirectoryError(ValueError):
-    """A new run was pointed at a directory that already holds files."""
-
-
-def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> None:
-    """Create ``out_dir``.  A new run refuses a non-empty directory (the report would mix
-    runs) unless ``overwrite`` (the previous run's files are removed) or ``resume``."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise RunDirectoryError(f"config key 'train.out_dir': {out_dir} is a file, not a directory")
-    existing = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
-    if existing and resume is None:
-        if not overwrite:
-            shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
-            hint = f" --resume {out_dir / 'last.pt'}" if (out_dir / "last.pt").is_file() else ""
-            raise RunDirectoryError(
-                f"run directory {out_dir} is not empty ({shown}); a new run would mix its log and "
-                f"checkpoints with the old ones. Continue the old run with{hint or ' --resume CHECKPOINT'}, "
-                f"replace it with --overwrite (train(cfg, overwrite=True)), or choose another "
-                f"train.out_dir=...")
-        for name in RUN_FILES:
-            (out_dir / name).unlink(missing_ok=True)
-        for tmp in out_dir.glob(".*.pt.*.tmp"):  # left by a killed save
-            tmp.unlink(missing_ok=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-
 def _configure_torch(tc, device: torch.device) -> None:
     """Threads, precision check and determinism, decided once before anything is built."""
     if tc.num_threads is not None:
@@ -254,7 +152,7 @@ class Evaluator:
     ``on_eval`` sees the test evaluations."""
 
     def __init__(self, model: nn.Module, losses: nn.ModuleList, eval_sets: dict, cfg: Config, *,
-                 device: torch.device, world: int, log: _JsonLog,
+                 device: torch.device, world: int, log: RunLog,
                  on_eval: Callable[[int, dict, dict], None] | None):
         self.model, self.losses, self.eval_sets, self.cfg = model, losses, eval_sets, cfg
         self.device, self.world, self.log, self.on_eval = device, world, log, on_eval
@@ -293,18 +191,77 @@ def _check_metric(key: str, cfg_key: str, metrics: dict) -> None:
                          f"{sorted(metrics)}")
 
 
-# --------------------------------------------------------------------------- the loop
-def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bool = False,
-          on_eval: Callable[[int, dict, dict], None] | None = None) -> TrainResult:
-    """Train according to ``cfg``; ``resume`` continues from a checkpoint (``last.pt``).
+def loss_step_stats(module: TrainingModule) -> dict[str, float]:
+    """Per-step statistics the loss terms report about their last forward pass (a loss with a
+    ``step_stats()`` method, e.g. ALMN's virtual-point geometry), keyed ``loss/<i>_<name>/<stat>``."""
+    out = {}
+    for i, (name, loss) in enumerate(zip(module.names, module.losses)):
+        stats = getattr(loss, "step_stats", None)
+        if callable(stats):
+            out.update({f"loss/{i}_{name}/{k}": float(v) for k, v in stats().items()})
+    return out
 
-    A new run refuses a non-empty ``train.out_dir`` unless ``overwrite=True`` (which
-    removes the previous run's files) or ``resume`` is given.
 
-    ``on_eval(epoch, metrics, embedded)`` is called on rank 0 after every evaluation (the
-    demo uses it to keep embeddings for plots).
-    """
-    # 1. process set-up ------------------------------------------------------------------
+# --------------------------------------------------------------------------- the run's objects
+@dataclass
+class _Run:
+    """What the steps of :func:`train` share, built once by :func:`_set_up`."""
+
+    cfg: Config
+    dist_info: Any
+    out_dir: Path
+    train_ds: Any
+    sampler: Any
+    batches_per_epoch: int
+    total_epochs: int
+    total_iters: int
+    eval_sets: dict
+    select_key: str | None          # the validation metric that selects best.pt (None: no validation)
+    model: nn.Module
+    losses: nn.ModuleList
+    module: TrainingModule
+    step_module: nn.Module          # the module or its DDP wrapper
+    objs: Trainables
+    model_args: dict
+    config_dict: dict
+    warnings: list[str]
+    state: TrainState = field(default_factory=TrainState)
+    log: RunLog = field(default_factory=lambda: RunLog(None))
+    evaluate: Any = None            # an Evaluator
+    last_ckpt: Path | None = None   # the last good checkpoint (named in errors)
+    baselines: dict = field(default_factory=dict)
+    reevaluate: bool = False        # a finished run resumed without its final evaluation
+    t_start: float = 0.0
+    wall_before: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist_info.device
+
+    @property
+    def main(self) -> bool:
+        return self.dist_info.is_main
+
+    @property
+    def has_val(self) -> bool:
+        return self.select_key is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.state.iteration >= self.total_iters or self.state.stopped_early
+
+    def alphas(self) -> list[float]:
+        return current_alphas(self.objs.temperature, self.losses)
+
+    def save(self, name: str) -> Path:
+        """Write checkpoint ``name`` (``last.pt`` / ``best.pt``) of the run so far (rank 0)."""
+        self.state.wall_time_s = self.wall_before + time.perf_counter() - self.t_start
+        return save_checkpoint(checkpoint_dict(self.state, self.objs, model_args=self.model_args,
+                                               config=self.config_dict), self.out_dir / name)
+
+
+def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
+    """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules."""
     tc = cfg.train
     P.check_config(cfg)  # option and metric names: fail before anything is built
     dist_info = D.init_distributed(tc.device)
@@ -330,11 +287,10 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     if batches_per_epoch == 0:
         raise ValueError(f"the training split has too few samples ({len(train_ds)}) for one batch")
     total_epochs, total_iters = _run_length(tc, batches_per_epoch)
-    has_val = cfg.data.has_validation
-    select_key = (cfg.eval.best_metric or "recall@1") if has_val else None
+    select_key = (cfg.eval.best_metric or "recall@1") if cfg.data.has_validation else None
     eval_sets: dict[str, dict] = {}
-    if main:
-        if has_val:
+    if main:  # rank 0 evaluates
+        if select_key is not None:
             eval_sets["val"] = {"query": build_dataset(cfg, VAL_SPLIT, train=False)}
         eval_sets["test"] = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
         if cfg.eval.gallery_split is not None:
@@ -345,6 +301,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     # pre-flight: image headers of every split, the model on two training images.  Rank 0 alone
     # checks the evaluation splits, so a failure is shared before the ranks meet in DDP.
     preflight_error: Exception | None = None
+    input_shape, run_warnings = (), []
     try:
         input_shape, run_warnings = P.check_run(cfg, model, train_ds, eval_sets)
     except (ValueError, OSError) as exc:
@@ -383,246 +340,298 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     lr_schedule = LrSchedule(cfg.schedule.lr, total_epochs=total_epochs, total_iterations=total_iters)
     temperature = TemperatureSchedule(cfg.schedule.temperature, losses)
     scaler = torch.amp.GradScaler("cuda", enabled=(tc.amp == "fp16"))
-    objs = Trainables(model, losses, optimizer, scaler, lr_schedule, temperature, sampler)
-    model_args = {"num_classes": num_classes, "embedding_dim": embedding_dim, "world_size": world}
-    config_dict = config_to_dict(cfg)
+    run = _Run(cfg=cfg, dist_info=dist_info, out_dir=out_dir, train_ds=train_ds, sampler=sampler,
+               batches_per_epoch=batches_per_epoch, total_epochs=total_epochs, total_iters=total_iters,
+               eval_sets=eval_sets, select_key=select_key, model=model, losses=losses, module=module,
+               step_module=step_module,
+               objs=Trainables(model, losses, optimizer, scaler, lr_schedule, temperature, sampler),
+               model_args={"num_classes": num_classes, "embedding_dim": embedding_dim, "world_size": world},
+               config_dict=config_to_dict(cfg), warnings=run_warnings,
+               state=TrainState(best={"metric": select_key, "value": None, "epoch": None, "test": None}),
+               last_ckpt=out_dir / R.LAST)
+    run.evaluate = Evaluator(model, losses, eval_sets, cfg, device=device, world=world, log=run.log,
+                             on_eval=on_eval)
+    return run
 
-    # 5. resume --------------------------------------------------------------------------
-    state = TrainState(best={"metric": select_key, "value": None, "epoch": None, "test": None})
-    last_ckpt = out_dir / "last.pt"
+
+def _resume(run: _Run, resume) -> None:
+    """Step 5: restore the checkpoint's states and drop the log records written after it."""
+    ckpt = load_checkpoint(resume, map_location=run.device)
+    run.state = restore(ckpt, run.objs, rank=run.dist_info.rank, config=run.config_dict, path=resume)
+    if run.main:
+        R.truncate_log(run.out_dir, run.state.iteration, run.state.epoch)
+        print(f"[deepmetric] resumed from {resume}: epoch {run.state.epoch}, step {run.state.iteration}", flush=True)
+        changed = [f"{k} {a!r} -> {b!r}" for k, a, b in config_diff(ckpt["config"], run.config_dict)]
+        if changed:
+            print(f"[deepmetric] resuming with changed config keys: {', '.join(changed)}", flush=True)
+    run.last_ckpt = Path(resume)
+    if run.finished:
+        # The last checkpoint is written before the final evaluation: a run killed during (or
+        # right after) it evaluates again, unless the log holds this epoch's records of every
+        # split and the checkpoint already carries their test metrics.
+        saved = run.main and R.final_evaluation_saved(R.read_log(run.out_dir), run.state.epoch,
+                                                      list(run.eval_sets), run.state.metrics)
+        if run.main and not saved:
+            R.drop_eval_records(run.out_dir, run.state.epoch)  # the partial evaluation's records
+        run.reevaluate = D.any_true(run.main and not saved, run.device)
+
+
+def _open_log(run: _Run) -> None:
+    if run.main:
+        save_config(run.cfg, run.out_dir / R.CONFIG)
+    run.log = run.evaluate.log = RunLog(run.out_dir / R.LOG if run.main else None)
+
+
+def _log_heat_up(run: _Run, epoch: int) -> None:
+    """The one place a ``{"type": "heat_up"}`` record is written (after an event fired)."""
+    if run.main:
+        run.log.write({"type": "heat_up", "epoch": epoch, "step": run.state.iteration,
+                       **run.objs.temperature.history[-1]})
+
+
+def _baselines(run: _Run, resume) -> None:
+    """Before the first step: the untrained network (``eval.at_start``) and the baselines of
+    ``eval.baselines``, printed and logged; a resumed run reads them back from its log."""
+    cfg, state = run.cfg, run.state
     if resume is not None:
-        ckpt = load_checkpoint(resume, map_location=device)
-        state = restore(ckpt, objs, rank=rank, config=config_dict, path=resume)
-        if main:
-            _truncate_log(out_dir / "log.jsonl", state.iteration, state.epoch)
-            print(f"[deepmetric] resumed from {resume}: epoch {state.epoch}, step {state.iteration}", flush=True)
-            changed = [f"{k} {a!r} -> {b!r}" for k, a, b in config_diff(ckpt["config"], config_dict)]
-            if changed:
-                print(f"[deepmetric] resuming with changed config keys: {', '.join(changed)}", flush=True)
-        del ckpt
-        last_ckpt = Path(resume)
-    if main:
-        save_config(cfg, out_dir / "config.yaml")
-    log = _JsonLog(out_dir / "log.jsonl" if main else None)
-    evaluate = Evaluator(model, losses, eval_sets, cfg, device=device, world=world, log=log, on_eval=on_eval)
-
-    t_start, wall_before = time.perf_counter(), state.wall_time_s
-
-    def save(path: Path) -> Path:
-        state.wall_time_s = wall_before + time.perf_counter() - t_start
-        return save_checkpoint(checkpoint_dict(state, objs, model_args=model_args, config=config_dict), path)
-
-    def choose_best(epoch: int) -> None:
-        """After a validation evaluation: update ``state.best`` and write ``best.pt``."""
-        value = state.val_metrics[select_key]
-        if state.best["value"] is None or value > state.best["value"]:
-            state.best = {"metric": select_key, "value": value, "epoch": epoch, "test": dict(state.metrics)}
-            if main:
-                save(out_dir / "best.pt")
-
-    # 6. epochs --------------------------------------------------------------------------
-    baselines: dict[str, dict] = {}
-    if resume is None:
-        at_start = None
-        if cfg.eval.at_start:
-            results = evaluate(0, 0, current_alphas(temperature, losses))
-            state.metrics, state.val_metrics = results.get("test", {}), results.get("val", {})
-            at_start = state.metrics
-        if cfg.eval.baselines and main:
-            baselines = P.compute_baselines(model, losses, eval_sets["test"], cfg, device=device,
+        if run.main:
+            run.baselines = R.baselines_from_log(R.read_log(run.out_dir))
+        return
+    at_start = None
+    if cfg.eval.at_start:
+        results = run.evaluate(0, 0, run.alphas())
+        state.metrics, state.val_metrics = results.get("test", {}), results.get("val", {})
+        at_start = state.metrics
+    if cfg.eval.baselines and run.main:
+        run.baselines = P.compute_baselines(run.model, run.losses, run.eval_sets["test"], cfg, device=run.device,
                                             at_start=at_start)
-            for name, b in baselines.items():
-                print(format_baseline(b["label"], b.get("metrics"), b.get("skipped", "")), flush=True)
-                extra = {"skipped": b["skipped"]} if "skipped" in b else b["metrics"]
-                log.write({"type": "baseline", "name": name, "label": b["label"], "split": "test",
+        for name, b in run.baselines.items():
+            print(format_baseline(b["label"], b.get("metrics"), b.get("skipped", "")), flush=True)
+            extra = {"skipped": b["skipped"]} if "skipped" in b else b["metrics"]
+            run.log.write({"type": "baseline", "name": name, "label": b["label"], "split": "test",
                            "epoch": 0, "step": 0, **extra})
-    elif main:
-        baselines = _baselines_from_log(out_dir / "log.jsonl")
-    interrupted = False
-    finished = state.iteration >= total_iters or state.stopped_early
-    if resume is not None and finished:
-        # The last epoch's checkpoint is written before its evaluation: a run killed during (or
-        # right after) that evaluation resumes here with the previous evaluation's metrics.
-        # Evaluate again unless the log holds this epoch's records of every split and the
-        # checkpoint already carries their test metrics.
-        evaluated = main and _final_evaluation_saved(_read_log(out_dir / "log.jsonl"), state.epoch,
-                                                     list(eval_sets), state.metrics)
-        if main and not evaluated:
-            _drop_eval_records(out_dir / "log.jsonl", state.epoch)
-        if D.any_true(main and not evaluated, device):
-            results = evaluate(state.epoch, state.iteration, current_alphas(temperature, losses), final=True)
-            state.metrics, state.val_metrics = results["test"], results.get("val", {})
-            if has_val:
-                _check_metric(select_key, "eval.best_metric", state.val_metrics)
-                choose_best(state.epoch)
-            if main:
-                last_ckpt = save(out_dir / "last.pt")
-    try:
+
+
+def _choose_best(run: _Run, epoch: int) -> None:
+    """After a validation evaluation: update ``state.best`` and write ``best.pt``."""
+    state = run.state
+    _check_metric(run.select_key, "eval.best_metric", state.val_metrics)
+    value = state.val_metrics[run.select_key]
+    if state.best["value"] is None or value > state.best["value"]:
+        state.best = {"metric": run.select_key, "value": value, "epoch": epoch, "test": dict(state.metrics)}
+        if run.main:
+            run.save(R.BEST)
+
+
+def _evaluate(run: _Run, epoch: int, final: bool) -> None:
+    results = run.evaluate(epoch, run.state.iteration, run.alphas(), final=final)
+    run.state.metrics, run.state.val_metrics = results["test"], results.get("val", {})
+
+
+def _evaluate_finished_resume(run: _Run) -> None:
+    """A finished run resumed whose final evaluation is missing (``_resume``): evaluate it."""
+    state = run.state
+    _evaluate(run, state.epoch, final=True)
+    if run.has_val:
+        _choose_best(run, state.epoch)
+    if run.main:
+        run.last_ckpt = run.save(R.LAST)
+
+
+def _train_one_epoch(run: _Run, epoch: int, interrupt: GracefulInterrupt) -> str | None:
+    """Step 6: the batches of one epoch (from ``state.batch_in_epoch`` on a mid-epoch resume).
+    Returns ``"finished"`` (the last step is done), ``"interrupted"`` (Ctrl-C) or None."""
+    cfg, tc, state, device = run.cfg, run.cfg.train, run.state, run.device
+    world, objs = run.dist_info.world_size, run.objs
+    if state.batch_in_epoch == 0:
+        # Each epoch's randomness is a function of (seed, epoch, rank) only.
+        seed_everything(tc.seed + 1_000_003 * (epoch + 1) + 7919 * run.dist_info.rank)
+    run.sampler.set_epoch(epoch)
+    # augmentation seeded by each sample's position: exact resume with loader workers
+    loader = make_train_loader(run.train_ds, run.sampler, epoch=epoch, start=state.batch_in_epoch,
+                               run_seed=tc.seed, rank=run.dist_info.rank, num_workers=cfg.data.num_workers,
+                               pin_memory=device.type == "cuda")
+    bn_stats_only = epoch < tc.warmup_epochs and tc.warmup_mode == "bn_stats"
+    bar = None
+    if tc.progress and run.main:
         from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        tqdm = None
-    with GracefulInterrupt() as interrupt:
-        while state.epoch < total_epochs and not finished:
-            epoch = state.epoch
-            if state.batch_in_epoch == 0:
-                # Each epoch's randomness is a function of (seed, epoch, rank) only.
-                seed_everything(tc.seed + 1_000_003 * (epoch + 1) + 7919 * rank)
-            sampler.set_epoch(epoch)
-            # augmentation seeded by each sample's position: exact resume with loader workers
-            loader = make_train_loader(train_ds, sampler, epoch=epoch, start=state.batch_in_epoch,
-                                       run_seed=tc.seed, rank=rank, num_workers=cfg.data.num_workers,
-                                       pin_memory=device.type == "cuda")
-            bn_stats_only = epoch < tc.warmup_epochs and tc.warmup_mode == "bn_stats"
-            bar = None
-            if tqdm is not None and tc.progress and main:
-                bar = tqdm(total=batches_per_epoch, initial=state.batch_in_epoch,
-                           desc=f"epoch {epoch + 1}/{total_epochs}", leave=False, dynamic_ncols=True)
-            step_module.train()
-            t_epoch = t_step = time.perf_counter()
-            images_in_step = 0
-            for x, y in loader:
-                x = x.to(device, non_blocking=True)
-                y = torch.as_tensor(y).to(device, non_blocking=True)
-                if tc.channels_last and x.dim() == 4:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                state.batch_in_epoch += 1
-                images_in_step += x.shape[0] * world
-                state.train_images += x.shape[0] * world
 
-                if bn_stats_only:  # warm-up: update batch-norm statistics, no weight change
-                    with torch.no_grad(), autocast_context(device, tc.amp):
-                        model(x)
-                    if bar is not None:
-                        bar.update(1)
-                    continue
+        bar = tqdm(total=run.batches_per_epoch, initial=state.batch_in_epoch,
+                   desc=f"epoch {epoch + 1}/{run.total_epochs}", leave=False, dynamic_ncols=True)
+    run.step_module.train()
+    t_epoch = t_step = time.perf_counter()
+    images_in_step, outcome, lr = 0, None, 0.0
+    for x, y in loader:
+        x = x.to(device, non_blocking=True)
+        y = torch.as_tensor(y).to(device, non_blocking=True)
+        if tc.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        state.batch_in_epoch += 1
+        images_in_step += x.shape[0] * world
+        state.train_images += x.shape[0] * world
+        if bar is not None:
+            bar.update(1)
+        if bn_stats_only:  # warm-up: update batch-norm statistics, no weight change
+            with torch.no_grad(), autocast_context(device, tc.amp):
+                run.model(x)
+            continue
 
-                accum_index = (state.batch_in_epoch - 1) % tc.grad_accum
-                if accum_index == 0:
-                    if temperature.step(epoch, state.iteration) and main:
-                        log.write({"type": "heat_up", "epoch": epoch, "step": state.iteration,
-                                   **temperature.history[-1]})
-                    lr = set_learning_rates(optimizer, cfg, lr_schedule.factor(epoch, state.iteration)
-                                            * temperature.lr_factor, epoch, losses)
-                total, parts = step_module(x, y)
-                loss_value = float(total.detach())
-                if D.any_true(not math.isfinite(loss_value), device):
-                    raise NonFiniteLossError(
-                        f"non-finite loss ({loss_value}) at step {state.iteration + 1} (epoch {epoch + 1}, "
-                        f"batch {state.batch_in_epoch}); training stopped, the last good checkpoint "
-                        f"{last_ckpt if last_ckpt.exists() else '(none written yet)'} is intact")
-                scaler.scale(total / tc.grad_accum).backward()
-                state.epoch_loss_sum += loss_value
-                state.epoch_loss_n += 1
-                if bar is not None:
-                    bar.update(1)
-                if accum_index != tc.grad_accum - 1 and state.batch_in_epoch != batches_per_epoch:
-                    continue
-                if tc.grad_clip is not None:
-                    scaler.unscale_(optimizer)
-                    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]],
-                                                   tc.grad_clip)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                state.iteration += 1
+        accum_index = (state.batch_in_epoch - 1) % tc.grad_accum
+        if accum_index == 0:
+            if objs.temperature.step(epoch, state.iteration):
+                _log_heat_up(run, epoch)
+            lr = set_learning_rates(objs.optimizer, cfg, objs.lr_schedule.factor(epoch, state.iteration)
+                                    * objs.temperature.lr_factor, epoch, run.losses)
+        total, parts = run.step_module(x, y)
+        loss_value = float(total.detach())
+        if D.any_true(not math.isfinite(loss_value), device):
+            raise NonFiniteLossError(
+                f"non-finite loss ({loss_value}) at step {state.iteration + 1} (epoch {epoch + 1}, "
+                f"batch {state.batch_in_epoch}); training stopped, the last good checkpoint "
+                f"{run.last_ckpt if run.last_ckpt.exists() else '(none written yet)'} is intact")
+        objs.scaler.scale(total / tc.grad_accum).backward()
+        state.epoch_loss_sum += loss_value
+        state.epoch_loss_n += 1
+        if accum_index != tc.grad_accum - 1 and state.batch_in_epoch != run.batches_per_epoch:
+            continue
+        if tc.grad_clip is not None:
+            objs.scaler.unscale_(objs.optimizer)
+            torch.nn.utils.clip_grad_norm_([p for g in objs.optimizer.param_groups for p in g["params"]],
+                                           tc.grad_clip)
+        objs.scaler.step(objs.optimizer)
+        objs.scaler.update()
+        objs.optimizer.zero_grad(set_to_none=True)
+        state.iteration += 1
 
-                now = time.perf_counter()
-                ips = images_in_step / max(now - t_step, 1e-9)
-                t_step, images_in_step = now, 0
-                alphas = current_alphas(temperature, losses)
-                rec = {"type": "step", "step": state.iteration,
-                       "epoch": epoch + state.batch_in_epoch / batches_per_epoch,
-                       "loss": loss_value, "lr": lr, "images_per_s": round(ips, 2)}
-                if len(parts) > 1:
-                    rec.update({f"loss/{i}_{n}": float(p.detach()) for i, (n, p) in
-                                enumerate(zip(module.names, parts))})
-                if alphas:
-                    rec["alpha"] = alphas[0]
-                log.write(rec)
-                if bar is not None:
-                    post = {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}", "img/s": f"{ips:.0f}"}
-                    if alphas:
-                        post["alpha"] = f"{alphas[0]:.3g}"
-                    bar.set_postfix(post, refresh=False)
+        now = time.perf_counter()
+        ips = images_in_step / max(now - t_step, 1e-9)
+        t_step, images_in_step = now, 0
+        alphas = run.alphas()
+        rec = {"type": "step", "step": state.iteration, "epoch": epoch + state.batch_in_epoch / run.batches_per_epoch,
+               "loss": loss_value, "lr": lr, "images_per_s": round(ips, 2)}
+        if len(parts) > 1:
+            rec.update({f"loss/{i}_{n}": float(p.detach()) for i, (n, p) in enumerate(zip(run.module.names, parts))})
+        rec.update(loss_step_stats(run.module))
+        if alphas:
+            rec["alpha"] = alphas[0]
+        run.log.write(rec)
+        if bar is not None:
+            post = {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}", "img/s": f"{ips:.0f}"}
+            if alphas:
+                post["alpha"] = f"{alphas[0]:.3g}"
+            bar.set_postfix(post, refresh=False)
+        if state.iteration >= run.total_iters:
+            outcome = "finished"
+            break
+        if D.any_true(interrupt.requested, device):
+            outcome = "interrupted"
+            break
+    if bar is not None:
+        bar.close()
+    state.train_seconds += time.perf_counter() - t_epoch
+    return outcome
 
-                if state.iteration >= total_iters:
-                    finished = True
-                    break
-                if D.any_true(interrupt.requested, device):
-                    interrupted = True
-                    break
-            if bar is not None:
-                bar.close()
-            state.train_seconds += time.perf_counter() - t_epoch
 
-            if interrupted:
-                if main:
-                    save(out_dir / "last.pt")
-                    print(f"[deepmetric] interrupted at step {state.iteration}; checkpoint saved to "
-                          f"{out_dir / 'last.pt'} (continue with --resume {out_dir / 'last.pt'})", flush=True)
-                break
+def _end_of_epoch(run: _Run, epoch: int, finished: bool) -> bool:
+    """Step 7 after epoch ``epoch`` (1-based count of epochs done): the plateau monitor, the
+    evaluation when due, ``best.pt``, early stopping, ``last.pt``.  Returns ``finished``."""
+    cfg, state, temperature = run.cfg, run.state, run.objs.temperature
+    state.epoch, state.batch_in_epoch = epoch, 0
+    mean_loss = D.all_reduce_mean(state.epoch_loss_sum / max(state.epoch_loss_n, 1), run.device)
+    had_steps = state.epoch_loss_n > 0
+    state.epoch_loss_sum, state.epoch_loss_n = 0.0, 0
+    monitor = cfg.schedule.temperature.monitor
+    if had_steps and monitor == "train_loss" and temperature.observe(mean_loss, epoch, state.iteration):
+        _log_heat_up(run, epoch)
+    last_epoch = epoch == run.total_epochs or finished
+    if run.main and last_epoch:
+        run.last_ckpt = run.save(R.LAST)  # the training is safe before evaluation runs
+    due = _eval_due(cfg, epoch, run.total_epochs, finished)
+    if due:
+        _evaluate(run, epoch, final=last_epoch)
+    if due and run.has_val:  # choose on validation metrics only
+        _check_metric(run.select_key, "eval.best_metric", state.val_metrics)
+        if monitor != "train_loss":
+            if cfg.schedule.temperature.name == "auto_plateau":
+                _check_metric(monitor, "schedule.temperature.monitor", state.val_metrics)
+            if monitor in state.val_metrics and temperature.observe(state.val_metrics[monitor], epoch,
+                                                                    state.iteration):
+                _log_heat_up(run, epoch)
+        _choose_best(run, epoch)
+        patience = cfg.eval.early_stop_patience
+        if patience is not None and epoch - state.best["epoch"] >= patience and not finished:
+            finished = state.stopped_early = True
+            run.log.write({"type": "early_stop", "epoch": epoch, "step": state.iteration,
+                           "best_epoch": state.best["epoch"], run.select_key: state.best["value"]})
+            if run.main:
+                print(f"[deepmetric] early stop at epoch {epoch}: validation {run.select_key} has not "
+                      f"improved for {patience} epoch(s) since epoch {state.best['epoch']}", flush=True)
+    if run.main and (epoch % cfg.train.checkpoint_every == 0 or epoch == run.total_epochs or finished):
+        run.last_ckpt = run.save(R.LAST)
+    D.barrier()
+    return finished
 
-            # 7. end of epoch: plateau monitor, evaluation, checkpoints -------------------
-            state.epoch = epoch = epoch + 1
-            state.batch_in_epoch = 0
-            mean_loss = D.all_reduce_mean(state.epoch_loss_sum / max(state.epoch_loss_n, 1), device)
-            had_steps = state.epoch_loss_n > 0
-            state.epoch_loss_sum, state.epoch_loss_n = 0.0, 0
-            monitor = cfg.schedule.temperature.monitor
-            if had_steps and monitor == "train_loss":
-                if temperature.observe(mean_loss, epoch, state.iteration) and main:
-                    log.write({"type": "heat_up", "epoch": epoch, "step": state.iteration,
-                               **temperature.history[-1]})
-            if main and (epoch == total_epochs or finished):
-                last_ckpt = save(out_dir / "last.pt")  # the training is safe before evaluation runs
-            due = _eval_due(cfg, epoch, total_epochs, finished)
-            if due:
-                results = evaluate(epoch, state.iteration, current_alphas(temperature, losses),
-                                   final=epoch == total_epochs or finished)
-                state.metrics, state.val_metrics = results["test"], results.get("val", {})
-            if due and has_val:  # choose on validation metrics only
-                _check_metric(select_key, "eval.best_metric", state.val_metrics)
-                if monitor != "train_loss":
-                    if cfg.schedule.temperature.name == "auto_plateau":
-                        _check_metric(monitor, "schedule.temperature.monitor", state.val_metrics)
-                    if monitor in state.val_metrics and temperature.observe(
-                            state.val_metrics[monitor], epoch, state.iteration) and main:
-                        log.write({"type": "heat_up", "epoch": epoch, "step": state.iteration,
-                                   **temperature.history[-1]})
-                choose_best(epoch)
-                patience = cfg.eval.early_stop_patience
-                if patience is not None and epoch - state.best["epoch"] >= patience and not finished:
-                    finished = state.stopped_early = True
-                    log.write({"type": "early_stop", "epoch": epoch, "step": state.iteration,
-                               "best_epoch": state.best["epoch"], select_key: state.best["value"]})
-                    if main:
-                        print(f"[deepmetric] early stop at epoch {epoch}: validation {select_key} has not "
-                              f"improved for {patience} epoch(s) since epoch {state.best['epoch']}", flush=True)
-            if main and (epoch % tc.checkpoint_every == 0 or epoch == total_epochs or finished):
-                last_ckpt = save(out_dir / "last.pt")
-            D.barrier()
 
-    log.close()
+def _finish(run: _Run, interrupted: bool) -> TrainResult:
+    """The result, ``metrics.json`` and the closing lines (rank 0)."""
+    state = run.state
     selected = None
-    if has_val and state.best.get("value") is not None:
+    if run.has_val and state.best.get("value") is not None:
         selected = {k: state.best[k] for k in ("epoch", "metric", "value", "test")}
-    final = {"test": state.metrics, **({"val": state.val_metrics} if has_val else {})}
-    state.wall_time_s = wall_before + time.perf_counter() - t_start
-    result = TrainResult(out_dir, state.metrics, final, selected, state.epoch, state.iteration,
-                         heat_ups=list(temperature.history), wall_time_s=round(state.wall_time_s, 3),
+    final = {"test": state.metrics, **({"val": state.val_metrics} if run.has_val else {})}
+    state.wall_time_s = run.wall_before + time.perf_counter() - run.t_start
+    result = TrainResult(run.out_dir, state.metrics, final, selected, state.epoch, state.iteration,
+                         heat_ups=list(run.objs.temperature.history), wall_time_s=round(state.wall_time_s, 3),
                          train_images_per_s=round(state.train_images / max(state.train_seconds, 1e-9), 2),
                          interrupted=interrupted)
-    if main and not interrupted:
-        summary = {"metrics": result.metrics, "final": result.final, "selected": result.selected,
-                   "epochs": result.epochs_completed, "steps": result.iteration, "heat_ups": result.heat_ups,
-                   "wall_time_s": result.wall_time_s, "train_images_per_s": result.train_images_per_s,
-                   "baselines": baselines, "warnings": run_warnings}
-        (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=float))
-        print(format_run_end(metrics=state.metrics, val_metrics=state.val_metrics if has_val else None,
-                             best=state.best, key=select_key or "recall@1", seconds=result.wall_time_s,
-                             epochs=state.epoch, steps=state.iteration, out_dir=out_dir,
-                             baselines=baselines), flush=True)
-    D.cleanup_distributed(dist_info)
+    if run.main and not interrupted:
+        R.write_metrics(run.out_dir, {
+            "metrics": result.metrics, "final": result.final, "selected": result.selected,
+            "epochs": result.epochs_completed, "steps": result.iteration, "heat_ups": result.heat_ups,
+            "wall_time_s": result.wall_time_s, "train_images_per_s": result.train_images_per_s,
+            "baselines": run.baselines, "warnings": run.warnings})
+        print(format_run_end(metrics=state.metrics, val_metrics=state.val_metrics if run.has_val else None,
+                             best=state.best, key=run.select_key or "recall@1", seconds=result.wall_time_s,
+                             epochs=state.epoch, steps=state.iteration, out_dir=run.out_dir,
+                             baselines=run.baselines), flush=True)
+    return result
+
+
+# --------------------------------------------------------------------------- the loop
+def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bool = False,
+          on_eval: Callable[[int, dict, dict], None] | None = None) -> TrainResult:
+    """Train according to ``cfg``; ``resume`` continues from a checkpoint (``last.pt``).
+
+    A new run refuses a non-empty ``train.out_dir`` unless ``overwrite=True`` (which
+    removes the previous run's files) or ``resume`` is given.
+
+    ``on_eval(epoch, metrics, embedded)`` is called on rank 0 after every evaluation (the
+    demo uses it to keep embeddings for plots).
+    """
+    run = _set_up(cfg, resume=resume, overwrite=overwrite, on_eval=on_eval)      # steps 1-4
+    if resume is not None:
+        _resume(run, resume)                                                     # step 5
+    _open_log(run)
+    run.t_start, run.wall_before = time.perf_counter(), run.state.wall_time_s
+    _baselines(run, resume)
+    finished = run.finished
+    if run.reevaluate:
+        _evaluate_finished_resume(run)
+    interrupted = False
+    with GracefulInterrupt() as interrupt:
+        while run.state.epoch < run.total_epochs and not finished:             # steps 6-7
+            outcome = _train_one_epoch(run, run.state.epoch, interrupt)
+            if outcome == "interrupted":
+                interrupted = True
+                if run.main:
+                    run.save(R.LAST)
+                    print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
+                          f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})", flush=True)
+                break
+            finished = _end_of_epoch(run, run.state.epoch + 1, finished=outcome == "finished")
+    run.log.close()
+    result = _finish(run, interrupted)
+    D.cleanup_distributed(run.dist_info)
     return result
 
 
