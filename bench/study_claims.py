@@ -9,7 +9,7 @@ A claim is a list of checks "A > B on metric M in study S".  A metric ``M[NAME]`
 read from ``reevaluated_NAME.json`` (``bench/study_reevaluate.py``: the final checkpoints
 evaluated again, e.g. ``final/nmi[kmeans10]`` = NMI from 10 k-means restarts).  A check is read
 from the paired differences d_i = M(A, seed i) - M(B, seed i) over the seeds both variants finished (the
-study runner's :func:`deepmetric.train.study.paired_differences`: mean, sample sd, 95 %
+study runner's :func:`deepmetric.report.study_tables.paired_differences`: mean, sample sd, 95 %
 Student-t interval):
 
 * **holds**: the interval lies above 0;
@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from deepmetric.train.study import mean_ci  # noqa: E402
+from deepmetric.report.study_tables import mean_ci  # noqa: E402
 
 STUDIES = ROOT / "bench" / "studies"
 

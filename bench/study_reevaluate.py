@@ -50,7 +50,8 @@ def reevaluate_run(run_dir: Path, overrides: list[str], metrics: list[str]) -> d
 def main() -> None:
     import torch
 
-    from deepmetric.train.study import load_study, mean_ci, paired_differences
+    from deepmetric.report.study_tables import mean_ci, paired_differences
+    from deepmetric.workflows.study import load_study
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("study", help="a study file (studies/*.yaml)")

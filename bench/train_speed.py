@@ -45,9 +45,9 @@ from deepmetric.train.optim import build_optimizer
 def recipe(name: str) -> dict:
     """The raw config of a recipe (speed only: short evaluation on a few test classes)."""
     if name == "glyph":
-        from deepmetric.train.demo import DEMO_CONFIGS
+        from deepmetric.workflows.demo import demo_recipe
 
-        raw = yaml.safe_load(DEMO_CONFIGS["glyphs"])
+        raw = yaml.safe_load(demo_recipe("glyphs").read_text())
         # training on the demo's 400 characters; evaluate only 20 test characters (not timed)
         raw["data"]["options"] = {"max_train_classes": 400, "max_classes": 20, "size": 32}
         return raw

@@ -14,3 +14,43 @@ torch.set_num_threads(1)
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# --------------------------------------------------------------------------- shared configs
+def _deep_update(base: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def synthetic_config(out_dir=None, *, classes: int = 6, per_class: int = 16, data_seed: int = 5,
+                     hidden: int = 32, **sections) -> dict:
+    """The small synthetic run most training tests use (well under a second): ``classes``
+    Gaussian clusters x ``per_class`` points in 16-d, an MLP (``hidden`` units) to an 8-d
+    embedding, heated softmax alpha 16, SGD lr 0.05 with momentum, 3 epochs of batch 16,
+    evaluation after every epoch.  ``sections`` (``data=``, ``loss=``, ``train=``, ...) update
+    the defaults key by key (mappings merge, other values replace); ``out_dir`` sets
+    ``train.out_dir``.  Returns the raw mapping (``config_from_dict`` validates it)."""
+    raw = {
+        "data": {"name": "synthetic", "options": {"num_classes": classes, "per_class": per_class, "dim": 16,
+                                                  "seed": data_seed}},
+        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": hidden, "embedding_dim": 8}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"epochs": 3, "batch_size": 16, "seed": 0, "progress": False},
+        "eval": {"every": 1},
+    }
+    if out_dir is not None:
+        raw["train"]["out_dir"] = str(out_dir)
+    return _deep_update(raw, sections)
+
+
+@pytest.fixture
+def synthetic_raw(tmp_path):
+    """:func:`synthetic_config` writing into ``tmp_path / "run"`` unless ``out_dir`` is given."""
+    def make(out_dir=None, **kw):
+        return synthetic_config(out_dir if out_dir is not None else tmp_path / "run", **kw)
+    return make

@@ -11,6 +11,8 @@ import torch
 from degenerate import NUM_CLASSES, degenerate_batches
 
 from deepmetric.losses.almn import ALMNLoss
+from conftest import synthetic_config
+from deepmetric.train.rundir import read_log
 
 
 # ----------------------------------------------------------------------------- references
@@ -322,7 +324,6 @@ def test_centre_rate_lr_follows_the_learning_rate(rng):
 def test_centre_rate_lr_in_the_training_loop_follows_the_schedule(tmp_path, monkeypatch):
     """deepmetric train pushes the scheduled base lr (multistep x 0.8, as the paper's
     schedule) into the loss before every step; every centre update uses that step's lr."""
-    import json
 
     from deepmetric.train.config import config_from_dict
     from deepmetric.train.loop import train
@@ -335,19 +336,14 @@ def test_centre_rate_lr_in_the_training_loop_follows_the_schedule(tmp_path, monk
         return orig(self, x, labels)
 
     monkeypatch.setattr(ALMNLoss, "_update_centres", spy)
-    raw = {
-        "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 8, "dim": 16, "seed": 5}},
-        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 16, "embedding_dim": 8}},
-        "loss": [{"name": "almn", "options": {"beta": 1.0, "centre_rate": "lr"}}],
-        "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-        "schedule": {"lr": {"name": "multistep", "unit": "iteration", "milestones": [4], "gamma": 0.8}},
-        "train": {"iterations": 8, "batch_size": 12, "sampler": "class_balanced", "m": 3, "n": 4,
-                  "seed": 0, "out_dir": str(tmp_path), "progress": False},
-        "eval": {"every": 0, "metrics": ["recall"]},
-    }
+    raw = synthetic_config(tmp_path, per_class=8, hidden=16,
+                           loss=[{"name": "almn", "options": {"beta": 1.0, "centre_rate": "lr"}}], optim={"lr": 0.01},
+                           schedule={"lr": {"name": "multistep", "unit": "iteration", "milestones": [4], "gamma": 0.8}},
+                           train={"iterations": 8, "batch_size": 12, "sampler": "class_balanced", "m": 3, "n": 4},
+                           eval={"every": 0, "metrics": ["recall"]})
+    del raw["train"]["epochs"]
     train(config_from_dict(raw))
-    logged = [json.loads(line)["lr"] for line in (tmp_path / "log.jsonl").read_text().splitlines()
-              if json.loads(line)["type"] == "step"]
+    logged = [r["lr"] for r in read_log(tmp_path, type="step")]
     assert logged == pytest.approx([0.01] * 4 + [0.008] * 4)
     assert rates == pytest.approx(logged)
 

@@ -8,20 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import synthetic_config
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("study_reevaluate", ROOT / "bench" / "study_reevaluate.py")
 sr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sr)
 
-BASE = {
-    "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 16, "dim": 16, "seed": 5}},
-    "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
-    "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
-    "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-    "train": {"epochs": 1, "batch_size": 16, "num_threads": 1, "progress": False},
-    "eval": {"every": 0, "metrics": ["recall", "nmi", "f1"], "ks": [1], "baselines": False},
-}
+BASE = synthetic_config(train={"epochs": 1, "num_threads": 1},
+                        eval={"every": 0, "metrics": ["recall", "nmi", "f1"], "ks": [1], "baselines": False})
 
 
 def test_reevaluation_reproduces_then_changes_the_clustering(tmp_path, monkeypatch):
@@ -29,7 +24,7 @@ def test_reevaluation_reproduces_then_changes_the_clustering(tmp_path, monkeypat
     from deepmetric.evaluate.clustering import nmi_from_clusters
     from deepmetric.train.builders import build_dataset
     from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
-    from deepmetric.train.study import load_study, run_study
+    from deepmetric.workflows.study import load_study, run_study
 
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump({"name": "tiny", "base": BASE, "seeds": [0, 1],

@@ -9,6 +9,7 @@ import torch
 
 from deepmetric.data import build_dataset
 from deepmetric.data.glyphs import build_glyph_dataset, find_cjk_faces, gb2312_level1_chars
+from deepmetric.train.rundir import read_log
 
 FACES = find_cjk_faces()
 needs_fonts = pytest.mark.skipif(not FACES, reason="no CJK fonts installed (see docs/offline-data.md)")
@@ -333,7 +334,6 @@ def test_validation_families_mirror_the_cross_family_test(tmp_path):
     """data.val_query_families: a training family leaves training, and the validation
     characters are searched with that family's images as queries against the other training
     family, as the test searches the held-out families against the training families."""
-    import json
 
     from deepmetric.train import train
     from deepmetric.train.builders import build_dataset as build_split
@@ -360,8 +360,7 @@ def test_validation_families_mirror_the_cross_family_test(tmp_path):
     assert va.num_classes == 3 and set(va.families.tolist()) == {"WenQuanYi Micro Hei", "WenQuanYi Zen Hei"}
     np.testing.assert_array_equal(va.is_query, va.families == "WenQuanYi Zen Hei")
     train(cfg)
-    rec = [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
-           if r["type"] == "eval" and r["split"] == "val"][-1]
+    rec = [r for r in read_log(run, type="eval") if r["split"] == "val"][-1]
     # validation Recall@1 by brute force: each Zen Hei query against the Micro Hei gallery
     model, *_ = load_model_from_checkpoint(run / "last.pt")
     z = compute_embeddings(model, va, batch_size=8)

@@ -1,6 +1,5 @@
 """The ``pml`` loss term: the same values and gradients as calling pytorch-metric-learning
 directly, proxies registered and trained by the loop, clear errors."""
-import copy
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from deepmetric.losses import build_loss  # noqa: E402
 from deepmetric.train.config import config_from_dict  # noqa: E402
 from deepmetric.train.loop import build_losses, build_model, train  # noqa: E402
 from deepmetric.train.optim import build_optimizer  # noqa: E402
+from conftest import synthetic_config
 
 
 @pytest.mark.parametrize("name", ["NormalizedSoftmaxLoss", "ProxyAnchorLoss", "MultiSimilarityLoss"])
@@ -48,14 +48,9 @@ def test_options_are_passed_and_errors_are_clear():
 
 def test_training_loop_fills_sizes_and_trains_the_proxies(tmp_path):
     def cfg(out, **optim):
-        return config_from_dict({
-            "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 16, "dim": 16, "seed": 5}},
-            "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
-            "loss": [{"name": "pml", "options": {"loss": "ProxyAnchorLoss"}}],
-            "optim": {"name": "sgd", "lr": 0.05, **optim},
-            "train": {"epochs": 1, "batch_size": 16, "out_dir": str(out), "progress": False},
-            "eval": {"every": 0, "metrics": ["recall"], "ks": [1]},
-        })
+        return config_from_dict(synthetic_config(out, loss=[{"name": "pml", "options": {"loss": "ProxyAnchorLoss"}}],
+                                                 optim=optim, train={"epochs": 1},
+                                                 eval={"every": 0, "metrics": ["recall"], "ks": [1]}))
 
     (loss,) = build_losses(cfg(tmp_path), num_classes=6, embedding_dim=8)
     assert tuple(loss.loss.proxies.shape) == (6, 8)

@@ -13,6 +13,7 @@ from PIL import Image
 from deepmetric.cli import main
 from deepmetric.data.synthetic import DIGIT_NAMES, write_digit_folder
 from deepmetric.evaluate import evaluate
+from deepmetric.train.rundir import read_log
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "own_folder.yaml")
 TRAIN = ["eight", "five", "four", "nine", "one"]   # first half of the sorted names
@@ -77,7 +78,7 @@ def test_digit_folder_run_shows_split_baselines_and_warning(digits, tmp_path, ca
     assert raw["metrics"] == pytest.approx(evaluate(x, y, ks=(1, 2, 4, 8)))
     assert set(saved["baselines"]["epoch0"]["metrics"]) == set(saved["metrics"])
     assert any("only 5 training classes" in w for w in saved["warnings"])
-    records = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
+    records = read_log(out)
     base = {r["name"]: r for r in records if r["type"] == "baseline"}
     assert set(base) == {"epoch0", "raw_pixels"}
     assert base["raw_pixels"]["recall@1"] == pytest.approx(raw["metrics"]["recall@1"])
@@ -160,7 +161,7 @@ def test_failing_evaluation_keeps_the_training_and_resume_evaluates(digits, tmp_
     assert not (out / "metrics.json").exists()
     bad.unlink()  # the user fixes the data and resumes: only the evaluation runs
     assert main(["train", *args, "--resume", str(out / "last.pt")]) == 0
-    records = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
+    records = read_log(out)
     assert sum(r["type"] == "step" for r in records) == 6
     assert [r["epoch"] for r in records if r["type"] == "eval"] == [2]
     saved = json.loads((out / "metrics.json").read_text())

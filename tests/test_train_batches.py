@@ -10,6 +10,7 @@ from deepmetric.data.synthetic import build_synthetic_dataset
 from deepmetric.train.batches import make_train_loader, sample_seed
 from deepmetric.train.config import config_from_dict
 from deepmetric.train.loop import train
+from conftest import synthetic_config
 
 
 def _batches(loader):
@@ -57,16 +58,9 @@ def test_sample_seed_depends_on_every_part_of_the_position():
 
 def test_training_is_identical_with_zero_and_two_workers(tmp_path):
     def run(workers):
-        raw = {
-            "data": {"name": "synthetic", "num_workers": workers,
-                     "options": {"num_classes": 6, "per_class": 12, "dim": 16, "seed": 5, "augment": 0.3}},
-            "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
-            "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
-            "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-            "train": {"epochs": 2, "batch_size": 12, "seed": 3, "out_dir": str(tmp_path / f"w{workers}"),
-                      "progress": False},
-            "eval": {"every": 0},
-        }
+        raw = synthetic_config(tmp_path / f"w{workers}", per_class=12,
+                               data={"num_workers": workers, "options": {"augment": 0.3}},
+                               train={"epochs": 2, "batch_size": 12, "seed": 3}, eval={"every": 0})
         train(config_from_dict(raw))
         return torch.load(tmp_path / f"w{workers}" / "last.pt", weights_only=True)["model"]
 

@@ -17,20 +17,16 @@ import yaml
 from deepmetric.train import checkpoint as ck
 from deepmetric.train.config import config_from_dict
 from deepmetric.train.loop import NonFiniteLossError, train
+from conftest import synthetic_config
+from deepmetric.train.rundir import read_log
 
 
 def _raw(out_dir, **train_extra):
-    return {
-        "data": {"name": "synthetic", "options": {"num_classes": 8, "per_class": 24, "dim": 16, "seed": 3}},
-        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
-        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}},
-                 {"name": "center", "weight": 0.01}],
-        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        "schedule": {"temperature": {"name": "heat_up", "at": 2}},
-        "train": {"epochs": 3, "sampler": "class_balanced", "m": 4, "n": 4, "seed": 11,
-                  "out_dir": str(out_dir), "progress": False, **train_extra},
-        "eval": {"every": 1},
-    }
+    return synthetic_config(out_dir, classes=8, per_class=24, data_seed=3,
+                            loss=[{"name": "heated_softmax", "options": {"alpha": 16.0}},
+                                  {"name": "center", "weight": 0.01}],
+                            schedule={"temperature": {"name": "heat_up", "at": 2}},
+                            train={"sampler": "class_balanced", "m": 4, "n": 4, "seed": 11, **train_extra})
 
 
 def test_atomic_save_keeps_previous_file_on_failure(tmp_path, monkeypatch):
@@ -180,7 +176,7 @@ def test_resume_after_sigint_and_sigkill_matches_uninterrupted_run(tmp_path):
     mb = json.loads((run / "metrics.json").read_text())
     assert ma["metrics"] == mb["metrics"] and ma["final"] == mb["final"] and ma["selected"] == mb["selected"]
     # the log holds each step exactly once despite the two interruptions
-    steps = [json.loads(l)["step"] for l in log.read_text().splitlines() if '"type": "step"' in l]
+    steps = [r["step"] for r in read_log(log, type="step")]
     assert steps == list(range(1, ref.iteration + 1))
 
 

@@ -12,6 +12,7 @@ from deepmetric.train.checkpoint import load_checkpoint
 from deepmetric.train.config import config_from_dict
 from deepmetric.train.loop import train
 from deepmetric.train.module import init_from_class_means
+from conftest import synthetic_config
 
 
 class BNNet(nn.Module):
@@ -62,14 +63,9 @@ def test_init_needs_a_classifier_loss():
 
 
 def test_training_loop_applies_class_mean_init(tmp_path):
-    raw = {
-        "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 16, "dim": 16, "seed": 5}},
-        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
-        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}, "init": "class_means"}],
-        "optim": {"name": "sgd", "lr": 0.0, "momentum": 0.0},  # lr 0: the weights stay at their init
-        "train": {"epochs": 1, "batch_size": 16, "seed": 0, "out_dir": str(tmp_path), "progress": False},
-        "eval": {"every": 1},
-    }
+    raw = synthetic_config(tmp_path, loss=[{"name": "heated_softmax", "options": {"alpha": 16.0}, "init": "class_means"}],
+                           optim={"lr": 0.0, "momentum": 0.0},  # lr 0: the weights stay at their init
+                           train={"epochs": 1})
     train(config_from_dict(raw))
     state = load_checkpoint(tmp_path / "last.pt")
     from deepmetric.data.synthetic import SyntheticMLP

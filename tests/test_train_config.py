@@ -125,9 +125,10 @@ def test_file_errors_name_the_file(tmp_path):
 
 @pytest.mark.parametrize("data", ["emoji", "glyphs"])
 def test_demo_recipe_is_the_demo_config(data):
-    from deepmetric.train.demo import DEMO_CONFIGS
+    from deepmetric.workflows.demo import demo_config, demo_recipe
 
     recipe = REPO / "recipes" / f"demo_{data}.yaml"
-    assert yaml.safe_load(recipe.read_text()) == yaml.safe_load(DEMO_CONFIGS[data])
+    assert demo_recipe(data).resolve() == recipe.resolve()  # the demo reads the shipped recipe
     cfg = load_config(recipe)
+    assert demo_config(data=data, overrides=[f"train.out_dir={cfg.train.out_dir}"]) == cfg
     assert cfg.schedule.temperature.name == "heat_up" and cfg.model.options["norm"] == "bn"

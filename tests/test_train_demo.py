@@ -6,6 +6,7 @@ import os
 import pytest
 
 from deepmetric import cli
+from deepmetric.train.rundir import read_log
 
 
 def _check_summary(out, printed, pictures):
@@ -19,7 +20,7 @@ def _check_summary(out, printed, pictures):
     for name in ("last.pt", "config.yaml", "log.jsonl", *pictures):
         assert (out / name).is_file(), name
         assert str(out / name) in printed or name in ("config.yaml", "log.jsonl")
-    heat = [json.loads(l) for l in (out / "log.jsonl").read_text().splitlines() if '"heat_up"' in l]
+    heat = read_log(out, type="heat_up")
     assert len(heat) == 1 and heat[0]["alpha"] == [4.0]
     names = [r["name"] for r in summary["rows"]]
     assert names[0].startswith("raw pixels") and names[-1] == "epoch 2, alpha 4"

@@ -11,22 +11,16 @@ from deepmetric.train.config import config_from_dict
 from deepmetric.train.builders import build_model, seed_everything
 from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer
+from conftest import synthetic_config
+from deepmetric.train.rundir import read_log
 
 
 def _raw(out_dir, **train_extra):
-    return {
-        "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 16, "dim": 16, "seed": 5}},
-        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
-        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
-        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        "train": {"epochs": 3, "batch_size": 16, "seed": 0, "out_dir": str(out_dir), "progress": False,
-                  **train_extra},
-        "eval": {"every": 1},
-    }
+    return synthetic_config(out_dir, train=train_extra)
 
 
 def _records(path, kind):
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == kind]
+    return read_log(path, type=kind)
 
 
 def test_end_to_end_run_writes_config_log_checkpoints_and_learns(tmp_path):

@@ -13,22 +13,17 @@ from deepmetric import cli
 from deepmetric.train import checkpoint as ck
 from deepmetric.train.config import config_diff, config_from_dict
 from deepmetric.train.loop import RunDirectoryError, train
+from conftest import synthetic_config
+from deepmetric.train.rundir import read_log
 
 
 def _raw(out_dir, **model_options):
-    return {
-        "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 8, "dim": 16, "seed": 5}},
-        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 16, "embedding_dim": 8,
-                                                         **model_options}},
-        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
-        "optim": {"name": "sgd", "lr": 0.05},
-        "train": {"epochs": 2, "batch_size": 12, "seed": 0, "out_dir": str(out_dir), "progress": False},
-        "eval": {"every": 1},
-    }
+    return synthetic_config(out_dir, per_class=8, hidden=16, model={"options": model_options},
+                            train={"epochs": 2, "batch_size": 12})
 
 
 def _steps(log):
-    return [json.loads(l)["step"] for l in log.read_text().splitlines() if '"type": "step"' in l]
+    return [r["step"] for r in read_log(log, type="step")]
 
 
 def test_new_run_refuses_a_non_empty_run_directory(tmp_path):

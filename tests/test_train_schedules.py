@@ -5,8 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from deepmetric.train.config import LrScheduleConfig, TemperatureScheduleConfig, config_from_dict
+from deepmetric.train.config import LrScheduleConfig, config_from_dict
 from deepmetric.train.schedules import LrSchedule, TemperatureSchedule
+from conftest import synthetic_config
+from deepmetric.train.rundir import read_log
 
 
 class FixedAlpha(nn.Module):
@@ -239,23 +241,16 @@ def test_state_dict_round_trip_does_not_refire():
 def test_learnable_alpha_frozen_in_the_training_loop_and_after_resume(tmp_path):
     """train(): with learnable alpha and heat_up at epoch 1, every step after the event logs
     the same (heated) alpha, also after stopping at epoch 2 and resuming to epoch 3."""
-    import json
 
     from deepmetric.train.loop import train
 
     def raw(out, epochs):
-        return {
-            "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 16, "dim": 16, "seed": 5}},
-            "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
-            "loss": [{"name": "heated_softmax", "options": {"alpha": 8.0, "learnable_alpha": True}}],
-            "optim": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
-            "schedule": {"temperature": {"name": "heat_up", "at": 1}},
-            "train": {"epochs": epochs, "batch_size": 16, "seed": 0, "out_dir": str(out), "progress": False},
-            "eval": {"every": 0, "metrics": ["recall"]},
-        }
+        return synthetic_config(out, loss=[{"name": "heated_softmax", "options": {"alpha": 8.0, "learnable_alpha": True}}],
+                                optim={"lr": 0.1}, schedule={"temperature": {"name": "heat_up", "at": 1}},
+                                train={"epochs": epochs}, eval={"every": 0, "metrics": ["recall"]})
 
     def alphas(out):
-        recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        recs = read_log(out)
         return [r["alpha"] for r in recs if r["type"] == "step"]
 
     train(config_from_dict(raw(tmp_path / "a", 3)))

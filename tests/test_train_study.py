@@ -16,19 +16,15 @@ import yaml
 
 from deepmetric import cli
 from deepmetric.train.config import ConfigError
-from deepmetric.train.study import (StudyRun, collect_rows, load_study, mean_ci, paired_differences,
-                                    run_row, run_study, summarize, write_results)
+from deepmetric.report.study_tables import mean_ci, paired_differences, summarize
+from deepmetric.workflows.study import StudyRun, collect_rows, load_study, run_row, run_study
+from conftest import synthetic_config
+from deepmetric.train.rundir import read_log
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
-BASE = {
-    "data": {"name": "synthetic", "options": {"num_classes": 6, "per_class": 16, "dim": 16, "seed": 5}},
-    "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
-    "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
-    "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-    "train": {"epochs": 2, "batch_size": 16, "num_threads": 1, "progress": False},
-    "eval": {"every": 1, "metrics": ["recall", "nmi"], "ks": [1, 2]},
-}
+BASE = synthetic_config(train={"epochs": 2, "num_threads": 1},
+                        eval={"metrics": ["recall", "nmi"], "ks": [1, 2]})
 
 
 def _study(tmp_path, **extra):
@@ -205,7 +201,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     train(config_from_dict(raw))
     (study.runs[0].out_dir / "metrics.json").unlink()
     run_study(study, log=lambda m: None)
-    log = [json.loads(l) for l in (study.runs[0].out_dir / "log.jsonl").read_text().splitlines()]
+    log = read_log(study.runs[0].out_dir)
     assert [r["step"] for r in log if r["type"] == "step"] == list(range(1, 13))  # epoch 1 not redone
     attempts = json.loads((study.runs[0].record_dir / "attempts.json").read_text())["attempts"]
     assert [a["resumed"] for a in attempts] == [True]
@@ -224,7 +220,7 @@ def test_parallel_workers_give_the_same_rows(tmp_path):
     (stale / "log.jsonl").write_text('{"type": "step", "step": 1, "loss": 9.0}\n')
     rc = cli.main(["study", str(path), "--out", str(tmp_path / "par"), "--workers", "2"])
     assert rc == 0
-    steps = [json.loads(l) for l in (stale / "log.jsonl").read_text().splitlines()]
+    steps = read_log(stale)
     assert [r["step"] for r in steps if r["type"] == "step"] == list(range(1, 13))
     a = collect_rows(load_study(path, out_dir=tmp_path / "serial"))
     b = collect_rows(load_study(path, out_dir=tmp_path / "par"))
@@ -279,7 +275,7 @@ def test_repository_study_files_are_valid(name):
 
 
 def test_git_commit_of_results_commits_only_those_files(tmp_path):
-    from deepmetric.train.study import _git_commit
+    from deepmetric.workflows.study import _git_commit
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout

@@ -12,23 +12,17 @@ from deepmetric.train import loop
 from deepmetric.train.builders import VAL_SPLIT, ClassSubset, build_dataset, carve_val_classes
 from deepmetric.train.config import ConfigError, config_from_dict
 from deepmetric.train.loop import train
+from conftest import synthetic_config
+from deepmetric.train.rundir import read_log
 
 
 def _raw(out_dir, val_classes=0.25, **train_extra):
-    return {
-        "data": {"name": "synthetic", "options": {"num_classes": 8, "per_class": 12, "dim": 16, "seed": 5},
-                 "val_classes": val_classes},
-        "model": {"name": "synthetic_mlp", "options": {"in_dim": 16, "hidden": 32, "embedding_dim": 8}},
-        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
-        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        "train": {"epochs": 5, "batch_size": 12, "seed": 0, "out_dir": str(out_dir), "progress": False,
-                  **train_extra},
-        "eval": {"every": 1},
-    }
+    return synthetic_config(out_dir, classes=8, per_class=12, data={"val_classes": val_classes},
+                            train={"epochs": 5, "batch_size": 12, **train_extra})
 
 
 def _records(path, kind):
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == kind]
+    return read_log(path, type=kind)
 
 
 # --------------------------------------------------------------------------- carving

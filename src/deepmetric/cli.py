@@ -256,7 +256,7 @@ def _add_demo_parser(sub) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from deepmetric.train.demo import run_demo
+    from deepmetric.workflows.demo import run_demo
 
     run_demo(args.out, data=args.data, quick=args.quick, overrides=args.overrides, overwrite=not args.keep)
     return 0
@@ -493,7 +493,7 @@ def _add_study_parser(sub) -> None:
 
 
 def _run_study(args: argparse.Namespace) -> int:
-    from deepmetric.train.study import load_study, run_study, write_results
+    from deepmetric.workflows.study import load_study, run_study, write_results
 
     study = load_study(args.study, out_dir=args.out, overrides=args.overrides)
     if args.workers is not None and args.workers < 1:

@@ -22,9 +22,7 @@ Each function reproduces the quantity of one figure or statistic of the three pa
 """
 from __future__ import annotations
 
-import json
 import math
-import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -150,34 +148,21 @@ class TrainingLog:
 
 
 def read_log(path: str | Path) -> TrainingLog:
-    """Read the training loop's JSON-lines log (``RUN_DIR/log.jsonl``).
+    """Read the training loop's JSON-lines log (``RUN_DIR/log.jsonl``) through
+    :func:`deepmetric.train.rundir.read_log` (strict: a truncated last line, a run killed while
+    writing, is skipped with a warning; any other malformed line is an error naming the file
+    and line number).
 
-    One JSON object per line; ``{"type": "step", ...}`` per optimisation step and
-    ``{"type": "eval", ...}`` per evaluation. Records without ``type`` are classified by
-    their keys (a ``loss`` -> step; any ``recall@``/``nmi`` key -> eval). A truncated last
-    line (a run killed while writing) is skipped with a warning; any other malformed line
-    is an error naming the file and line number.
+    ``{"type": "step", ...}`` per optimisation step and ``{"type": "eval", ...}`` per
+    evaluation; records without ``type`` (older logs) are classified by their keys (a ``loss``
+    -> step; any ``recall@``/``nmi`` key -> eval).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"training log not found: {path}")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    from deepmetric.train.rundir import read_log as read_records
+
     steps: list[dict] = []
     evals: list[dict] = []
     other: list[dict] = []
-    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if i == last:
-                warnings.warn(f"{path}:{i + 1}: skipping truncated last line ({exc.msg})")
-                continue
-            raise ValueError(f"{path}:{i + 1}: not valid JSON ({exc.msg}): {line[:80]!r}") from None
-        if not isinstance(rec, dict):
-            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {type(rec).__name__}")
+    for rec in read_records(path, strict=True):
         kind = rec.get("type")
         if kind is None:
             if any(k.startswith(("recall@", "nmi", "map@r", "f1", "top1")) for k in rec):

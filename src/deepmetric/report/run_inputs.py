@@ -2,7 +2,6 @@
 
 * :func:`check_run_dir` - refuses a folder that is not a training run (clear message
   instead of an empty report).
-* :func:`read_metrics_json` - ``RUN_DIR/metrics.json`` (the loop's summary).
 * :func:`find_checkpoint` / :func:`embed_run` - rebuild the model of ``best.pt`` (else
   ``last.pt``) and embed the evaluation split(s), as ``deepmetric embed`` does, plus the
   training split when the model has a classifier (two-head Fig. 10, heated-up Fig. 1).
@@ -13,21 +12,17 @@
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from deepmetric.train import rundir
+
 from .page import image_data_uri
 
-__all__ = ["RUN_FILES", "check_run_dir", "read_metrics_json", "find_checkpoint", "embed_run",
+__all__ = ["check_run_dir", "find_checkpoint", "embed_run",
            "ImageSource", "image_source_for"]
-
-#: a folder with none of these is not a run (``deepmetric train`` writes all of them)
-RUN_FILES = ("log.jsonl", "config.yaml", "config.yml", "resolved_config.yaml", "metrics.json",
-             "best.pt", "last.pt")
-
 
 def check_run_dir(run_dir: Path) -> None:
     if not run_dir.exists():
@@ -35,30 +30,18 @@ def check_run_dir(run_dir: Path) -> None:
     if not run_dir.is_dir():
         raise NotADirectoryError(f"not a run directory: {run_dir} is a file; pass the folder "
                                  f"'deepmetric train' wrote (train.out_dir, e.g. runs/demo)")
-    if not any((run_dir / n).is_file() for n in RUN_FILES):
+    if not rundir.looks_like_run_dir(run_dir):
         inside = sorted(p.name for p in run_dir.iterdir())[:8]
+        names = list(dict.fromkeys((*rundir.RUN_FILES, *rundir.CONFIG_NAMES)))
         raise ValueError(
-            f"{run_dir} is not a training run: it holds none of {', '.join(RUN_FILES)} "
+            f"{run_dir} is not a training run: it holds none of {', '.join(names)} "
             f"(found: {', '.join(inside) if inside else 'an empty folder'}). Pass the folder "
             f"'deepmetric train' wrote (its train.out_dir, e.g. runs/demo).")
 
 
-def read_metrics_json(run_dir: Path) -> dict | None:
-    p = run_dir / "metrics.json"
-    if not p.is_file():
-        return None
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{p}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{p}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def find_checkpoint(run_dir: Path) -> Path | None:
     """``best.pt`` (the selected model) if present, else ``last.pt``, else None."""
-    for name in ("best.pt", "last.pt"):
+    for name in (rundir.BEST, rundir.LAST):
         if (run_dir / name).is_file():
             return run_dir / name
     return None

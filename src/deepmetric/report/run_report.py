@@ -45,12 +45,14 @@ import numpy as np
 from . import diagnostics as dg
 from . import page as pg
 from . import plots
-from .run_inputs import check_run_dir, embed_run, find_checkpoint, image_source_for, read_metrics_json
+from deepmetric.train import rundir
+
+from .run_inputs import check_run_dir, embed_run, find_checkpoint, image_source_for
 
 __all__ = ["make_report", "load_embeddings_npz", "CONFIG_NAMES", "LOG_NAME"]
 
-LOG_NAME = "log.jsonl"
-CONFIG_NAMES = ("config.yaml", "config.yml", "resolved_config.yaml")
+LOG_NAME = rundir.LOG
+CONFIG_NAMES = rundir.CONFIG_NAMES
 _ALPHAS = np.geomspace(0.25, 256, 61)
 
 
@@ -338,7 +340,7 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
         body.append('<p class="note">no config.yaml in the run directory</p>')
     eval_cfg = (cfg_raw or {}).get("eval")
     eval_split = str(eval_cfg.get("split", "test")) if isinstance(eval_cfg, dict) else "test"
-    summary = read_metrics_json(run_dir)
+    summary = rundir.read_metrics(run_dir)
     baselines: list[dict] = []  # for the Recall@K table and curve
     if summary is not None:
         rows, notes = summary_rows(summary, eval_split)

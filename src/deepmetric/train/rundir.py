@@ -54,8 +54,8 @@ def remove_run_files(out_dir: Path, keep_checkpoint: bool = False) -> None:
     for name in RUN_FILES:
         if not (keep_checkpoint and name == LAST):
             (out_dir / name).unlink(missing_ok=True)
-    for tmp in out_dir.glob(".*.pt.*.tmp"):
-        tmp.unlink(missing_ok=True)
+        for tmp in out_dir.glob(f".{name}.*.tmp"):  # checkpoint.save_checkpoint, write_text_atomic
+            tmp.unlink(missing_ok=True)
 
 
 def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> None:

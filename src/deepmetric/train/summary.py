@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from . import rundir as R
 from .config import Config
 
 __all__ = ["describe_split", "format_run_summary", "format_metrics", "format_baseline",
@@ -186,7 +187,7 @@ def format_baseline(name: str, metrics: dict[str, float] | None, note: str = "")
 def format_run_end(*, metrics: dict[str, float], best: dict[str, Any], seconds: float, epochs: int,
                    steps: int, out_dir: str | Path, baselines: dict[str, dict] | None = None,
                    val_metrics: dict[str, float] | None = None, key: str | None = None,
-                   files: Sequence[str] = ("last.pt", "best.pt", "log.jsonl", "metrics.json")) -> str:
+                   files: Sequence[str] = (R.LAST, R.BEST, R.LOG, R.METRICS)) -> str:
     """The block printed after training: final test (and validation) metrics, the best.pt
     selection, the baselines on ``key`` for comparison, time, and the paths of checkpoint,
     log, metrics and the report command."""
@@ -212,7 +213,7 @@ def format_run_end(*, metrics: dict[str, float], best: dict[str, Any], seconds: 
         lines.append(f"  warning: the trained embedding ({key} {100 * metrics[key]:.1f}%) is below the "
                      f"baseline of {' and '.join(beaten_by)}: training did not help on the test classes "
                      "(more classes, more epochs or a different model may)")
-    names = {"last.pt": "checkpoint", "best.pt": "best ckpt", "log.jsonl": "log", "metrics.json": "metrics"}
+    names = {R.LAST: "checkpoint", R.BEST: "best ckpt", R.LOG: "log", R.METRICS: "metrics"}
     for f in files:
         if (out / f).exists():
             lines.append(f"  {names.get(f, f):<9} {out / f}")

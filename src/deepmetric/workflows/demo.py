@@ -19,79 +19,46 @@ the table, timings) and the pictures ``retrieval_grid.png`` (test queries with t
 neighbours, right and wrong marked), ``training_curves.png``, ``cosine_histograms.png`` (paper
 Fig. 4, test pairs) and ``recall_curve.png``.
 
-The configurations are ``DEMO_CONFIGS`` below; ``recipes/demo_emoji.yaml`` and
-``recipes/demo_glyphs.yaml`` are the same files (a test keeps them identical) so
-``deepmetric train recipes/demo_emoji.yaml`` trains the same model without the demo's tables
-and pictures.
+The configurations are the recipes ``recipes/demo_emoji.yaml`` and
+``recipes/demo_glyphs.yaml`` (:func:`demo_recipe`), so ``deepmetric train
+recipes/demo_emoji.yaml`` trains the same model without the demo's tables and pictures.
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from .config import apply_overrides, config_from_dict
+from deepmetric.train.config import apply_overrides, config_from_dict
 
-__all__ = ["DEMO_CONFIGS", "QUICK_OVERRIDES", "demo_config", "run_demo"]
+__all__ = ["DEMO_RECIPES", "QUICK_OVERRIDES", "demo_config", "demo_recipe", "recipes_dir", "run_demo"]
 
-EMOJI_CONFIG = """\
-# Offline demo (deepmetric demo): heated-up BN softmax fine-tuning an ImageNet EfficientNet-Lite0
-# on the emoji benchmark, CPU only (docs/training.md#the-demo has the measurements behind it).
-name: demo_emoji
-description: >-
-  Heated-up softmax (HBN) on emoji: ImageNet EfficientNet-Lite0 (first 5 stages frozen), 128-d
-  BN head, alpha 16 -> 4 and lr x 1/10 for the last of 4 epochs; trained on the 955 training
-  emoji (6 vendors), zero-shot test on the 956 unseen emoji.
-data:
-  name: emoji
-  options: {size: 96}
-  transform: emoji
-  transform_options: {normalize: minus_one_one}   # what the EfficientNet-Lite weights expect
-  num_workers: 0          # augmentation is cheap next to the network: both cores run the model
-model:
-  name: efficientnet_lite0
-  options: {embedding_dim: 128, norm: bn, pretrained: imagenet, freeze_stages: 5}
-loss:
-  - name: heated_softmax
-    options: {alpha: 16.0}
-optim: {name: sgd, lr: 0.01, momentum: 0.9, weight_decay: 0.0001, new_layer_lr_mult: 10.0}
-schedule:
-  lr: {name: constant}
-  temperature: {name: heat_up, at: 3, alpha_factor: 0.25, lr_factor: 0.1}
-train: {epochs: 4, batch_size: 64, seed: 0, num_threads: 2, out_dir: runs/demo}
-eval: {every: 3, ks: [1, 2, 4, 8], metrics: [recall, map@r, nmi], baselines: false}
-"""
+#: the demo's recipes, one per ``--data`` (``recipes/demo_<data>.yaml`` of the source tree)
+DEMO_RECIPES = {"emoji": "demo_emoji.yaml", "glyphs": "demo_glyphs.yaml"}
 
-GLYPHS_CONFIG = """\
-# Offline demo (deepmetric demo --data glyphs): heated-up BN embedding on the glyph benchmark, CPU only.
-name: demo_glyphs
-description: >-
-  Heated-up softmax (HBN) on glyphs: compact ResNet, 64-d BN head, heated softmax with
-  alpha 16 -> 4 and lr x 1/10 after epoch 4 of 6; trained on 400 characters, zero-shot
-  test on all 1,877 unseen characters (evaluated at the heat-up epoch and at the end).
-data:
-  name: glyphs
-  options: {max_train_classes: 400, size: 32}
-  transform: glyph
-  num_workers: 1          # augmentation in one worker, the model on the other core
-model:
-  name: glyph_resnet
-  options: {embedding_dim: 64, norm: bn}
-loss:
-  - name: heated_softmax
-    options: {alpha: 16.0}
-optim: {name: sgd, lr: 0.05, momentum: 0.9, weight_decay: 0.0005}
-schedule:
-  lr: {name: constant}
-  temperature: {name: heat_up, at: 4, alpha_factor: 0.25, lr_factor: 0.1}
-train: {epochs: 6, batch_size: 64, seed: 0, num_threads: 1, out_dir: runs/demo_glyphs}
-eval: {every: 4, at_start: true, ks: [1, 2, 4, 8], baselines: false}
-"""
 
-DEMO_CONFIGS = {"emoji": EMOJI_CONFIG, "glyphs": GLYPHS_CONFIG}
+def recipes_dir() -> Path:
+    """The folder of the shipped recipes: ``$DEEPMETRIC_RECIPES``, else ``recipes/`` of the
+    source tree this package runs from (``pip install -e .``, as install.sh does)."""
+    env = os.environ.get("DEEPMETRIC_RECIPES")
+    path = Path(env) if env else Path(__file__).resolve().parents[3] / "recipes"
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"recipes folder not found: {path}. The demo reads its recipes from the source tree's "
+            "recipes/ folder; run from a clone installed with install.sh (pip install -e .), or set "
+            "DEEPMETRIC_RECIPES to a folder holding " + " and ".join(DEMO_RECIPES.values()))
+    return path
+
+
+def demo_recipe(data: str = "emoji") -> Path:
+    """The recipe file of the demo on ``data`` ("emoji" or "glyphs")."""
+    if data not in DEMO_RECIPES:
+        raise ValueError(f"demo: data must be one of {sorted(DEMO_RECIPES)}, got {data!r}")
+    return recipes_dir() / DEMO_RECIPES[data]
 
 #: ``--quick``: a seconds-long run for smoke tests (few classes, small images).
 QUICK_OVERRIDES = {
@@ -108,9 +75,7 @@ _DEFAULT_OUT = {"emoji": "runs/demo", "glyphs": "runs/demo_glyphs"}
 
 def demo_config(out: str | Path | None = None, *, data: str = "emoji", quick: bool = False, overrides=None):
     """The demo's :class:`~deepmetric.train.config.Config` (``data``: "emoji" or "glyphs")."""
-    if data not in DEMO_CONFIGS:
-        raise ValueError(f"demo: data must be one of {sorted(DEMO_CONFIGS)}, got {data!r}")
-    raw = yaml.safe_load(DEMO_CONFIGS[data])
+    raw = yaml.safe_load(demo_recipe(data).read_text())
     out = out if out is not None else _DEFAULT_OUT[data]
     apply_overrides(raw, (QUICK_OVERRIDES[data] if quick else []) + [f"train.out_dir={out}"] + list(overrides or []))
     return config_from_dict(raw)
@@ -162,8 +127,8 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
 
     The demo owns its output folder: by default an earlier demo's run files there are replaced
     (``overwrite=False`` refuses a non-empty folder, as ``deepmetric train`` does)."""
-    from .builders import build_dataset
-    from .loop import train
+    from deepmetric.train.builders import build_dataset
+    from deepmetric.train.loop import train
 
     t_start = time.perf_counter()
     cfg = demo_config(out, data=data, quick=quick, overrides=overrides)
@@ -194,7 +159,7 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
     h, w = test_ds.images.shape[1:3]
     rows.append((f"raw pixels ({w}x{h})", _raw_pixels(test_ds, cfg)))
     if cfg.model.options.get("pretrained"):
-        from .preflight import backbone_features_baseline
+        from deepmetric.train.preflight import backbone_features_baseline
 
         feats, _, f = backbone_features_baseline(cfg, test_ds, num_classes=train_ds.num_classes)
         rows.append((f"ImageNet features ({f['embeddings'].shape[1]}-d)", feats))

@@ -50,7 +50,6 @@ from __future__ import annotations
 import copy
 import csv
 import json
-import math
 import os
 import signal
 import subprocess
@@ -63,10 +62,13 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from .config import ConfigError, apply_overrides, config_from_dict, config_to_dict, save_config
+from deepmetric.report.study_tables import (metric_columns, paired_differences, plot_summary,
+                                            summarize, summary_markdown)
+from deepmetric.train import rundir
+from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, save_config
+from deepmetric.train.rundir import write_text_atomic
 
-__all__ = ["StudyRun", "Study", "load_study", "run_study", "collect_rows", "mean_ci",
-           "summarize", "paired_differences", "write_results", "run_row"]
+__all__ = ["StudyRun", "Study", "load_study", "run_study", "collect_rows", "write_results", "run_row"]
 
 _STUDY_KEYS = ("name", "description", "base", "overrides", "benchmarks", "variants", "seeds",
                "out_dir", "workers", "metrics", "compare", "confidence")
@@ -76,8 +78,6 @@ RUN_CONFIG = "config.yaml"         # the resolved config of a run, written befor
 RUN_RECORD = "attempts.json"       # wall time of each attempt
 RUN_OUTPUT = "train_output.txt"    # stdout/stderr of a run trained in a subprocess
 RUN_ERROR = "error.txt"            # the exception of a failed in-process run
-#: what ``train`` writes into a run directory: a partial run without ``last.pt`` loses them
-TRAIN_FILES = ("config.yaml", "log.jsonl", "best.pt", "metrics.json")
 
 
 # --------------------------------------------------------------------------- the study file
@@ -96,7 +96,7 @@ class StudyRun:
 
     @property
     def finished(self) -> bool:
-        return (self.out_dir / "metrics.json").is_file()
+        return (self.out_dir / rundir.METRICS).is_file()
 
     @property
     def record_dir(self) -> Path:
@@ -285,25 +285,6 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _step_images_per_s(log_path: Path) -> float | None:
-    """Median ``images_per_s`` of the training steps in ``log.jsonl`` (evaluation excluded)."""
-    if not log_path.is_file():
-        return None
-    values = []
-    for line in log_path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("type") == "step" and _num(rec.get("images_per_s")) is not None:
-            values.append(float(rec["images_per_s"]))
-    if not values:
-        return None
-    values.sort()
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
-
-
 def run_row(run: StudyRun) -> dict | None:
     """The results row of a finished run (None when ``metrics.json`` is missing).
 
@@ -313,7 +294,7 @@ def run_row(run: StudyRun) -> dict | None:
     its attempts.  ``images_per_s``: the run's ``train_images_per_s``, else the median
     per-step throughput of ``log.jsonl``, else steps x batch / wall time.
     """
-    summary = _read_json(run.out_dir / "metrics.json")
+    summary = rundir.read_metrics(run.out_dir, strict=False)
     if summary is None:
         return None
     row: dict[str, Any] = {"benchmark": run.benchmark or "", "variant": run.variant, "seed": run.seed}
@@ -340,7 +321,7 @@ def run_row(run: StudyRun) -> dict | None:
     row["wall_time_s"] = wall
     ips = _num(summary.get("train_images_per_s"))
     if ips is None:
-        ips = _step_images_per_s(run.out_dir / "log.jsonl")
+        ips = rundir.median_images_per_s(rundir.read_log(run.out_dir, type="step"))
     if ips is None and wall and _num(summary.get("steps")) is not None:
         t = run.raw.get("train", {})
         batch = (t.get("m") or 0) * (t.get("n") or 0) if t.get("sampler") == "class_balanced" else t.get("batch_size", 32)
@@ -357,195 +338,6 @@ def collect_rows(study: Study) -> list[dict]:
     return [r for r in (run_row(run) for run in study.runs) if r is not None]
 
 
-# --------------------------------------------------------------------------- statistics
-def mean_ci(values: Sequence[float], confidence: float = 0.95) -> dict:
-    """``{n, mean, std, ci_low, ci_high, half_width}`` of ``values`` (NaN/None dropped).
-
-    ``std`` is the sample standard deviation (denominator ``n - 1``); the interval is
-    ``mean +- t_{(1 + confidence) / 2, n - 1} * std / sqrt(n)`` (Student's t).  With one
-    value ``std`` and the interval are NaN; with none everything but ``n`` is NaN.
-    """
-    from scipy import stats
-
-    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    n = len(xs)
-    nan = float("nan")
-    if n == 0:
-        return {"n": 0, "mean": nan, "std": nan, "ci_low": nan, "ci_high": nan, "half_width": nan}
-    mean = math.fsum(xs) / n
-    if n == 1:
-        return {"n": 1, "mean": mean, "std": nan, "ci_low": nan, "ci_high": nan, "half_width": nan}
-    std = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
-    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n)
-    return {"n": n, "mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half, "half_width": half}
-
-
-def metric_columns(rows: Sequence[dict], wanted: Sequence[str] | None = None) -> list[str]:
-    """The numeric metric columns of ``rows``: ``wanted`` if given, else every ``final/*``
-    then ``selected/*`` column, then ``wall_time_s`` and ``images_per_s``."""
-    if wanted:
-        return list(wanted)
-    seen: dict[str, None] = {}
-    for r in rows:
-        for k in r:
-            seen.setdefault(k, None)
-    final = [k for k in seen if k.startswith("final/")]
-    sel = [k for k in seen if k.startswith("selected/") and k != "selected/epoch"]
-    return final + sel + ["wall_time_s", "images_per_s"]
-
-
-def summarize(rows: Sequence[dict], metrics: Sequence[str], confidence: float = 0.95) -> list[dict]:
-    """One record per (benchmark, variant) in row order: ``{benchmark, variant, n_runs,
-    seeds, stats: {metric: mean_ci(...)}}``."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["benchmark"], r["variant"]), []).append(r)
-    out = []
-    for (b, v), rs in groups.items():
-        out.append({"benchmark": b, "variant": v, "n_runs": len(rs), "seeds": [r["seed"] for r in rs],
-                    "stats": {m: mean_ci([r.get(m) for r in rs], confidence) for m in metrics}})
-    return out
-
-
-def paired_differences(rows: Sequence[dict], a: str, b: str, metrics: Sequence[str],
-                       confidence: float = 0.95) -> list[dict]:
-    """Per benchmark: ``d_i = metric(a, seed_i) - metric(b, seed_i)`` over the seeds both
-    variants finished, summarised with :func:`mean_ci`."""
-    out = []
-    for bench in dict.fromkeys(r["benchmark"] for r in rows):
-        by_seed = {(r["variant"], r["seed"]): r for r in rows if r["benchmark"] == bench}
-        seeds = [s for (v, s) in by_seed if v == a and (b, s) in by_seed]
-        stats = {}
-        for m in metrics:
-            diffs = []
-            for s in seeds:
-                x, y = by_seed[(a, s)].get(m), by_seed[(b, s)].get(m)
-                if x is not None and y is not None:
-                    diffs.append(x - y)
-            stats[m] = mean_ci(diffs, confidence)
-        out.append({"benchmark": bench, "a": a, "b": b, "seeds": seeds, "stats": stats})
-    return out
-
-
-# --------------------------------------------------------------------------- writing results
-def _fmt(x: float | None, digits: int = 4) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    if abs(x) >= 100:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}f}"
-
-
-def _cell(st: dict) -> str:
-    if st["n"] == 0:
-        return "-"
-    if st["n"] == 1:
-        return _fmt(st["mean"])
-    return f"{_fmt(st['mean'])} ± {_fmt(st['std'])} [{_fmt(st['ci_low'])}, {_fmt(st['ci_high'])}]"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _summary_markdown(study: Study, rows: list[dict], metrics: list[str], groups: list[dict],
-                      pairs: list[dict], plot: Path | None) -> str:
-    pct = round(100 * study.confidence)
-    done = sum(r.finished for r in study.runs)
-    lines = [f"# Study {study.name}", ""]
-    if study.description:
-        lines += [study.description.strip(), ""]
-    lines += [f"{done} of {len(study.runs)} runs finished "
-              f"({len(study.variants)} variants x {len(study.seeds)} seeds"
-              + (f" x {len(study.benchmarks)} benchmarks" if study.benchmarks != [None] else "") + "). "
-              f"Cells: mean ± sample standard deviation [{pct} % Student-t confidence interval] over seeds; "
-              "`final/` = the model at the end of training, `selected/` = the model selected on "
-              "validation classes; both evaluated on the test classes.", ""]
-    for bench in study.benchmarks:
-        bname = bench or ""
-        gs = [g for g in groups if g["benchmark"] == bname]
-        if bench is not None:
-            lines += [f"## {bench}", ""]
-        if not gs:
-            lines += ["(no finished run yet)", ""]
-            continue
-        lines.append("| variant | runs | " + " | ".join(metrics) + " |")
-        lines.append("|---|---|" + "---|" * len(metrics))
-        for g in gs:
-            lines.append(f"| {g['variant']} | {g['n_runs']} | "
-                         + " | ".join(_cell(g["stats"][m]) for m in metrics) + " |")
-        lines.append("")
-        bp = [p for p in pairs if p["benchmark"] == bname]
-        if bp:
-            lines += [f"Paired differences A − B (same seed), mean ± sd [{pct} % CI]:", "",
-                      "| A − B | pairs | " + " | ".join(metrics) + " |",
-                      "|---|---|" + "---|" * len(metrics)]
-            for p in bp:
-                lines.append(f"| {p['a']} − {p['b']} | {len(p['seeds'])} | "
-                             + " | ".join(_cell(p["stats"][m]) for m in metrics) + " |")
-            lines.append("")
-    lines += ["## Runs", "", "| run | wall time (s) | images/s | " + " | ".join(metrics[:4]) + " |",
-              "|---|---|---|" + "---|" * len(metrics[:4])]
-    for r in rows:
-        key = "/".join(p for p in (r["benchmark"], r["variant"], f"seed{r['seed']}") if p)
-        lines.append(f"| {key} | {_fmt(r.get('wall_time_s'), 1)} | {_fmt(r.get('images_per_s'), 1)} | "
-                     + " | ".join(_fmt(r.get(m)) for m in metrics[:4]) + " |")
-    pending = [run.key for run in study.runs if not run.finished]
-    if pending:
-        lines += ["", f"Pending: {', '.join(pending)}"]
-    if plot is not None:
-        lines += ["", f"![means with {pct} % CI]({plot.name})"]
-    return "\n".join(lines) + "\n"
-
-
-def plot_summary(groups: list[dict], metrics: list[str], out: Path, confidence: float = 0.95) -> Path | None:
-    """One panel per metric: the mean per variant (one colour per benchmark) with the
-    confidence interval as error bars."""
-    metrics = [m for m in metrics if any(g["stats"][m]["n"] for g in groups)][:12]
-    if not groups or not metrics:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    benches = list(dict.fromkeys(g["benchmark"] for g in groups))
-    variants = list(dict.fromkeys(g["variant"] for g in groups))
-    cols = min(3, len(metrics))
-    rows = math.ceil(len(metrics) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    width = 0.8 / len(benches)
-    for ax, m in zip(axes.flat, metrics):
-        for j, b in enumerate(benches):
-            xs, ys, errs = [], [], []
-            for i, v in enumerate(variants):
-                g = next((g for g in groups if g["benchmark"] == b and g["variant"] == v), None)
-                if g is None or g["stats"][m]["n"] == 0:
-                    continue
-                st = g["stats"][m]
-                xs.append(i + (j - (len(benches) - 1) / 2) * width)
-                ys.append(st["mean"])
-                errs.append(st["half_width"] if math.isfinite(st["half_width"]) else 0.0)
-            ax.errorbar(xs, ys, yerr=errs, fmt="o", capsize=3, label=b or None)
-        ax.set_xticks(np.arange(len(variants)))
-        ax.set_xticklabels(variants, rotation=45, ha="right", fontsize=8)
-        ax.set_title(m, fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-    for ax in list(axes.flat)[len(metrics):]:
-        ax.axis("off")
-    if len(benches) > 1:
-        axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"mean with {round(100 * confidence)} % CI over seeds", fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out
-
-
 def write_results(study: Study, rows: list[dict] | None = None, *, plot: bool = True) -> dict[str, Path]:
     """(Re)write ``results.json``, ``results.csv``, ``summary.md`` and ``summary.png``."""
     rows = collect_rows(study) if rows is None else rows
@@ -559,7 +351,7 @@ def write_results(study: Study, rows: list[dict] | None = None, *, plot: bool = 
     payload = {"name": study.name, "runs_total": len(study.runs), "runs_finished": len(rows),
                "confidence": study.confidence, "metrics": metrics, "rows": rows,
                "summary": groups, "compare": pairs}
-    _write_atomic(paths["json"], json.dumps(payload, indent=1, allow_nan=True, default=float) + "\n")
+    write_text_atomic(paths["json"], json.dumps(payload, indent=1, allow_nan=True, default=float) + "\n")
     tmp = out / ".results.csv.tmp"
     with open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=columns or ["benchmark", "variant", "seed"])
@@ -570,7 +362,7 @@ def write_results(study: Study, rows: list[dict] | None = None, *, plot: bool = 
     png = plot_summary(groups, metrics, out / "summary.png", study.confidence) if plot else None
     if png is not None:
         paths["png"] = png
-    _write_atomic(paths["md"], _summary_markdown(study, rows, metrics, groups, pairs, png))
+    write_text_atomic(paths["md"], summary_markdown(study, rows, metrics, groups, pairs, png))
     return paths
 
 
@@ -595,14 +387,11 @@ def _prepare_run(run: StudyRun, *, threads: int | None, progress: bool) -> tuple
     cfg = config_from_dict(raw)
     run.record_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.record_dir / RUN_CONFIG)
-    last = run.out_dir / "last.pt"
+    last = run.out_dir / rundir.LAST
     if last.is_file():
         return cfg, last
     if run.out_dir.is_dir():
-        for name in TRAIN_FILES:
-            (run.out_dir / name).unlink(missing_ok=True)
-        for tmp in run.out_dir.glob(".*.tmp"):  # left by a killed checkpoint save
-            tmp.unlink(missing_ok=True)
+        rundir.remove_run_files(run.out_dir)
     return cfg, None
 
 
@@ -612,11 +401,11 @@ def _record_attempt(run: StudyRun, seconds: float, resumed_from: Path | None, st
     record["attempts"].append({"wall_time_s": round(seconds, 3), "resumed": resumed_from is not None,
                                "status": status, "ended": time.strftime("%Y-%m-%dT%H:%M:%S")})
     record["wall_time_s"] = round(sum(a["wall_time_s"] for a in record["attempts"]), 3)
-    _write_atomic(path, json.dumps(record, indent=1) + "\n")
+    write_text_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
 def _run_in_process(run: StudyRun, progress: bool) -> str:
-    from .loop import NonFiniteLossError, train
+    from deepmetric.train.loop import NonFiniteLossError, train
 
     cfg, resume = _prepare_run(run, threads=None, progress=progress)
     t0 = time.perf_counter()
@@ -757,7 +546,7 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
 
         if workers == 1:
             for run in todo:
-                log(f"{run.key}: {'resuming' if (run.out_dir / 'last.pt').is_file() else 'training'}")
+                log(f"{run.key}: {'resuming' if (run.out_dir / rundir.LAST).is_file() else 'training'}")
                 try:
                     status = _run_in_process(run, progress)
                 except KeyboardInterrupt:
@@ -776,7 +565,7 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
                 while queue or pending:
                     while queue and len(pending) < workers:
                         run = queue.pop(0)
-                        log(f"{run.key}: {'resuming' if (run.out_dir / 'last.pt').is_file() else 'training'}")
+                        log(f"{run.key}: {'resuming' if (run.out_dir / rundir.LAST).is_file() else 'training'}")
                         pending[pool.submit(_run_subprocess, run, threads, progress)] = run
                     ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
                     for fut in ready:
