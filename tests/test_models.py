@@ -501,3 +501,100 @@ def test_pretrained_two_head_full_model_round_trip(tmp_path):
     assert torch.equal(a["logits"], b["logits"]) and torch.equal(a["embedding"], b["embedding"])
     with pytest.raises(ValueError, match=r"two\.pt.*classifier\.weight.*\(6, 128\).*\(5, 128\)"):
         create_model("two_head", pretrained=path, **{**kw, "num_classes": 5})
+
+
+# ---------------------------------------------------------------- timm contract
+def _contract_outputs(model, x):
+    """(forward's dict, forward_features(x), forward_head(fmap), forward_head(fmap, pre_logits=True)),
+    each path started from the same random state so dropout draws the same masks."""
+    torch.manual_seed(1)
+    out = model(x)
+    torch.manual_seed(1)
+    fmap = model.forward_features(x)
+    return out, fmap, model.forward_head(fmap), model.forward_head(fmap, pre_logits=True)
+
+
+def _check_contract(model, x, modes=("train", "eval")):
+    """forward(x) is forward_head(forward_features(x)) -- bit for bit, in each mode -- and the
+    conv map pools to "features" (a plain mean or max over H, W, computed here)."""
+    _randomise_bn_stats(model)  # eval-mode BN then differs from train-mode BN
+    embeddings = {}
+    for mode in modes:
+        model.train(mode == "train")
+        with torch.no_grad():
+            out, fmap, emb, pre = _contract_outputs(model, x)
+        assert torch.equal(emb, out["embedding"]), mode
+        assert torch.equal(pre, out["features"]), mode
+        assert pre.shape == (x.shape[0], model.num_features)
+        if fmap.dim() == 4:  # conv models: the map before pooling
+            assert fmap.shape[:2] == (x.shape[0], model.num_features)
+            pooled = fmap.amax(dim=(2, 3)) if model.pool == "max" else fmap.mean(dim=(2, 3))
+            torch.testing.assert_close(pre, pooled)
+        embeddings[mode] = emb
+    if len(modes) == 2:  # BN / dropout really acted differently, so both modes were tested
+        assert not torch.allclose(embeddings["train"], embeddings["eval"])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(set(list_models()) - {"two_head"}))
+def test_forward_is_forward_head_of_forward_features(name):
+    assert name in SMALL_INPUT, f"add {name!r} to SMALL_INPUT"
+    torch.manual_seed(0)
+    chans, size = SMALL_INPUT[name]
+    model = create_model(name, embedding_dim=8, norm="bn", dropout=0.2, num_classes=3)
+    out = _check_contract(model, torch.randn(4, chans, size, size))
+    assert model.num_features == NUM_FEATURES[name]
+    # the classifier still reads the embedding
+    torch.testing.assert_close(out["logits"], model.classifier(out["embedding"]))
+
+
+@pytest.mark.parametrize("options", [dict(norm="l2", pool="max"), dict(norm="none")])
+def test_embedding_model_contract_other_heads(options):
+    torch.manual_seed(0)
+    model = create_model("glyph_resnet", embedding_dim=8, **options)
+    _check_contract(model, torch.randn(4, 1, 32, 32))
+
+
+@pytest.mark.parametrize("backbone", ["glyph_resnet", "resnet18"])
+@pytest.mark.parametrize("embedding_head", [True, False])
+def test_two_head_contract(backbone, embedding_head):
+    """forward_head is the embedding (Eq. 9, from the flattened map), pre_logits the pooled
+    features the classifier reads (Eq. 8).  Train mode with dropout 0: the classifier's dropout
+    draws its mask first in forward, which forward_head alone does not do."""
+    torch.manual_seed(0)
+    chans = 1 if backbone == "glyph_resnet" else 3
+    x = torch.randn(4, chans, 32, 32)
+    kw = dict(backbone=backbone, num_classes=3, input_size=32, embedding_dim=8, norm="bn",
+              embedding_head=embedding_head)
+    model = create_model("two_head", **kw)
+    out = _check_contract(model, x)
+    torch.testing.assert_close(out["logits"], model.classifier(out["features"]))
+    with torch.no_grad():
+        fmap = model.forward_features(x)
+        if embedding_head:  # eval-mode BN head by hand: (f - running mean) / sqrt(var + eps) + shift
+            head = model.embedding_head
+            f = fmap.reshape(4, -1) @ head.proj.weight.T + head.proj.bias
+            ref = (f - head.bn.running_mean) / torch.sqrt(head.bn.running_var + head.bn.eps) + head.bn.bias
+            torch.testing.assert_close(model.forward_head(fmap), ref / math.sqrt(8))
+        else:
+            torch.testing.assert_close(model.forward_head(fmap), fmap.mean(dim=(2, 3)))
+    # dropout > 0: eval mode (no masks) still agrees bit for bit
+    _check_contract(create_model("two_head", dropout=0.3, **kw), x, modes=("eval",))
+    with pytest.raises(ValueError, match="input_size=32"):
+        model.forward_features(torch.randn(2, chans, 64, 64))
+
+
+@pytest.mark.parametrize("normalization", ["l2", "none"])
+def test_synthetic_mlp_contract(normalization):
+    from deepmetric.data.synthetic import SyntheticMLP
+
+    torch.manual_seed(0)
+    model = SyntheticMLP(in_dim=16, hidden=32, embedding_dim=8, normalization=normalization,
+                         num_classes=3, two_head=True)
+    x = torch.randn(5, 16)
+    out = _check_contract(model, x, modes=("eval",))  # no BN or dropout: one mode is all there is
+    h = torch.relu(x @ model.backbone[0].weight.T + model.backbone[0].bias)
+    torch.testing.assert_close(model.forward_features(x), h)
+    e = h @ model.head.weight.T + model.head.bias
+    torch.testing.assert_close(out["embedding"], F.normalize(e, dim=1) if normalization == "l2" else e)
+    assert model.num_features == 32 and set(out) == {"embedding", "features", "logits"}

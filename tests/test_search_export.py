@@ -108,3 +108,46 @@ def test_transparent_queries_are_composited_onto_the_benchmark_background():
     assert torch.allclose(white[:, 3, 3], torch.tensor([200, 30, 30]) / 255.0)
     desc = Preprocessing(None, mode="RGB", input_size=8, background="white").describe()
     assert desc["steps"][0] == {"op": "composite_alpha", "background": "white"}
+
+
+def test_embed_images_is_the_models_normalised_embedding(shapes):
+    """Queries are embedded with forward_head(forward_features(x)): the same vectors as the
+    model's forward dict, l2-normalised, whatever the batch size."""
+    from deepmetric.search.query import embed_images
+
+    paths, x, index = _batch(shapes)
+    model, _, _, _ = load_model_from_checkpoint(shapes["checkpoint"])
+    pre = Preprocessing.from_dict(index.meta["preprocessing"])
+    got = embed_images(model, pre, paths, batch_size=4)
+    with torch.no_grad():
+        raw = model(x)["embedding"].numpy()
+    np.testing.assert_allclose(got, raw / np.linalg.norm(raw, axis=1, keepdims=True), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the TorchScript-based exporter, as export_model
+@pytest.mark.parametrize("embedding_head", [True, False])
+def test_two_head_model_exports_its_embedding(tmp_path, embedding_head):
+    """The two-head network exports its embedding (Eq. 9 head, or the pooled features of the
+    single-head baseline), not its logits: onnxruntime gives forward(x)["embedding"]."""
+    ort = pytest.importorskip("onnxruntime")
+    from deepmetric.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("two_head", backbone="glyph_resnet", num_classes=3, input_size=32, norm="bn",
+                         embedding_dim=8, embedding_head=embedding_head)
+    with torch.no_grad():
+        for m in model.modules():  # trained-looking BN statistics
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+    model.eval()
+    x = torch.randn(3, 1, 32, 32)
+    out = tmp_path / "two.onnx"
+    with torch.no_grad():
+        torch.onnx.export(EmbeddingOnly(model, normalize=False).eval(), (torch.zeros(2, 1, 32, 32),), str(out),
+                          input_names=["image"], output_names=["embedding"],
+                          dynamic_axes={"image": {0: "batch"}, "embedding": {0: "batch"}}, dynamo=False)
+        ref = model(x)["embedding"].numpy()
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(["embedding"], {"image": x.numpy()})[0]
+    assert got.shape == (3, 8 if embedding_head else model.num_features)
+    assert np.abs(got - ref).max() < 1e-4

@@ -158,3 +158,36 @@ def test_compute_embeddings_progress_bar_changes_nothing_but_stderr(capsys):
     assert "embedding test" in err and "/3 " in err  # a bar over 3 batches (10 samples by 4)
     np.testing.assert_array_equal(quiet["embeddings"], shown["embeddings"])
     np.testing.assert_array_equal(quiet["labels"], shown["labels"])
+
+
+@pytest.mark.parametrize("name", ["glyph_resnet", "two_head"])
+def test_compute_embeddings_outputs_are_the_models_forward_outputs(name):
+    """output="embedding" / "features" (forward_head, with and without pre_logits) give, batch by
+    batch, what forward's dict holds in eval mode; with_logits adds the classifier's logits."""
+    from torch.utils.data import TensorDataset
+
+    from deepmetric.models import create_model
+
+    torch.manual_seed(0)
+    options = dict(backbone="glyph_resnet", input_size=32) if name == "two_head" else {}
+    model = create_model(name, embedding_dim=6, norm="bn", num_classes=3, **options)
+    with torch.no_grad():  # trained-looking BN statistics, so eval mode is not the identity
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(10, 1, 32, 32)
+    ds = TensorDataset(x, torch.arange(10) % 3)
+    with torch.no_grad():
+        ref = model.eval()(x)
+    model.train()
+    emb = compute_embeddings(model, ds, batch_size=4)
+    feats = compute_embeddings(model, ds, batch_size=4, output="features", with_logits=True)
+    assert model.training  # mode restored
+    np.testing.assert_allclose(emb["embeddings"], ref["embedding"].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(feats["embeddings"], ref["features"].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(feats["logits"], ref["logits"].numpy(), rtol=1e-5, atol=1e-6)
+    assert emb["embeddings"].shape == (10, 6) and feats["embeddings"].shape == (10, model.num_features)
+    assert "logits" not in emb and emb["labels"].tolist() == (torch.arange(10) % 3).tolist()
+    with pytest.raises(ValueError, match=r"output must be one of \('embedding', 'features'\), got 'logits'"):
+        compute_embeddings(model, ds, output="logits")

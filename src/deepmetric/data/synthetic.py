@@ -7,8 +7,9 @@ model must learn a metric, not memorise classes.  It follows the dataset contrac
 (``ds[i] -> (tensor, int)``, ``labels``, ``num_classes``, ``class_names``).
 
 ``SyntheticMLP`` is a two-layer MLP with the model contract (``forward`` returns a dict
-with ``embedding`` and, with ``num_classes``, ``logits``), a ``backbone`` and a ``head``,
-so optimiser groups and new-layer multipliers behave as with the real models.
+with ``embedding``, ``features`` and, with ``num_classes``, ``logits``; ``forward_features`` /
+``forward_head`` / ``num_features`` as in timm), a ``backbone`` and a ``head``, so optimiser
+groups and new-layer multipliers behave as with the real models.
 
 Both are reachable from a config as ``data.name: synthetic`` and
 ``model.name: synthetic_mlp`` (see ``deepmetric.train.loop``).
@@ -77,7 +78,11 @@ class SyntheticMLP(nn.Module):
     """``backbone`` (Linear + ReLU) -> ``head`` (Linear to ``embedding_dim``) -> normalisation
     (``none`` or ``l2``); with ``num_classes`` also a ``classifier`` on the backbone features
     (the two-head layout).  Outputs ``embedding``, ``features`` (the backbone's) and
-    ``logits`` (with a classifier)."""
+    ``logits`` (with a classifier).
+
+    Having no conv map, ``forward_features(x)`` gives the hidden features [B, hidden] that the
+    head reads; ``forward_head(h)`` the embedding, ``forward_head(h, pre_logits=True)`` h itself.
+    """
 
     def __init__(self, in_dim: int = 16, hidden: int = 32, embedding_dim: int = 8,
                  normalization: str = "l2", num_classes: int | None = None, two_head: bool = False):
@@ -88,14 +93,21 @@ class SyntheticMLP(nn.Module):
         self.head = nn.Linear(hidden, embedding_dim)
         self.normalization = normalization
         self.embedding_dim = embedding_dim
+        self.num_features = hidden
         self.classifier = nn.Linear(hidden, num_classes) if (two_head and num_classes) else None
 
-    def forward(self, x: torch.Tensor) -> dict:
-        h = self.backbone(x.flatten(1))
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x.flatten(1))
+
+    def forward_head(self, h: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if pre_logits:
+            return h
         e = self.head(h)
-        if self.normalization == "l2":
-            e = F.normalize(e, dim=1)
-        out = {"embedding": e, "features": h}
+        return F.normalize(e, dim=1) if self.normalization == "l2" else e
+
+    def forward(self, x: torch.Tensor) -> dict:
+        h = self.forward_features(x)
+        out = {"embedding": self.forward_head(h), "features": self.forward_head(h, pre_logits=True)}
         if self.classifier is not None:
             out["logits"] = self.classifier(h)
         return out

@@ -28,6 +28,13 @@ def global_pool(fmap: torch.Tensor, pool: str) -> torch.Tensor:
 class EmbeddingModel(nn.Module):
     """forward(x) -> {"embedding": [B, k], "features": [B, C]} (+ "logits" with num_classes).
 
+    timm's model contract, which ``forward`` is written in:
+
+    * ``forward_features(x)`` -> the backbone's conv map [B, C, H, W] (before pooling);
+    * ``forward_head(fmap)`` -> global pool -> :class:`EmbeddingHead` -> ``"embedding"`` [B, k];
+    * ``forward_head(fmap, pre_logits=True)`` -> the pooled features ``"features"`` [B, C]
+      (``num_features`` = C).
+
     Args:
         backbone: module returning a conv map [B, C, H, W], with ``num_features`` = C.
         embedding_dim, norm, dropout, **head_options: see :class:`EmbeddingHead`.
@@ -64,8 +71,18 @@ class EmbeddingModel(nn.Module):
     def norm(self) -> str:
         return self.head.norm
 
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The backbone's last conv map [B, num_features, H, W]."""
+        return self.backbone(x)
+
+    def forward_head(self, fmap: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Embedding [B, k] of a conv map; ``pre_logits=True``: the pooled features [B, C]."""
+        features = global_pool(fmap, self.pool)
+        return features if pre_logits else self.head(features)
+
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        features = global_pool(self.backbone(x), self.pool)
+        features = self.forward_head(self.forward_features(x), pre_logits=True)
+        # self.head(features) is forward_head(fmap) without pooling the map a second time
         out = {"embedding": self.head(features), "features": features}
         if self.classifier is not None:
             out["logits"] = self.classifier(out["embedding"])

@@ -59,6 +59,18 @@ class TwoHeadModel(nn.Module):
 
     forward(x) -> {"logits": [B, num_classes], "embedding": [B, k], "features": [B, C]}.
 
+    timm's model contract, mapped onto the two heads (``forward`` is written in it):
+
+    * ``forward_features(x)`` -> the last conv map h [B, C, H, W], checked against
+      ``feature_shape``;
+    * ``forward_head(h)`` -> the embedding: ``W_emb * flatten(h)`` then the normalisation
+      (Eq. 9); for the single-head baseline (``embedding_head=False``) the pooled features;
+    * ``forward_head(h, pre_logits=True)`` -> the pooled features x = pool(h) [B, C], what the
+      classifier reads (Eq. 8) and ``"features"`` holds (``num_features`` = C).
+
+    ``forward_head`` gives what retrieval, search and export use, so the embedding; the logits
+    (``classifier(dropout(x))``) exist only in ``forward``'s dict.
+
     Args:
         backbone: module returning [B, C, H, W] with ``num_features`` = C.
         num_classes: number of classes of the new classifier.
@@ -126,7 +138,8 @@ class TwoHeadModel(nn.Module):
     def norm(self) -> str:
         return "none" if self.embedding_head is None else self.embedding_head.norm
 
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The backbone's last conv map h [B, C, H, W] (= ``feature_shape`` per sample)."""
         fmap = self.backbone(x)
         if tuple(fmap.shape[1:]) != self.feature_shape:
             raise ValueError(
@@ -134,13 +147,23 @@ class TwoHeadModel(nn.Module):
                 f"(input_size={self.input_size}); input {tuple(x.shape)} gave {tuple(fmap.shape[1:])}. "
                 "Resize / crop inputs to the input_size the model was created with."
             )
-        features = global_pool(fmap, self.pool)
+        return fmap
+
+    def forward_head(self, fmap: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Embedding of a conv map h (Eq. 9); ``pre_logits=True``: the pooled features pool(h)."""
+        if pre_logits or self.embedding_head is None:
+            return global_pool(fmap, self.pool)
         # flatten() follows the logical C, H, W order, also for channels_last maps.
-        return {
-            "logits": self.classifier(self.dropout(features)),
-            "embedding": features if self.embedding_head is None else self.embedding_head(fmap.flatten(1)),
-            "features": features,
-        }
+        return self.embedding_head(fmap.flatten(1))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        fmap = self.forward_features(x)
+        features = self.forward_head(fmap, pre_logits=True)
+        # The classifier's dropout draws its mask before the embedding head's (the order of
+        # the original single expression), so training runs keep their random stream.
+        logits = self.classifier(self.dropout(features))
+        embedding = features if self.embedding_head is None else self.forward_head(fmap)
+        return {"logits": logits, "embedding": embedding, "features": features}
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

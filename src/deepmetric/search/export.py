@@ -1,7 +1,7 @@
 """``deepmetric export``: the embedding network of a checkpoint as ONNX or TorchScript.
 
-The model is rebuilt with :func:`deepmetric.train.embed.load_model_from_checkpoint` and wrapped
-so that it returns only the embedding tensor (the ``num_classes=0`` idea of timm): input
+The model is rebuilt with :func:`deepmetric.train.embed.load_model_from_checkpoint` and exported
+as ``forward_head(forward_features(x))`` (timm's model contract), the embedding alone: input
 ``image`` float32 ``[batch, C, H, W]`` (already preprocessed), output ``embedding`` float32
 ``[batch, d]``, l2-normalised unless ``normalize=False`` (cosine = dot product, as the index
 uses). The preprocessing that makes the input from an image file is written beside the
@@ -24,7 +24,9 @@ FORMATS = ("onnx", "torchscript")
 
 
 class EmbeddingOnly(nn.Module):
-    """``model(x)["embedding"]``, optionally l2-normalised: a network with one tensor output."""
+    """``model.forward_head(model.forward_features(x))``, optionally l2-normalised: the embedding
+    network with one tensor output (the classifier and the pooled features of the model's
+    ``forward`` dict are not part of it)."""
 
     def __init__(self, model: nn.Module, normalize: bool = True):
         super().__init__()
@@ -32,7 +34,7 @@ class EmbeddingOnly(nn.Module):
         self.normalize = bool(normalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = self.model(x)["embedding"]
+        e = self.model.forward_head(self.model.forward_features(x))
         if self.normalize:
             e = nn.functional.normalize(e, dim=1)
         return e

@@ -190,7 +190,7 @@ def embed_images(model: torch.nn.Module, preprocess: Preprocessing,
 
     def flush():
         x = torch.stack(batch).to(device)
-        e = model(x)["embedding"].float()
+        e = model.forward_head(model.forward_features(x)).float()
         out.append(torch.nn.functional.normalize(e, dim=1).cpu().numpy())
         batch.clear()
 

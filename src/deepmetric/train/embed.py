@@ -26,7 +26,10 @@ from .checkpoint import load_checkpoint
 from .config import config_from_dict
 
 __all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "embed_checkpoint",
-           "load_model_from_checkpoint", "dataset_query_gallery_masks"]
+           "load_model_from_checkpoint", "dataset_query_gallery_masks", "EMBEDDING_OUTPUTS"]
+
+# compute_embeddings(output=...): forward_head(fmap) and forward_head(fmap, pre_logits=True)
+EMBEDDING_OUTPUTS = ("embedding", "features")
 
 
 @torch.no_grad()
@@ -39,14 +42,17 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
     """Embed every sample of ``dataset`` in order.
 
     ``output`` names the model output kept as ``"embeddings"``: ``"embedding"`` (the trained
-    head) or ``"features"`` (the backbone's pooled features, e.g. ImageNet features before
-    any training).
+    head, ``model.forward_head(model.forward_features(x))``) or ``"features"`` (the backbone's
+    pooled features, ``forward_head(..., pre_logits=True)``, e.g. ImageNet features before any
+    training).
 
     Returns ``{"embeddings": float32 [N, k], "labels": int64 [N]}`` plus ``"logits"`` when
     ``with_logits`` and the model outputs them (or ``loss_with_logits.logits(emb)`` exists).
     The model's train/eval mode is restored afterwards. ``progress``: a label for a tqdm bar
     over the batches (none when None).
     """
+    if output not in EMBEDDING_OUTPUTS:
+        raise ValueError(f"compute_embeddings: output must be one of {EMBEDDING_OUTPUTS}, got {output!r}")
     device = torch.device(device)
     was_training = model.training
     model.eval()
@@ -62,9 +68,11 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
             if channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             with autocast_context(device, amp):
-                out = model(x)
-            if output not in out:
-                raise ValueError(f"the model has no {output!r} output (it has {sorted(out)})")
+                if with_logits:  # a model's classifier logits exist only in forward's dict
+                    out = model(x)
+                else:
+                    out = {output: model.forward_head(model.forward_features(x),
+                                                      pre_logits=output == "features")}
             e = out[output].float()
             embs.append(e.cpu())
             labels.append(torch.as_tensor(y).cpu())
