@@ -95,6 +95,16 @@ def test_grad_norm_through_trained_heated_softmax_loss(rng):
     assert loss.alpha == 16.0 and loss.training  # state restored
 
 
+def test_gradient_norm_vs_alpha_restores_a_learnable_alpha(rng):
+    """A learnable alpha is a Parameter changed in place during the sweep: the value before
+    the sweep (not the last alpha of the sweep) must be put back."""
+    from deepmetric.losses import HeatedSoftmaxLoss
+
+    loss = HeatedSoftmaxLoss(num_classes=3, embedding_dim=4, alpha=7.5, learnable_alpha=True)
+    got = gradient_norm_vs_alpha(rng.standard_normal((3, 4)), [0, 1, 2], [1.0, 32.0], loss=loss)
+    assert got.shape == (3, 2) and float(loss.alpha) == 7.5
+
+
 def test_select_paper_samples_against_bruteforce_margins(rng):
     W = rng.standard_normal((4, 3))
     x = rng.standard_normal((50, 3))

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from deepmetric.losses.temperature import get_alpha, set_alpha
+
 __all__ = [
     "read_log",
     "TrainingLog",
@@ -251,14 +253,14 @@ def gradient_norm_vs_alpha(
     f_hat = torch.as_tensor(_l2n(x.astype(np.float64)))
     yt = torch.as_tensor(y)
     out = np.empty((x.shape[0], alphas_arr.size))
-    old_alpha, was_training = loss.alpha, loss.training
+    old_alpha, was_training = get_alpha(loss), loss.training  # a float: a learnable alpha is changed in place
     param = next(iter(loss.parameters()), None)
     dtype = param.dtype if param is not None else torch.float32
     device = param.device if param is not None else torch.device("cpu")
     loss.eval()
     try:
         for j, a in enumerate(alphas_arr):
-            _set_alpha(loss, float(a))
+            set_alpha(loss, float(a))
             f = f_hat.to(device=device, dtype=dtype).clone().requires_grad_(True)
             logits = loss.logits(f)
             # summed CE: each sample's loss depends only on its own row, so row i of the
@@ -267,7 +269,8 @@ def gradient_norm_vs_alpha(
             (g,) = torch.autograd.grad(ce, f)
             out[:, j] = g.double().norm(dim=1).cpu().numpy()
     finally:
-        _set_alpha(loss, old_alpha)
+        if old_alpha is not None:
+            set_alpha(loss, old_alpha)
         loss.train(was_training)
     return out
 
@@ -294,16 +297,6 @@ def _loss_from_weights(weights: Any, bias: Any, dim: int, normalize_weights: boo
                 raise ValueError(f"bias has {b.shape[0]} entries but there are {w.shape[0]} classes")
             loss.bias.copy_(torch.as_tensor(b))
     return loss
-
-
-def _set_alpha(loss: torch.nn.Module, value: float) -> None:
-    # a learnable alpha is a Parameter: write into it without recording the op
-    cur = getattr(loss, "alpha")
-    if isinstance(cur, torch.Tensor):
-        with torch.no_grad():
-            cur.fill_(float(value))
-    else:
-        loss.alpha = value
 
 
 def _cosine_logits(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:

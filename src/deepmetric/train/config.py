@@ -39,6 +39,8 @@ import yaml
 
 __all__ = [
     "ConfigError",
+    "HEATING_DEFAULTS",
+    "heating_factors",
     "DataConfig",
     "ModelConfig",
     "LossTermConfig",
@@ -229,6 +231,17 @@ class TemperatureScheduleConfig:
     min_delta: float = 0.0
     max_heatups: int = 1
     losses: Optional[list[int]] = None
+
+
+#: ``(alpha_factor, lr_factor)`` of one heating event when the config leaves them out (heated-up
+#: paper, Sec. 3.4 and its official code): one step alpha x 1/4 (16 -> 4) and lr x 1/10; the
+#: gradual variant alpha / 1.41 and lr x 0.562 per event (4 events reach the same end point).
+HEATING_DEFAULTS = {"heat_up": (0.25, 0.1), "auto_plateau": (0.25, 0.1), "gradual": (1 / 1.41, 0.562)}
+
+
+def heating_factors(kind: str) -> tuple[float, float]:
+    """The default ``(alpha_factor, lr_factor)`` of a temperature schedule kind."""
+    return HEATING_DEFAULTS.get(kind, HEATING_DEFAULTS["heat_up"])
 
 
 @dataclass
@@ -519,10 +532,11 @@ def _check_values(cfg: Config) -> None:
                     f"{len(cfg.loss)} loss term(s)"
                 )
     # Resolve the factor defaults (they depend on the schedule kind).
+    default_alpha, default_lr = heating_factors(tc.name)
     if tc.alpha_factor is None:
-        tc.alpha_factor = 1 / 1.41 if tc.name == "gradual" else 0.25
+        tc.alpha_factor = default_alpha
     if tc.lr_factor is None:
-        tc.lr_factor = 0.562 if tc.name == "gradual" else 0.1
+        tc.lr_factor = default_lr
 
 
 def _check_validation(cfg: Config) -> None:

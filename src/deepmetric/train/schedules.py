@@ -25,13 +25,15 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from .config import LrScheduleConfig, TemperatureScheduleConfig
+from deepmetric.losses.temperature import get_alpha, has_alpha, scale_alpha, set_alpha
+
+from .config import HEATING_DEFAULTS, LrScheduleConfig, heating_factors, TemperatureScheduleConfig
 
 __all__ = ["LrSchedule", "TemperatureSchedule", "get_alpha", "set_alpha", "scale_alpha", "has_alpha",
            "gradual_default_events"]
 
-HEAT_UP_TOTAL_ALPHA_FACTOR = 0.25  # the paper's heating: alpha 16 -> 4 (and lr -> lr / 10)
-HEAT_UP_TOTAL_LR_FACTOR = 0.1
+# the paper's heating, alpha 16 -> 4 and lr -> lr / 10 (the schedule defaults live in config.py)
+HEAT_UP_TOTAL_ALPHA_FACTOR, HEAT_UP_TOTAL_LR_FACTOR = HEATING_DEFAULTS["heat_up"]
 
 
 # --------------------------------------------------------------------------- lr
@@ -74,41 +76,6 @@ class LrSchedule:
         del state
 
 
-# --------------------------------------------------------------------------- alpha helpers
-def has_alpha(loss: nn.Module) -> bool:
-    """Whether a loss has a temperature that a schedule can heat (a settable ``alpha``)."""
-    return hasattr(loss, "alpha") and get_alpha(loss) is not None
-
-
-def get_alpha(loss: nn.Module) -> float | None:
-    a = getattr(loss, "alpha", None)
-    if a is None:
-        return None
-    try:
-        return float(a.detach()) if hasattr(a, "detach") else float(a)
-    except (TypeError, ValueError):
-        return None
-
-
-def set_alpha(loss: nn.Module, value: float) -> None:
-    a = getattr(loss, "alpha", None)
-    if isinstance(a, nn.Parameter) or (hasattr(a, "data") and hasattr(a, "copy_")):
-        import torch
-
-        with torch.no_grad():
-            a.fill_(value)
-    else:
-        loss.alpha = float(value)
-
-
-def scale_alpha(loss: nn.Module, factor: float) -> None:
-    """Multiply the loss's current (possibly learned) alpha by ``factor``."""
-    if hasattr(loss, "scale_alpha"):
-        loss.scale_alpha(factor)
-    else:
-        set_alpha(loss, get_alpha(loss) * factor)
-
-
 # --------------------------------------------------------------------------- temperature
 def gradual_default_events(alpha_factor: float, lr_factor: float) -> int:
     """Number of gradual heating events when ``until`` is not given: the count whose
@@ -141,8 +108,9 @@ class TemperatureSchedule:
                 f"temperature schedule {cfg.name!r} needs a loss with an 'alpha' (e.g. "
                 f"heated_softmax), but none of the selected loss terms has one"
             )
-        self.alpha_factor = float(cfg.alpha_factor if cfg.alpha_factor is not None else 0.25)
-        self.lr_mult = float(cfg.lr_factor if cfg.lr_factor is not None else 0.1)
+        default_alpha, default_lr = heating_factors(cfg.name)
+        self.alpha_factor = float(cfg.alpha_factor if cfg.alpha_factor is not None else default_alpha)
+        self.lr_mult = float(cfg.lr_factor if cfg.lr_factor is not None else default_lr)
         self.events = 0  # number of heat-up events applied
         self.lr_factor = 1.0
         # gradual without 'until': stop where the paper's heating ends (alpha / 4, lr / 10)
