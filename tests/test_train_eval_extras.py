@@ -98,7 +98,7 @@ def test_extras_config_errors(tmp_path):
 def test_cross_domain_metrics_of_an_emoji_run_match_cross_vendor_metrics(tmp_path):
     from test_data_emoji import make_tree
 
-    from deepmetric.data.emoji import cross_vendor_metrics
+    from deepmetric.evaluate import evaluate_cross_domain
 
     make_tree(tmp_path / "tree")
     raw = {
@@ -117,8 +117,8 @@ def test_cross_domain_metrics_of_an_emoji_run_match_cross_vendor_metrics(tmp_pat
     ids, names = dataset_domains(test_set)
     assert names == list(test_set.vendors) and np.array_equal(ids, test_set.vendor_ids)
     emb = compute_embeddings(model, test_set)
-    ref = cross_vendor_metrics(emb["embeddings"], emb["labels"], test_set.vendor_ids, test_set.vendors,
-                               ks=(1, 2), metrics=("recall", "map@r"))["mean"]
+    ref = evaluate_cross_domain(emb["embeddings"], emb["labels"], test_set.vendor_ids,
+                                domain_names=test_set.vendors, ks=(1, 2), metrics=("recall", "map@r"))["mean"]
     for k in ("recall@1", "recall@2", "map@r"):
         assert got[f"cross_domain_{k}"] == pytest.approx(ref[k], abs=1e-6)
     assert "recall@1" in got  # the all-vs-all metrics stay

@@ -310,7 +310,9 @@ def _run_emoji(args: argparse.Namespace) -> int:
     elif args.emoji_command == "counts":
         print(json.dumps(emoji.emoji_counts(args.root, size=args.size, vendors=args.vendors, verbose=True), indent=1))
     else:
-        res = emoji.pixel_baseline(args.split, args.root, size=args.size, vendors=args.vendors)
+        from deepmetric.train.preflight import emoji_pixel_baseline
+
+        res = emoji_pixel_baseline(args.split, args.root, size=args.size, vendors=args.vendors)
         pct = lambda d: {k: round(100 * v, 1) if isinstance(v, float) else v for k, v in d.items()}  # noqa: E731
         print(f"{args.split}: {res['classes']} classes, {res['images']} images, vendors {','.join(res['vendors'])}, "
               f"{args.size} px, cosine on raw pixels")

@@ -20,7 +20,7 @@ from .folder import load_csv, load_folder
 from .registry import build_dataset, is_event_dataset, list_datasets
 from .fashion_mnist import ArrayImageDataset, build_fashion_mnist
 from .glyphs import GlyphDataset, build_glyph_dataset, gb2312_level1_chars
-from .emoji import EmojiDataset, build_emoji_dataset, cross_vendor_metrics
+from .emoji import EmojiDataset, build_emoji_dataset
 from .samplers import ClassBalancedBatchSampler, RandomBatchSampler
 from .transforms import build_transform, list_transforms
 from .loader import make_loader

@@ -34,7 +34,7 @@ Protocols (both split the classes the same way): ``zero_shot``: the emoji in ``s
 the first half (``n // 2``: 955 of 1,911) are training classes, the second half (956) test
 classes (the CUB convention; no class is shared); ``cross_vendor``: the same classes, evaluated
 with the queries of one vendor against a gallery of the other vendors' images, per vendor and
-averaged (:func:`cross_vendor_metrics`). ``split="all"`` gives every class.
+averaged (:func:`deepmetric.evaluate.evaluate_cross_domain` with the vendors as domains). ``split="all"`` gives every class.
 
 Packages are installed by ``install.sh`` (``deepmetric emoji install``: ``npm
 pack`` of the pinned versions, sha512 checked against ``PACKAGES``, only the files used are
@@ -73,10 +73,8 @@ __all__ = [
     "DATASOURCE_VENDORS",
     "VENDOR_PACKAGE",
     "build_emoji_dataset",
-    "cross_vendor_metrics",
     "emoji_cache_dir",
     "emoji_counts",
-    "pixel_baseline",
     "emoji_packages_dir",
     "install_emoji_packages",
     "load_emoji_index",
@@ -525,7 +523,7 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
         root: deepmetric cache root holding ``emoji/packages/`` (default ``$DEEPMETRIC_CACHE`` or
             ``~/.cache/deepmetric``); the built arrays are cached in ``<root>/emoji/``.
         protocol: "zero_shot" or "cross_vendor" (same classes and images; the name records how
-            the test split is evaluated, see :func:`cross_vendor_metrics`).
+            the test split is evaluated, see :func:`deepmetric.evaluate.evaluate_cross_domain`).
         size: image side in pixels, 32-128 (the 64-px sources are resized with Lanczos).
         vendors: names from ``VENDORS`` (list or comma-separated string); default all six.
         min_vendors: keep only the classes drawn by at least this many of the selected vendors
@@ -588,40 +586,9 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
     return ds
 
 
-# --------------------------------------------------------------------------- evaluation
-def cross_vendor_metrics(embeddings, labels, vendor_ids, vendors: Sequence[str] | None = None,
-                         **evaluate_kw) -> dict:
-    """Cross-vendor retrieval: the queries of one vendor against the gallery of the others.
-
-    Thin wrapper of :func:`deepmetric.evaluate.evaluate_cross_domain` with the vendors as
-    domains (``vendor_ids`` from ``EmojiDataset.vendor_ids``, ``vendors`` its ``vendors``).
-    Returns ``{vendor: metrics, ..., "mean": metrics averaged over vendors}``.
-    """
-    from deepmetric.evaluate import evaluate_cross_domain
-
-    return evaluate_cross_domain(embeddings, labels, vendor_ids, domain_names=vendors, **evaluate_kw)
-
-
 # --------------------------------------------------------------------------- summaries
 def emoji_counts(root=None, *, size: int = 64, vendors=None, verbose: bool = False) -> dict:
     """``EmojiDataset.counts()`` of the train, test and all splits (builds the cache if needed)."""
     return {split: build_emoji_dataset(split, root=root, size=size, vendors=vendors,
                                        verbose=verbose and split == "train").counts()
             for split in ("train", "test", "all")}
-
-
-def pixel_baseline(split: str = "test", root=None, *, size: int = 64, vendors=None,
-                   ks=(1, 2, 4, 8)) -> dict:
-    """Raw-pixel baseline: cosine similarity of the flattened RGB images in [0, 1].
-
-    Returns ``{"all_vs_all": evaluate(...) (every image a query against all others),
-    "cross_vendor": cross_vendor_metrics(...)}`` with Recall@K and MAP@R.
-    """
-    from deepmetric.evaluate import evaluate
-
-    ds = build_emoji_dataset(split, root=root, size=size, vendors=vendors)
-    x = ds.images.reshape(len(ds), -1).astype(np.float32) / 255.0
-    return {"all_vs_all": evaluate(x, ds.labels, ks=ks, metrics=("recall", "map@r")),
-            "cross_vendor": cross_vendor_metrics(x, ds.labels, ds.vendor_ids, ds.vendors, ks=ks,
-                                                 metrics=("recall", "map@r")),
-            "classes": ds.num_classes, "images": len(ds), "vendors": ds.vendors}

@@ -51,6 +51,7 @@ __all__ = [
     "check_config",
     "check_run",
     "compute_baselines",
+    "emoji_pixel_baseline",
 ]
 
 #: Fewer training classes than this triggers :func:`few_classes_warning`.
@@ -589,3 +590,23 @@ def compute_baselines(model: nn.Module, losses, eval_sets: dict[str, Any], cfg: 
     else:
         out["raw_pixels"] = {"label": "raw pixels", "skipped": desc}
     return out
+
+
+def emoji_pixel_baseline(split: str = "test", root=None, *, size: int = 64, vendors=None,
+                         ks=(1, 2, 4, 8)) -> dict:
+    """Raw-pixel baseline of the emoji benchmark (``deepmetric emoji pixels``): cosine similarity
+    of the flattened RGB images in [0, 1].
+
+    Returns ``{"all_vs_all": evaluate(...) (every image a query against all others),
+    "cross_vendor": evaluate_cross_domain(...) (each vendor's images against the other vendors'),
+    "classes", "images", "vendors"}`` with Recall@K and MAP@R.
+    """
+    from deepmetric.data.emoji import build_emoji_dataset
+    from deepmetric.evaluate import evaluate, evaluate_cross_domain
+
+    ds = build_emoji_dataset(split, root=root, size=size, vendors=vendors)
+    x = ds.images.reshape(len(ds), -1).astype(np.float32) / 255.0
+    return {"all_vs_all": evaluate(x, ds.labels, ks=ks, metrics=("recall", "map@r")),
+            "cross_vendor": evaluate_cross_domain(x, ds.labels, ds.vendor_ids, domain_names=ds.vendors, ks=ks,
+                                                  metrics=("recall", "map@r")),
+            "classes": ds.num_classes, "images": len(ds), "vendors": ds.vendors}
