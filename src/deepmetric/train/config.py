@@ -321,6 +321,9 @@ class EvalConfig:
     """
 
     every: int = 1
+    #: epochs between test-split evaluations (``null`` = ``every``; 0 = only the final
+    #: evaluation): tuning trials select on validation and need the test split once at most
+    test_every: Optional[int] = None
     at_start: bool = False
     split: str = "test"
     gallery_split: Optional[str] = None
@@ -509,6 +512,8 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'optim.betas': expected two floats, got {cfg.optim.betas}")
     if cfg.eval.every < 0:
         raise ConfigError(f"config key 'eval.every': must be >= 0, got {cfg.eval.every}")
+    if cfg.eval.test_every is not None and cfg.eval.test_every < 0:
+        raise ConfigError(f"config key 'eval.test_every': must be >= 0, got {cfg.eval.test_every}")
     if not cfg.eval.ks or any(k < 1 for k in cfg.eval.ks):
         raise ConfigError(f"config key 'eval.ks': expected positive ints, got {cfg.eval.ks}")
     _check_validation(cfg)

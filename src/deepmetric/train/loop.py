@@ -117,10 +117,13 @@ def _run_length(tc, batches_per_epoch: int) -> tuple[int, int]:
     return math.ceil(tc.iterations / steps_per_epoch), tc.iterations
 
 
-def _eval_due(cfg: Config, epoch_done: int, total_epochs: int, finished: bool) -> bool:
+def _eval_due(cfg: Config, epoch_done: int, total_epochs: int, finished: bool, split: str = "val") -> bool:
+    """Whether ``split`` is evaluated after ``epoch_done`` epochs: always at the end, else every
+    ``eval.every`` epochs (the test split every ``eval.test_every``, default the same)."""
     if finished or epoch_done == total_epochs:
         return True
-    return cfg.eval.every > 0 and epoch_done % cfg.eval.every == 0
+    every = cfg.eval.every if split != "test" or cfg.eval.test_every is None else cfg.eval.test_every
+    return every > 0 and epoch_done % every == 0
 
 
 def current_alphas(temperature: TemperatureSchedule, losses: nn.ModuleList) -> list[float]:
@@ -149,6 +152,9 @@ class Evaluator:
     ``{"query": ds}`` or ``{"query": ds, "gallery": ds}``), log and print the metrics
     (rank 0) and share them with every rank.  ``evaluator(epoch, iteration, alphas)``
     returns ``{"val": metrics, "test": metrics}`` (``"val"`` only with a validation split).
+    ``splits`` limits one call to some of the splits (``eval.test_every``).  With
+    ``eval.cross_domain`` every split also gets the cross-domain metrics (each domain's queries
+    against the other domains' images), so validation mirrors a cross-domain test.
     ``on_eval`` sees the test evaluations."""
 
     def __init__(self, model: nn.Module, losses: nn.ModuleList, eval_sets: dict, cfg: Config, *,
@@ -157,14 +163,17 @@ class Evaluator:
         self.model, self.losses, self.eval_sets, self.cfg = model, losses, eval_sets, cfg
         self.device, self.world, self.log, self.on_eval = device, world, log, on_eval
 
-    def __call__(self, epoch: int, iteration: int, alphas: list[float], final: bool = False) -> dict[str, dict]:
+    def __call__(self, epoch: int, iteration: int, alphas: list[float], final: bool = False,
+                 splits=None) -> dict[str, dict]:
         results: dict[str, dict] = {}
         ec = self.cfg.eval
         for split, sets in self.eval_sets.items():  # rank 0 holds the evaluation splits
+            if splits is not None and split not in splits:
+                continue
             t0 = time.perf_counter()
             metrics, embedded = evaluate_model(self.model, sets, self.cfg, device=self.device,
                                                losses=self.losses)
-            if split == "test" and ec.cross_domain:
+            if ec.cross_domain:
                 metrics.update(cross_domain_metrics(embedded, sets["query"], self.cfg))
             if split == "test" and ec.train_neighbours and final:  # 1 pass over the training set
                 metrics.update(train_neighbour_metrics(self.model, embedded, self.cfg, device=self.device))
@@ -231,6 +240,7 @@ class _Run:
     last_ckpt: Path | None = None   # the last good checkpoint (named in errors)
     baselines: dict = field(default_factory=dict)
     reevaluate: bool = False        # a finished run resumed without its final evaluation
+    on_validation: Any = None       # callback(epoch, val_metrics) after each validation
     t_start: float = 0.0
     wall_before: float = 0.0
 
@@ -412,20 +422,25 @@ def _baselines(run: _Run, resume) -> None:
                            "epoch": 0, "step": 0, **extra})
 
 
-def _choose_best(run: _Run, epoch: int) -> None:
-    """After a validation evaluation: update ``state.best`` and write ``best.pt``."""
+def _choose_best(run: _Run, epoch: int, test_evaluated: bool = True) -> None:
+    """After a validation evaluation: update ``state.best`` and write ``best.pt``.  The test
+    metrics stored with it are this epoch's (None when the test split was not evaluated)."""
     state = run.state
     _check_metric(run.select_key, "eval.best_metric", state.val_metrics)
     value = state.val_metrics[run.select_key]
     if state.best["value"] is None or value > state.best["value"]:
-        state.best = {"metric": run.select_key, "value": value, "epoch": epoch, "test": dict(state.metrics)}
+        state.best = {"metric": run.select_key, "value": value, "epoch": epoch,
+                      "test": dict(state.metrics) if test_evaluated else None}
         if run.main:
             run.save(R.BEST)
 
 
-def _evaluate(run: _Run, epoch: int, final: bool) -> None:
-    results = run.evaluate(epoch, run.state.iteration, run.alphas(), final=final)
-    run.state.metrics, run.state.val_metrics = results["test"], results.get("val", {})
+def _evaluate(run: _Run, epoch: int, final: bool, splits=None) -> None:
+    results = run.evaluate(epoch, run.state.iteration, run.alphas(), final=final, splits=splits)
+    if "test" in results:
+        run.state.metrics = results["test"]
+    if "val" in results:
+        run.state.val_metrics = results["val"]
 
 
 def _evaluate_finished_resume(run: _Run) -> None:
@@ -547,8 +562,9 @@ def _end_of_epoch(run: _Run, epoch: int, finished: bool) -> bool:
     if run.main and last_epoch:
         run.last_ckpt = run.save(R.LAST)  # the training is safe before evaluation runs
     due = _eval_due(cfg, epoch, run.total_epochs, finished)
-    if due:
-        _evaluate(run, epoch, final=last_epoch)
+    test_due = _eval_due(cfg, epoch, run.total_epochs, finished, split="test")
+    if due or test_due:
+        _evaluate(run, epoch, final=last_epoch, splits=[s for s, d in (("val", due), ("test", test_due)) if d])
     if due and run.has_val:  # choose on validation metrics only
         _check_metric(run.select_key, "eval.best_metric", state.val_metrics)
         if monitor != "train_loss":
@@ -557,7 +573,9 @@ def _end_of_epoch(run: _Run, epoch: int, finished: bool) -> bool:
             if monitor in state.val_metrics and temperature.observe(state.val_metrics[monitor], epoch,
                                                                     state.iteration):
                 _log_heat_up(run, epoch)
-        _choose_best(run, epoch)
+        _choose_best(run, epoch, test_evaluated=test_due)
+        if run.on_validation is not None:  # e.g. a tuner's pruner: may raise to stop the run
+            run.on_validation(epoch, dict(state.val_metrics))
         patience = cfg.eval.early_stop_patience
         if patience is not None and epoch - state.best["epoch"] >= patience and not finished:
             finished = state.stopped_early = True
@@ -599,16 +617,20 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
 
 # --------------------------------------------------------------------------- the loop
 def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bool = False,
-          on_eval: Callable[[int, dict, dict], None] | None = None) -> TrainResult:
+          on_eval: Callable[[int, dict, dict], None] | None = None,
+          on_validation: Callable[[int, dict], None] | None = None) -> TrainResult:
     """Train according to ``cfg``; ``resume`` continues from a checkpoint (``last.pt``).
 
     A new run refuses a non-empty ``train.out_dir`` unless ``overwrite=True`` (which
     removes the previous run's files) or ``resume`` is given.
 
     ``on_eval(epoch, metrics, embedded)`` is called on rank 0 after every evaluation (the
-    demo uses it to keep embeddings for plots).
+    demo uses it to keep embeddings for plots).  ``on_validation(epoch, val_metrics)`` is called
+    after every validation evaluation, once ``best.pt`` is written; an exception it raises stops
+    the run there (``deepmetric tune``'s pruner raises ``optuna.TrialPruned``).
     """
     run = _set_up(cfg, resume=resume, overwrite=overwrite, on_eval=on_eval)      # steps 1-4
+    run.on_validation = on_validation
     if resume is not None:
         _resume(run, resume)                                                     # step 5
     _open_log(run)
