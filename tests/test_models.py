@@ -50,7 +50,7 @@ NUM_FEATURES = {
 
 def test_registry_lists_every_model():
     assert set(list_backbones()) == set(SMALL_INPUT)
-    assert set(list_models()) == set(SMALL_INPUT) | {"two_head"}
+    assert set(list_models()) == set(SMALL_INPUT) | {"two_head", "synthetic_mlp"}
 
 
 @pytest.mark.parametrize("name", sorted(SMALL_INPUT))
