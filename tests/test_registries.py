@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-from deepmetric import models as M
 from deepmetric.data import (build_dataset, build_transform, canonical_dataset_name, dataset_options,
                              is_event_dataset, list_datasets, list_transforms, register_dataset,
                              register_transform, transform_options)
@@ -25,6 +24,7 @@ from deepmetric.data.synthetic import GaussianClusters
 from deepmetric.evaluate import check_metric_names, evaluate, list_metrics
 from deepmetric.losses import build_loss, list_losses, loss_class, loss_options, register_loss
 from deepmetric.losses import registry as loss_registry
+from deepmetric.models import registry as model_registry
 from deepmetric.models import (create_model, list_models, model_backbone, model_needs_num_classes, model_options,
                                register_model)
 from deepmetric.models.synthetic import SyntheticMLP
@@ -35,14 +35,16 @@ from deepmetric.train.preflight import check_config_options
 
 
 @pytest.fixture
-def scratch_registries(monkeypatch):
-    """Registrations made in a test are undone after it (the registries are module state)."""
-    monkeypatch.setattr(data_registry, "_DATASETS", dict(data_registry._DATASETS))
-    monkeypatch.setattr(data_registry, "_ALIASES", dict(data_registry._ALIASES))
-    monkeypatch.setattr(transforms_module, "_BUILDERS", dict(transforms_module._BUILDERS))
-    monkeypatch.setattr(M, "_MODELS", dict(M._MODELS))
-    monkeypatch.setattr(M, "_NEEDS_NUM_CLASSES", set(M._NEEDS_NUM_CLASSES))
-    monkeypatch.setattr(loss_registry, "_LOSSES", dict(loss_registry._LOSSES))
+def scratch_registries():
+    """Registrations made in a test are undone after it (the registries are module state,
+    restored in place: every module holding a reference sees the restored table)."""
+    tables = [data_registry._DATASETS, data_registry._ALIASES, transforms_module._BUILDERS,
+              model_registry._MODELS, model_registry._NEEDS_NUM_CLASSES, loss_registry._LOSSES]
+    saved = [table.copy() for table in tables]
+    yield
+    for table, copy in zip(tables, saved):
+        table.clear()
+        table.update(copy)
 
 
 def _cfg(**sections):

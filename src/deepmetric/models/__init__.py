@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-from typing import Callable, Mapping
+from typing import Mapping
 
 from torch import nn
 
@@ -33,6 +33,7 @@ from .backbones import (
 from .embedding_model import EmbeddingModel, global_pool
 from .heads import NORMS, EmbeddingHead, ShiftOnlyBatchNorm1d
 from .pretrained import LoadReport, clean_state_dict, load_pretrained, read_state_dict
+from .registry import _MODELS, _NEEDS_NUM_CLASSES, _unknown_model, list_models, register_model
 from .small import GlyphResNet, LeNet
 from .synthetic import SyntheticMLP
 from .two_head import TwoHeadModel, feature_map_shape
@@ -67,39 +68,7 @@ __all__ = [
 
 _COMMON_ARGS = ("embedding_dim", "norm", "num_classes", "pretrained", "in_chans", "dropout")
 _HEAD_OPTIONS = ("bn_momentum", "bn_eps", "bn_divide_sqrt_k", "init", "bias")
-_MODELS: dict[str, Callable[..., nn.Module]] = {}
-_NEEDS_NUM_CLASSES: set[str] = set()  # registered models that cannot be built without num_classes
 _TWO_HEAD_BACKBONE = "resnet50"  # two_head's default backbone
-
-
-def register_model(name: str, *, needs_num_classes: bool = False):
-    """Decorator adding a model factory ``fn(**kwargs) -> nn.Module`` (or a model class)
-    under ``name``.  :func:`create_model` passes it the common arguments that are not None
-    (``embedding_dim``, ``norm``, ``num_classes``, ``pretrained``, ``in_chans``,
-    ``dropout``) and the model's own options; its keyword parameters are the options
-    :func:`model_options` reports.  ``needs_num_classes``: the model has a classifier and
-    must be built with ``num_classes`` (:func:`model_needs_num_classes`)."""
-
-    def deco(fn):
-        if name in _MODELS or name in list_backbones():
-            raise ValueError(f"model {name!r} is already registered")
-        _MODELS[name] = fn
-        if needs_num_classes:
-            _NEEDS_NUM_CLASSES.add(name)
-        return fn
-
-    return deco
-
-
-def list_models() -> list[str]:
-    """All names :func:`create_model` accepts: every backbone, plus ``"two_head"`` etc."""
-    return sorted(set(list_backbones()) | set(_MODELS))
-
-
-def _unknown_model(name) -> ValueError:
-    close = difflib.get_close_matches(str(name), list_models(), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"unknown model {name!r}.{hint} Available: {', '.join(list_models())}")
 
 
 def _keywords(fn) -> tuple[set[str], bool]:
@@ -291,9 +260,6 @@ def _two_head(
     if pretrained is not None:
         _apply_pretrained(model, backbone, pretrained)
     return model
-
-
-register_model("synthetic_mlp")(SyntheticMLP)  # the model of the synthetic dataset (tests, smoke runs)
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

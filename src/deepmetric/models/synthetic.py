@@ -11,9 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .registry import register_model
+
 __all__ = ["SyntheticMLP"]
 
 
+@register_model("synthetic_mlp")
 class SyntheticMLP(nn.Module):
     """``backbone`` (Linear + ReLU) -> ``head`` (Linear to ``embedding_dim``) -> normalisation
     (``none`` or ``l2``); with ``num_classes`` also a ``classifier`` on the backbone features
