@@ -620,8 +620,15 @@ def test_registry_dispatches_to_the_registered_builder(monkeypatch):
     from deepmetric.data import registry
 
     calls = []
+
+    def fake_builder(name):
+        def build(**kw):
+            calls.append((name, kw))
+            return name
+        return build
+
     for name in ("glyphs", "fashion-mnist"):
-        fake = (lambda name=name, **kw: calls.append((name, kw)) or name)
+        fake = fake_builder(name)
         monkeypatch.setitem(registry._DATASETS, name, dataclasses.replace(registry._DATASETS[name], build=fake))
     assert build_dataset("glyphs", split="test", size=16) == "glyphs"
     assert build_dataset("Fashion_MNIST", root="/x", split="train") == "fashion-mnist"

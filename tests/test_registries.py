@@ -42,7 +42,7 @@ def scratch_registries():
               model_registry._MODELS, model_registry._NEEDS_NUM_CLASSES, loss_registry._LOSSES]
     saved = [table.copy() for table in tables]
     yield
-    for table, copy in zip(tables, saved):
+    for table, copy in zip(tables, saved, strict=True):
         table.clear()
         table.update(copy)
 
@@ -228,7 +228,7 @@ def test_create_model_none_means_default():
     torch.manual_seed(0)
     b = create_model("lenet", dropout=0.0)
     assert repr(a) == repr(b) and isinstance(a.head.dropout, nn.Identity)
-    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+    for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True):
         assert torch.equal(x, y)
 
 

@@ -20,7 +20,7 @@ import difflib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .benchmarks import BENCHMARKS, load_benchmark
 from .folder import load_csv, load_folder

@@ -6,7 +6,7 @@ factory, or its class, with :func:`register_model` where it is defined (timm's
 from __future__ import annotations
 
 import difflib
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
