@@ -7,8 +7,6 @@ real JPEGs, then the tests compare what the loaders return with expectations com
 plainly from what was written.
 """
 import copy
-import sys
-import types
 import uuid
 
 import numpy as np
@@ -602,9 +600,9 @@ def test_skipping_a_whole_class_warns_and_keeps_mapping(tmp_path):
 
 # ----------------------------------------------------------------------------- registry
 def test_registry_names_aliases_and_options(trees):
-    assert list_datasets() == ["cub", "cars196", "sop", "inshop", "flowers102", "aircraft", "dogs",
-                               "nabirds", "folder", "csv", "fashion-mnist", "glyphs", "emoji",
-                               "events", "hdd", "synthetic-events"]
+    assert list_datasets() == ["aircraft", "cars196", "csv", "cub", "dogs", "emoji", "events", "fashion-mnist",
+                               "flowers102", "folder", "glyphs", "hdd", "inshop", "nabirds", "sop", "synthetic",
+                               "synthetic-events"]
     root, _ = trees["cub"]
     assert build_dataset("CUB_200_2011", root).paths == build_dataset("cub", root).paths
     assert isinstance(build_dataset("cub200", root, split="test"), ImageListDataset)
@@ -614,16 +612,29 @@ def test_registry_names_aliases_and_options(trees):
         build_dataset("cub", root, class_split="half")
 
 
-def test_registry_dispatches_offline_datasets_lazily(monkeypatch):
+def test_registry_dispatches_to_the_registered_builder(monkeypatch):
+    # build_dataset hands split, transform, root and the options to the builder registered
+    # under the name the argument means (case, '_' and aliases normalised)
+    import dataclasses
+
+    from deepmetric.data import registry
+
     calls = []
-    for mod, fn in (("deepmetric.data.glyphs", "build_glyph_dataset"),
-                    ("deepmetric.data.fashion_mnist", "build_fashion_mnist")):
-        fake = types.ModuleType(mod)
-        setattr(fake, fn, lambda fn=fn, **kw: calls.append((fn, kw)) or fn)
-        monkeypatch.setitem(sys.modules, mod, fake)
-    assert build_dataset("glyphs", split="test", size=16) == "build_glyph_dataset"
-    assert build_dataset("Fashion_MNIST", root="/x", split="train") == "build_fashion_mnist"
+
+    def fake_builder(name):
+        def build(**kw):
+            calls.append((name, kw))
+            return name
+        return build
+
+    for name in ("glyphs", "fashion-mnist"):
+        fake = fake_builder(name)
+        monkeypatch.setitem(registry._DATASETS, name, dataclasses.replace(registry._DATASETS[name], build=fake))
+    assert build_dataset("glyphs", split="test", size=16) == "glyphs"
+    assert build_dataset("Fashion_MNIST", root="/x", split="train") == "fashion-mnist"
+    assert build_dataset("fashionmnist") == "fashion-mnist"
     assert calls == [
-        ("build_glyph_dataset", {"split": "test", "transform": None, "root": None, "size": 16}),
-        ("build_fashion_mnist", {"split": "train", "transform": None, "root": "/x"}),
+        ("glyphs", {"split": "test", "transform": None, "root": None, "size": 16}),
+        ("fashion-mnist", {"split": "train", "transform": None, "root": "/x"}),
+        ("fashion-mnist", {"split": "train", "transform": None, "root": None}),
     ]

@@ -235,8 +235,8 @@ def test_cross_entropy_matches_log_softmax_formula(rng):
 
 def test_registry_names_and_errors():
     assert list_losses() == [
-        "heated_softmax", "almn", "triplet", "center", "contrastive", "npair", "lifted", "proxy_nca", "cross_entropy",
-        "pml",
+        "almn", "center", "contrastive", "cross_entropy", "heated_softmax", "lifted", "npair", "pml", "proxy_nca",
+        "triplet",
     ]
     assert loss_class("lifted") is LiftedStructureLoss
     assert loss_class("heated_softmax").__name__ == "HeatedSoftmaxLoss"

@@ -50,7 +50,7 @@ NUM_FEATURES = {
 
 def test_registry_lists_every_model():
     assert set(list_backbones()) == set(SMALL_INPUT)
-    assert set(list_models()) == set(SMALL_INPUT) | {"two_head"}
+    assert set(list_models()) == set(SMALL_INPUT) | {"two_head", "synthetic_mlp"}
 
 
 @pytest.mark.parametrize("name", sorted(SMALL_INPUT))
@@ -536,7 +536,8 @@ def _check_contract(model, x, modes=("train", "eval")):
     return out
 
 
-@pytest.mark.parametrize("name", sorted(set(list_models()) - {"two_head"}))
+# synthetic_mlp takes flat vectors, not images: test_synthetic_mlp_contract covers it
+@pytest.mark.parametrize("name", sorted(set(list_models()) - {"two_head", "synthetic_mlp"}))
 def test_forward_is_forward_head_of_forward_features(name):
     assert name in SMALL_INPUT, f"add {name!r} to SMALL_INPUT"
     torch.manual_seed(0)

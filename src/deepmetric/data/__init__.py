@@ -1,7 +1,10 @@
 """deepmetric.data: dataset loaders, user data, samplers and transforms.
 
 ``build_dataset(name, root=None, split="train", transform=None, **options)`` builds every
-dataset; ``list_datasets()`` names them. See docs/data.md and docs/offline-data.md.
+dataset; ``list_datasets()`` names them and ``dataset_options(name)`` their options
+(``list_transforms()`` / ``transform_options(name)`` for the transforms).  A dataset registers
+its builder with ``register_dataset`` where it is defined; this package imports every such
+module. See docs/data.md and docs/offline-data.md.
 """
 from .image_list import IMAGE_EXTENSIONS, ImageList, ImageListDataset, remap_labels
 from .benchmarks import (
@@ -17,13 +20,15 @@ from .benchmarks import (
     load_sop,
 )
 from .folder import load_csv, load_folder
-from .registry import build_dataset, is_event_dataset, list_datasets
+from .registry import (build_dataset, canonical_dataset_name, dataset_options, is_event_dataset, list_datasets,
+                       register_dataset)
 from .fashion_mnist import ArrayImageDataset, build_fashion_mnist
 from .glyphs import GlyphDataset, build_glyph_dataset, gb2312_level1_chars
 from .emoji import EmojiDataset, build_emoji_dataset
 from .samplers import ClassBalancedBatchSampler, RandomBatchSampler
-from .transforms import build_transform, list_transforms
+from .transforms import build_transform, list_transforms, register_transform, transform_options
 from .loader import make_loader
 from .events import (Event, EventDataset, EventList, VideoDecodeError, load_event_csv, load_hdd_events,
                      predict_events, read_frames)
 from .synthetic_events import build_synthetic_events
+from .synthetic import GaussianClusters, build_synthetic_dataset

@@ -64,6 +64,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .glyphs import cached_npz  # one atomic .npz cache for both benchmarks
+from .registry import register_dataset
 
 __all__ = [
     "EmojiDataset",
@@ -511,6 +512,7 @@ class EmojiDataset(Dataset):
                 f"num_classes={self.num_classes}, vendors={self.vendors}, size={self.images.shape[1]})")
 
 
+@register_dataset("emoji")
 def build_emoji_dataset(split: str = "train", transform: Callable | None = None, root=None, *,
                         protocol: str = "zero_shot", size: int = 64, vendors: Iterable[str] | str | None = None,
                         min_vendors: int = 1, max_classes: int | None = None,

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .registry import register_dataset
+
 __all__ = [
     "ArrayImageDataset",
     "FASHION_MNIST_CLASSES",
@@ -176,6 +178,7 @@ def _load_official(root, official_split: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels.astype(np.int64)
 
 
+@register_dataset("fashion-mnist", aliases=("fashionmnist",))
 def build_fashion_mnist(split: str = "train", transform: Callable | None = None, root=None,
                         protocol: str = "classification", zero_shot_images: str = "official",
                         **options) -> ArrayImageDataset:

@@ -56,6 +56,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .fashion_mnist import ArrayImageDataset
+from .registry import register_dataset
 
 __all__ = [
     "GlyphDataset",
@@ -423,6 +424,7 @@ class GlyphDataset(ArrayImageDataset):
     """
 
 
+@register_dataset("glyphs")
 def build_glyph_dataset(split: str = "train", transform: Callable | None = None, root=None, *,
                         size: int = 32, margin: int = 2, oversample: int = 4, fit: str = "em",
                         fonts: Iterable[str] | str | None = None, max_classes: int | None = None,

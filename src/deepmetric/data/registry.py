@@ -1,92 +1,124 @@
 """One factory for every dataset: ``build_dataset(name, root, split, transform, **options)``.
 
-Names: cub, cars196, sop, inshop, flowers102, aircraft, dogs, nabirds (official archives,
-see :mod:`deepmetric.data.benchmarks`), folder and csv (your own data, see
-:mod:`deepmetric.data.folder`), fashion-mnist, glyphs and emoji (offline benchmarks, built by
-:mod:`deepmetric.data.fashion_mnist`, :mod:`deepmetric.data.glyphs` and :mod:`deepmetric.data.emoji`);
-video events: events (a CSV of clips), hdd (per-frame label arrays) and synthetic_events
-(rendered ego-motion clips), see :mod:`deepmetric.data.events` and docs/events.md.
+Every dataset registers its builder with :func:`register_dataset` where the builder is
+defined: the official benchmarks cub, cars196, sop, inshop, flowers102, aircraft, dogs and
+nabirds (see :mod:`deepmetric.data.benchmarks`), folder and csv (your own data, see
+:mod:`deepmetric.data.folder`) and the video events of a CSV (events) or of per-frame label
+arrays (hdd) here; fashion-mnist, glyphs and emoji (offline benchmarks) in
+:mod:`deepmetric.data.fashion_mnist`, :mod:`deepmetric.data.glyphs` and
+:mod:`deepmetric.data.emoji`; synthetic_events (rendered ego-motion clips) in
+:mod:`deepmetric.data.synthetic_events` and synthetic (Gaussian clusters for tests) in
+:mod:`deepmetric.data.synthetic`.  ``deepmetric.data`` imports them all, so every name is
+registered once the package is imported.  See docs/events.md for the video events.
+
+Names are matched ignoring case, with ``_`` and spaces read as ``-`` (``synthetic_events``
+is ``synthetic-events``), and through aliases (``cub200`` is ``cub``).
 """
 from __future__ import annotations
 
 import difflib
-from typing import Callable
+import functools
+import inspect
+from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 from .benchmarks import BENCHMARKS, load_benchmark
 from .folder import load_csv, load_folder
 from .image_list import ImageListDataset
 
-__all__ = ["build_dataset", "list_datasets", "DATASET_NAMES"]
+__all__ = ["build_dataset", "register_dataset", "list_datasets", "canonical_dataset_name", "dataset_options",
+           "is_event_dataset"]
 
-DATASET_NAMES = (
-    "cub", "cars196", "sop", "inshop", "flowers102", "aircraft", "dogs", "nabirds",
-    "folder", "csv", "fashion-mnist", "glyphs", "emoji",
-    "events", "hdd", "synthetic-events",
-)
 
-_ALIASES = {
-    "cub200": "cub", "cub-200": "cub", "cub-200-2011": "cub", "cub_200_2011": "cub", "cub200-2011": "cub",
-    "cars": "cars196", "cars-196": "cars196", "stanford-cars": "cars196",
-    "stanford-online-products": "sop", "online-products": "sop",
-    "in-shop": "inshop", "deepfashion-inshop": "inshop",
-    "flowers": "flowers102", "flowers-102": "flowers102", "oxford-flowers102": "flowers102",
-    "fgvc-aircraft": "aircraft", "fgvcaircraft": "aircraft",
-    "stanford-dogs": "dogs",
-    "fashionmnist": "fashion-mnist",
-    "honda": "hdd", "syntheticevents": "synthetic-events",
-}
-#: options of EventDataset (frame sampling and windows), accepted by every event dataset
-_EVENT_OPTIONS = ("rate", "window", "min_seconds", "random_window", "test_windows")
+@dataclass(frozen=True)
+class _Dataset:
+    build: Callable  # build(split=..., transform=..., root=..., **options) -> Dataset
+    options: frozenset[str] | None  # what data.options accepts; None: the builder checks its own
+    event: bool  # a video-event dataset (a random window per access on its "train" split)
 
-# options the ImageListDataset wrapper takes (every file-based dataset accepts them)
-_DATASET_OPTIONS = ("skip_missing", "verify", "mode")
-_OPTIONS = {
-    "benchmark": ("protocol", "check_counts"),
-    "folder": ("class_split", "split_file", "seed", "extensions", "allow_empty_classes"),
-    "csv": ("image_root", "label_map", "delimiter"),
-}
+
+_DATASETS: dict[str, _Dataset] = {}
+_ALIASES: dict[str, str] = {}
+#: builder parameters that are not options: build_dataset passes them itself
+_BUILD_ARGUMENTS = ("split", "transform", "root")
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def register_dataset(name: str, *, aliases: Iterable[str] = (), options: Iterable[str] | None = None,
+                     event: bool = False):
+    """Decorator registering ``builder(split=..., transform=..., root=..., **options)`` as
+    dataset ``name`` (:func:`build_dataset`; a config's ``data.name``).
+
+    Args:
+        name: the dataset's name, lower case with ``-`` between words.
+        aliases: other names that mean this dataset (``"cub200"`` for ``"cub"``).
+        options: the names ``data.options`` accepts; by default the builder's keyword
+            parameters besides split, transform and root (none known when the builder takes
+            ``**options``: it then checks them itself).
+        event: a video-event dataset, which draws a random window per access on its "train"
+            split (see :func:`is_event_dataset`).
+
+    A second dataset or alias of the same name is an error.
+    """
+    key = _key(name)
+    if key != name:
+        raise ValueError(f"register_dataset: name {name!r} must be lower case with '-' between words ({key!r})")
+
+    def deco(builder: Callable) -> Callable:
+        accepted = options
+        if accepted is None:
+            params = inspect.signature(builder).parameters
+            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                            and n not in _BUILD_ARGUMENTS]
+        new_aliases = {_key(a) for a in aliases} - {key}
+        taken = sorted(n for n in new_aliases | {key} if n in _DATASETS or n in _ALIASES)
+        if taken:
+            raise ValueError(f"dataset name(s) {taken} already registered")
+        _DATASETS[key] = _Dataset(builder, None if accepted is None else frozenset(accepted), bool(event))
+        _ALIASES.update(dict.fromkeys(new_aliases, key))
+        return builder
+
+    return deco
 
 
 def list_datasets() -> list[str]:
-    """Every name :func:`build_dataset` accepts (aliases such as 'cub200' are also accepted)."""
-    return list(DATASET_NAMES)
+    """Every name :func:`build_dataset` accepts, sorted (aliases such as 'cub200' are also
+    accepted)."""
+    return sorted(_DATASETS)
 
 
-#: the video-event datasets (a random window per access on their "train" split)
-EVENT_DATASETS = ("events", "hdd", "synthetic-events")
-
-
-def is_event_dataset(name: str) -> bool:
-    """Whether ``name`` (or an alias) is one of :data:`EVENT_DATASETS`; unknown names are not."""
-    try:
-        return _canonical(name) in EVENT_DATASETS
-    except (TypeError, ValueError):
-        return False
-
-
-def _canonical(name: str) -> str:
+def canonical_dataset_name(name: str) -> str:
+    """The registered name ``name`` means (``"CUB_200_2011"`` -> ``"cub"``); an unknown name
+    raises ``ValueError`` with the closest names, a non-string ``TypeError``."""
     if not isinstance(name, str):
         raise TypeError(f"dataset name must be a string, got {type(name).__name__}")
-    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    key = _key(name)
     key = _ALIASES.get(key, key)
-    if key not in DATASET_NAMES:
-        close = difflib.get_close_matches(key, list(DATASET_NAMES) + list(_ALIASES), n=3, cutoff=0.6)
+    if key not in _DATASETS:
+        close = difflib.get_close_matches(key, list(_DATASETS) + list(_ALIASES), n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(repr(_ALIASES.get(c, c)) for c in close)}?" if close else ""
-        raise ValueError(f"unknown dataset {name!r}. Known: {', '.join(DATASET_NAMES)}.{hint}")
+        raise ValueError(f"unknown dataset {name!r}. Known: {', '.join(list_datasets())}.{hint}")
     return key
 
 
-def _split_options(name: str, kind: str, options: dict) -> tuple[dict, dict]:
-    allowed = _OPTIONS[kind]
-    unknown = sorted(set(options) - set(allowed) - set(_DATASET_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"build_dataset({name!r}): unknown option(s) {unknown}; accepted: "
-            f"{', '.join(allowed + _DATASET_OPTIONS)}"
-        )
-    load = {k: v for k, v in options.items() if k in allowed}
-    wrap = {k: v for k, v in options.items() if k in _DATASET_OPTIONS}
-    return load, wrap
+def dataset_options(name: str) -> set[str] | None:
+    """The options (``data.options``) dataset ``name`` accepts, or None when its builder
+    takes ``**options`` and checks them itself (fashion-mnist, events, hdd).  Raises as
+    :func:`canonical_dataset_name` for an unknown name."""
+    options = _DATASETS[canonical_dataset_name(name)].options
+    return None if options is None else set(options)
+
+
+def is_event_dataset(name: str) -> bool:
+    """Whether ``name`` (or an alias) is a video-event dataset; unknown names are not."""
+    try:
+        return _DATASETS[canonical_dataset_name(name)].event
+    except (TypeError, ValueError):
+        return False
 
 
 def build_dataset(name: str, root=None, split: str = "train", transform: Callable | None = None, **options):
@@ -106,50 +138,78 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
             ``delimiter``; all file-based datasets: ``skip_missing``, ``verify``
             ("exists" | "open" | "none"), ``mode`` ("RGB" | "L"). fashion-mnist, glyphs and
             emoji take their own options (emoji: ``protocol``, ``size``, ``vendors``,
-            ``min_vendors``, ``max_classes``; see docs/offline-data.md).
+            ``min_vendors``, ``max_classes``; see docs/offline-data.md); see
+            :func:`dataset_options`.
 
     Returns: a Dataset with ``labels`` (int64, 0..C-1), ``num_classes``, ``class_names``.
     """
-    key = _canonical(name)
-    if key in EVENT_DATASETS:
-        return _build_events(key, root, split, transform, options)
-    if key == "glyphs":
-        from .glyphs import build_glyph_dataset
-
-        return build_glyph_dataset(split=split, transform=transform, root=root, **options)
-    if key == "emoji":
-        from .emoji import build_emoji_dataset
-
-        return build_emoji_dataset(split=split, transform=transform, root=root, **options)
-    if key == "fashion-mnist":
-        from .fashion_mnist import build_fashion_mnist
-
-        return build_fashion_mnist(split=split, transform=transform, root=root, **options)
-    if key in BENCHMARKS:
-        load, wrap = _split_options(key, "benchmark", options)
-        image_list = load_benchmark(key, root, split=split, **load)
-    elif key == "folder":
-        load, wrap = _split_options(key, "folder", options)
-        image_list = load_folder(root, split=split, **load)
-    else:
-        load, wrap = _split_options(key, "csv", options)
-        image_list = load_csv(root, split=split, **load)
-    return ImageListDataset(image_list, transform, **wrap)
+    return _DATASETS[canonical_dataset_name(name)].build(split=split, transform=transform, root=root, **options)
 
 
-def _build_events(key: str, root, split: str, transform, options: dict):
-    """Video-event datasets: ``events`` (CSV: video_root, default_fps, delimiter), ``hdd``
-    (label_fps, frames, classes, sessions) and ``synthetic-events`` (num_train, num_test, fps,
-    size, seed, val_fraction); all take the EventDataset options rate, window, min_seconds,
-    random_window, test_windows."""
+# --------------------------------------------------------------------------- file-based datasets
+#: options of the ImageListDataset wrapper, accepted by every file-based dataset
+_WRAPPER_OPTIONS = ("skip_missing", "verify", "mode")
+_BENCHMARK_OPTIONS = ("protocol", "check_counts")
+_FOLDER_OPTIONS = ("class_split", "split_file", "seed", "extensions", "allow_empty_classes")
+_CSV_OPTIONS = ("image_root", "label_map", "delimiter")
+_BENCHMARK_ALIASES = {
+    "cub": ("cub200", "cub-200", "cub-200-2011", "cub200-2011"),
+    "cars196": ("cars", "cars-196", "stanford-cars"),
+    "sop": ("stanford-online-products", "online-products"),
+    "inshop": ("in-shop", "deepfashion-inshop"),
+    "flowers102": ("flowers", "flowers-102", "oxford-flowers102"),
+    "aircraft": ("fgvc-aircraft", "fgvcaircraft"),
+    "dogs": ("stanford-dogs",),
+}
+
+
+def _split_options(name: str, allowed: tuple[str, ...], options: dict) -> tuple[dict, dict]:
+    """(loader options, wrapper options) of ``options``; anything else is an error."""
+    unknown = sorted(set(options) - set(allowed) - set(_WRAPPER_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"build_dataset({name!r}): unknown option(s) {unknown}; accepted: "
+            f"{', '.join(allowed + _WRAPPER_OPTIONS)}"
+        )
+    load = {k: v for k, v in options.items() if k in allowed}
+    wrap = {k: v for k, v in options.items() if k in _WRAPPER_OPTIONS}
+    return load, wrap
+
+
+def _build_benchmark(name: str, split: str = "train", transform=None, root=None, **options):
+    load, wrap = _split_options(name, _BENCHMARK_OPTIONS, options)
+    return ImageListDataset(load_benchmark(name, root, split=split, **load), transform, **wrap)
+
+
+for _name in BENCHMARKS:
+    register_dataset(_name, aliases=_BENCHMARK_ALIASES.get(_name, ()),
+                     options=_BENCHMARK_OPTIONS + _WRAPPER_OPTIONS)(functools.partial(_build_benchmark, _name))
+
+
+@register_dataset("folder", options=_FOLDER_OPTIONS + _WRAPPER_OPTIONS)
+def _build_folder(split: str = "train", transform=None, root=None, **options):
+    load, wrap = _split_options("folder", _FOLDER_OPTIONS, options)
+    return ImageListDataset(load_folder(root, split=split, **load), transform, **wrap)
+
+
+@register_dataset("csv", options=_CSV_OPTIONS + _WRAPPER_OPTIONS)
+def _build_csv(split: str = "train", transform=None, root=None, **options):
+    load, wrap = _split_options("csv", _CSV_OPTIONS, options)
+    return ImageListDataset(load_csv(root, split=split, **load), transform, **wrap)
+
+
+# --------------------------------------------------------------------------- video events
+#: options of EventDataset (frame sampling and windows), accepted by every event dataset
+_EVENT_OPTIONS = ("rate", "window", "min_seconds", "random_window", "test_windows")
+
+
+def _build_events(key: str, loader_options: tuple[str, ...], root, split: str, transform, options: dict):
+    """An :class:`~deepmetric.data.events.EventDataset` of the events of ``events``
+    (a CSV: video_root, default_fps, delimiter) or ``hdd`` (label_fps, frames, classes,
+    sessions); both take the EventDataset options rate, window, min_seconds, random_window,
+    test_windows."""
     from .events import EventDataset, load_event_csv, load_hdd_events
 
-    if key == "synthetic-events":
-        from .synthetic_events import build_synthetic_events
-
-        return build_synthetic_events(split=split, transform=transform, root=root, **options)
-    loader_options = {"events": ("video_root", "default_fps", "delimiter"),
-                      "hdd": ("label_fps", "frames", "classes", "sessions")}[key]
     unknown = sorted(set(options) - set(loader_options) - set(_EVENT_OPTIONS))
     if unknown:
         raise TypeError(f"build_dataset({key!r}): unknown option(s) {unknown}; accepted: "
@@ -158,3 +218,13 @@ def _build_events(key: str, root, split: str, transform, options: dict):
     wrap = {k: v for k, v in options.items() if k in _EVENT_OPTIONS}
     events = load_event_csv(root, split, **load) if key == "events" else load_hdd_events(root, split, **load)
     return EventDataset(events, transform, **wrap)
+
+
+@register_dataset("events", event=True)
+def _build_event_csv(split: str = "train", transform=None, root=None, **options):
+    return _build_events("events", ("video_root", "default_fps", "delimiter"), root, split, transform, options)
+
+
+@register_dataset("hdd", aliases=("honda",), event=True)
+def _build_hdd(split: str = "train", transform=None, root=None, **options):
+    return _build_events("hdd", ("label_fps", "frames", "classes", "sessions"), root, split, transform, options)

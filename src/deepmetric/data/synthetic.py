@@ -6,21 +6,22 @@ The train and test splits use disjoint classes (drawn from one seeded generator)
 model must learn a metric, not memorise classes.  It follows the dataset contract
 (``ds[i] -> (tensor, int)``, ``labels``, ``num_classes``, ``class_names``).
 
-``SyntheticMLP`` is a two-layer MLP with the model contract (``forward`` returns a dict
-with ``embedding``, ``features`` and, with ``num_classes``, ``logits``; ``forward_features`` /
-``forward_head`` / ``num_features`` as in timm), a ``backbone`` and a ``head``, so optimiser
-groups and new-layer multipliers behave as with the real models.
-
-Both are reachable from a config as ``data.name: synthetic`` and
-``model.name: synthetic_mlp`` (see ``deepmetric.train.loop``).
+Its model, ``SyntheticMLP``, is :class:`deepmetric.models.synthetic.SyntheticMLP` (re-exported
+here).  Both are reachable from a config as ``data.name: synthetic`` and
+``model.name: synthetic_mlp``: each registers in its registry like the other datasets and
+models.
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import Dataset
+
+from deepmetric.models.synthetic import SyntheticMLP
+
+from .registry import register_dataset
 
 __all__ = ["GaussianClusters", "build_synthetic_dataset", "SyntheticMLP", "write_digit_folder", "DIGIT_NAMES"]
 
@@ -70,47 +71,12 @@ class GaussianClusters(Dataset):
         return x, int(self.labels[i])
 
 
-def build_synthetic_dataset(split: str = "train", transform=None, **options) -> GaussianClusters:
+@register_dataset("synthetic", options=[n for n in inspect.signature(GaussianClusters).parameters
+                                       if n not in ("split", "transform")])
+def build_synthetic_dataset(split: str = "train", transform=None, root=None, **options) -> GaussianClusters:
+    """``GaussianClusters(split, transform=transform, **options)``, registered as dataset
+    ``synthetic``; ``root`` is not used (the data is generated)."""
     return GaussianClusters(split, transform=transform, **options)
-
-
-class SyntheticMLP(nn.Module):
-    """``backbone`` (Linear + ReLU) -> ``head`` (Linear to ``embedding_dim``) -> normalisation
-    (``none`` or ``l2``); with ``num_classes`` also a ``classifier`` on the backbone features
-    (the two-head layout).  Outputs ``embedding``, ``features`` (the backbone's) and
-    ``logits`` (with a classifier).
-
-    Having no conv map, ``forward_features(x)`` gives the hidden features [B, hidden] that the
-    head reads; ``forward_head(h)`` the embedding, ``forward_head(h, pre_logits=True)`` h itself.
-    """
-
-    def __init__(self, in_dim: int = 16, hidden: int = 32, embedding_dim: int = 8,
-                 normalization: str = "l2", num_classes: int | None = None, two_head: bool = False):
-        super().__init__()
-        if normalization not in ("none", "l2"):
-            raise ValueError(f"synthetic_mlp: normalization must be 'none' or 'l2', got {normalization!r}")
-        self.backbone = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU())
-        self.head = nn.Linear(hidden, embedding_dim)
-        self.normalization = normalization
-        self.embedding_dim = embedding_dim
-        self.num_features = hidden
-        self.classifier = nn.Linear(hidden, num_classes) if (two_head and num_classes) else None
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backbone(x.flatten(1))
-
-    def forward_head(self, h: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if pre_logits:
-            return h
-        e = self.head(h)
-        return F.normalize(e, dim=1) if self.normalization == "l2" else e
-
-    def forward(self, x: torch.Tensor) -> dict:
-        h = self.forward_features(x)
-        out = {"embedding": self.forward_head(h), "features": self.forward_head(h, pre_logits=True)}
-        if self.classifier is not None:
-            out["logits"] = self.classifier(h)
-        return out
 
 
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")

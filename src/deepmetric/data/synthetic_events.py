@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .events import Event, EventDataset, EventList
+from .registry import register_dataset
 
 __all__ = ["EVENT_CLASSES", "CLASS_FREQUENCIES", "render_clip", "clip_spec", "synthetic_event_list",
            "build_synthetic_events"]
@@ -160,6 +161,7 @@ def synthetic_event_list(split: str = "train", *, num_train: int = 900, num_test
     return EventList(events, list(EVENT_CLASSES), name="synthetic_events", split=split), specs
 
 
+@register_dataset("synthetic-events", aliases=("syntheticevents",), event=True)
 def build_synthetic_events(split: str = "train", transform=None, root=None, *, num_train: int = 900,
                            num_test: int = 600, fps: float = 6.0, size: int = 64, seed: int = 0,
                            val_fraction: float = 0.2, rate: float = 3.0, window: int = 6,

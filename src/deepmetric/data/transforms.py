@@ -44,14 +44,15 @@ the channel for ImageNet backbones.
 """
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
-__all__ = ["build_transform", "list_transforms", "StrokeWidth", "RepeatChannels", "normalization",
+__all__ = ["build_transform", "list_transforms", "register_transform", "transform_options", "StrokeWidth", "RepeatChannels", "normalization",
            "StackOfDifferences", "to_grayscale_uint8", "GlyphBatchAugment", "BatchedTransform",
            "affine_inverse_matrices"]
 
@@ -137,6 +138,24 @@ def normalization(name, channels: int = 3):
     )
 
 
+# name -> builder(train, **options); builders register with @register_transform where defined
+_BUILDERS: dict[str, Callable[..., Callable]] = {}
+
+
+def register_transform(name: str):
+    """Decorator registering ``builder(train: bool, **options)`` as transform ``name``
+    (:func:`build_transform`; a config's ``data.transform``); its keyword parameters are the
+    transform's options.  A second transform of the same name is an error."""
+
+    def deco(builder):
+        if name in _BUILDERS:
+            raise ValueError(f"transform {name!r} is already registered")
+        _BUILDERS[name] = builder
+        return builder
+
+    return deco
+
+
 def _finish(steps, normalize, channels):
     norm = normalization(normalize, channels)
     if norm is not None:
@@ -144,6 +163,7 @@ def _finish(steps, normalize, channels):
     return v2.Compose(steps)
 
 
+@register_transform("resize_crop")
 def _resize_crop(train, resize=256, crop=224, flip=True, normalize="imagenet"):
     if crop > resize:
         raise ValueError(f"resize_crop: crop={crop} larger than resize={resize}")
@@ -158,6 +178,7 @@ def _resize_crop(train, resize=256, crop=224, flip=True, normalize="imagenet"):
     return _finish(steps, normalize, 3)
 
 
+@register_transform("short_side")
 def _short_side(train, min_size=350, max_size=512, crop=224, test_size=350, flip=True, normalize="imagenet"):
     if not crop <= min_size <= max_size:
         raise ValueError(f"short_side: need crop <= min_size <= max_size, got {crop}, {min_size}, {max_size}")
@@ -301,6 +322,7 @@ class BatchedTransform(torch.nn.Module):
         return self.per_image(x)
 
 
+@register_transform("glyph")
 def _glyph(train, degrees=6.0, translate=0.06, scale=(0.9, 1.1), shear=6.0, stroke_p=0.5,
            max_radius=1, blur_p=0.3, blur_sigma=(0.1, 0.8), noise_sigma=0.05, channels=1,
            normalize="minus_one_one", batched=False):
@@ -327,6 +349,7 @@ def _glyph(train, degrees=6.0, translate=0.06, scale=(0.9, 1.1), shear=6.0, stro
     return _finish(steps, normalize, channels)
 
 
+@register_transform("mnist")
 def _mnist(train, translate=0.08, flip=False, channels=1, normalize="minus_one_one", size=None):
     steps = [v2.ToImage(), v2.Grayscale(1)]
     if size is not None:  # your own small images: one size for every image (aspect not kept)
@@ -342,6 +365,7 @@ def _mnist(train, translate=0.08, flip=False, channels=1, normalize="minus_one_o
     return _finish(steps, normalize, channels)
 
 
+@register_transform("emoji")
 def _emoji(train, size=None, degrees=8.0, translate=0.06, scale=(0.85, 1.1), brightness=0.15,
            contrast=0.15, saturation=0.15, flip=False, normalize="imagenet", mean=None, std=None):
     steps = [v2.ToImage(), v2.RGB(), v2.ToDtype(torch.float32, scale=True)]
@@ -449,29 +473,37 @@ class StackOfDifferences(torch.nn.Module):
         return f"size={self.size}, crop={self.crop}, train={self.train_mode}, scale={self.scale:g}"
 
 
+@register_transform("sod")
 def _sod(train, size=None, crop=None, scale=1 / 255):
     return StackOfDifferences(size=size, crop=crop, train=train, scale=scale)
 
 
-_BUILDERS = {"resize_crop": _resize_crop, "short_side": _short_side, "glyph": _glyph, "mnist": _mnist,
-             "emoji": _emoji, "sod": _sod}
-
-
 def list_transforms() -> list[str]:
+    """The names :func:`build_transform` accepts, sorted."""
     return sorted(_BUILDERS)
+
+
+def _builder(name: str):
+    if not isinstance(name, str) or name not in _BUILDERS:
+        raise ValueError(f"unknown transform {name!r}; choose one of {list_transforms()}")
+    return _BUILDERS[name]
+
+
+def transform_options(name: str) -> set[str]:
+    """The options (``data.transform_options``) transform ``name`` accepts: its builder's
+    keyword parameters besides ``train``.  An unknown name raises as :func:`build_transform`."""
+    params = inspect.signature(_builder(name)).parameters
+    return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"train"}
 
 
 def build_transform(name: str, train: bool, **opts) -> v2.Compose:
     """Build a named transform pipeline (see module docstring for names and options)."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown transform {name!r}; choose one of {list_transforms()}")
+    builder = _builder(name)
     if not isinstance(train, bool):
         raise TypeError(f"build_transform: train must be a bool, got {train!r}")
-    import inspect
-
-    allowed = set(inspect.signature(_BUILDERS[name]).parameters) - {"train"}
+    allowed = transform_options(name)
     unknown = set(opts) - allowed
     if unknown:
         raise TypeError(f"build_transform({name!r}): unknown option(s) {sorted(unknown)}; "
                         f"allowed: {sorted(allowed)}")
-    return _BUILDERS[name](train, **opts)
+    return builder(train, **opts)

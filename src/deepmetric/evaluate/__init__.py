@@ -5,8 +5,11 @@ See docs/evaluation.md. Public API::
     evaluate(embeddings, labels, *, is_query=None, is_gallery=None, ks=(1, 2, 4, 8),
              metrics=None, seed=0, chunk_size=None, backend="auto") -> dict
     recall_at_k, map_at_r, r_precision, nmi, pairwise_f1, knn, kmeans, classification_accuracy
+    list_metrics() -> the metric names; check_metric_names(metrics) validates a selection
+    check_embeddings(x) -> validated, l2-normalised (N, d) float32 embeddings
     evaluate_cross_domain(embeddings, labels, domains, domain_names=None, ...) -> {domain: metrics, "mean": ...}
 """
+from deepmetric.evaluate._checks import check_embeddings
 from deepmetric.evaluate.classification import (classification_accuracy, format_per_class_table,
                                                 misclassified_neighbour_agreement, per_class_accuracy)
 from deepmetric.evaluate.clustering import (
@@ -16,13 +19,16 @@ from deepmetric.evaluate.clustering import (
     pairwise_f1,
     pairwise_f1_from_clusters,
 )
-from deepmetric.evaluate.engine import METRICS, evaluate, map_at_r, r_precision, recall_at_k
+from deepmetric.evaluate.engine import (METRICS, check_metric_names, evaluate, list_metrics, map_at_r,
+                                        r_precision, recall_at_k)
 from deepmetric.evaluate.cross_domain import evaluate_cross_domain
 from deepmetric.evaluate.knn import BACKENDS, knn
 
 __all__ = [
     "BACKENDS",
     "METRICS",
+    "check_embeddings",
+    "check_metric_names",
     "classification_accuracy",
     "per_class_accuracy",
     "format_per_class_table",
@@ -31,6 +37,7 @@ __all__ = [
     "evaluate_cross_domain",
     "kmeans",
     "knn",
+    "list_metrics",
     "map_at_r",
     "nmi",
     "nmi_from_clusters",

@@ -25,7 +25,15 @@ METRICS = ("recall", "map@r", "r_precision", "nmi", "f1")
 RECALL_LIST_CAP = 32  # longest k-NN list kept for Recall@K alone (see evaluate)
 
 
-def _check_metrics(metrics) -> tuple[str, ...]:
+def list_metrics() -> list[str]:
+    """The metric names :func:`evaluate` takes in ``metrics`` (``recall`` gives one
+    ``recall@K`` per K)."""
+    return list(METRICS)
+
+
+def check_metric_names(metrics) -> tuple[str, ...]:
+    """``metrics`` (None: all, a name, or names) as a tuple of :func:`list_metrics` names;
+    an unknown name or an empty list raises ``ValueError`` listing the choices."""
     if metrics is None:
         return METRICS
     if isinstance(metrics, str):
@@ -85,7 +93,7 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
         gallery, ``queries_without_positive`` (a count; those queries are excluded from the
         retrieval averages). Clustering metrics use the union of query and gallery samples.
     """
-    metrics = _check_metrics(metrics)
+    metrics = check_metric_names(metrics)
     ks = _check_ks(ks)
     x = check_embeddings(embeddings)
     n = x.shape[0]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .heated_softmax import _check_positive_int, check_embeddings_labels, compute_dtype
+from .registry import register_loss
 
 __all__ = ["ALMNLoss", "virtual_points"]
 
@@ -55,6 +56,7 @@ def _chebyshev_cos(cos_t: torch.Tensor, m: int) -> torch.Tensor:
     return t_cur
 
 
+@register_loss("almn")
 class ALMNLoss(nn.Module):
     r"""Adaptive Large Margin N-pair loss with class-centre anchors and virtual point
     generating (ALMN, Chen & Deng 2018).

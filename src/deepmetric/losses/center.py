@@ -5,10 +5,12 @@ import torch
 import torch.nn as nn
 
 from .distances import upcast, check_embeddings_labels, no_autocast
+from .registry import register_loss
 
 __all__ = ["CenterLoss"]
 
 
+@register_loss("center")
 class CenterLoss(nn.Module):
     """Centre loss, two-head paper Eq. 2 / Wen et al. ECCV 2016 Eq. 2 and Eq. 4.
 

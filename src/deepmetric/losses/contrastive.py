@@ -14,10 +14,12 @@ from .distances import (
     safe_sqrt,
     zero_loss,
 )
+from .registry import register_loss
 
 __all__ = ["ContrastiveLoss"]
 
 
+@register_loss("contrastive")
 class ContrastiveLoss(nn.Module):
     """Contrastive loss, Hadsell et al. 2006 Eq. 4, over every pair of the batch.
 

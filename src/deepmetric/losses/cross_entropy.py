@@ -6,10 +6,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .distances import upcast, no_autocast
+from .registry import register_loss
 
 __all__ = ["CrossEntropyLoss"]
 
 
+@register_loss("cross_entropy")
 class CrossEntropyLoss(nn.Module):
     """Softmax cross-entropy, two-head paper Eq. 1 (mean over the batch instead of the sum).
 

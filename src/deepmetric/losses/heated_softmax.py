@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .registry import register_loss
+
 __all__ = ["HeatedSoftmaxLoss", "variance_scaling_"]
 
 
@@ -81,6 +83,7 @@ def check_embeddings_labels(embeddings: Any, labels: Any, embedding_dim: int, nu
     return embeddings, labels
 
 
+@register_loss("heated_softmax")
 class HeatedSoftmaxLoss(nn.Module):
     r"""Softmax cross-entropy with temperature on normalised class weights (heated-up
     softmax embedding, Zhang et al. 2018, ``papers/heated-up-softmax-embedding.txt``).

@@ -15,10 +15,12 @@ from .distances import (
     pairwise_euclidean,
     zero_loss,
 )
+from .registry import register_loss
 
 __all__ = ["LiftedStructureLoss"]
 
 
+@register_loss("lifted")
 class LiftedStructureLoss(nn.Module):
     """Smooth lifted structured loss, Song et al. 2016 Eq. 4 (the smooth upper bound of Eq. 3).
 

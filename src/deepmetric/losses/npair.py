@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .distances import upcast, check_embeddings_labels, l2_normalize, no_autocast, zero_loss
+from .registry import register_loss
 
 __all__ = ["NPairLoss", "select_npairs"]
 
@@ -30,6 +31,7 @@ def select_npairs(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order[first], order[first + 1]
 
 
+@register_loss("npair")
 class NPairLoss(nn.Module):
     """Multi-class N-pair loss, Sohn 2016 Eq. 3 (the (N+1)-tuplet form), with its L2 regulariser.
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .distances import check_embeddings_labels
+from .registry import register_loss
 
 __all__ = ["PMLLoss", "pml_loss_names"]
 
@@ -45,6 +46,7 @@ def pml_loss_names() -> list[str]:
                   and n != "BaseMetricLossFunction")
 
 
+@register_loss("pml")
 class PMLLoss(nn.Module):
     """``pytorch_metric_learning.losses.<loss>(**options)`` called as ``loss(embeddings, labels)``.
 

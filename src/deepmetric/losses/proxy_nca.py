@@ -13,10 +13,12 @@ from .distances import (
     pairwise_squared_euclidean,
     zero_loss,
 )
+from .registry import register_loss
 
 __all__ = ["ProxyNCALoss"]
 
 
+@register_loss("proxy_nca")
 class ProxyNCALoss(nn.Module):
     """ProxyNCA loss, Movshovitz-Attias et al. 2017 Eq. 9 (static proxy assignment, one proxy per class).
 

@@ -25,6 +25,7 @@ from .distances import (
     pairwise_squared_euclidean,
     zero_loss,
 )
+from .registry import register_loss
 
 __all__ = ["TripletLoss", "mine_batch_hard", "mine_semihard", "mine_all", "MINING_MODES"]
 
@@ -96,6 +97,7 @@ def mine_all(labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return torch.nonzero(pos.unsqueeze(2) & neg.unsqueeze(1), as_tuple=True)
 
 
+@register_loss("triplet")
 class TripletLoss(nn.Module):
     """Triplet loss (two-head paper Eq. 5) on squared Euclidean distances.
 

@@ -6,15 +6,17 @@
 >>> two = create_model("two_head", backbone="resnet18", num_classes=10, input_size=64)
 >>> out = two(torch.randn(2, 3, 64, 64))          # {"logits", "embedding", "features"}
 
-Every model name except ``"two_head"`` is a backbone name and gives an
-:class:`EmbeddingModel` (backbone -> global pool -> :class:`EmbeddingHead`).
+Every model name except ``"two_head"`` and ``"synthetic_mlp"`` is a backbone name and gives an
+:class:`EmbeddingModel` (backbone -> global pool -> :class:`EmbeddingHead`).  Other models
+register a factory with :func:`register_model`; :func:`model_options` names the options
+every model accepts.
 """
 from __future__ import annotations
 
 import difflib
 import inspect
 import os
-from typing import Callable
+from typing import Mapping
 
 from torch import nn
 
@@ -31,12 +33,17 @@ from .backbones import (
 from .embedding_model import EmbeddingModel, global_pool
 from .heads import NORMS, EmbeddingHead, ShiftOnlyBatchNorm1d
 from .pretrained import LoadReport, clean_state_dict, load_pretrained, read_state_dict
+from .registry import _MODELS, _NEEDS_NUM_CLASSES, _unknown_model, list_models, register_model
 from .small import GlyphResNet, LeNet
+from .synthetic import SyntheticMLP
 from .two_head import TwoHeadModel, feature_map_shape
 
 __all__ = [
     "create_model",
     "list_models",
+    "model_options",
+    "model_backbone",
+    "model_needs_num_classes",
     "register_model",
     "create_backbone",
     "list_backbones",
@@ -49,6 +56,7 @@ __all__ = [
     "FeatureBackbone",
     "LeNet",
     "GlyphResNet",
+    "SyntheticMLP",
     "LoadReport",
     "load_pretrained",
     "read_state_dict",
@@ -60,24 +68,57 @@ __all__ = [
 
 _COMMON_ARGS = ("embedding_dim", "norm", "num_classes", "pretrained", "in_chans", "dropout")
 _HEAD_OPTIONS = ("bn_momentum", "bn_eps", "bn_divide_sqrt_k", "init", "bias")
-_MODELS: dict[str, Callable[..., nn.Module]] = {}
+_TWO_HEAD_BACKBONE = "resnet50"  # two_head's default backbone
 
 
-def register_model(name: str):
-    """Decorator adding a model factory ``fn(**kwargs) -> nn.Module`` under ``name``."""
-
-    def deco(fn):
-        if name in _MODELS or name in list_backbones():
-            raise ValueError(f"model {name!r} is already registered")
-        _MODELS[name] = fn
-        return fn
-
-    return deco
+def _keywords(fn) -> tuple[set[str], bool]:
+    """(keyword parameter names, takes **kwargs) of a function or class."""
+    params = inspect.signature(fn).parameters
+    names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def list_models() -> list[str]:
-    """All names :func:`create_model` accepts: every backbone, plus ``"two_head"`` etc."""
-    return sorted(set(list_backbones()) | set(_MODELS))
+def model_backbone(name: str, options: Mapping | None = None) -> str | None:
+    """The backbone ``create_model(name, **options)`` builds: ``name`` for a backbone model,
+    ``options["backbone"]`` (default ``"resnet50"``) for ``two_head``, None for a model
+    without one.  An unknown name raises as :func:`create_model`."""
+    if name in list_backbones():
+        return name
+    if name == "two_head":
+        return (options or {}).get("backbone", _TWO_HEAD_BACKBONE)
+    if name not in _MODELS:
+        raise _unknown_model(name)
+    return None
+
+
+def model_options(name: str, options: Mapping | None = None) -> set[str] | None:
+    """The options (``model.options``: :func:`create_model`'s keywords) model ``name``
+    accepts, or None when its factory takes ``**kwargs`` and checks them itself.
+
+    Backbone models accept the common arguments, ``pool``, the head options and their
+    backbone's options (``widths``, ``transform_input``, ...); ``two_head`` also ``backbone``,
+    ``input_size``, ``feature_shape``, ``embedding_head`` and the options of the backbone
+    that ``options`` chooses (:func:`model_backbone`); a registered model its factory's
+    keyword parameters.  An unknown name raises as :func:`create_model`."""
+    common = set(_COMMON_ARGS) | {"pool"} | set(_HEAD_OPTIONS)
+    backbone = model_backbone(name, options)
+    if name in list_backbones():
+        return common | _keywords(get_backbone_spec(name).builder)[0]
+    if name == "two_head":
+        accepted = common | {"backbone", "input_size", "feature_shape", "embedding_head"}
+        if backbone in list_backbones():
+            accepted |= _keywords(get_backbone_spec(backbone).builder)[0]
+        return accepted
+    names, takes_kwargs = _keywords(_MODELS[name])
+    return None if takes_kwargs else names
+
+
+def model_needs_num_classes(name: str) -> bool:
+    """Whether model ``name`` has a classifier that needs ``num_classes`` to be built
+    (``two_head``); other models add one only when given ``num_classes``.  An unknown name
+    raises as :func:`create_model`."""
+    model_backbone(name)  # raises for an unknown name
+    return name in _NEEDS_NUM_CLASSES
 
 
 def _split_backbone_options(backbone: str, kwargs: dict) -> dict:
@@ -124,7 +165,7 @@ def create_model(
     num_classes: int | None = None,
     pretrained: str | os.PathLike | None = None,
     in_chans: int | None = None,
-    dropout: float = 0.0,
+    dropout: float | None = None,
     **kwargs,
 ) -> nn.Module:
     """Build a model by name (see :func:`list_models`).
@@ -140,7 +181,10 @@ def create_model(
             ...) or a torchvision/timm backbone's ImageNet weights (the original classifier is
             ignored).
         in_chans: input channels (default 3; 1 for ``lenet`` and ``glyph_resnet``).
-        dropout: dropout before the embedding projection (ALMN: 0.2).
+        dropout: dropout before the embedding projection (default 0; ALMN: 0.2).
+
+    None means the model's default: a registered model (:func:`register_model`) gets only
+    the common arguments that are not None (as timm's ``create_model``).
 
     Extra keyword arguments: ``pool`` ("avg" | "max"); head options ``bn_momentum`` (0.05),
     ``bn_eps`` (1e-3), ``bn_divide_sqrt_k`` (True), ``init``, ``bias``; backbone options
@@ -154,15 +198,9 @@ def create_model(
     """
     check_pretrained_arg(pretrained)
     if name in _MODELS:
-        model = _MODELS[name](
-            embedding_dim=embedding_dim,
-            norm=norm,
-            num_classes=num_classes,
-            pretrained=pretrained,
-            in_chans=in_chans,
-            dropout=dropout,
-            **kwargs,
-        )
+        common = dict(embedding_dim=embedding_dim, norm=norm, num_classes=num_classes, pretrained=pretrained,
+                      in_chans=in_chans, dropout=dropout)
+        model = _MODELS[name](**{k: v for k, v in common.items() if v is not None}, **kwargs)
     elif name in list_backbones():
         kwargs = dict(kwargs)
         backbone_options = _split_backbone_options(name, kwargs)
@@ -172,7 +210,7 @@ def create_model(
             backbone,
             embedding_dim=64 if embedding_dim is None else embedding_dim,
             norm="bn" if norm is None else norm,
-            dropout=dropout,
+            dropout=0.0 if dropout is None else dropout,
             num_classes=num_classes,
             **kwargs,
         )
@@ -180,16 +218,14 @@ def create_model(
         if pretrained is not None:
             _apply_pretrained(model, name, pretrained)
     else:
-        close = difflib.get_close_matches(str(name), list_models(), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown model {name!r}.{hint} Available: {', '.join(list_models())}")
+        raise _unknown_model(name)
     backbone_module = getattr(model, "backbone", None)
     if not hasattr(model, "pretrained_cfg") or model.pretrained_cfg is None:
         model.pretrained_cfg = getattr(backbone_module, "pretrained_cfg", None)
     return model
 
 
-@register_model("two_head")
+@register_model("two_head", needs_num_classes=True)
 def _two_head(
     embedding_dim=None,
     norm=None,
@@ -197,7 +233,7 @@ def _two_head(
     pretrained=None,
     in_chans=None,
     dropout=0.0,
-    backbone: str = "resnet50",
+    backbone: str = _TWO_HEAD_BACKBONE,
     input_size=224,
     **kwargs,
 ) -> TwoHeadModel:

@@ -49,7 +49,7 @@ def file_sha256(path: str | Path) -> str:
 
 
 def _normalised(x, name: str) -> np.ndarray:
-    from deepmetric.evaluate._checks import check_embeddings
+    from deepmetric.evaluate import check_embeddings
 
     arr = np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
     if arr.ndim == 1:

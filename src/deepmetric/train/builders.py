@@ -16,7 +16,6 @@ module imports only the config, ``deepmetric.data``, ``deepmetric.models`` and
 """
 from __future__ import annotations
 
-import inspect
 import random
 from typing import Callable
 
@@ -40,27 +39,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _call_filling(fn: Callable, name: str, options: dict, auto: dict, target: Callable | None = None):
+def _call_filling(fn: Callable, name: str, options: dict, auto: dict, accepted: set[str] | None = None):
     """``fn(name, **options, **auto)`` where ``auto`` holds values the loop knows
-    (``num_classes``, ``embedding_dim``): each is passed only when ``target`` (the class or
-    function that receives the keywords) accepts it and the user did not set it."""
+    (``num_classes``, ``embedding_dim``): each is passed only when the user did not set it
+    and it is among the ``accepted`` options (the registry's; None: pass them all)."""
     extra = {k: v for k, v in auto.items() if v is not None and k not in options}
-    if target is not None and extra:
-        try:
-            params = inspect.signature(target).parameters
-        except (TypeError, ValueError):
-            params = None
-        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            extra = {k: v for k, v in extra.items() if k in params}
+    if accepted is not None:
+        extra = {k: v for k, v in extra.items() if k in accepted}
     return fn(name, **extra, **options)
 
 
 def _build_named_split(cfg: Config, split: str, *, train: bool):
     d = cfg.data
-    if d.name == "synthetic":
-        from deepmetric.data.synthetic import build_synthetic_dataset
-
-        return build_synthetic_dataset(split, **d.options)
     from deepmetric.data import build_dataset as build_named_dataset
     from deepmetric.data import build_transform, is_event_dataset
 
@@ -254,37 +244,30 @@ def build_sampler(cfg: Config, labels: np.ndarray, rank: int = 0, world: int = 1
 
 def build_model(cfg: Config, num_classes: int | None = None) -> nn.Module:
     """``create_model(cfg.model.name, **cfg.model.options)``.  ``num_classes`` is passed only
-    when the model needs a classifier: the two-head model, or a loss term reading ``logits``."""
+    when the model needs a classifier: one that cannot be built without (the two-head model,
+    :func:`~deepmetric.models.model_needs_num_classes`), or a loss term reading ``logits``."""
+    from deepmetric.models import create_model, model_needs_num_classes
+
     m = cfg.model
-    needs_classifier = m.name == "two_head" or any(t.input == "logits" for t in cfg.loss)
-    if not needs_classifier:
+    if not (model_needs_num_classes(m.name) or any(t.input == "logits" for t in cfg.loss)):
         num_classes = None
-    if m.name == "synthetic_mlp":
-        from deepmetric.data.synthetic import SyntheticMLP
-
-        def factory(name, **kw):
-            return SyntheticMLP(**kw)
-        target = SyntheticMLP
-    else:  # create_model accepts num_classes for every model: nothing to filter
-        from deepmetric.models import create_model as factory
-
-        target = None
-    return _call_filling(factory, m.name, dict(m.options), {"num_classes": num_classes}, target)
+    # create_model accepts num_classes for every model: nothing to filter
+    return _call_filling(create_model, m.name, dict(m.options), {"num_classes": num_classes})
 
 
 def build_losses(cfg: Config, num_classes: int | None = None, embedding_dim: int | None = None) -> nn.ModuleList:
     """One loss module per ``cfg.loss`` term; ``num_classes`` / ``embedding_dim`` are passed
     to the losses that accept them (classifier losses) unless the options set them."""
-    from deepmetric.losses import build_loss, loss_class
+    from deepmetric.losses import build_loss, loss_options
 
     terms = []
     for i, term in enumerate(cfg.loss):
         try:
-            cls = loss_class(term.name)
+            accepted = loss_options(term.name)
         except ValueError as exc:
             raise ValueError(f"config key 'loss.{i}.name': {exc}") from None
         terms.append(_call_filling(build_loss, term.name, dict(term.options),
-                                   {"num_classes": num_classes, "embedding_dim": embedding_dim}, cls))
+                                   {"num_classes": num_classes, "embedding_dim": embedding_dim}, accepted))
     return nn.ModuleList(terms)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import inspect
 import time
 from typing import Any, Iterable
 
@@ -72,117 +71,59 @@ def unknown_option_error(path: str, key: str, accepted: Iterable[str], owner: st
     return ConfigError(f"config key '{path}.{key}': unknown option '{key}' for {owner}{hint}")
 
 
-def _parameters(fn) -> tuple[set[str], bool]:
-    """(keyword names, takes **kwargs) of a function or class."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return set(), True
-    names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return names, any(p.kind is p.VAR_KEYWORD for p in params.values())
+def _check_options(path: str, given: Iterable[str], accepted: set[str] | None, owner: str) -> None:
+    """Every key of ``given`` must be in ``accepted`` (None: the registry cannot tell, the
+    builder checks them itself)."""
+    if accepted is None:
+        return
+    for key in given:
+        if key not in accepted:
+            raise unknown_option_error(path, key, accepted, owner)
 
 
-def _data_option_names(name: str) -> set[str] | None:
-    """Options ``data.options`` accepts for dataset ``name`` (None: cannot tell)."""
-    if name == "synthetic":
-        from deepmetric.data.synthetic import GaussianClusters
-
-        names, _ = _parameters(GaussianClusters)
-        return names - {"split", "transform"}
-    from deepmetric.data import registry
-
-    try:
-        key = registry._canonical(name)
-    except (ValueError, TypeError):
-        return None  # build_dataset names the unknown dataset itself
-    if key == "glyphs":
-        from deepmetric.data.glyphs import build_glyph_dataset as fn
-    elif key == "fashion-mnist":
-        from deepmetric.data.fashion_mnist import build_fashion_mnist as fn
-    elif key == "emoji":
-        from deepmetric.data.emoji import build_emoji_dataset as fn
-    elif key in ("events", "hdd", "synthetic-events"):
-        return None  # several loaders share EventDataset's options: build_dataset checks them
-    else:
-        kind = key if key in ("folder", "csv") else "benchmark"
-        return set(registry._OPTIONS[kind]) | set(registry._DATASET_OPTIONS)
-    names, var = _parameters(fn)
-    return None if var else names - {"split", "transform", "root"}
-
-
-def _model_option_names(name: str) -> set[str] | None:
-    """Options ``model.options`` accepts for model ``name`` (None: cannot tell)."""
-    if name == "synthetic_mlp":
-        from deepmetric.data.synthetic import SyntheticMLP
-
-        return _parameters(SyntheticMLP)[0]
-    from deepmetric import models as M
-
-    common = set(M._COMMON_ARGS) | {"pool"} | set(M._HEAD_OPTIONS)
-    if name in M.list_backbones():
-        builder = M.get_backbone_spec(name).builder
-        return common | _parameters(builder)[0]
-    if name == "two_head":
-        return common | {"backbone", "input_size", "feature_shape", "embedding_head"}  # + the backbone's, see below
-    factory = M._MODELS.get(name)
-    if factory is None:
-        return None  # create_model names the unknown model itself
-    names, var = _parameters(factory)
-    return None if var else names
+def _unknown_name_error(key: str, what: str, name, names: list[str]) -> ConfigError:
+    """``config key 'loss.0.name': unknown loss 'tripet' (did you mean 'triplet'?); available: ...``"""
+    close = difflib.get_close_matches(str(name), names, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"config key '{key}': unknown {what} '{name}'{hint}; available: {', '.join(names)}")
 
 
 def check_config_options(cfg: Config) -> None:
     """Unknown keys inside ``data.options``, ``data.transform_options``, ``model.options`` and
     ``loss.i.options`` raise a :class:`ConfigError` naming the full key and the closest valid
-    option, before anything is built."""
-    d = cfg.data
-    accepted = _data_option_names(d.name)
-    if accepted is not None:
-        for key in d.options:
-            if key not in accepted:
-                raise unknown_option_error("data.options", key, accepted, f"dataset '{d.name}'")
-    if d.transform is not None:
-        from deepmetric.data.transforms import _BUILDERS, list_transforms
+    option, before anything is built.  The accepted options come from the registries
+    (:func:`~deepmetric.data.dataset_options`, :func:`~deepmetric.data.transform_options`,
+    :func:`~deepmetric.models.model_options`, :func:`~deepmetric.losses.loss_options`)."""
+    from deepmetric.data import dataset_options, list_transforms, transform_options
+    from deepmetric.losses import list_losses, loss_options
+    from deepmetric.models import model_options
 
-        if d.transform not in _BUILDERS:
-            close = difflib.get_close_matches(d.transform, list_transforms(), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"config key 'data.transform': unknown transform '{d.transform}'{hint}; "
-                              f"available: {', '.join(list_transforms())}")
-        names = _parameters(_BUILDERS[d.transform])[0] - {"train"}
-        for key in d.transform_options:
-            if key not in names:
-                raise unknown_option_error("data.transform_options", key, names, f"transform '{d.transform}'")
+    d = cfg.data
+    try:
+        accepted = dataset_options(d.name)
+    except (ValueError, TypeError):
+        accepted = None  # build_dataset names the unknown dataset itself
+    _check_options("data.options", d.options, accepted, f"dataset '{d.name}'")
+    if d.transform is not None:
+        try:
+            accepted = transform_options(d.transform)
+        except ValueError:
+            raise _unknown_name_error("data.transform", "transform", d.transform, list_transforms()) from None
+        _check_options("data.transform_options", d.transform_options, accepted, f"transform '{d.transform}'")
 
     m = cfg.model
-    accepted = _model_option_names(m.name)
-    if accepted is not None and m.name == "two_head":
-        from deepmetric import models as M
-
-        backbone = m.options.get("backbone", "resnet50")
-        if backbone in M.list_backbones():
-            accepted |= _parameters(M.get_backbone_spec(backbone).builder)[0]
-    if accepted is not None:
-        for key in m.options:
-            if key not in accepted:
-                raise unknown_option_error("model.options", key, accepted, f"model '{m.name}'")
-
-    from deepmetric.losses import list_losses, loss_class
+    try:
+        accepted = model_options(m.name, m.options)
+    except ValueError:
+        accepted = None  # create_model names the unknown model itself
+    _check_options("model.options", m.options, accepted, f"model '{m.name}'")
 
     for i, term in enumerate(cfg.loss):
         try:
-            cls = loss_class(term.name)
+            accepted = loss_options(term.name)
         except ValueError:
-            close = difflib.get_close_matches(str(term.name), list_losses(), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"config key 'loss.{i}.name': unknown loss '{term.name}'{hint}; "
-                              f"available: {', '.join(list_losses())}") from None
-        names, var = _parameters(cls)
-        if var:
-            continue
-        for key in term.options:
-            if key not in names:
-                raise unknown_option_error(f"loss.{i}.options", key, names, f"loss '{term.name}'")
+            raise _unknown_name_error(f"loss.{i}.name", "loss", term.name, list_losses()) from None
+        _check_options(f"loss.{i}.options", term.options, accepted, f"loss '{term.name}'")
 
 
 # --------------------------------------------------------------------------- metric names
@@ -190,15 +131,16 @@ def expected_metrics(cfg: Config) -> list[str]:
     """The metric names one evaluation with ``cfg.eval`` produces (``recall@K`` for each K,
     ``map@r``, ``r_precision``, ``nmi``, ``f1``, and ``top1`` / ``mean_per_class`` with
     ``eval.classification``), as in :func:`deepmetric.train.embed.evaluate_model`."""
-    from deepmetric.evaluate.engine import METRICS, _check_metrics
+    from deepmetric.evaluate import check_metric_names as check_evaluate_metrics
+    from deepmetric.evaluate import list_metrics
 
     e = cfg.eval
     try:
-        wanted = _check_metrics(e.metrics)
+        wanted = check_evaluate_metrics(e.metrics)
     except ValueError as exc:
         raise ConfigError(f"config key 'eval.metrics': {exc}") from None
     names = []
-    for m in METRICS:
+    for m in list_metrics():
         if m not in wanted:
             continue
         if m == "recall":
@@ -283,8 +225,10 @@ def _first_conv(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def _channel_hint(cfg: Config, want: int) -> str:
+    from deepmetric.data import transform_options
+
     d = cfg.data
-    if d.transform in ("glyph", "mnist"):
+    if d.transform is not None and "channels" in transform_options(d.transform):  # glyph, mnist
         return f"data.transform_options.channels: {want}"
     if d.transform in ("resize_crop", "short_side"):
         return f"a transform with {want} channel(s) (resize_crop and short_side always give 3)"
@@ -370,7 +314,7 @@ def size_warnings(cfg: Config, dataset, sample_shape: tuple[int, ...]) -> list[s
             )
     from deepmetric import models as M
 
-    name = cfg.model.options.get("backbone", "resnet50") if cfg.model.name == "two_head" else cfg.model.name
+    name = M.model_backbone(cfg.model.name, cfg.model.options)
     if name in M.list_backbones() and M.get_backbone_spec(name).default_in_chans == 3 and min(h, w) < 64:
         out.append(
             f"model '{name}' is an ImageNet architecture made for about 224x224 inputs; on {w}x{h} "
