@@ -124,6 +124,44 @@ def test_cross_domain_metrics_of_an_emoji_run_match_cross_vendor_metrics(tmp_pat
     assert "recall@1" in got  # the all-vs-all metrics stay
 
 
+@pytest.mark.filterwarnings("ignore:.*no same-label reference")
+def test_validation_is_searched_cross_vendor_and_selects_best_pt(tmp_path):
+    """Issue 21 item 1: with eval.cross_domain the validation emoji are searched like the test
+    (each vendor's images against the other vendors'), and that metric selects best.pt."""
+    from test_data_emoji import make_tree
+
+    from deepmetric.evaluate import evaluate_cross_domain
+    from deepmetric.train.builders import VAL_SPLIT
+    from deepmetric.train.rundir import read_log
+
+    make_tree(tmp_path / "tree")
+    raw = {
+        "data": {"name": "emoji", "root": str(tmp_path / "tree"), "split": "all", "options": {"size": 32},
+                 "transform": "emoji", "transform_options": {"normalize": "minus_one_one"}, "val_classes": 3},
+        "model": {"name": "glyph_resnet", "options": {"in_chans": 3, "embedding_dim": 8, "widths": [8], "depths": [1],
+                                                      "norm": "l2"}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+        "train": {"epochs": 2, "batch_size": 4, "seed": 0, "out_dir": str(tmp_path / "run"), "progress": False},
+        "eval": {"every": 1, "test_every": 0, "ks": [1, 2], "metrics": ["recall", "map@r"], "cross_domain": True,
+                 "best_metric": "cross_domain_map@r", "baselines": False},
+    }
+    del raw["data"]["split"]
+    train(config_from_dict(raw))
+    evals = read_log(tmp_path / "run", type="eval")
+    assert [(r["split"], r["epoch"]) for r in evals] == [("val", 1), ("val", 2), ("test", 2)]  # test only at the end
+    summary = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    best = summary["selected"]
+    assert best["metric"] == "cross_domain_map@r"
+    assert best["value"] == max(r["cross_domain_map@r"] for r in evals if r["split"] == "val")
+    # the logged validation value is the cross-vendor search of best.pt's embeddings, by brute force
+    model, _, cfg, _ = load_model_from_checkpoint(tmp_path / "run" / "best.pt")
+    val = build_dataset(cfg, VAL_SPLIT, train=False)
+    emb = compute_embeddings(model, val)
+    ref = evaluate_cross_domain(emb["embeddings"], emb["labels"], val.vendor_ids, ks=(1, 2),
+                                metrics=("recall", "map@r"))["mean"]
+    assert best["value"] == pytest.approx(ref["map@r"], abs=1e-6)
+
+
 def test_class_subset_keeps_each_samples_domain():
     from deepmetric.train.builders import ClassSubset
 

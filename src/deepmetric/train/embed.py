@@ -137,6 +137,20 @@ def dataset_domains(dataset) -> tuple[np.ndarray, list[str]] | None:
     return None
 
 
+def _cross_domain_metrics(cfg) -> tuple[str, ...]:
+    """The retrieval metrics of ``eval.metrics`` that have a cross-domain form (default recall, map@r)."""
+    wanted = tuple(m for m in (cfg.eval.metrics or ("recall", "map@r")) if m in ("recall", "map@r", "r_precision"))
+    return wanted or ("recall", "map@r")
+
+
+def cross_domain_metric_names(cfg) -> list[str]:
+    """The names :func:`cross_domain_metrics` returns without their ``cross_domain_`` prefix."""
+    out = []
+    for m in _cross_domain_metrics(cfg):
+        out += [f"recall@{k}" for k in sorted(set(cfg.eval.ks))] if m == "recall" else [m]
+    return out
+
+
 def cross_domain_metrics(embedded: dict, dataset, cfg) -> dict[str, float]:
     """``eval.cross_domain``: ``cross_domain_<metric>``, the mean over domains of each domain's
     queries against the other domains' images (:func:`deepmetric.evaluate.evaluate_cross_domain`)."""
@@ -146,9 +160,8 @@ def cross_domain_metrics(embedded: dict, dataset, cfg) -> dict[str, float]:
     if domains is None:
         raise ValueError(f"config key 'eval.cross_domain': the test split ({type(dataset).__name__}) has no "
                          "domains (domain_ids, or vendor_ids as in the emoji benchmark)")
-    wanted = [m for m in (cfg.eval.metrics or ("recall", "map@r")) if m in ("recall", "map@r", "r_precision")]
     res = evaluate_cross_domain(embedded["embeddings"], embedded["labels"], domains[0], domain_names=domains[1],
-                                ks=tuple(cfg.eval.ks), metrics=wanted or ("recall", "map@r"), seed=cfg.train.seed)
+                                ks=tuple(cfg.eval.ks), metrics=_cross_domain_metrics(cfg), seed=cfg.train.seed)
     return {f"cross_domain_{k}": float(v) for k, v in res["mean"].items()}
 
 

@@ -129,8 +129,10 @@ def check_config_options(cfg: Config) -> None:
 # --------------------------------------------------------------------------- metric names
 def expected_metrics(cfg: Config) -> list[str]:
     """The metric names one evaluation with ``cfg.eval`` produces (``recall@K`` for each K,
-    ``map@r``, ``r_precision``, ``nmi``, ``f1``, and ``top1`` / ``mean_per_class`` with
-    ``eval.classification``), as in :func:`deepmetric.train.embed.evaluate_model`."""
+    ``map@r``, ``r_precision``, ``nmi``, ``f1``, ``top1`` / ``mean_per_class`` with
+    ``eval.classification``, ``cross_domain_<retrieval metric>`` with ``eval.cross_domain``), as
+    :func:`deepmetric.train.embed.evaluate_model` and :func:`~deepmetric.train.embed.cross_domain_metrics`
+    compute them."""
     from deepmetric.evaluate import check_metric_names as check_evaluate_metrics
     from deepmetric.evaluate import list_metrics
 
@@ -149,6 +151,10 @@ def expected_metrics(cfg: Config) -> list[str]:
             names.append(m)
     if e.classification:
         names += ["top1", "mean_per_class"]
+    if e.cross_domain:
+        from .embed import cross_domain_metric_names
+
+        names += [f"cross_domain_{m}" for m in cross_domain_metric_names(cfg)]
     return names
 
 
