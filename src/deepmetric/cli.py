@@ -516,6 +516,66 @@ def _run_study(args: argparse.Namespace) -> int:
     return 1 if result["failed"] else 0
 
 
+# --------------------------------------------------------------------------- tune
+def _add_tune_parser(sub) -> None:
+    p = sub.add_parser(
+        "tune", help="search hyper-parameters on validation classes (Optuna; resumable, several machines)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Train RECIPE once per trial with values from SPACE.yaml and keep the best on a VALIDATION "
+            "metric (the recipe needs data.val_classes); the pruner stops hopeless trials at their "
+            "evaluations. The study lives in OUT/tune.db (SQLite) or --storage: rerunning the same "
+            "command continues it (a trial killed mid-way is failed and retried) until N trials have "
+            "finished or been pruned; the same command with --storage postgresql://... on several machines "
+            "shares one study. Writes OUT/best.yaml (a runnable recipe), trials.csv / trials.md, "
+            "optimization_history.png, param_importances.png and report.html. Space format: docs/tuning.md."),
+        epilog=(
+            "example:\n"
+            "  deepmetric tune recipes/glyphs_cross_family.yaml --space recipes/spaces/glyphs_lr_alpha.yaml \\\n"
+            "      --trials 12 --workers 2 --out runs/tune/glyphs\n"
+            "  deepmetric train runs/tune/glyphs/best.yaml                 # train the winner\n"
+            "  deepmetric tune RECIPE --space S --trials 40 --storage postgresql://user@db/tune --study-name s1"),
+    )
+    p.add_argument("recipe", help="the config to tune (YAML, as for 'deepmetric train')")
+    p.add_argument("--space", required=True, help="search space (YAML: objective, params, pruner, sampler)")
+    p.add_argument("--trials", type=int, required=True,
+                   help="trials to finish or prune (counted over every worker and machine of the study)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="trials at once on this machine (processes with cores/K torch threads each)")
+    p.add_argument("--storage", default=None,
+                   help="Optuna storage URL (default sqlite:///OUT/tune.db; postgresql://... to share a study)")
+    p.add_argument("--study-name", default=None, help="study name in the storage (default RECIPE__SPACE)")
+    p.add_argument("--out", default=None, help="tune directory (default runs/tune/<study name>)")
+    p.add_argument("--report-only", action="store_true", help="train nothing: rewrite the outputs from the storage")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a child of --workers K
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every trial")
+    p.set_defaults(func=_run_tune)
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from deepmetric.workflows.tune import TuneError, prepare_tune, run_tune, run_worker, write_outputs
+
+    try:
+        if args.workers < 1:
+            raise TuneError(f"--workers: expected an int >= 1, got {args.workers}")
+        setup = prepare_tune(args.recipe, args.space, trials=args.trials, out=args.out, storage=args.storage,
+                             study_name=args.study_name, overrides=args.overrides)
+        if args.worker:  # one of the processes of 'deepmetric tune --workers K'
+            threads = os.environ.get("DEEPMETRIC_TUNE_THREADS")
+            run_worker(setup, threads=int(threads) if threads else None)
+            return 0
+        paths = write_outputs(setup) if args.report_only else run_tune(setup, workers=args.workers)
+    except KeyboardInterrupt:
+        print("deepmetric tune: interrupted; rerun the same command to continue the study", file=sys.stderr)
+        return 130
+    except TuneError as exc:
+        print(f"deepmetric tune: error: {exc}", file=sys.stderr)
+        return 2
+    for name, path in paths.items():
+        print(f"[tune] {name:<22} {path}")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     from deepmetric import __version__
@@ -530,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "  deepmetric report runs/demo                       # one HTML page of the run\n"
                 "  deepmetric index runs/demo/last.pt --out runs/demo/index\n"
                 "  deepmetric search runs/demo/index query.png --k 5\n"
-                "  deepmetric study studies/emoji.yaml --workers 2   # variants x seeds, with CIs"))
+                "  deepmetric study studies/emoji.yaml --workers 2   # variants x seeds, with CIs\n"
+                "  deepmetric tune RECIPE.yaml --space SPACE.yaml --trials 12   # tune on validation classes"))
     parser.add_argument("--version", action="version", version=f"deepmetric {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_evaluate_parser(sub)
@@ -544,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_parser(sub)
     _add_serve_parser(sub)
     _add_study_parser(sub)
+    _add_tune_parser(sub)
     return parser
 
 

@@ -1,0 +1,47 @@
+"""The HTML page of a tune (``deepmetric tune``, :mod:`deepmetric.workflows.tune`): its set-up,
+the best trial, Optuna's optimisation-history and parameter-importance plots and the table of
+every trial (state, parameters, validation value, wall time; the test metrics recorded for
+information only).  One self-contained file, like the run report."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import page as pg
+
+__all__ = ["write_tune_report"]
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _table(rows: Sequence[dict]) -> str:
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "run_dir"]
+    head = "".join(f"<th>{pg.esc(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{pg.esc(_cell(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f'<table class="metrics"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def write_tune_report(path: str | Path, *, title: str, summary: Sequence[tuple[str, Any]], rows: Sequence[dict],
+                      plots: dict[str, Path], notes: Sequence[str] = ()) -> Path:
+    """Write ``path`` (report.html of a tune directory) and return it."""
+    page = pg.HtmlPage(title, "hyper-parameter search on validation classes (deepmetric tune)")
+    page.add("summary", "Set-up and best trial", pg.kv_table(summary))
+    figs = []
+    if "optimization_history" in plots:
+        figs.append(pg.figure(plots["optimization_history"], "Optimisation history (Optuna): each finished "
+                              "trial's validation objective and the best so far.", "optimisation history"))
+    if "param_importances" in plots:
+        figs.append(pg.figure(plots["param_importances"], "Parameter importances (Optuna's fANOVA) of the "
+                              "validation objective over the finished trials.", "parameter importances"))
+    body = "".join(figs) + "".join(f'<p class="note">{pg.esc(n)}</p>' for n in notes)
+    page.add("plots", "Plots", body or '<p class="note">no plot yet (fewer than 2 finished trials)</p>')
+    page.add("trials", "Trials", '<p class="note">val/ = the objective (validation, the trial\'s best '
+             'evaluation); test/ = the final model on the test split, recorded for information and never used '
+             'to choose.</p>' + (_table(rows) if rows else "<p>no trial yet</p>"))
+    return page.write(Path(path))

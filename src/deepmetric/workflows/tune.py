@@ -1,0 +1,786 @@
+"""``deepmetric tune``: hyper-parameter search on validation classes, with Optuna.
+
+::
+
+    deepmetric tune RECIPE.yaml --space SPACE.yaml --trials N [--workers K] [--storage URL]
+                    [--study-name NAME] [--out DIR] [KEY=VALUE ...]
+
+A trial is one training run of ``RECIPE`` (plus the ``KEY=VALUE`` overrides and the space's
+own ``overrides``) with the trial's values of the space's parameters.  The objective is a
+*validation* metric (the recipe must carve validation classes, ``data.val_classes`` or
+``data.val_folds``): at every validation evaluation the trial reports it, so the pruner can stop
+a hopeless trial after its first evaluation, and the trial's value is the best value it reached
+(the model ``best.pt`` keeps).  The test split is evaluated once, at the end of a trial that was
+not pruned, and recorded for the report; it is never given to the sampler or the pruner.
+
+The space file (YAML)::
+
+    objective: {metric: recall@1, direction: maximize}    # a validation metric
+    params:
+      optim.lr: {type: float, low: 1.0e-4, high: 0.1, log: true}
+      loss.0.options.alpha: {type: categorical, choices: [8.0, 16.0, 32.0]}
+      schedule.temperature.at: {type: int, low: 2, high: 5}
+      batch: {type: categorical, keys: [train.m, train.n], choices: [[16, 4], [32, 2]]}
+    pruner: {name: median}          # median | successive_halving | none, with Optuna's options
+    sampler: {name: tpe, seed: 0}   # tpe | random
+    overrides: [eval.every=1]       # applied to every trial (before the parameters)
+
+A parameter is named by the config key it sets, or is any name with ``keys``: the list of config
+keys one categorical choice sets together (``m x n`` above).
+
+Storage: an SQLite file in the tune directory by default (``OUT/tune.db``; nothing to start).
+``--storage postgresql://...`` lets the same command on several machines share one study.  The
+trials run with Optuna's heartbeat: a trial whose process died (kill -9, a lost machine) is
+marked failed once its heartbeat is stale and retried with the same parameters, resuming its
+checkpoint; a trial interrupted by Ctrl-C is failed and queued again at once.  The command stops
+when exactly ``N`` trials have finished or been pruned: rerunning the same command after a kill
+continues the study to ``N``, and a finished study only rewrites the outputs.
+
+Outputs in ``OUT`` (rewritten at the end of every command): ``best.yaml`` (the best trial's
+configuration as a runnable recipe), ``trials.csv`` / ``trials.md`` (every trial: state,
+parameters, validation value, wall time, the epoch a pruned trial stopped at, and the test
+metrics recorded for information), ``optimization_history.png`` and ``param_importances.png``
+(Optuna's plots), ``report.html`` (all of it on one page) and ``tune.json`` (the set-up, used to
+refuse a rerun with another recipe or space).  Each trial trains in ``OUT/trials/trial_NNNN``.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import yaml
+
+from deepmetric.train import rundir
+from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, config_to_dict
+
+__all__ = ["ParamSpec", "SearchSpace", "TuneSetup", "load_space", "prepare_tune", "run_tune", "run_worker",
+           "write_outputs", "open_study", "trial_rows", "default_storage"]
+
+PRUNERS = ("median", "successive_halving", "none")
+SAMPLERS = ("tpe", "random")
+# a running trial records a heartbeat this often, and is failed (then retried) when none came
+# for 4 intervals; DEEPMETRIC_TUNE_HEARTBEAT (seconds) shortens it in tests
+HEARTBEAT_S = int(os.environ.get("DEEPMETRIC_TUNE_HEARTBEAT", "10"))
+GRACE_S = 4 * HEARTBEAT_S
+_SPACE_KEYS = ("objective", "params", "pruner", "sampler", "overrides")
+
+
+class TuneError(ValueError):
+    """A tune cannot start: the recipe, the space or the directory is not usable as given."""
+
+
+# --------------------------------------------------------------------------- the space file
+@dataclass
+class ParamSpec:
+    """One searched parameter: ``name`` (the Optuna parameter), the config ``keys`` it sets."""
+
+    name: str
+    keys: list[str]
+    type: str                       # float | int | categorical
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = None
+    choices: list[Any] = field(default_factory=list)
+
+    def suggest(self, trial) -> Any:
+        if self.type == "float":
+            return trial.suggest_float(self.name, self.low, self.high, log=self.log, step=self.step)
+        if self.type == "int":
+            return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log,
+                                     step=int(self.step or 1))
+        # Optuna's categorical choices must be None / bool / int / float / str: list choices
+        # (several keys at once) are searched by their text and mapped back.
+        labels = [self._label(c) for c in self.choices]
+        return self.choices[labels.index(trial.suggest_categorical(self.name, labels))]
+
+    def _label(self, choice: Any) -> Any:
+        return "x".join(str(c) for c in choice) if isinstance(choice, list) else choice
+
+    def value_of(self, params: dict) -> Any:
+        """The config value(s) of a finished trial's Optuna ``params``."""
+        v = params[self.name]
+        if self.type == "categorical":
+            labels = [self._label(c) for c in self.choices]
+            return self.choices[labels.index(v)] if v in labels else v
+        return v
+
+    def overrides(self, value: Any) -> list[str]:
+        values = value if len(self.keys) > 1 else [value]
+        return [f"{k}={json.dumps(v)}" for k, v in zip(self.keys, values)]
+
+    def examples(self) -> list[Any]:
+        """Values that span the range (both ends, every choice): each is validated up front."""
+        if self.type == "categorical":
+            return list(self.choices)
+        return [int(self.low), int(self.high)] if self.type == "int" else [self.low, self.high]
+
+
+@dataclass
+class SearchSpace:
+    metric: str
+    direction: str
+    params: list[ParamSpec]
+    pruner: dict
+    sampler: dict
+    overrides: list[str]
+    raw: dict
+
+    def overrides_of(self, values: dict[str, Any]) -> list[str]:
+        return [o for p in self.params for o in p.overrides(values[p.name])]
+
+
+def _space_error(path, msg: str) -> TuneError:
+    return TuneError(f"{path}: {msg}")
+
+
+def _number(value: Any, where: str, path) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+        except (TypeError, ValueError):
+            raise _space_error(path, f"{where}: expected a number, got {value!r}") from None
+    return float(value)
+
+
+def _param(name: str, spec: Any, path) -> ParamSpec:
+    where = f"params.{name}"
+    if not isinstance(spec, dict):
+        raise _space_error(path, f"{where}: expected a mapping like {{type: float, low: 1.0e-4, high: 0.1}}, "
+                                 f"got {spec!r}")
+    allowed = {"type", "low", "high", "log", "step", "choices", "keys"}
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise _space_error(path, f"{where}: unknown field(s) {unknown}; a parameter has {sorted(allowed)}")
+    kind = spec.get("type")
+    if kind not in ("float", "int", "categorical"):
+        raise _space_error(path, f"{where}.type: expected float, int or categorical, got {kind!r}")
+    keys = spec.get("keys", [name])
+    if isinstance(keys, str):
+        keys = [keys]
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
+        raise _space_error(path, f"{where}.keys: expected a list of config keys, got {keys!r}")
+    p = ParamSpec(name=name, keys=keys, type=kind, log=bool(spec.get("log", False)))
+    if kind == "categorical":
+        choices = spec.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise _space_error(path, f"{where}.choices: a categorical parameter needs a non-empty list")
+        for c in choices:
+            if len(keys) > 1 and not (isinstance(c, list) and len(c) == len(keys)):
+                raise _space_error(path, f"{where}.choices: each choice sets {len(keys)} keys {keys}, so it "
+                                         f"must be a list of {len(keys)} values, got {c!r}")
+        p.choices = choices
+        return p
+    if len(keys) > 1:
+        raise _space_error(path, f"{where}: only a categorical parameter can set several keys")
+    for end in ("low", "high"):
+        if end not in spec:
+            raise _space_error(path, f"{where}: a {kind} parameter needs 'low' and 'high'")
+    p.low, p.high = _number(spec["low"], f"{where}.low", path), _number(spec["high"], f"{where}.high", path)
+    if not p.low < p.high:
+        raise _space_error(path, f"{where}: needs low < high, got low={p.low}, high={p.high}")
+    if p.log and p.low <= 0:
+        raise _space_error(path, f"{where}: a log scale needs low > 0, got {p.low}")
+    if spec.get("step") is not None:
+        p.step = _number(spec["step"], f"{where}.step", path)
+        if p.log:
+            raise _space_error(path, f"{where}: give 'step' or 'log: true', not both (Optuna refuses both)")
+    if kind == "int" and (p.low != int(p.low) or p.high != int(p.high)):
+        raise _space_error(path, f"{where}: an int parameter needs whole-number bounds, got {p.low}, {p.high}")
+    return p
+
+
+def load_space(path: str | os.PathLike) -> SearchSpace:
+    """Read and check a space file; a mistake is a :class:`TuneError` naming the file and key."""
+    path = Path(path)
+    if not path.is_file():
+        raise TuneError(f"space file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise _space_error(path, f"invalid YAML ({exc})") from None
+    if not isinstance(raw, dict):
+        raise _space_error(path, "top level must be a mapping with 'objective' and 'params'")
+    unknown = sorted(set(raw) - set(_SPACE_KEYS))
+    if unknown:
+        raise _space_error(path, f"unknown key(s) {unknown}; a space file has {', '.join(_SPACE_KEYS)}")
+    obj = raw.get("objective")
+    if not isinstance(obj, dict) or not isinstance(obj.get("metric"), str):
+        raise _space_error(path, "objective: expected {metric: <validation metric>, direction: maximize}")
+    direction = obj.get("direction", "maximize")
+    if direction not in ("maximize", "minimize"):
+        raise _space_error(path, f"objective.direction: expected maximize or minimize, got {direction!r}")
+    params = raw.get("params")
+    if not isinstance(params, dict) or not params:
+        raise _space_error(path, "params: expected a mapping NAME -> {type, ...} with at least one parameter")
+    specs = [_param(str(n), s, path) for n, s in params.items()]
+    seen: dict[str, str] = {}
+    for p in specs:
+        for k in p.keys:
+            if k in seen:
+                raise _space_error(path, f"params.{p.name}: config key {k!r} is also set by params.{seen[k]}")
+            seen[k] = p.name
+    pruner = dict(raw.get("pruner") or {"name": "median"})
+    if pruner.get("name", "median") not in PRUNERS:
+        raise _space_error(path, f"pruner.name: expected one of {', '.join(PRUNERS)}, got {pruner.get('name')!r}")
+    sampler = dict(raw.get("sampler") or {"name": "tpe"})
+    if sampler.get("name", "tpe") not in SAMPLERS:
+        raise _space_error(path, f"sampler.name: expected one of {', '.join(SAMPLERS)}, got {sampler.get('name')!r}")
+    overrides = raw.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+        raise _space_error(path, f"overrides: expected a list of KEY=VALUE strings, got {overrides!r}")
+    return SearchSpace(metric=obj["metric"], direction=direction, params=specs, pruner=pruner, sampler=sampler,
+                       overrides=list(overrides), raw=raw)
+
+
+# --------------------------------------------------------------------------- the set-up
+@dataclass
+class TuneSetup:
+    """Everything a worker needs: the recipe mapping with the overrides applied, the space,
+    the target number of finished trials, the storage and the output folder."""
+
+    recipe: Path
+    base: dict                      # recipe + CLI overrides + space overrides (validated)
+    space: SearchSpace
+    space_path: Path
+    trials: int
+    out: Path
+    storage: str
+    study_name: str
+    cli_overrides: list[str]
+
+    def trial_config(self, values: dict[str, Any], run_dir: Path, *, threads: int | None = None):
+        """The validated Config of one trial."""
+        raw = copy.deepcopy(self.base)
+        apply_overrides(raw, self.space.overrides_of(values))
+        t = raw.setdefault("train", {})
+        t["out_dir"] = str(run_dir)
+        t["progress"] = False
+        if threads is not None and t.get("num_threads") is None:
+            t["num_threads"] = threads
+        e = raw.setdefault("eval", {})
+        if self.space.direction == "maximize":
+            e["best_metric"] = self.space.metric  # best.pt = the model the objective scores
+        if e.get("test_every") is None:
+            e["test_every"] = 0                   # test once, at the end (recorded, never used)
+        e["baselines"] = False                    # the same for every trial: not a trial's business
+        return config_from_dict(raw)
+
+
+def default_storage(out: Path) -> str:
+    return f"sqlite:///{(out / 'tune.db').resolve()}"
+
+
+def _display_storage(url: str) -> str:
+    """The storage URL with any password masked (it is printed and written to tune.json)."""
+    if "://" in url and "@" in url.split("://", 1)[1]:
+        scheme, rest = url.split("://", 1)
+        cred, host = rest.rsplit("@", 1)
+        user = cred.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}" if ":" in cred else url
+    return url
+
+
+def _validation_metrics(cfg) -> list[str]:
+    from deepmetric.train.preflight import expected_metrics
+
+    return expected_metrics(cfg)
+
+
+def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, trials: int,
+                 out: str | os.PathLike | None = None, storage: str | None = None,
+                 study_name: str | None = None, overrides: Sequence[str] = ()) -> TuneSetup:
+    """Check everything that can be checked before the first trial: the recipe has validation
+    classes, the objective is a metric its validation computes, every parameter names a valid
+    config key and both ends of its range (every choice) give a valid config."""
+    recipe = Path(recipe)
+    space = load_space(space_path)
+    if not isinstance(trials, int) or trials < 1:
+        raise TuneError(f"--trials: expected a positive number of trials, got {trials!r}")
+    if not recipe.is_file():
+        raise TuneError(f"recipe not found: {recipe}")
+    try:
+        raw = yaml.safe_load(recipe.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise TuneError(f"{recipe}: top level must be a mapping (a training recipe)")
+        apply_overrides(raw, list(overrides) + space.overrides)
+    except (ConfigError, yaml.YAMLError) as exc:
+        raise TuneError(f"{recipe}: {exc}") from None
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    if data.get("val_classes") is None and data.get("val_folds") is None:  # DataConfig.has_validation
+        raise TuneError(f"{recipe} has no validation classes: tuning chooses on validation, never on the test "
+                        f"split; add data.val_classes (e.g. data.val_classes=0.2) to the recipe or the command")
+    name = study_name or f"{recipe.stem}__{Path(space_path).stem}"
+    out = Path(out) if out is not None else Path("runs") / "tune" / name
+    setup = TuneSetup(recipe=recipe, base=raw, space=space, space_path=Path(space_path), trials=trials,
+                      out=out, storage=storage or default_storage(out), study_name=name,
+                      cli_overrides=list(overrides))
+    try:  # the recipe as a trial sees it (the parameters may set required keys, e.g. m x n)
+        cfg = setup.trial_config({p.name: p.examples()[0] for p in space.params}, out / "check")
+    except ConfigError as exc:
+        culprit = next((p for p in space.params if any(f"'{k}'" in str(exc) for k in p.keys)), None)
+        if culprit is not None:
+            raise TuneError(f"{space_path}: params.{culprit.name}: {exc}") from None
+        raise TuneError(f"{recipe}: {exc}") from None
+    names = _validation_metrics(cfg)
+    if space.metric not in names:
+        import difflib
+
+        close = difflib.get_close_matches(space.metric, names, n=1)
+        raise TuneError(f"{space_path}: objective.metric {space.metric!r} is not a metric this recipe's "
+                        f"validation computes{' (did you mean ' + repr(close[0]) + '?)' if close else ''}; "
+                        f"it gives {', '.join(names)} (see eval.metrics, eval.ks, eval.cross_domain)")
+    for p in space.params:
+        for v in p.examples():
+            values = {q.name: (v if q is p else q.examples()[0]) for q in space.params}
+            try:
+                setup.trial_config(values, out / "check")
+            except ConfigError as exc:
+                raise TuneError(f"{space_path}: params.{p.name} = {v!r}: {exc}") from None
+    return setup
+
+
+def _setup_record(setup: TuneSetup) -> dict:
+    return {"recipe": str(setup.recipe), "space": setup.space.raw, "overrides": setup.cli_overrides,
+            "trials": setup.trials, "study_name": setup.study_name, "storage": _display_storage(setup.storage)}
+
+
+def _check_same_tune(setup: TuneSetup) -> None:
+    """A tune directory belongs to one recipe and space: a rerun with others would mix trials."""
+    path = setup.out / "tune.json"
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    new = _setup_record(setup)
+    changed = [k for k in ("recipe", "space", "overrides", "study_name") if old.get(k) != new.get(k)]
+    if changed:
+        raise TuneError(f"{setup.out} holds a tune with another {', '.join(changed)} (see {path}); continue it "
+                        f"with the same command, or choose another --out")
+
+
+# --------------------------------------------------------------------------- the Optuna study
+def _optuna():
+    try:
+        import warnings
+
+        import optuna
+
+        # the heartbeat and its retry callback are marked experimental since Optuna 2.8
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    except ImportError:  # pragma: no cover - optuna is in the tune extra, installed by install.sh
+        raise TuneError("deepmetric tune needs Optuna: pip install 'deepmetric[tune]' (install.sh installs it)") from None
+    return optuna
+
+
+def open_study(setup: TuneSetup, *, create: bool = True):
+    """The study in ``setup.storage`` (created on first use), with the heartbeat that fails and
+    retries the trials of dead processes."""
+    optuna = _optuna()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if setup.storage.startswith("sqlite:///") and create:
+        Path(setup.storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    engine_kwargs = {"connect_args": {"timeout": 60}} if setup.storage.startswith("sqlite") else {"pool_pre_ping": True}
+    storage = optuna.storages.RDBStorage(
+        setup.storage, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+            inherit_intermediate_values=True))
+    sp = setup.space
+    name = sp.sampler.get("name", "tpe")
+    opts = {k: v for k, v in sp.sampler.items() if k != "name"}
+    sampler = (optuna.samplers.TPESampler(**opts) if name == "tpe" else optuna.samplers.RandomSampler(**opts))
+    pname = sp.pruner.get("name", "median")
+    popts = {k: v for k, v in sp.pruner.items() if k != "name"}
+    if pname == "median":
+        popts.setdefault("n_startup_trials", 2)   # compare from the 3rd trial on ...
+        popts.setdefault("n_warmup_steps", 0)     # ... at every evaluation, the first included
+        pruner = optuna.pruners.MedianPruner(**popts)
+    elif pname == "successive_halving":
+        pruner = optuna.pruners.SuccessiveHalvingPruner(**popts)
+    else:
+        pruner = optuna.pruners.NopPruner()
+    if create:
+        return optuna.create_study(storage=storage, study_name=setup.study_name, direction=sp.direction,
+                                   sampler=sampler, pruner=pruner, load_if_exists=True)
+    return optuna.load_study(storage=storage, study_name=setup.study_name, sampler=sampler, pruner=pruner)
+
+
+def _origin(trial, study=None) -> int:
+    """The number of the trial a retried trial repeats (itself when it is no retry): the run
+    directory, and so the checkpoint it resumes, belong to the original.  ``trial``: a frozen
+    trial, or a live one with its ``study``."""
+    optuna = _optuna()
+    if study is not None:  # the retry mark is a system attribute of the stored (frozen) trial
+        trial = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+    n = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
+    if n is None:
+        n = trial.user_attrs.get("retry_of")
+    return int(n) if n is not None else trial.number
+
+
+class _Surplus(Exception):
+    """Another worker already holds the last trial slot: this trial does not run."""
+
+
+def _counts(study) -> dict[str, int]:
+    from optuna.trial import TrialState
+
+    out = {s: 0 for s in ("done", "running", "waiting")}
+    for t in study.get_trials(deepcopy=False):
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            out["done"] += 1
+        elif t.state == TrialState.RUNNING:
+            out["running"] += 1
+        elif t.state == TrialState.WAITING:
+            out["waiting"] += 1
+    return out
+
+
+def _holds_a_slot(study, trial, target: int) -> bool:
+    """Trial numbers are given out in order by the storage: a trial runs when fewer than
+    ``target`` trials that are finished, pruned, running or waiting come before it."""
+    from optuna.trial import TrialState
+
+    live = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+    ahead = sum(1 for t in study.get_trials(deepcopy=False) if t.state in live and t.number < trial.number)
+    return ahead < target
+
+
+def _objective(setup: TuneSetup, study, *, threads: int | None, log: Callable[[str], None]):
+    optuna = _optuna()
+    from deepmetric.train.loop import NonFiniteLossError, train
+
+    def objective(trial) -> float:
+        if not _holds_a_slot(study, trial, setup.trials):
+            trial.set_user_attr("surplus", True)
+            raise _Surplus()
+        values = {p.name: p.suggest(trial) for p in setup.space.params}
+        origin = _origin(trial, study)
+        run_dir = setup.out / "trials" / f"trial_{origin:04d}"
+        cfg = setup.trial_config(values, run_dir, threads=threads)
+        resume = run_dir / rundir.LAST if (run_dir / rundir.LAST).is_file() and origin != trial.number else None
+        if resume is None and run_dir.is_dir():
+            rundir.remove_run_files(run_dir)  # a retried trial without a checkpoint starts again
+        trial.set_user_attr("run_dir", str(run_dir))
+        shown = ", ".join(f"{k}={_fmt_value(v)}" for k, v in values.items())
+        log(f"trial {trial.number}{f' (retry of {origin})' if origin != trial.number else ''}: {shown}")
+        sign = 1.0 if setup.space.direction == "maximize" else -1.0
+        best = {"value": None}
+
+        def report(epoch: int, val_metrics: dict) -> None:
+            value = float(val_metrics[setup.space.metric])
+            if best["value"] is None or sign * value > sign * best["value"]:
+                best["value"] = value
+            trial.report(value, step=epoch)
+            if trial.should_prune():
+                trial.set_user_attr("pruned_at_epoch", epoch)
+                raise optuna.TrialPruned(f"validation {setup.space.metric}={value:.4f} at epoch {epoch}")
+
+        t0 = time.perf_counter()
+        try:
+            result = train(cfg, resume=resume, overwrite=resume is None, on_validation=report)
+        except NonFiniteLossError as exc:  # a diverged trial is hopeless: pruned, not an error
+            trial.set_user_attr("stopped", f"non-finite loss: {str(exc).split(';')[0]}")
+            raise optuna.TrialPruned(str(exc)) from None
+        finally:
+            trial.set_user_attr("train_seconds", round(time.perf_counter() - t0, 1))
+        if result.interrupted:  # Ctrl-C: queue the same parameters again, this trial fails
+            study.enqueue_trial(trial.params, user_attrs={"retry_of": origin}, skip_if_exists=False)
+            raise KeyboardInterrupt
+        value = best["value"]
+        if value is None:
+            raise RuntimeError(f"trial {trial.number}: the run evaluated no validation split")
+        # the final model's test metrics, recorded for the report only: never seen by the
+        # sampler or the pruner (the objective above is the validation value)
+        trial.set_user_attr("test", {k: float(v) for k, v in result.metrics.items()})
+        trial.set_user_attr("best_epoch", (result.selected or {}).get("epoch"))
+        trial.set_user_attr("epochs", result.epochs_completed)
+        return value
+
+    return objective
+
+
+def _fmt_value(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[str], None] | None = None) -> None:
+    """Run trials until ``setup.trials`` of them have finished or been pruned (counting every
+    worker of the study, on any machine)."""
+    optuna = _optuna()
+    log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
+    study = open_study(setup)
+    objective = _objective(setup, study, threads=threads, log=log)
+    while True:
+        optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, queued again
+        c = _counts(study)
+        if c["done"] >= setup.trials:
+            return
+        if c["done"] + c["running"] >= setup.trials and not c["waiting"]:
+            time.sleep(HEARTBEAT_S / 2)  # the last slots are running elsewhere (or were, until stale)
+            continue
+        study.optimize(objective, n_trials=1, catch=(_Surplus,), callbacks=[_log_finished(log)])
+
+
+def _log_finished(log: Callable[[str], None]):
+    def callback(study, trial) -> None:
+        state = trial.state.name.lower()
+        if trial.user_attrs.get("surplus"):
+            return
+        value = f" validation {trial.value:.4f}" if trial.value is not None else ""
+        at = f" at epoch {trial.user_attrs['pruned_at_epoch']}" if "pruned_at_epoch" in trial.user_attrs else ""
+        log(f"trial {trial.number} {state}{at}{value}")
+    return callback
+
+
+# --------------------------------------------------------------------------- workers
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the worker gets SIGTERM when the tune process dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _worker_command(setup: TuneSetup) -> list[str]:
+    cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(setup.recipe), "--space", str(setup.space_path),
+           "--trials", str(setup.trials), "--out", str(setup.out), "--storage", setup.storage,
+           "--study-name", setup.study_name, "--worker"]
+    return cmd + list(setup.cli_overrides)
+
+
+def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] | None = None) -> dict[str, Path]:
+    """Run the study to ``setup.trials`` finished trials with ``workers`` processes on this
+    machine, then write the outputs.  Returns their paths."""
+    log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
+    setup.out.mkdir(parents=True, exist_ok=True)
+    _check_same_tune(setup)
+    rundir.write_text_atomic(setup.out / "tune.json", json.dumps(_setup_record(setup), indent=1) + "\n")
+    study = open_study(setup)
+    c = _counts(study)
+    log(f"{setup.trials} trials wanted: {c['done']} finished or pruned, {c['running']} running, "
+        f"{c['waiting']} queued; storage {_display_storage(setup.storage)}; objective validation "
+        f"{setup.space.metric} ({setup.space.direction})")
+    threads = max(1, _cores() // max(workers, 1))
+    if workers <= 1:
+        run_worker(setup, threads=None, log=log)
+    else:
+        logs = setup.out / "workers"
+        logs.mkdir(exist_ok=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   DEEPMETRIC_TUNE_THREADS=str(threads))
+        procs = []
+        for k in range(workers):
+            f = open(logs / f"worker_{k}.log", "a", encoding="utf-8")
+            procs.append((subprocess.Popen(_worker_command(setup), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                           preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None),
+                          f))
+        log(f"{workers} workers x {threads} thread(s); their output: {logs}/worker_K.log")
+        seen: set[int] = set()
+        try:
+            while any(p.poll() is None for p, _ in procs):
+                time.sleep(2)
+                seen = _report_progress(study, seen, log)
+        except KeyboardInterrupt:
+            for p, _ in procs:
+                p.send_signal(signal.SIGINT)
+            for p, _ in procs:
+                p.wait()
+            raise
+        finally:
+            for _, f in procs:
+                f.close()
+        _report_progress(study, seen, log)
+        bad = [p.returncode for p, _ in procs if p.returncode != 0]
+        if bad:
+            log(f"{len(bad)} worker(s) ended with an error (exit codes {bad}); see {logs}")
+    return write_outputs(setup)
+
+
+def _report_progress(study, seen: set[int], log: Callable[[str], None]) -> set[int]:
+    from optuna.trial import TrialState
+
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
+        if t.number in seen or t.user_attrs.get("surplus"):
+            continue
+        seen.add(t.number)
+        params = ", ".join(f"{k}={_fmt_value(v)}" for k, v in t.params.items())
+        value = f" validation {t.value:.4f}" if t.value is not None else ""
+        log(f"trial {t.number} {t.state.name.lower()}{value} ({params})")
+    return seen
+
+
+# --------------------------------------------------------------------------- outputs
+def trial_rows(setup: TuneSetup, study) -> list[dict]:
+    """One row per trial (surplus trials, which never ran, left out)."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get("surplus"):
+            continue
+        row: dict[str, Any] = {"trial": t.number, "state": t.state.name.lower()}
+        if t.user_attrs.get("retry_of") is not None or _origin(t) != t.number:
+            row["retry_of"] = _origin(t)
+        for p in setup.space.params:
+            if p.name in t.params:
+                row[p.name] = p.value_of(t.params)
+        row[f"val/{setup.space.metric}"] = t.value
+        if t.intermediate_values:
+            last = max(t.intermediate_values)
+            row["last_epoch"] = last
+        row["pruned_at_epoch"] = t.user_attrs.get("pruned_at_epoch")
+        if t.datetime_start is not None and t.datetime_complete is not None:
+            row["wall_time_s"] = round((t.datetime_complete - t.datetime_start).total_seconds(), 1)
+        for k, v in (t.user_attrs.get("test") or {}).items():
+            row[f"test/{k}"] = v
+        row["run_dir"] = t.user_attrs.get("run_dir")
+        rows.append(row)
+    return rows
+
+
+def _best_trial(setup: TuneSetup, study):
+    from optuna.trial import TrialState
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    if not done:
+        return None
+    sign = 1.0 if setup.space.direction == "maximize" else -1.0
+    return max(done, key=lambda t: (sign * t.value, -t.number))
+
+
+def _best_recipe(setup: TuneSetup, best) -> str:
+    """The recipe with the CLI and space overrides and the best values applied (validated)."""
+    values = {p.name: p.value_of(best.params) for p in setup.space.params}
+    raw = copy.deepcopy(setup.base)
+    apply_overrides(raw, setup.space.overrides_of(values))
+    raw.setdefault("train", {})["out_dir"] = str(Path("runs") / f"{setup.study_name}_best")
+    raw["name"] = f"{raw.get('name') or setup.recipe.stem}_tuned"
+    cfg = config_from_dict(copy.deepcopy(raw))  # runnable: validated as `deepmetric train` will
+    del cfg
+    head = [f"# {setup.recipe} tuned by `deepmetric tune` ({setup.space_path}, {setup.trials} trials,",
+            f"# study {setup.study_name!r}): trial {best.number}, validation {setup.space.metric} = {best.value:.4f}",
+            "# (chosen on validation classes; the test split was not used). Values: "
+            + ", ".join(f"{k} = {_fmt_value(v)}" for k, v in values.items()),
+            f"#   deepmetric train {setup.out / 'best.yaml'}"]
+    return "\n".join(head) + "\n" + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None)
+
+
+def _fmt_cell(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _plots(study, out: Path) -> tuple[dict[str, Path], list[str]]:
+    """Optuna's optimisation-history and parameter-importance plots (matplotlib backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import warnings
+
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as ovm
+
+    paths, notes = {}, []
+    for name, fn in (("optimization_history", ovm.plot_optimization_history),
+                     ("param_importances", ovm.plot_param_importances)):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the matplotlib backend is marked experimental
+                ax = fn(study)
+            fig = ax.figure if hasattr(ax, "figure") else ax[0].figure
+            fig.set_size_inches(7, 4.2)
+            fig.tight_layout()
+            path = out / f"{name}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            paths[name] = path
+        except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. fewer than 2 finished trials
+            notes.append(f"{name}: not drawn ({exc})")
+    return paths, notes
+
+
+def write_outputs(setup: TuneSetup) -> dict[str, Path]:
+    """(Re)write best.yaml, trials.csv / trials.md, the plots and report.html."""
+    study = open_study(setup, create=False)
+    out = setup.out
+    rows = trial_rows(setup, study)
+    paths: dict[str, Path] = {}
+    columns = list(dict.fromkeys(k for r in rows for k in r)) or ["trial", "state"]
+    tmp = out / ".trials.csv.tmp"
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
+    os.replace(tmp, out / "trials.csv")
+    paths["csv"] = out / "trials.csv"
+    best = _best_trial(setup, study)
+    if best is not None:
+        rundir.write_text_atomic(out / "best.yaml", _best_recipe(setup, best))
+        paths["best"] = out / "best.yaml"
+    plots, notes = _plots(study, out)
+    paths.update(plots)
+    md = _trials_markdown(setup, rows, best, notes)
+    rundir.write_text_atomic(out / "trials.md", md)
+    paths["md"] = out / "trials.md"
+    from deepmetric.report.tune_report import write_tune_report
+
+    paths["report"] = write_tune_report(out / "report.html", title=f"Tune {setup.study_name}",
+                                        summary=_summary_pairs(setup, rows, best), rows=rows, plots=plots,
+                                        notes=notes)
+    return paths
+
+
+def _summary_pairs(setup: TuneSetup, rows: list[dict], best) -> list[tuple[str, Any]]:
+    states: dict[str, int] = {}
+    for r in rows:
+        states[r["state"]] = states.get(r["state"], 0) + 1
+    pairs = [("recipe", str(setup.recipe)), ("space", str(setup.space_path)),
+             ("objective", f"validation {setup.space.metric} ({setup.space.direction})"),
+             ("budget", f"{setup.trials} trials finished or pruned"),
+             ("trials", ", ".join(f"{n} {s}" for s, n in states.items()) or "none yet"),
+             ("pruner", setup.space.pruner.get("name", "median")), ("sampler", setup.space.sampler.get("name", "tpe")),
+             ("storage", _display_storage(setup.storage))]
+    if best is not None:
+        pairs += [("best trial", f"{best.number}: validation {setup.space.metric} = {best.value:.4f}"),
+                  ("best values", ", ".join(f"{p.name} = {_fmt_value(p.value_of(best.params))}"
+                                            for p in setup.space.params)),
+                  ("best recipe", str(setup.out / "best.yaml"))]
+    return pairs
+
+
+def _trials_markdown(setup: TuneSetup, rows: list[dict], best, notes: list[str]) -> str:
+    metric = f"val/{setup.space.metric}"
+    params = [p.name for p in setup.space.params]
+    tests = sorted({k for r in rows for k in r if k.startswith("test/")})[:4]
+    cols = ["trial", "state", *params, metric, "pruned_at_epoch", "wall_time_s", *tests]
+    lines = [f"# Tune {setup.study_name}", ""]
+    lines += [f"- {k}: {v}" for k, v in _summary_pairs(setup, rows, best)]
+    lines += ["", "The objective is the validation metric (the best value of the trial, the model best.pt "
+              "keeps). `test/` columns are the test split of a finished trial, recorded for information "
+              "only: never used to choose.", "",
+              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt_cell(r.get(c)) for c in cols) + " |")
+    lines += [""] + [f"Note: {n}" for n in notes]
+    return "\n".join(lines).rstrip() + "\n"

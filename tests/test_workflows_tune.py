@@ -1,0 +1,284 @@
+"""deepmetric tune: the space file, the refusals, a whole tune on synthetic data checked against
+the trials' own logs, pruning, a kill -9 in the middle, and two workers sharing a study on a
+real PostgreSQL server started by the test."""
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import synthetic_config
+
+from deepmetric import cli
+from deepmetric.train.config import load_config
+from deepmetric.train.rundir import read_log
+from deepmetric.workflows.tune import TuneError, load_space, open_study, prepare_tune
+
+optuna = pytest.importorskip("optuna")
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+SPACE = {
+    "objective": {"metric": "recall@1", "direction": "maximize"},
+    "params": {"optim.lr": {"type": "float", "low": 1.0e-4, "high": 0.1, "log": True},
+               "loss.0.options.alpha": {"type": "categorical", "choices": [8.0, 16.0, 32.0]}},
+    "pruner": {"name": "median"},
+}
+
+
+def _files(tmp_path, space=None, epochs=3, **data):
+    raw = synthetic_config(classes=12, data={"val_classes": 0.3, **data}, train={"epochs": epochs})
+    del raw["train"]["seed"]  # the recipe's own seed (0 by default): every trial the same
+    recipe, sp = tmp_path / "recipe.yaml", tmp_path / "space.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    sp.write_text(yaml.safe_dump(space or SPACE, sort_keys=False))
+    return recipe, sp
+
+
+def _states(study):
+    out = {}
+    for t in study.get_trials(deepcopy=False):
+        out[t.state.name] = out.get(t.state.name, 0) + 1
+    return out
+
+
+# --------------------------------------------------------------------------- the space file
+@pytest.mark.parametrize("params, match", [
+    ({"optim.lr": {"type": "flaot", "low": 0.1, "high": 1}}, "params.optim.lr.type: expected float, int or categorical"),
+    ({"optim.lr": {"type": "float", "low": 0.1}}, "needs 'low' and 'high'"),
+    ({"optim.lr": {"type": "float", "low": 1, "high": 0.1}}, "needs low < high"),
+    ({"optim.lr": {"type": "float", "low": 0, "high": 0.1, "log": True}}, "log scale needs low > 0"),
+    ({"optim.lr": {"type": "float", "low": 0.1, "high": 1, "lowe": 2}}, "unknown field"),
+    ({"b": {"type": "categorical", "keys": ["train.m", "train.n"], "choices": [[16, 4], 32]}}, "list of 2 values"),
+    ({"optim.lr": {"type": "categorical", "choices": []}}, "non-empty list"),
+])
+def test_space_file_mistakes_name_the_file_and_key(tmp_path, params, match):
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({"objective": {"metric": "recall@1"}, "params": params}))
+    with pytest.raises(TuneError, match=match) as exc:
+        load_space(p)
+    assert str(p) in str(exc.value)
+
+
+def test_the_issues_space_file_and_a_multi_key_parameter_load(tmp_path):
+    recipe, sp = _files(tmp_path, space={**SPACE, "params": {
+        **SPACE["params"], "batch": {"type": "categorical", "keys": ["train.m", "train.n"],
+                                     "choices": [[4, 4], [8, 2]]}}, "overrides": ["train.sampler=class_balanced"]})
+    setup = prepare_tune(recipe, sp, trials=3, out=tmp_path / "out")
+    assert [p.name for p in setup.space.params] == ["optim.lr", "loss.0.options.alpha", "batch"]
+    cfg = setup.trial_config({"optim.lr": 0.01, "loss.0.options.alpha": 32.0, "batch": [8, 2]}, tmp_path / "r")
+    assert (cfg.optim.lr, cfg.loss[0].options["alpha"], cfg.train.m, cfg.train.n) == (0.01, 32.0, 8, 2)
+    assert cfg.eval.best_metric == "recall@1" and cfg.eval.test_every == 0 and cfg.train.sampler == "class_balanced"
+
+
+def test_a_parameter_that_names_no_config_key_is_refused_before_any_trial(tmp_path):
+    recipe, sp = _files(tmp_path, space={**SPACE, "params": {"optim.lrr": {"type": "float", "low": 0.1, "high": 1}}})
+    with pytest.raises(TuneError, match=r"params.optim.lrr.*did you mean 'optim.lr'"):
+        prepare_tune(recipe, sp, trials=3, out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tune_refuses_without_validation_classes_in_one_line(tmp_path, capsys):
+    recipe, sp = _files(tmp_path)
+    raw = yaml.safe_load(recipe.read_text())
+    del raw["data"]["val_classes"]
+    recipe.write_text(yaml.safe_dump(raw))
+    assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has no validation classes" in err and "data.val_classes" in err
+
+
+def test_the_objective_must_be_a_metric_of_the_validation(tmp_path):
+    recipe, sp = _files(tmp_path, space={**SPACE, "objective": {"metric": "recall@3"}})
+    with pytest.raises(TuneError, match=r"'recall@3' is not a metric .*recall@1, recall@2, recall@4, recall@8"):
+        prepare_tune(recipe, sp, trials=2, out=tmp_path / "out")
+
+
+# --------------------------------------------------------------------------- a whole tune
+def test_tune_end_to_end_objective_from_validation_only_and_best_recipe_trains(tmp_path, capsys):
+    recipe, sp = _files(tmp_path)
+    out = tmp_path / "out"
+    assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "4", "--out", str(out)]) == 0
+    for name in ("best.yaml", "trials.csv", "trials.md", "optimization_history.png", "param_importances.png",
+                 "report.html", "tune.json", "tune.db"):
+        assert (out / name).is_file(), name
+    setup = prepare_tune(recipe, sp, trials=4, out=out)
+    study = open_study(setup, create=False)
+    trials = study.get_trials()
+    assert sum(t.state.name in ("COMPLETE", "PRUNED") for t in trials) == 4
+    for t in trials:
+        log = read_log(t.user_attrs["run_dir"])
+        val = [r for r in log if r["type"] == "eval" and r["split"] == "val"]
+        # the pruner saw exactly the validation evaluations, the objective is their best
+        assert {r["epoch"]: r["recall@1"] for r in val} == pytest.approx(t.intermediate_values)
+        if t.state.name == "COMPLETE":
+            assert t.value == pytest.approx(max(r["recall@1"] for r in val))
+            test = [r for r in log if r["type"] == "eval" and r["split"] == "test"]
+            assert [r["epoch"] for r in test] == [3]  # the test split once, at the end ...
+            assert t.user_attrs["test"]["recall@1"] == pytest.approx(test[0]["recall@1"])  # ... recorded only
+    # best.yaml: the best trial's values, a runnable recipe
+    best = max((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
+    cfg = load_config(out / "best.yaml", [f"train.out_dir={tmp_path / 'best_run'}", "train.epochs=1"])
+    assert cfg.optim.lr == pytest.approx(best.params["optim.lr"])
+    assert cfg.loss[0].options["alpha"] == best.params["loss.0.options.alpha"]
+    assert cli.main(["train", str(out / "best.yaml"), f"train.out_dir={tmp_path / 'best_run'}", "train.epochs=1"]) == 0
+    table = (out / "trials.md").read_text()
+    assert f"| {best.number} | complete |" in table and "never used to choose" in table
+    html = (out / "report.html").read_text()
+    assert "data:image/png;base64" in html and "Parameter importances" in html
+    # a finished study: the same command trains nothing more
+    capsys.readouterr()
+    assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "4", "--out", str(out)]) == 0
+    assert "4 finished or pruned" in capsys.readouterr().out
+    assert len(open_study(setup, create=False).get_trials()) == len(trials)
+    # ... and another space in the same directory is refused
+    sp.write_text(yaml.safe_dump({**SPACE, "params": {"optim.lr": SPACE["params"]["optim.lr"]}}))
+    assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "4", "--out", str(out)]) == 2
+
+
+def test_a_hopeless_trial_is_pruned_at_its_first_evaluation(tmp_path):
+    """lr 1e-6 cannot move the embedding: the median pruner (after one finished trial) stops
+    it at epoch 1; a diverged (NaN) trial is pruned, not an error."""
+    space = {"objective": {"metric": "recall@1"},
+             "params": {"optim.lr": {"type": "categorical", "choices": [0.05, 1.0e-6, 1.0e6]}},
+             "pruner": {"name": "median", "n_startup_trials": 1},
+             "sampler": {"name": "random", "seed": 0},
+             "overrides": ["model.options.normalization=none"]}  # unbounded logits: lr 1e6 overflows
+    recipe, sp = _files(tmp_path, space=space, epochs=4)
+    setup = prepare_tune(recipe, sp, trials=3, out=tmp_path / "out")
+    study = open_study(setup)
+    for lr in (0.05, 1.0e-6, 1.0e6):
+        study.enqueue_trial({"optim.lr": lr})
+    from deepmetric.workflows.tune import run_tune
+
+    run_tune(setup)
+    by_lr = {t.params["optim.lr"]: t for t in open_study(setup, create=False).get_trials()}
+    assert by_lr[0.05].state.name == "COMPLETE" and max(by_lr[0.05].intermediate_values) == 4
+    assert by_lr[1.0e-6].state.name == "PRUNED" and list(by_lr[1.0e-6].intermediate_values) == [1]
+    assert by_lr[1.0e-6].user_attrs["pruned_at_epoch"] == 1
+    assert by_lr[1.0e6].state.name == "PRUNED" and "non-finite" in by_lr[1.0e6].user_attrs["stopped"]
+
+
+# --------------------------------------------------------------------------- kill -9, resume
+def _env(heartbeat="1"):
+    return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                DEEPMETRIC_TUNE_HEARTBEAT=heartbeat, OMP_NUM_THREADS="1")
+
+
+def test_kill_9_halfway_then_the_same_command_finishes_exactly_n_trials(tmp_path):
+    recipe, sp = _files(tmp_path, epochs=6, options={"per_class": 40})
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(recipe), "--space", str(sp), "--trials", "5",
+           "--workers", "2", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    setup = prepare_tune(recipe, sp, trials=5, out=out)
+    deadline = time.time() + 240
+    try:  # kill the whole process group once a trial finished and two are running
+        while time.time() < deadline:
+            time.sleep(0.5)
+            if (out / "tune.db").is_file():
+                s = _states(open_study(setup, create=False))
+                if s.get("COMPLETE", 0) + s.get("PRUNED", 0) >= 1 and s.get("RUNNING", 0) >= 1:
+                    break
+        else:
+            pytest.fail("the tune did not get going within 240 s")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed = {t.number: t.params for t in open_study(setup, create=False).get_trials() if t.state.name == "RUNNING"}
+    assert killed  # trials were cut mid-way
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    trials = open_study(setup, create=False).get_trials()
+    states = _states(open_study(setup, create=False))
+    assert states.get("COMPLETE", 0) + states.get("PRUNED", 0) == 5  # exactly 5, none counted twice
+    assert "RUNNING" not in states and "WAITING" not in states
+    for number, params in killed.items():  # each cut trial was failed and retried with its values
+        assert trials[number].state.name == "FAIL"
+        if not params:
+            continue  # killed before it drew its values: its retry draws new ones
+        retries = [t for t in trials if t.number != number and t.params == params and t.state.name != "FAIL"]
+        assert len(retries) == 1, (number, params)
+    dirs = {t.user_attrs["run_dir"] for t in trials if t.user_attrs.get("run_dir")}
+    assert len(glob.glob(str(out / "trials" / "trial_*"))) == len(dirs)  # a retry resumes its original's folder
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+def _pg_bin() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if found:
+        return Path(found[-1]).parent
+    which = shutil.which("initdb")
+    return Path(which).parent if which else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def postgres(tmp_path):
+    """A PostgreSQL server of the Debian package on 127.0.0.1 (trust auth, a temporary data
+    directory), stopped after the test.  As root the server runs as the 'postgres' user."""
+    pytest.importorskip("psycopg2")
+    bindir = _pg_bin()
+    if bindir is None:
+        pytest.fail("PostgreSQL is not installed (install.sh installs the Debian package 'postgresql')")
+    root = tmp_path / "pg"
+    root.mkdir()
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # initdb and postgres refuse to run as root
+        import pwd
+
+        pw = pwd.getpwnam("postgres")
+        os.chown(root, pw.pw_uid, pw.pw_gid)
+        os.chmod(tmp_path, 0o755)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    port = _free_port()
+    data = root / "data"
+    run = lambda *a: subprocess.run(as_user + [str(bindir / a[0]), *a[1:]], check=True,  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    run("initdb", "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
+    run("pg_ctl", "-D", str(data), "-l", str(root / "log"), "-w", "-o",
+        f"-h 127.0.0.1 -p {port} -k {root} -c fsync=off", "start")
+    try:
+        run("createdb", "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "tune")
+        yield f"postgresql://postgres@127.0.0.1:{port}/tune"
+    finally:
+        subprocess.run(as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                       capture_output=True, timeout=60)
+
+
+def test_two_workers_share_one_study_on_postgresql(tmp_path, postgres):
+    """Two 'machines' (two processes with their own output folders) run the same command on one
+    PostgreSQL study: every trial finishes once, none is lost, exactly N are finished or pruned."""
+    recipe, sp = _files(tmp_path)
+    cmds = [[sys.executable, "-m", "deepmetric.cli", "tune", str(recipe), "--space", str(sp), "--trials", "6",
+             "--storage", postgres, "--study-name", "shared", "--out", str(tmp_path / f"machine{k}")]
+            for k in (0, 1)]
+    procs = [subprocess.Popen(c, env=_env("2"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    setup = prepare_tune(recipe, sp, trials=6, out=tmp_path / "machine0", storage=postgres, study_name="shared")
+    trials = open_study(setup, create=False).get_trials()
+    ran = [t for t in trials if not t.user_attrs.get("surplus")]
+    assert sum(t.state.name in ("COMPLETE", "PRUNED") for t in ran) == 6
+    assert all(t.state.name in ("COMPLETE", "PRUNED") for t in ran)  # none lost or left running
+    dirs = [t.user_attrs["run_dir"] for t in ran]
+    assert len(set(dirs)) == len(dirs)  # each trial trained once, by one machine
+    by_machine = {k: sum(f"machine{k}" in d for d in dirs) for k in (0, 1)}
+    assert by_machine[0] >= 1 and by_machine[1] >= 1, by_machine  # both machines worked
+    for k in (0, 1):
+        assert (tmp_path / f"machine{k}" / "trials.md").is_file()
+    assert json.loads((tmp_path / "machine0" / "tune.json").read_text())["storage"] == postgres
