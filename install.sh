@@ -2,6 +2,8 @@
 # Installs everything deepmetric needs on a fresh Debian machine (run as root or with sudo):
 #   - apt: the Fashion-MNIST IDX files and the CJK fonts the glyph benchmark is rendered from;
 #     Debian's chromium (+ Latin fonts) for the browser tests of report.html and the search page;
+#     PostgreSQL's server binaries, which the shared-study test of `deepmetric tune` starts on
+#     127.0.0.1 in a temporary directory (the package's own cluster is not used);
 #   - a virtual environment in .venv with deepmetric (editable) and its test tools;
 #   - the emoji benchmark's artwork: pinned npm packages (Node.js and npm from apt if missing),
 #     only the files used extracted into the deepmetric cache (see docs/offline-data.md).
@@ -14,6 +16,7 @@ APT_PACKAGES=(
   fonts-noto-cjk fonts-noto-cjk-extra fonts-arphic-ukai fonts-arphic-uming
   fonts-wqy-zenhei fonts-wqy-microhei fonts-lxgw-wenkai fonts-babelstone-han
   chromium fonts-dejavu-core fonts-liberation
+  postgresql
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
