@@ -39,6 +39,26 @@ def test_fraction_count_and_list_choose_the_classes():
     assert carve_val_classes(labels, ["c4", 9], class_names=names)[1].tolist() == [4, 9]
 
 
+def test_pick_last_takes_the_end_of_the_label_order_like_the_zero_shot_split():
+    labels = np.repeat(np.arange(20), 2)[::-1]  # the order of the samples does not matter
+    keep, val = carve_val_classes(labels, 0.25, seed=3, pick="last")
+    assert val.tolist() == [15, 16, 17, 18, 19] and keep.tolist() == list(range(15))
+    assert carve_val_classes(labels, 2, pick="last")[1].tolist() == [18, 19]
+    with pytest.raises(ValueError, match="val_pick"):
+        carve_val_classes(labels, 2, pick="first")
+
+
+def test_val_pick_last_in_a_run_carves_the_last_training_classes(tmp_path):
+    from deepmetric.train.config import config_from_dict
+
+    raw = _raw(tmp_path, val_classes=2)
+    raw["data"]["val_pick"] = "last"
+    cfg = config_from_dict(raw)
+    train_set, val_set = build_dataset(cfg, "train", train=False), build_dataset(cfg, VAL_SPLIT, train=False)
+    assert val_set.original_classes.tolist() == [6, 7]  # the synthetic training split has classes 0..7
+    assert train_set.original_classes.tolist() == list(range(6))
+
+
 def test_seeded_choice_is_deterministic_and_depends_on_the_seed():
     labels = np.repeat(np.arange(40), 2)
     a = carve_val_classes(labels, 0.25, seed=3)[1]

@@ -79,7 +79,7 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
         keep, val = class_fold(full.labels, d.val_folds, d.val_fold, seed=_val_seed(cfg))
     else:
         keep, val = carve_val_classes(full.labels, d.val_classes, seed=_val_seed(cfg),
-                                      class_names=getattr(full, "class_names", None))
+                                      class_names=getattr(full, "class_names", None), pick=d.val_pick)
     if not d.val_query_families:
         return ClassSubset(full, val if split == VAL_SPLIT else keep)
     held = held_out_family_mask(full, d.val_query_families, d.name)
@@ -116,13 +116,17 @@ def _val_seed(cfg: Config) -> int:
     return cfg.train.seed if cfg.data.val_seed is None else cfg.data.val_seed
 
 
-def carve_val_classes(labels, spec, *, seed: int = 0, class_names=None) -> tuple[np.ndarray, np.ndarray]:
+def carve_val_classes(labels, spec, *, seed: int = 0, class_names=None,
+                      pick: str = "random") -> tuple[np.ndarray, np.ndarray]:
     """Split the classes of ``labels`` into (training classes, validation classes), sorted.
 
     ``spec`` is a fraction in (0, 1) of the classes (rounded, at least 1), a count, or a
     list of class names (looked up in ``class_names``) or label ids.  Fractions and counts
-    draw the classes with ``numpy.random.default_rng(seed)``: the same seed gives the same
-    classes.  At least one class is left for training."""
+    draw the classes with ``numpy.random.default_rng(seed)`` (``pick="random"``: the same seed
+    gives the same classes) or take the last ones in label order (``pick="last"``: as the
+    zero-shot test takes the second half of the classes, so validation classes differ from the
+    training classes the way the test classes do, e.g. in category on the emoji benchmark).
+    At least one class is left for training."""
     classes = np.unique(np.asarray(labels, dtype=np.int64))
     n = len(classes)
     key = "config key 'data.val_classes'"
@@ -152,7 +156,12 @@ def carve_val_classes(labels, spec, *, seed: int = 0, class_names=None) -> tuple
         if not 1 <= k < n:
             raise ValueError(f"{key}: asks for {k} validation classes, but the training split has "
                              f"{n} classes (at least one must stay for training)")
-        val = np.sort(np.random.default_rng(seed).permutation(classes)[:k])
+        if pick == "last":
+            val = np.sort(classes)[n - k:]
+        elif pick == "random":
+            val = np.sort(np.random.default_rng(seed).permutation(classes)[:k])
+        else:
+            raise ValueError(f"config key 'data.val_pick': expected 'random' or 'last', got {pick!r}")
     if len(val) >= n:
         raise ValueError(f"{key}: every training class would be a validation class")
     return np.setdiff1d(classes, val), val

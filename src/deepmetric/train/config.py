@@ -87,6 +87,11 @@ class DataConfig:
     val_classes: Union[int, float, list[Union[int, str]], None] = None
     #: seed of the random choice of validation classes (``null`` = ``train.seed``).
     val_seed: Optional[int] = None
+    #: how a fraction or count of validation classes is chosen: ``random`` (seeded) or ``last``
+    #: (the last classes in label order, the way a zero-shot test split takes the second half:
+    #: on the emoji benchmark they are a category the other training classes do not have, as
+    #: the test's categories are).
+    val_pick: Literal["random", "last"] = "random"
     #: k-fold class-disjoint cross-validation (instead of ``val_classes``): the training
     #: classes are split (seeded) into ``val_folds`` class-disjoint folds and fold
     #: ``val_fold`` (0-based) is the validation split; run once per fold.
