@@ -561,8 +561,9 @@ def _run_tune(args: argparse.Namespace) -> int:
         setup = prepare_tune(args.recipe, args.space, trials=args.trials, out=args.out, storage=args.storage,
                              study_name=args.study_name, overrides=args.overrides)
         if args.worker:  # one of the processes of 'deepmetric tune --workers K'
-            threads = os.environ.get("DEEPMETRIC_TUNE_THREADS")
-            run_worker(setup, threads=int(threads) if threads else None)
+            from deepmetric.workflows.engine import worker_threads
+
+            run_worker(setup, threads=worker_threads())
             return 0
         paths = write_outputs(setup) if args.report_only else run_tune(setup, workers=args.workers)
     except KeyboardInterrupt:

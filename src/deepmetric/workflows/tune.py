@@ -50,8 +50,6 @@ import csv
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -61,17 +59,15 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from deepmetric.train import rundir
-from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, config_to_dict
+from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict
+
+from .engine import HEARTBEAT_S, display_storage, optuna_module, rdb_storage, run_workers, sqlite_url
 
 __all__ = ["ParamSpec", "SearchSpace", "TuneSetup", "load_space", "prepare_tune", "run_tune", "run_worker",
            "write_outputs", "open_study", "trial_rows", "default_storage"]
 
 PRUNERS = ("median", "successive_halving", "none")
 SAMPLERS = ("tpe", "random")
-# a running trial records a heartbeat this often, and is failed (then retried) when none came
-# for 4 intervals; DEEPMETRIC_TUNE_HEARTBEAT (seconds) shortens it in tests
-HEARTBEAT_S = int(os.environ.get("DEEPMETRIC_TUNE_HEARTBEAT", "10"))
-GRACE_S = 4 * HEARTBEAT_S
 _SPACE_KEYS = ("objective", "params", "pruner", "sampler", "overrides")
 
 
@@ -278,17 +274,7 @@ class TuneSetup:
 
 
 def default_storage(out: Path) -> str:
-    return f"sqlite:///{(out / 'tune.db').resolve()}"
-
-
-def _display_storage(url: str) -> str:
-    """The storage URL with any password masked (it is printed and written to tune.json)."""
-    if "://" in url and "@" in url.split("://", 1)[1]:
-        scheme, rest = url.split("://", 1)
-        cred, host = rest.rsplit("@", 1)
-        user = cred.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}" if ":" in cred else url
-    return url
+    return sqlite_url(out / "tune.db")
 
 
 def _validation_metrics(cfg) -> list[str]:
@@ -352,7 +338,7 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
 
 def _setup_record(setup: TuneSetup) -> dict:
     return {"recipe": str(setup.recipe), "space": setup.space.raw, "overrides": setup.cli_overrides,
-            "trials": setup.trials, "study_name": setup.study_name, "storage": _display_storage(setup.storage)}
+            "trials": setup.trials, "study_name": setup.study_name, "storage": display_storage(setup.storage)}
 
 
 def _check_same_tune(setup: TuneSetup) -> None:
@@ -371,29 +357,16 @@ def _check_same_tune(setup: TuneSetup) -> None:
 # --------------------------------------------------------------------------- the Optuna study
 def _optuna():
     try:
-        import warnings
-
-        import optuna
-
-        # the heartbeat and its retry callback are marked experimental since Optuna 2.8
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    except ImportError:  # pragma: no cover - optuna is in the tune extra, installed by install.sh
-        raise TuneError("deepmetric tune needs Optuna: pip install 'deepmetric[tune]' (install.sh installs it)") from None
-    return optuna
+        return optuna_module()
+    except ImportError as exc:  # pragma: no cover - optuna is in the tune extra
+        raise TuneError(str(exc)) from None
 
 
 def open_study(setup: TuneSetup, *, create: bool = True):
     """The study in ``setup.storage`` (created on first use), with the heartbeat that fails and
     retries the trials of dead processes."""
     optuna = _optuna()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if setup.storage.startswith("sqlite:///") and create:
-        Path(setup.storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-    engine_kwargs = {"connect_args": {"timeout": 60}} if setup.storage.startswith("sqlite") else {"pool_pre_ping": True}
-    storage = optuna.storages.RDBStorage(
-        setup.storage, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-            inherit_intermediate_values=True))
+    storage = rdb_storage(setup.storage, retry_stale=True)
     sp = setup.space
     name = sp.sampler.get("name", "tpe")
     opts = {k: v for k, v in sp.sampler.items() if k != "name"}
@@ -543,24 +516,8 @@ def _log_finished(log: Callable[[str], None]):
 
 
 # --------------------------------------------------------------------------- workers
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the worker gets SIGTERM when the tune process dies (even by SIGKILL)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _worker_command(setup: TuneSetup) -> list[str]:
+    """The command of one worker process of ``--workers K`` (the same tune, ``--worker``)."""
     cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(setup.recipe), "--space", str(setup.space_path),
            "--trials", str(setup.trials), "--out", str(setup.out), "--storage", setup.storage,
            "--study-name", setup.study_name, "--worker"]
@@ -577,41 +534,20 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
     study = open_study(setup)
     c = _counts(study)
     log(f"{setup.trials} trials wanted: {c['done']} finished or pruned, {c['running']} running, "
-        f"{c['waiting']} queued; storage {_display_storage(setup.storage)}; objective validation "
+        f"{c['waiting']} queued; storage {display_storage(setup.storage)}; objective validation "
         f"{setup.space.metric} ({setup.space.direction})")
-    threads = max(1, _cores() // max(workers, 1))
     if workers <= 1:
         run_worker(setup, threads=None, log=log)
     else:
-        logs = setup.out / "workers"
-        logs.mkdir(exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   DEEPMETRIC_TUNE_THREADS=str(threads))
-        procs = []
-        for k in range(workers):
-            f = open(logs / f"worker_{k}.log", "a", encoding="utf-8")
-            procs.append((subprocess.Popen(_worker_command(setup), stdout=f, stderr=subprocess.STDOUT, env=env,
-                                           preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None),
-                          f))
-        log(f"{workers} workers x {threads} thread(s); their output: {logs}/worker_K.log")
         seen: set[int] = set()
-        try:
-            while any(p.poll() is None for p, _ in procs):
-                time.sleep(2)
-                seen = _report_progress(study, seen, log)
-        except KeyboardInterrupt:
-            for p, _ in procs:
-                p.send_signal(signal.SIGINT)
-            for p, _ in procs:
-                p.wait()
-            raise
-        finally:
-            for _, f in procs:
-                f.close()
-        _report_progress(study, seen, log)
-        bad = [p.returncode for p, _ in procs if p.returncode != 0]
+
+        def poll() -> None:
+            seen.update(_report_progress(study, seen, log))
+
+        codes = run_workers(_worker_command(setup), workers, setup.out / "workers", poll=poll, log=log)
+        bad = [c for c in codes if c != 0]
         if bad:
-            log(f"{len(bad)} worker(s) ended with an error (exit codes {bad}); see {logs}")
+            log(f"{len(bad)} worker(s) ended with an error (exit codes {bad}); see {setup.out / 'workers'}")
     return write_outputs(setup)
 
 
@@ -760,7 +696,7 @@ def _summary_pairs(setup: TuneSetup, rows: list[dict], best) -> list[tuple[str, 
              ("budget", f"{setup.trials} trials finished or pruned"),
              ("trials", ", ".join(f"{n} {s}" for s, n in states.items()) or "none yet"),
              ("pruner", setup.space.pruner.get("name", "median")), ("sampler", setup.space.sampler.get("name", "tpe")),
-             ("storage", _display_storage(setup.storage))]
+             ("storage", display_storage(setup.storage))]
     if best is not None:
         pairs += [("best trial", f"{best.number}: validation {setup.space.metric} = {best.value:.4f}"),
                   ("best values", ", ".join(f"{p.name} = {_fmt_value(p.value_of(best.params))}"

@@ -1,0 +1,155 @@
+"""The engine under ``deepmetric tune`` and ``deepmetric study``: trials in an Optuna storage.
+
+A tune's trials are drawn by a sampler; a study's are the fixed runs of its grid (benchmarks x
+variants x seeds).  Both keep them in the same kind of storage: an SQLite file in the output
+folder by default (nothing to start), or a shared database (``postgresql://...``) so the same
+command on several machines works through one set of trials.  What they share lives here:
+
+* the storage, with Optuna's heartbeat: a running trial records a heartbeat every
+  :data:`HEARTBEAT_S` seconds and is failed once none came for :data:`GRACE_S` (its process was
+  killed, its machine lost), so a rerun of the command takes it up again;
+* the worker processes of ``--workers K`` (each with ``cores / K`` torch threads, stopped when
+  the parent dies) and the progress the parent prints while they run.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+__all__ = ["HEARTBEAT_S", "GRACE_S", "optuna_module", "sqlite_url", "display_storage", "rdb_storage",
+           "Heartbeat", "cores", "run_workers"]
+
+# DEEPMETRIC_TUNE_HEARTBEAT (seconds) shortens the heartbeat in tests
+HEARTBEAT_S = int(os.environ.get("DEEPMETRIC_TUNE_HEARTBEAT", "10"))
+GRACE_S = 4 * HEARTBEAT_S
+
+
+def optuna_module():
+    """``optuna``, or a clear error naming the extra to install."""
+    try:
+        import warnings
+
+        import optuna
+    except ImportError:  # pragma: no cover - optuna is in the tune extra, installed by install.sh
+        raise ImportError("deepmetric tune and deepmetric study need Optuna: pip install 'deepmetric[tune]' "
+                          "(install.sh installs it)") from None
+    # the heartbeat and its retry callback are marked experimental since Optuna 2.8
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def sqlite_url(path: Path) -> str:
+    return f"sqlite:///{Path(path).resolve()}"
+
+
+def display_storage(url: str) -> str:
+    """The storage URL with any password masked (it is printed and written to files)."""
+    if "://" in url and "@" in url.split("://", 1)[1]:
+        scheme, rest = url.split("://", 1)
+        cred, host = rest.rsplit("@", 1)
+        if ":" in cred:
+            return f"{scheme}://{cred.split(':', 1)[0]}:***@{host}"
+    return url
+
+
+def rdb_storage(url: str, *, retry_stale: bool):
+    """An Optuna RDB storage with the heartbeat; ``retry_stale`` queues a failed stale trial
+    again with the same parameters (a tune; a study's worker finds its unfinished run itself)."""
+    optuna = optuna_module()
+    if url.startswith("sqlite:///"):
+        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        engine_kwargs = {"connect_args": {"timeout": 60}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    callback = (optuna.storages.RetryHeartbeatStaleTrialCallback(inherit_intermediate_values=True)
+                if retry_stale else None)
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
+                                      grace_period=GRACE_S, heartbeat_stale_trial_callback=callback)
+
+
+class Heartbeat:
+    """Record a trial's heartbeat from a thread while it runs (``study.optimize`` does this by
+    itself; a trial run with ask / tell needs it)."""
+
+    def __init__(self, storage, trial_id: int, interval: float = HEARTBEAT_S):
+        self.storage, self.trial_id, self.interval = storage, trial_id, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            self.storage.record_heartbeat(self.trial_id)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the worker gets SIGTERM when its parent dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_workers(command: Sequence[str], workers: int, log_dir: Path, *, poll: Callable[[], None],
+                log: Callable[[str], None], interval: float = 2.0) -> list[int]:
+    """Start ``workers`` copies of ``command`` (each with ``cores // workers`` torch threads, its
+    output in ``log_dir/worker_K.log``), call ``poll()`` every ``interval`` seconds until all
+    have ended, and return their exit codes.  Ctrl-C is passed on to them (each checkpoints
+    its run) and re-raised once they have stopped."""
+    threads = max(1, cores() // max(workers, 1))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               DEEPMETRIC_WORKER_THREADS=str(threads))
+    procs = []
+    for k in range(workers):
+        f = open(log_dir / f"worker_{k}.log", "a", encoding="utf-8")
+        procs.append((subprocess.Popen(list(command), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                       preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None),
+                       f))
+    log(f"{workers} workers x {threads} thread(s); their output: {log_dir}/worker_K.log")
+    try:
+        while any(p.poll() is None for p, _ in procs):
+            time.sleep(interval)
+            poll()
+    except KeyboardInterrupt:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p, _ in procs:
+            p.wait()
+        raise
+    finally:
+        for _, f in procs:
+            f.close()
+    poll()
+    return [p.returncode for p, _ in procs]
+
+
+def worker_threads() -> int | None:
+    """The torch threads of a worker started by :func:`run_workers` (None outside one)."""
+    value = os.environ.get("DEEPMETRIC_WORKER_THREADS")
+    return int(value) if value else None
