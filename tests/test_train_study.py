@@ -226,7 +226,8 @@ def test_parallel_workers_give_the_same_rows(tmp_path):
     b = collect_rows(load_study(path, out_dir=tmp_path / "par"))
     strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_time_s", "images_per_s")}  # noqa: E731
     assert [strip(r) for r in a] == [pytest.approx(strip(r)) for r in b]
-    assert "deepmetric.cli train" in (tmp_path / "par" / ".study" / "a4" / "seed1" / "train_output.txt").read_text()
+    logs = "".join(p.read_text() for p in (tmp_path / "par" / ".study" / "workers").glob("worker_*.log"))
+    assert "a4/seed0: training" in logs and "a4/seed1: training" in logs  # two worker processes shared the runs
 
 
 def test_cli_list_and_summary(tmp_path, capsys):

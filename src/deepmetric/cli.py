@@ -464,20 +464,26 @@ def _add_study_parser(sub) -> None:
         "study", help="train variants x seeds (x benchmarks) of a config; mean, sd and 95%% CI tables",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Run every (benchmark, variant, seed) of STUDY.yaml in order, skipping finished runs "
-            "(a killed study resumes; a killed run continues from its last.pt), and rewrite "
-            "OUT/results.json, results.csv, summary.md (mean ± sd, Student-t CI, paired "
-            "differences) and summary.png after every run. File format: docs/study.md."),
+            "Run every (benchmark, variant, seed) of STUDY.yaml, skipping finished runs (a killed study "
+            "resumes; a killed run continues from its last.pt), and rewrite OUT/results.json, results.csv, "
+            "summary.md (mean ± sd, Student-t CI, paired differences) and summary.png after every run. The "
+            "runs are trials in OUT/study.db (SQLite) or --storage: the same command on several machines "
+            "with --storage postgresql://... shares the work. File format: docs/study.md."),
         epilog=(
             "example:\n"
             "  deepmetric study studies/fashion_mnist_two_head.yaml --workers 2\n"
             "  deepmetric study studies/fashion_mnist_two_head.yaml --summary   # tables only\n"
-            "  nohup deepmetric study studies/emoji.yaml --commit > emoji.log 2>&1 &"),
+            "  nohup deepmetric study studies/emoji.yaml --commit > emoji.log 2>&1 &\n"
+            "  deepmetric study studies/emoji.yaml --storage postgresql://user@db/studies   # on each machine"),
     )
     p.add_argument("study", help="study file (YAML: base, overrides, variants, seeds, benchmarks, compare)")
     p.add_argument("--workers", type=int, default=None,
-                   help="runs in parallel (default: the file's 'workers', else 1); each of N > 1 "
-                        "runs is a subprocess with cores/N torch threads")
+                   help="runs at once on this machine (default: the file's 'workers', else 1): "
+                        "worker processes with cores/N torch threads each")
+    p.add_argument("--storage", default=None,
+                   help="Optuna storage URL of the runs (default sqlite:///OUT/study.db; postgresql://... "
+                        "to share a study between machines)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a child of --workers K
     p.add_argument("--out", default=None, help="study directory (default: the file's 'out_dir')")
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="config overrides for every run, after the variants' (e.g. train.epochs=1 "
@@ -497,19 +503,29 @@ def _add_study_parser(sub) -> None:
 def _run_study(args: argparse.Namespace) -> int:
     from deepmetric.workflows.study import load_study, run_study, write_results
 
+    from deepmetric.workflows.study import default_storage, open_trials, run_worker, sync_finished
+
     study = load_study(args.study, out_dir=args.out, overrides=args.overrides)
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers: expected an int >= 1, got {args.workers}")
+    storage = args.storage or default_storage(study)
+    if args.worker:  # one of the processes of 'deepmetric study --workers K'
+        from deepmetric.workflows.engine import worker_threads
+
+        result = run_worker(study, storage=storage, only=args.only, threads=worker_threads(), progress=args.progress)
+        return 130 if result["interrupted"] else 0
     if args.list:
+        sync_finished(study, open_trials(study, storage).get_trials(deepcopy=False))
         for run in study.runs:
             state = "finished" if run.finished else ("partial" if (run.out_dir / "last.pt").is_file() else "-")
             print(f"{run.key:40s} {state:9s} {run.out_dir}")
         return 0
     if args.summary:
-        paths = write_results(study)
+        paths = write_results(study, storage=storage)
         print(f"wrote {', '.join(str(p) for p in paths.values())}")
         return 0
-    result = run_study(study, workers=args.workers, progress=args.progress, commit=args.commit, only=args.only)
+    result = run_study(study, workers=args.workers, progress=args.progress, commit=args.commit, only=args.only,
+                       storage=storage, overrides=args.overrides)
     print(f"summary: {result['paths']['md']}")
     if result["interrupted"]:
         return 130

@@ -15,7 +15,7 @@ the study's results (see docs/study.md)::
       BN:  [schedule.temperature.name=none]
     seeds: [0, 1, 2]
     out_dir: runs/studies/emoji_losses    # relative to the working directory
-    workers: 1                            # parallel runs (each a subprocess when > 1)
+    workers: 1                            # runs at once on this machine (worker processes)
     metrics: [final/recall@1, final/nmi]  # optional: the columns of the summary tables
     compare: [[HBN, BN]]                  # paired differences A - B (same seed)
 
@@ -24,9 +24,17 @@ overrides, the variant's overrides, and finally ``train.seed = seed`` and
 ``train.out_dir = OUT/[benchmark/]variant/seed<k>``.  Every run is validated before the
 first one starts.
 
-A run is *finished* when its ``metrics.json`` exists (``train`` writes it last); a run
-directory holding ``last.pt`` but no ``metrics.json`` (a killed run) resumes from that
-checkpoint.  Results, rewritten after every run, in ``OUT``:
+A run is *finished* when its ``metrics.json`` exists (``train`` writes it last), here or on a
+machine sharing the study's storage; a run directory holding ``last.pt`` but no
+``metrics.json`` (a killed run) resumes from that checkpoint.
+
+The runs are trials of an Optuna storage, as a tune's (:mod:`deepmetric.workflows.engine`):
+``OUT/study.db`` (SQLite) by default, or ``--storage postgresql://...`` so the same command on
+several machines shares the work.  ``--workers K`` starts K worker processes on this machine;
+each takes the next unfinished run, marks it running (with a heartbeat), trains or resumes it
+and stores its results row.  A run whose worker died is free again once its heartbeat is stale.
+
+Results, rewritten after every finished run, in ``OUT``:
 
 * ``results.json`` / ``results.csv``: one row per finished run: benchmark, variant, seed,
   ``final/<metric>`` (test metrics of the final model), ``selected/<metric>`` (test metrics
@@ -38,8 +46,13 @@ checkpoint.  Results, rewritten after every run, in ``OUT``:
 * ``summary.png`` (one panel per summary metric: mean with 95 % CI error bars per variant).
 
 The runner's own files of a run (the resolved ``config.yaml`` it trains, ``attempts.json``
-with the wall time of each attempt, ``train_output.txt`` of subprocess runs) are in
-``OUT/.study/<run key>/``, so run directories hold only what ``train`` writes.
+with the wall time of each attempt, ``error.txt`` of a failed attempt) are in
+``OUT/.study/<run key>/``, so run directories hold only what ``train`` writes; the workers'
+output is in ``OUT/.study/workers/``.
+
+A variant can take its settings from a finished tune: ``VARIANT: [{from_tune: DIR}, ...]``
+applies the best trial's values of the tune in ``DIR`` (``DIR/best_overrides.json``, written
+by ``deepmetric tune``).
 
 Statistics (``mean_ci``): for values ``x_1..x_n``, ``mean = sum x_i / n``, ``sd`` with
 ``n - 1`` in the denominator, and ``mean +- t_{0.975, n-1} sd / sqrt(n)``.  Paired
@@ -51,11 +64,10 @@ import copy
 import csv
 import json
 import os
-import signal
+import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -68,6 +80,8 @@ from deepmetric.train import rundir
 from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, save_config
 from deepmetric.train.rundir import write_text_atomic
 
+from .engine import HEARTBEAT_S, Heartbeat, display_storage, optuna_module, rdb_storage, run_workers, sqlite_url
+
 __all__ = ["StudyRun", "Study", "load_study", "run_study", "collect_rows", "write_results", "run_row"]
 
 _STUDY_KEYS = ("name", "description", "base", "overrides", "benchmarks", "variants", "seeds",
@@ -76,7 +90,6 @@ _STUDY_KEYS = ("name", "description", "base", "overrides", "benchmarks", "varian
 # (train refuses to start a new run in a directory holding foreign files).
 RUN_CONFIG = "config.yaml"         # the resolved config of a run, written before it starts
 RUN_RECORD = "attempts.json"       # wall time of each attempt
-RUN_OUTPUT = "train_output.txt"    # stdout/stderr of a run trained in a subprocess
 RUN_ERROR = "error.txt"            # the exception of a failed in-process run
 
 
@@ -93,10 +106,12 @@ class StudyRun:
     raw: dict                # the run's config mapping (validated)
 
     study_dir: Path | None = None   # OUT/.study/<key>: the runner's files of this run
+    done_elsewhere: bool = False    # finished by a worker sharing the storage (maybe another machine)
+    stored_row: dict | None = None  # that worker's results row
 
     @property
     def finished(self) -> bool:
-        return (self.out_dir / rundir.METRICS).is_file()
+        return self.done_elsewhere or (self.out_dir / rundir.METRICS).is_file()
 
     @property
     def record_dir(self) -> Path:
@@ -148,9 +163,26 @@ def _resolve_config(value: Any, study_dir: Path, where: str) -> dict:
     raise _err(where, f"expected a config file path or a mapping, got {type(value).__name__} {value!r}")
 
 
-def _override_strings(items: Any, where: str) -> list[str]:
+def _tune_overrides(value: Any, study_dir: Path, where: str) -> list[str]:
+    """``{from_tune: DIR}``: the best trial's values of the finished tune in ``DIR`` (relative to
+    the study file, else to the working directory), as overrides."""
+    if not isinstance(value, str):
+        raise _err(where, f"from_tune: expected the folder of a finished 'deepmetric tune', got {value!r}")
+    d = Path(value)
+    if not d.is_absolute() and (study_dir / d).is_dir():
+        d = study_dir / d
+    path = d / "best_overrides.json"
+    if not path.is_file():
+        raise _err(where, f"from_tune: {path} not found; run (or finish) 'deepmetric tune ... --out {value}' first "
+                          f"(it writes best_overrides.json once a trial has finished)")
+    data = json.loads(path.read_text())
+    return [str(o) for o in data["overrides"]]
+
+
+def _override_strings(items: Any, where: str, study_dir: Path = Path(".")) -> list[str]:
     """Overrides as ``key=value`` strings; a one-key mapping ``{key: value}`` is accepted too
-    (its value is passed on as JSON, which the override parser reads as YAML)."""
+    (its value is passed on as JSON, which the override parser reads as YAML), and
+    ``{from_tune: DIR}`` stands for the best values of a finished tune."""
     if items is None:
         return []
     if not isinstance(items, list):
@@ -161,6 +193,8 @@ def _override_strings(items: Any, where: str) -> list[str]:
             if "=" not in item:
                 raise _err(f"{where}.{i}", f"expected KEY=VALUE, got {item!r}")
             out.append(item)
+        elif isinstance(item, dict) and list(item) == ["from_tune"]:
+            out.extend(_tune_overrides(item["from_tune"], study_dir, f"{where}.{i}"))
         elif isinstance(item, dict) and item:
             out.extend(f"{k}={json.dumps(v)}" for k, v in item.items())
         else:
@@ -252,7 +286,7 @@ def load_study(path: str | os.PathLike | None = None, *, raw: dict | None = None
     runs = []
     for b, (base_raw, b_over) in benches.items():
         for v, v_items in variants.items():
-            v_over = _override_strings(v_items, f"{where}: variants.{v}")
+            v_over = _override_strings(v_items, f"{where}: variants.{v}", study_dir)
             for s in seeds:
                 key = "/".join(p for p in (b, v, f"seed{s}") if p is not None)
                 run_dir = out / key
@@ -334,12 +368,24 @@ def run_row(run: StudyRun) -> dict | None:
 
 
 def collect_rows(study: Study) -> list[dict]:
-    """Rows of all finished runs, in study order."""
-    return [r for r in (run_row(run) for run in study.runs) if r is not None]
+    """Rows of all finished runs, in study order: the run's own ``metrics.json`` where this
+    machine has it, else the row its worker stored (a run finished on another machine)."""
+    rows = []
+    for run in study.runs:
+        row = run_row(run)
+        if row is None and run.stored_row is not None:
+            row = dict(run.stored_row)
+        if row is not None:
+            rows.append(row)
+    return rows
 
 
-def write_results(study: Study, rows: list[dict] | None = None, *, plot: bool = True) -> dict[str, Path]:
-    """(Re)write ``results.json``, ``results.csv``, ``summary.md`` and ``summary.png``."""
+def write_results(study: Study, rows: list[dict] | None = None, *, plot: bool = True,
+                  storage: str | None = None) -> dict[str, Path]:
+    """(Re)write ``results.json``, ``results.csv``, ``summary.md`` and ``summary.png``; with
+    ``storage``, the runs finished by the workers sharing it count too."""
+    if storage is not None:
+        sync_finished(study, open_trials(study, storage).get_trials(deepcopy=False))
     rows = collect_rows(study) if rows is None else rows
     out = study.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -367,13 +413,6 @@ def write_results(study: Study, rows: list[dict] | None = None, *, plot: bool = 
 
 
 # --------------------------------------------------------------------------- running
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _prepare_run(run: StudyRun, *, threads: int | None, progress: bool) -> tuple[Any, Path | None]:
     """The run's validated Config (threads/progress filled in) and the checkpoint to resume
     from (a killed run's ``last.pt``); the config is written to the run's study folder.  A
@@ -404,10 +443,12 @@ def _record_attempt(run: StudyRun, seconds: float, resumed_from: Path | None, st
     write_text_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
-def _run_in_process(run: StudyRun, progress: bool) -> str:
+def _train_run(run: StudyRun, *, threads: int | None, progress: bool) -> str:
+    """Train (or resume) one run in this process: ``finished``, ``interrupted`` or ``failed (...)``
+    (the exception is written to the run's study folder: one broken run must not stop a study)."""
     from deepmetric.train.loop import NonFiniteLossError, train
 
-    cfg, resume = _prepare_run(run, threads=None, progress=progress)
+    cfg, resume = _prepare_run(run, threads=threads, progress=progress)
     t0 = time.perf_counter()
     status = "failed"
     try:
@@ -416,7 +457,7 @@ def _run_in_process(run: StudyRun, progress: bool) -> str:
     except KeyboardInterrupt:
         status = "interrupted"
         raise
-    except Exception as exc:  # one broken run must not stop a study of hours: record, go on
+    except Exception as exc:  # noqa: BLE001 - recorded, the study goes on
         import traceback
 
         (run.record_dir / RUN_ERROR).write_text(
@@ -428,63 +469,125 @@ def _run_in_process(run: StudyRun, progress: bool) -> str:
     return status
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the child gets SIGTERM when the study process dies (even by SIGKILL), so a
-    killed study leaves no orphan training behind."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def default_storage(study: Study) -> str:
+    return sqlite_url(study.out_dir / "study.db")
 
 
-def _run_subprocess(run: StudyRun, threads: int, progress: bool) -> str:
-    cfg, resume = _prepare_run(run, threads=threads, progress=progress)
-    cmd = [sys.executable, "-m", "deepmetric.cli", "train", str(run.record_dir / RUN_CONFIG)]
-    if resume is not None:
-        cmd += ["--resume", str(resume)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.train.num_threads or threads),
-               MKL_NUM_THREADS=str(cfg.train.num_threads or threads))
-    t0 = time.perf_counter()
-    with open(run.record_dir / RUN_OUTPUT, "a", encoding="utf-8") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
-        log.flush()
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    status = {0: "finished", 130: "interrupted"}.get(rc, f"failed (exit code {rc})")
-    _record_attempt(run, time.perf_counter() - t0, resume, status)
-    return status
+def open_trials(study: Study, storage: str | None = None):
+    """The Optuna study that holds this study's runs as trials (created on first use): one
+    trial per attempt, ``user_attrs["run"]`` its run key, ``user_attrs["row"]`` its results row
+    once finished."""
+    optuna = optuna_module()
+    return optuna.create_study(storage=rdb_storage(storage or default_storage(study), retry_stale=False),
+                               study_name=f"study:{study.name}", load_if_exists=True)
 
 
-class _StudyLock:
-    """An exclusive ``fcntl`` lock on ``OUT/.study.lock``: two processes never run the same
-    study directory at once (the lock goes away with the process, even when killed)."""
+def _trial_states(trials) -> dict[str, str]:
+    """run key -> "finished" | "running" of the trials that hold it (failed attempts do not)."""
+    from optuna.trial import TrialState
 
-    def __init__(self, out_dir: Path):
-        self.path = out_dir / ".study.lock"
-        self.f = None
+    out: dict[str, str] = {}
+    for t in trials:
+        key = t.user_attrs.get("run")
+        if key is None or t.user_attrs.get("duplicate"):
+            continue
+        if t.state == TrialState.COMPLETE:
+            out[key] = "finished"
+        elif t.state == TrialState.RUNNING and out.get(key) != "finished":
+            out[key] = "running"
+    return out
 
-    def __enter__(self):
-        import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(self.path, "a+")
-        try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.f.seek(0)
-            holder = self.f.read().strip()
-            self.f.close()
-            raise OSError(f"study directory {self.path.parent} is in use by another "
-                               f"'deepmetric study' process (pid {holder or '?'})") from None
-        self.f.truncate(0)
-        self.f.write(str(os.getpid()))
-        self.f.flush()
-        return self
+def sync_finished(study: Study, trials) -> None:
+    """Mark the runs finished on any machine (a COMPLETE trial) as finished here too."""
+    from optuna.trial import TrialState
 
-    def __exit__(self, *exc):
-        self.f.close()
+    done = {t.user_attrs.get("run") for t in trials if t.state == TrialState.COMPLETE}
+    rows = {t.user_attrs.get("run"): t.user_attrs.get("row") for t in trials if t.state == TrialState.COMPLETE}
+    for run in study.runs:
+        run.done_elsewhere = run.key in done
+        run.stored_row = rows.get(run.key)
+
+
+def _claim(ostudy, key: str):
+    """A new trial for run ``key``, or None when another worker claimed the run first (the
+    storage numbers trials in order: the first live trial of a run owns it)."""
+    from optuna.trial import TrialState
+
+    import warnings
+
+    with warnings.catch_warnings():  # ask/tell with the heartbeat: this module records it (Heartbeat)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+        trial = ostudy.ask()
+    trial.set_user_attr("run", key)
+    trial.set_user_attr("machine", socket.gethostname())
+    for t in ostudy.get_trials(deepcopy=False):
+        if (t.user_attrs.get("run") == key and t.number < trial.number and not t.user_attrs.get("duplicate")
+                and t.state in (TrialState.COMPLETE, TrialState.RUNNING)):
+            trial.set_user_attr("duplicate", True)
+            ostudy.tell(trial, state=TrialState.FAIL)
+            return None
+    return trial
+
+
+def run_worker(study: Study, *, storage: str | None = None, only: Sequence[str] | None = None,
+               threads: int | None = None, progress: bool = False,
+               log: Callable[[str], None] | None = None, on_finished: Callable[[], None] | None = None) -> dict:
+    """Train the study's unfinished runs (those under ``only``), one at a time, until every run
+    is finished here or on another machine sharing the storage.  A run finished before the
+    storage existed (its ``metrics.json``) is recorded as finished without training."""
+    optuna = optuna_module()
+    from optuna.trial import TrialState
+
+    log = log or (lambda msg: print(f"[study {study.name}] {msg}", flush=True))
+    ostudy = open_trials(study, storage)
+    mine = [r for r in study.runs if not only or any(_under(r.key, p) for p in only)]
+    finished, failed, interrupted = [], [], False
+    tried: set[str] = set()
+    while True:
+        optuna.storages.fail_stale_trials(ostudy)  # a dead worker's run is free again (it resumes)
+        trials = ostudy.get_trials(deepcopy=False)
+        states = _trial_states(trials)
+        todo = [r for r in mine if states.get(r.key) is None and r.key not in tried]
+        if not todo:
+            if any(states.get(r.key) == "running" for r in mine if r.key not in tried):
+                time.sleep(HEARTBEAT_S / 2)  # runs of other workers: wait for them (or their staleness)
+                continue
+            break
+        run = todo[0]
+        trial = _claim(ostudy, run.key)
+        if trial is None:
+            continue
+        tried.add(run.key)
+        if (run.out_dir / rundir.METRICS).is_file():  # finished before (no storage then, or lost)
+            row = run_row(run)
+            trial.set_user_attr("row", row)
+            ostudy.tell(trial, state=TrialState.COMPLETE, values=0.0)
+            continue
+        log(f"{run.key}: {'resuming' if (run.out_dir / rundir.LAST).is_file() else 'training'}")
+        with Heartbeat(ostudy._storage, trial._trial_id):
+            status = _train_run(run, threads=threads, progress=progress)
+        if status == "finished" and run.finished:
+            trial.set_user_attr("row", run_row(run))
+            ostudy.tell(trial, state=TrialState.COMPLETE, values=0.0)
+            finished.append(run.key)
+        else:
+            trial.set_user_attr("status", status)
+            ostudy.tell(trial, state=TrialState.FAIL)
+            if status == "interrupted":
+                interrupted = True
+                log(f"{run.key}: interrupted (rerun the study to resume it)")
+                break
+            failed.append(run.key)
+        done = sum(_trial_states(ostudy.get_trials(deepcopy=False)).get(r.key) == "finished" for r in study.runs)
+        log(f"{run.key}: {status}  [{done}/{len(study.runs)} finished]")
+        if on_finished is not None:
+            on_finished()
+    return {"finished": finished, "failed": failed, "interrupted": interrupted}
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix.rstrip("/") + "/")
 
 
 def _git_commit(paths: list[Path], message: str, log: Callable[[str], None]) -> None:
@@ -503,88 +606,75 @@ def _git_commit(paths: list[Path], message: str, log: Callable[[str], None]) -> 
         log(f"git commit failed: {exc}")
 
 
+def _worker_command(study: Study, storage: str, only, overrides: Sequence[str]) -> list[str]:
+    if study.path is None:
+        raise ValueError("deepmetric study: --workers K > 1 needs the study's file (workers load it)")
+    cmd = [sys.executable, "-m", "deepmetric.cli", "study", str(study.path), "--out", str(study.out_dir),
+           "--storage", storage, "--worker"]
+    if only:
+        cmd += ["--only", *only]
+    if overrides:
+        cmd += ["--set", *overrides]
+    return cmd
+
+
 def run_study(study: Study, *, workers: int | None = None, progress: bool = False,
-              commit: bool = False, only: Sequence[str] | None = None,
-              log: Callable[[str], None] | None = None) -> dict:
+              commit: bool = False, only: Sequence[str] | None = None, storage: str | None = None,
+              overrides: Sequence[str] = (), log: Callable[[str], None] | None = None) -> dict:
     """Train every unfinished run of ``study`` and keep its results up to date.
 
-    ``workers`` (default: the study's) runs in parallel: 1 trains in this process, N > 1
-    starts each run as ``python -m deepmetric.cli train`` in a subprocess with
-    ``train.num_threads = max(1, cores // N)`` (unless the config sets it).  ``only`` keeps
-    the runs under one of the given keys, by whole path parts (``HBN`` or ``HBN/seed0``);
-    a key that matches no run is an error.  ``commit`` commits the result files with git after every run.
-    Returns ``{"finished", "skipped", "failed", "interrupted", "paths"}``.
-    """
+    The runs are trials of an Optuna storage (``storage``; default ``OUT/study.db``, SQLite):
+    ``workers`` processes on this machine (default: the study's ``workers``; each with
+    ``cores // workers`` torch threads) and the same command on other machines sharing the
+    storage take the unfinished runs one by one; a run whose worker died is taken up again and
+    resumes from its ``last.pt`` (on the machine that has it).  ``only`` keeps the runs under one
+    of the given keys, by whole path parts (``HBN`` or ``HBN/seed0``); a key that matches no run
+    is an error.  ``commit`` commits the result files with git after every finished run.
+    Returns ``{"finished", "skipped", "failed", "interrupted", "paths"}``."""
     log = log or (lambda msg: print(f"[study {study.name}] {msg}", flush=True))
     workers = workers or study.workers
-    def under(key: str, p: str) -> bool:
-        return key == p or key.startswith(p.rstrip("/") + "/")
-
-    runs = [r for r in study.runs if not only or any(under(r.key, p) for p in only)]
-    unmatched = [p for p in only or () if not any(under(r.key, p) for r in study.runs)]
+    storage = storage or default_storage(study)
+    unmatched = [p for p in only or () if not any(_under(r.key, p) for r in study.runs)]
     if unmatched:  # a typo must not silently shrink the study to the other keys
         raise ValueError(f"--only {unmatched} matches no run (keys match by whole path parts); "
                          f"runs are e.g. {', '.join(r.key for r in study.runs[:3])}")
-    todo = [r for r in runs if not r.finished]
+    ostudy = open_trials(study, storage)
+    sync_finished(study, ostudy.get_trials(deepcopy=False))
+    runs = [r for r in study.runs if not only or any(_under(r.key, p) for p in only)]
     skipped = [r.key for r in runs if r.finished]
-    failed: list[str] = []
-    finished: list[str] = []
-    interrupted = False
-    threads = max(1, _cores() // workers)
-    with _StudyLock(study.out_dir):
-        paths = write_results(study)
-        log(f"{len(runs)} runs: {len(skipped)} already finished, {len(todo)} to train"
-            + (f" ({workers} workers x {threads} threads)" if workers > 1 else ""))
+    paths = write_results(study, storage=storage)
+    log(f"{len(runs)} runs: {len(skipped)} already finished, {len(runs) - len(skipped)} to train"
+        f"; storage {display_storage(storage)}" + (f" ({workers} workers)" if workers > 1 else ""))
 
-        def done(run: StudyRun, status: str) -> None:
-            nonlocal paths
-            (finished if status == "finished" and run.finished else failed).append(run.key)
-            paths.update(write_results(study))
-            log(f"{run.key}: {status}  [{sum(r.finished for r in study.runs)}/{len(study.runs)} finished]")
-            if commit:
-                _git_commit(list(paths.values()), f"study {study.name}: {run.key} {status}", log)
+    def results_changed(message: str) -> None:
+        nonlocal paths
+        paths.update(write_results(study, storage=storage))
+        if commit:
+            _git_commit(list(paths.values()), message, log)
 
-        if workers == 1:
-            for run in todo:
-                log(f"{run.key}: {'resuming' if (run.out_dir / rundir.LAST).is_file() else 'training'}")
-                try:
-                    status = _run_in_process(run, progress)
-                except KeyboardInterrupt:
-                    interrupted = True
-                    break
-                if status == "interrupted":
-                    interrupted = True
-                    log(f"{run.key}: interrupted (rerun the study to resume it)")
-                    break
-                done(run, status)
-        else:
-            pool = ThreadPoolExecutor(max_workers=workers)
-            pending = {}
-            queue = list(todo)
-            try:
-                while queue or pending:
-                    while queue and len(pending) < workers:
-                        run = queue.pop(0)
-                        log(f"{run.key}: {'resuming' if (run.out_dir / rundir.LAST).is_file() else 'training'}")
-                        pending[pool.submit(_run_subprocess, run, threads, progress)] = run
-                    ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                    for fut in ready:
-                        run = pending.pop(fut)
-                        status = fut.result()
-                        if status == "interrupted":
-                            interrupted = True
-                            queue.clear()
-                            log(f"{run.key}: interrupted (rerun the study to resume it)")
-                        else:
-                            done(run, status)
-            except KeyboardInterrupt:  # the children got the SIGINT too and checkpoint
-                interrupted = True
-                queue.clear()
-                wait(list(pending))
-            finally:
-                pool.shutdown(wait=True)
-        paths.update(write_results(study))
+    if workers <= 1:
+        result = run_worker(study, storage=storage, only=only, progress=progress, log=log,
+                            on_finished=lambda: results_changed(f"study {study.name}: a run finished"))
+    else:
+        seen = {r.key for r in runs if r.finished}
+
+        def poll() -> None:
+            sync_finished(study, open_trials(study, storage).get_trials(deepcopy=False))
+            new = [r.key for r in runs if r.finished and r.key not in seen]
+            if new:
+                seen.update(new)
+                for key in new:
+                    log(f"{key}: finished  [{sum(r.finished for r in study.runs)}/{len(study.runs)} finished]")
+                results_changed(f"study {study.name}: {', '.join(new)} finished")
+
+        codes = run_workers(_worker_command(study, storage, only, overrides), workers,
+                            study.out_dir / ".study" / "workers", poll=poll, log=log)
+        result = {"finished": [k for k in seen if k not in skipped], "interrupted": False,
+                  "failed": [f"worker exit code {c}" for c in codes if c != 0]}
+    sync_finished(study, open_trials(study, storage).get_trials(deepcopy=False))
+    paths.update(write_results(study, storage=storage))
+    failed = result["failed"]
     if failed:
-        log(f"failed runs (see {study.out_dir / '.study'}/<run>/{RUN_OUTPUT} or {RUN_ERROR}): {', '.join(failed)}")
-    return {"finished": finished, "skipped": skipped, "failed": failed, "interrupted": interrupted,
-            "paths": paths}
+        log(f"failed runs (see {study.out_dir / '.study'}/<run>/{RUN_ERROR}): {', '.join(failed)}")
+    return {"finished": result["finished"], "skipped": skipped, "failed": failed,
+            "interrupted": result["interrupted"], "paths": paths}

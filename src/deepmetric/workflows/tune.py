@@ -674,6 +674,11 @@ def write_outputs(setup: TuneSetup) -> dict[str, Path]:
     if best is not None:
         rundir.write_text_atomic(out / "best.yaml", _best_recipe(setup, best))
         paths["best"] = out / "best.yaml"
+        values = {p.name: p.value_of(best.params) for p in setup.space.params}
+        record = {"trial": best.number, "value": best.value, "metric": setup.space.metric,
+                  "overrides": setup.space.overrides_of(values)}  # a study's `from_tune: DIR` reads these
+        rundir.write_text_atomic(out / "best_overrides.json", json.dumps(record, indent=1) + "\n")
+        paths["best_overrides"] = out / "best_overrides.json"
     plots, notes = _plots(study, out)
     paths.update(plots)
     md = _trials_markdown(setup, rows, best, notes)
