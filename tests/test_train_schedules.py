@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from deepmetric.train.config import LrScheduleConfig, config_from_dict
+from deepmetric.train.loop import train
 from deepmetric.train.schedules import LrSchedule, TemperatureSchedule
 from conftest import synthetic_config
 from deepmetric.train.rundir import read_log
@@ -37,6 +38,49 @@ def test_lr_schedules_closed_forms():
     assert p2.factor(0, 5) == pytest.approx(0.1 + 0.9 * 0.5 ** 2)
     w = LrSchedule(LrScheduleConfig(name="constant", warmup=4), total_epochs=1, total_iterations=10)
     assert [w.factor(0, t) for t in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1, 1, 1])
+
+
+def test_cosine_schedule_closed_form_and_warmup():
+    c = LrSchedule(LrScheduleConfig(name="cosine", unit="iteration", end_factor=0.1), total_epochs=1,
+                   total_iterations=40)
+    # half a cosine: 1 at the start, the mean of 1 and end_factor half-way, end_factor at the end
+    assert [c.factor(0, t) for t in (0, 20, 40, 60)] == pytest.approx([1, 0.55, 0.1, 0.1])
+    assert c.factor(0, 10) == pytest.approx(0.1 + 0.9 * (1 + math.sqrt(0.5)) / 2)  # cos(pi/4)
+    e = LrSchedule(LrScheduleConfig(name="cosine"), total_epochs=4, total_iterations=100)
+    assert [e.factor(k, 25 * k) for k in range(4)] == pytest.approx([1, (1 + math.sqrt(0.5)) / 2, 0.5,
+                                                                     (1 - math.sqrt(0.5)) / 2])
+    w = LrSchedule(LrScheduleConfig(name="cosine", unit="iteration", warmup=4), total_epochs=1, total_iterations=8)
+    assert [w.factor(0, t) for t in range(6)] == pytest.approx(
+        [(t + 1) / 4 * (1 + math.cos(math.pi * t / 8)) / 2 if t < 4 else (1 + math.cos(math.pi * t / 8)) / 2
+         for t in range(6)])
+    with pytest.raises(Exception, match=r"schedule\.lr\.end_factor.*\[0, 1\]"):
+        config_from_dict({"train": {"epochs": 1}, "schedule": {"lr": {"name": "cosine", "end_factor": 1.5}}})
+
+
+@pytest.mark.parametrize("unit", ["iteration", "epoch"])
+def test_cosine_with_warmup_and_heat_up_in_the_loop(tmp_path, unit):
+    """The learning rate of every step: optim.lr x cosine x linear warm-up x the heat-up factor,
+    logged per step and set on every parameter group (new layers with their multiplier)."""
+    epochs, per_epoch, lr, warmup, end, at = 4, 6, 0.05, 5, 0.2, 2
+    raw = synthetic_config(tmp_path, train={"epochs": epochs}, eval={"every": 0, "baselines": False},
+                           optim={"lr": lr, "new_layer_lr_mult": 10.0},
+                           schedule={"lr": {"name": "cosine", "unit": unit, "end_factor": end, "warmup": warmup},
+                                     "temperature": {"name": "heat_up", "at": at}})
+    res = train(config_from_dict(raw))
+    total = epochs * per_epoch
+    assert res.iteration == total
+
+    def expected(i):
+        t, n = (i, total) if unit == "iteration" else (i // per_epoch, epochs)
+        f = end + (1 - end) * (1 + math.cos(math.pi * t / n)) / 2
+        f *= min(1.0, (i + 1) / warmup)
+        return lr * f * (0.1 if i // per_epoch >= at else 1.0)
+
+    logged = [r["lr"] for r in read_log(tmp_path / "log.jsonl", type="step")]
+    assert logged == pytest.approx([expected(i) for i in range(total)], rel=1e-12)
+    groups = torch.load(tmp_path / "last.pt", weights_only=True)["optimizer"]["param_groups"]
+    last = expected(total - 1)
+    assert sorted(g["lr"] for g in groups) == pytest.approx([last, last * 10])  # backbone; head and loss
 
 
 def test_heat_up_fires_once_at_the_epoch():

@@ -35,6 +35,7 @@ from .heads import NORMS, EmbeddingHead, ShiftOnlyBatchNorm1d
 from .pretrained import LoadReport, clean_state_dict, load_pretrained, read_state_dict
 from .registry import _MODELS, _NEEDS_NUM_CLASSES, _unknown_model, list_models, register_model
 from .small import GlyphResNet, LeNet
+from .stages import backbone_stages
 from .synthetic import SyntheticMLP
 from .two_head import TwoHeadModel, feature_map_shape
 
@@ -49,6 +50,7 @@ __all__ = [
     "list_backbones",
     "register_backbone",
     "split_parameters",
+    "backbone_stages",
     "EmbeddingModel",
     "TwoHeadModel",
     "EmbeddingHead",

@@ -19,7 +19,7 @@ docs/training.md for every key)::
     model:    {name, options}
     loss:     [{name, weight, input: embedding|logits, options, gather}, ...]
     optim:    {name: sgd|adam|adamw, lr, momentum, weight_decay, new_layer_lr_mult, ...}
-    schedule: {lr: {name: constant|step|multistep|poly, ...},
+    schedule: {lr: {name: constant|step|multistep|poly|cosine, ...},
                temperature: {name: none|heat_up|gradual|auto_plateau, ...}}
     train:    {epochs | iterations, batch_size, sampler, m, n, amp, seed, out_dir, ...}
     eval:     {every, split, gallery_split, ks, metrics, best_metric, early_stop_patience, baselines,
@@ -165,6 +165,9 @@ class OptimConfig:
     model parameter outside ``backbone``) and all loss parameters (heated-softmax ``W``,
     Proxy-NCA proxies, learnable alpha) train with ``lr * new_layer_lr_mult`` (ALMN uses
     10x for the embedding layer); ``loss_lr_mult`` overrides the multiplier for the loss.
+    ``layer_decay`` (layer-wise learning-rate decay, null = off): a backbone parameter of
+    stage ``s`` counted from the top (``deepmetric.models.backbone_stages``; the top stage is
+    0) trains at ``lr * layer_decay ** s``; the new layers and the loss keep their multipliers.
     """
 
     name: Literal["sgd", "adam", "adamw"] = "sgd"
@@ -178,6 +181,7 @@ class OptimConfig:
     new_layers: Optional[list[str]] = None
     loss_lr_mult: Optional[float] = None
     param_groups: list[ParamGroupConfig] = field(default_factory=list)
+    layer_decay: Optional[float] = None
 
 
 @dataclass
@@ -188,12 +192,14 @@ class LrScheduleConfig:
     * ``step``: ``gamma ** (t // step_size)``;
     * ``multistep``: ``gamma ** (number of milestones <= t)``;
     * ``poly``: ``end_factor + (1 - end_factor) * (1 - t / T) ** power`` (two-head paper:
-      power 1 from lr to 0 over the run).
+      power 1 from lr to 0 over the run);
+    * ``cosine``: ``end_factor + (1 - end_factor) * (1 + cos(pi t / T)) / 2``, a half cosine
+      from 1 to ``end_factor`` over the run (SGDR without restarts, Loshchilov & Hutter 2017).
     ``unit`` says whether ``t`` counts epochs or iterations.  ``warmup`` linear warm-up
-    iterations (0 = none).
+    iterations (0 = none), a factor ``(i + 1) / warmup`` on top of the schedule.
     """
 
-    name: Literal["constant", "step", "multistep", "poly"] = "constant"
+    name: Literal["constant", "step", "multistep", "poly", "cosine"] = "constant"
     unit: Literal["epoch", "iteration"] = "epoch"
     step_size: int = 10
     gamma: float = 0.1
@@ -266,7 +272,10 @@ class TrainConfig:
     least once per epoch, so classes appear in proportion to their size).  ``warmup_epochs`` > 0 starts with a warm-up:
     ``warmup_mode: new_layers`` trains only the new layers and the loss (backbone lr 0,
     batch-norm statistics still update); ``bn_stats`` runs forward passes only, to
-    re-estimate batch-norm statistics before any weight changes.
+    re-estimate batch-norm statistics before any weight changes; ``linear_probe`` is the
+    linear-probe phase of LP-FT (Kumar et al., ICLR 2022): the backbone is a fixed feature
+    extractor (eval mode, so its batch-norm statistics stay, and no autograd graph through
+    it), only the head, classifier and loss parameters train; then everything fine-tunes.
     """
 
     epochs: Optional[int] = None
@@ -281,7 +290,7 @@ class TrainConfig:
     grad_accum: int = 1
     grad_clip: Optional[float] = None
     warmup_epochs: int = 0
-    warmup_mode: Literal["new_layers", "bn_stats"] = "new_layers"
+    warmup_mode: Literal["new_layers", "bn_stats", "linear_probe"] = "new_layers"
     seed: int = 0
     deterministic: bool = False
     #: torch intra-op threads (``null`` = torch's default).  With data-loader workers on a
@@ -513,6 +522,9 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError("config key 'loss': needs at least one loss term")
     if cfg.optim.lr < 0:
         raise ConfigError(f"config key 'optim.lr': must be >= 0, got {cfg.optim.lr}")
+    if cfg.optim.layer_decay is not None and not 0.0 < cfg.optim.layer_decay <= 1.0:
+        raise ConfigError(f"config key 'optim.layer_decay': must be in (0, 1] (the lr factor per stage "
+                          f"below the top one), got {cfg.optim.layer_decay}")
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"config key 'optim.betas': expected two floats, got {cfg.optim.betas}")
     if cfg.eval.every < 0:
@@ -527,6 +539,9 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'schedule.lr.step_size': must be >= 1, got {s.step_size}")
     if s.name == "multistep" and not s.milestones:
         raise ConfigError("config key 'schedule.lr.milestones': 'multistep' needs milestones")
+    if s.name == "cosine" and not 0.0 <= s.end_factor <= 1.0:
+        raise ConfigError(f"config key 'schedule.lr.end_factor': must be in [0, 1] (the factor the "
+                          f"cosine schedule ends at), got {s.end_factor}")
     tc = cfg.schedule.temperature
     if tc.name == "heat_up" and tc.at is None:
         raise ConfigError("config key 'schedule.temperature.at': 'heat_up' needs the epoch/iteration to heat up at")

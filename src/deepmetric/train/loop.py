@@ -61,6 +61,7 @@ from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_d
                          restore, save_checkpoint)
 from .config import Config, config_diff, config_to_dict, save_config
 from .embed import cross_domain_metrics, evaluate_model, train_neighbour_metrics
+from .finetune import linear_probe, linear_probe_epoch, probed_backbone
 from .module import PAIR_BASED_LOSSES, TrainingModule, init_from_class_means
 from .optim import build_optimizer
 from .rundir import RunDirectoryError, RunLog, prepare_run_dir
@@ -134,10 +135,10 @@ def current_alphas(temperature: TemperatureSchedule, losses: nn.ModuleList) -> l
 def set_learning_rates(optimizer: torch.optim.Optimizer, cfg: Config, factor: float, epoch: int,
                        losses=()) -> float:
     """``lr = optim.lr * group.lr_mult * factor`` for every group (backbone 0 during a
-    ``new_layers`` warm-up); losses that follow the learning rate (ALMN ``centre_rate: lr``:
+    ``new_layers`` or ``linear_probe`` warm-up); losses that follow the learning rate (ALMN ``centre_rate: lr``:
     Eq. 2's rate is the learning rate) get the base lr too.  Returns ``optim.lr * factor``."""
     tc = cfg.train
-    warm_new_only = epoch < tc.warmup_epochs and tc.warmup_mode == "new_layers"
+    warm_new_only = epoch < tc.warmup_epochs and tc.warmup_mode in ("new_layers", "linear_probe")
     for g in optimizer.param_groups:
         frozen = warm_new_only and g["is_backbone"]
         g["lr"] = 0.0 if frozen else cfg.optim.lr * g["lr_mult"] * factor
@@ -341,9 +342,12 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
                                       device=device, seed=tc.seed, amp=tc.amp)
     module = TrainingModule(model, losses, cfg.loss, world_size=world, amp=tc.amp, device=device)
     step_module: nn.Module = module
-    if world > 1:
+    probes = tc.warmup_mode == "linear_probe" and tc.warmup_epochs > 0
+    if probes:
+        probed_backbone(model)  # LP-FT needs a backbone to keep fixed: say so before training
+    if world > 1:  # a linear probe leaves the backbone without gradients: DDP must expect that
         step_module = nn.parallel.DistributedDataParallel(
-            module, device_ids=[device.index] if device.type == "cuda" else None)
+            module, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=probes)
 
     # 4. optimiser, schedules, scaler ----------------------------------------------------
     optimizer = build_optimizer(model, losses, cfg.optim)
@@ -642,7 +646,8 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     interrupted = False
     with GracefulInterrupt() as interrupt:
         while run.state.epoch < run.total_epochs and not finished:             # steps 6-7
-            outcome = _train_one_epoch(run, run.state.epoch, interrupt)
+            with linear_probe(run.model, active=linear_probe_epoch(run.cfg.train, run.state.epoch)):  # LP-FT
+                outcome = _train_one_epoch(run, run.state.epoch, interrupt)
             if outcome == "interrupted":
                 interrupted = True
                 if run.main:

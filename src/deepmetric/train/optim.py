@@ -12,6 +12,13 @@ parameter is decided in this order:
    ``new_layer_lr_mult`` (ALMN: 10x on the embedding layer);
 4. the rest (the pretrained backbone) trains at ``optim.lr``.
 
+With ``optim.layer_decay`` (layer-wise learning-rate decay, as BEiT and ELECTRA fine-tune) a
+backbone parameter of stage ``s`` counted from the top (``deepmetric.models.backbone_stages``:
+the top stage is ``s = 0``) has its multiplier of step 4 (or of a ``param_groups`` entry that
+sets only ``weight_decay``) multiplied by ``layer_decay ** s``; an entry that sets ``lr_mult``
+keeps it, the new layers and the loss keep theirs.  Frozen stages (``freeze_stages``) have no
+trainable parameters and so no group.
+
 Each group stores ``lr_mult`` and ``is_backbone`` so the loop can apply schedules and the
 ``new_layers`` warm-up (backbone lr 0) without re-deriving names.
 """
@@ -25,7 +32,7 @@ from torch import nn
 
 from .config import OptimConfig
 
-__all__ = ["named_trainable_parameters", "build_param_groups", "build_optimizer"]
+__all__ = ["named_trainable_parameters", "build_param_groups", "build_optimizer", "layer_depths"]
 
 
 def named_trainable_parameters(model: nn.Module, losses: Iterable[nn.Module]):
@@ -38,8 +45,30 @@ def named_trainable_parameters(model: nn.Module, losses: Iterable[nn.Module]):
                 yield f"loss.{i}.{name}", p
 
 
-def _classify(name: str, cfg: OptimConfig, compiled) -> tuple[float, float, bool]:
-    """(lr_mult, weight_decay, is_backbone) for one qualified parameter name."""
+def layer_depths(model: nn.Module) -> dict[int, int]:
+    """``{id(parameter): s}`` for every parameter of ``model.backbone``, ``s`` its stage
+    counted from the top (the stage nearest the head is 0).  Raises ``ValueError`` naming
+    ``optim.layer_decay`` when the model has no backbone with known stages."""
+    from deepmetric.models import backbone_stages
+
+    backbone = getattr(model, "backbone", None)
+    if not isinstance(backbone, nn.Module):
+        raise ValueError(f"config key 'optim.layer_decay': model {type(model).__name__} has no .backbone "
+                         f"whose stages could get decayed learning rates")
+    try:
+        stages = backbone_stages(backbone)
+    except ValueError as exc:
+        raise ValueError(f"config key 'optim.layer_decay': {exc}") from None
+    depth = {id(p): len(stages) - 1 - s for s, stage in enumerate(stages) for p in stage.parameters()}
+    missing = [n for n, p in backbone.named_parameters() if id(p) not in depth]
+    if missing:  # a stage table that forgot a layer: say so rather than train it at full rate
+        raise ValueError(f"config key 'optim.layer_decay': backbone parameters {missing[:5]} lie in no stage")
+    return depth
+
+
+def _classify(name: str, cfg: OptimConfig, compiled, decay: float = 1.0) -> tuple[float, float, bool]:
+    """(lr_mult, weight_decay, is_backbone) for one qualified parameter name; ``decay`` is the
+    layer-wise factor of a backbone parameter (``layer_decay ** s``)."""
     wd = cfg.weight_decay
     is_loss = name.startswith("loss.")
     local = name[len("model."):] if name.startswith("model.") else name
@@ -52,7 +81,7 @@ def _classify(name: str, cfg: OptimConfig, compiled) -> tuple[float, float, bool
     elif is_new:
         mult = cfg.new_layer_lr_mult
     else:
-        mult = 1.0
+        mult = decay
     for regex, group in compiled:
         if regex.search(name):
             if group.lr_mult is not None:
@@ -72,9 +101,11 @@ def build_param_groups(model: nn.Module, losses: Iterable[nn.Module], cfg: Optim
         except re.error as exc:
             raise ValueError(f"config key 'optim.param_groups.{i}.pattern': invalid regular "
                              f"expression {g.pattern!r} ({exc})") from None
+    depth = layer_depths(model) if cfg.layer_decay is not None else {}
     groups: dict[tuple, dict] = {}
     for name, p in named_trainable_parameters(model, losses):
-        key = _classify(name, cfg, compiled)
+        decay = cfg.layer_decay ** depth[id(p)] if id(p) in depth else 1.0
+        key = _classify(name, cfg, compiled, decay)
         g = groups.setdefault(key, {"params": [], "names": [], "lr_mult": key[0],
                                     "weight_decay": key[1], "is_backbone": key[2]})
         g["params"].append(p)

@@ -4,7 +4,8 @@ The learning rate of every parameter group is
 
     lr = optim.lr * group.lr_mult * LrSchedule.factor(epoch, iteration) * TemperatureSchedule.lr_factor
 
-so the base schedule (constant / step / multistep / poly) and the heating-up events compose.
+so the base schedule (constant / step / multistep / poly / cosine, times the linear warm-up)
+and the heating-up events compose.
 Both objects have ``state_dict`` / ``load_state_dict`` so a resumed run continues exactly.
 
 Heating-up (heated-up softmax paper, Sec. 3.4): train with an intermediate alpha (16), then
@@ -41,7 +42,7 @@ class LrSchedule:
     """Multiplier of the base learning rate as a function of progress.
 
     ``total`` is the run length in the schedule's unit (epochs or iterations); it is needed
-    by ``poly`` only.  ``factor(epoch, iteration)`` takes the 0-based epoch and the 0-based
+    by ``poly`` and ``cosine`` only.  ``factor(epoch, iteration)`` takes the 0-based epoch and the 0-based
     global iteration of the step about to be taken.
     """
 
@@ -63,6 +64,9 @@ class LrSchedule:
         elif c.name == "poly":
             frac = min(max(t / max(total, 1), 0.0), 1.0)
             f = c.end_factor + (1.0 - c.end_factor) * (1.0 - frac) ** c.power
+        elif c.name == "cosine":  # half a cosine from 1 (t = 0) to end_factor (t = T)
+            frac = min(max(t / max(total, 1), 0.0), 1.0)
+            f = c.end_factor + (1.0 - c.end_factor) * 0.5 * (1.0 + math.cos(math.pi * frac))
         else:  # validated by the config already
             raise ValueError(f"unknown lr schedule {c.name!r}")
         if c.warmup > 0 and iteration < c.warmup:
