@@ -61,6 +61,7 @@ from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_d
                          restore, save_checkpoint)
 from .config import Config, config_diff, config_to_dict, save_config
 from .embed import cross_domain_metrics, evaluate_model, train_neighbour_metrics
+from .loss_stats import loss_step_stats
 from .module import PAIR_BASED_LOSSES, TrainingModule, init_from_class_means
 from .optim import build_optimizer
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
@@ -538,6 +539,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                                 enumerate(zip(module.names, parts))})
                 if alphas:
                     rec["alpha"] = alphas[0]
+                rec.update(loss_step_stats(module.names, losses))  # e.g. ALMN's rho, virtual points
                 log.write(rec)
                 if bar is not None:
                     post = {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}", "img/s": f"{ips:.0f}"}
