@@ -456,8 +456,9 @@ def plane_loss(beta, centres, **kw):
 
 
 # REFERENCE section 9: theta_i = 20 deg, theta_nn = 60 deg; the virtual point's angle from
-# the centre for rho 0.7 / 1.0 / 1.3
-WORKED = {1.0: (34, 51, 61), 3.0: (44, 76, 107)}
+# the centre for rho 0.7 / 1.0 / 1.3 (and 0.15, the solver mode's short centres: 21 / 22 deg)
+WORKED_RHO = (0.15, 0.7, 1.0, 1.3)
+WORKED = {1.0: (21, 34, 51, 61), 3.0: (22, 44, 76, 107)}
 
 
 @pytest.mark.parametrize("beta", sorted(WORKED))
@@ -465,7 +466,7 @@ def test_virtual_point_angle_depends_on_rho_as_worked_out(beta):
     """The virtual point's angle against the worked numbers (whole degrees) and against Eq. 7
     in the paper's M form, computed in the plane (``ref_xg_one``)."""
     ti, tnn = math.radians(20), math.radians(60)
-    for rho, expected_deg in zip((0.7, 1.0, 1.3), WORKED[beta]):
+    for rho, expected_deg in zip(WORKED_RHO, WORKED[beta]):
         x, y, centres = plane_batch(ti, tnn, rho)
         g = plane_loss(beta, centres).geometry(t(x), t(y))
         assert g["rho"][0].item() == pytest.approx(rho, rel=1e-12)
