@@ -59,7 +59,7 @@ def main() -> None:
     if cfg.eval.gallery_split is not None:
         sets["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
     t0 = time.perf_counter()
-    metrics, desc = raw_pixel_baseline(sets, cfg, max_work=float("inf"))
+    metrics, desc = raw_pixel_baseline(sets, cfg, max_work=float("inf"), max_bytes=float("inf"))
     if metrics is not None and cfg.eval.cross_domain:
         x, _ = pixel_rows(sets["query"], max_side=10**9)
         metrics = _with_cross_domain(metrics, x, sets["query"], cfg)

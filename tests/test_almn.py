@@ -10,8 +10,9 @@ import pytest
 import torch
 from degenerate import NUM_CLASSES, degenerate_batches
 
-from deepmetric.losses.almn import ALMNLoss
 from conftest import synthetic_config
+
+from deepmetric.losses.almn import ALMNLoss, virtual_points
 from deepmetric.train.rundir import read_log
 
 
@@ -373,8 +374,10 @@ def _degenerate_batches():
 @pytest.mark.parametrize("name,x,y", _degenerate_batches(), ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("opts", [dict(), dict(margin_mode="fixed"), dict(margin_mode="none"),
                                   dict(detach_margin=False), dict(hard_case="author_code"),
-                                  dict(centre_init="zeros")],
-                         ids=["virtual", "fixed", "none", "full_grad", "author_code", "zeros"])
+                                  dict(centre_init="zeros"), dict(centre_mode="solver"),
+                                  dict(centre_mode="solver", centre_init="first_batch")],
+                         ids=["virtual", "fixed", "none", "full_grad", "author_code", "zeros", "solver",
+                              "solver_first_batch"])
 def test_degenerate_batches_give_finite_loss_and_grads(name, x, y, opts):
     torch.manual_seed(0)
     loss = ALMNLoss(NUM_CLASSES, 6, **opts)
@@ -385,6 +388,9 @@ def test_degenerate_batches_give_finite_loss_and_grads(name, x, y, opts):
         assert torch.isfinite(out)
         assert torch.isfinite(xx.grad).all()
         assert torch.isfinite(loss.centers).all()
+        if loss.centers.grad is not None:
+            assert torch.isfinite(loss.centers.grad).all()
+        assert all(math.isfinite(v) for v in loss.step_stats().values())
 
 
 def test_x_equal_to_its_centre_is_guarded(rng):
@@ -427,3 +433,274 @@ def test_bad_options_and_inputs_raise_clear_errors():
         loss(torch.randn(2, 3), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\]"):
         loss(torch.randn(2, 4), torch.tensor([0, 5]))
+
+
+# ----------------------------------------------------------------------------- geometry: rho
+def plane_batch(theta_i, theta_nn, rho):
+    """Row 0: a unit x_0 at ``theta_i`` from its centre c_0 = (rho, 0); row 1 (label 1): its
+    nearest (only) negative, a unit vector at ``theta_nn`` from c_0, with a zero centre (its
+    own term of the loss is the constant log 2, so the loss measures row 0)."""
+    x = np.array([[math.cos(theta_i), math.sin(theta_i)], [math.cos(theta_nn), math.sin(theta_nn)]])
+    centres = np.array([[rho, 0.0], [0.0, 0.0]])
+    return x, np.array([0, 1]), centres
+
+
+def plane_loss(beta, centres, **kw):
+    loss = ALMNLoss(2, 2, beta, centre_init="zeros", **kw).double().eval()
+    with torch.no_grad():
+        loss.centers.copy_(t(centres))
+    return loss
+
+
+# REFERENCE section 9: theta_i = 20 deg, theta_nn = 60 deg; the virtual point's angle from
+# the centre for rho 0.7 / 1.0 / 1.3 (and 0.15, the solver mode's short centres: 21 / 22 deg)
+WORKED_RHO = (0.15, 0.7, 1.0, 1.3)
+WORKED = {1.0: (21, 34, 51, 61), 3.0: (22, 44, 76, 107)}
+
+
+@pytest.mark.parametrize("beta", sorted(WORKED))
+def test_virtual_point_angle_depends_on_rho_as_worked_out(beta):
+    """The virtual point's angle against the worked numbers (whole degrees) and against Eq. 7
+    in the paper's M form, computed in the plane (``ref_xg_one``)."""
+    ti, tnn = math.radians(20), math.radians(60)
+    for rho, expected_deg in zip(WORKED_RHO, WORKED[beta]):
+        x, y, centres = plane_batch(ti, tnn, rho)
+        g = plane_loss(beta, centres).geometry(t(x), t(y))
+        assert g["rho"][0].item() == pytest.approx(rho, rel=1e-12)
+        assert g["theta_nn"][0].item() == pytest.approx(tnn, abs=1e-6)
+        got = math.degrees(g["theta_g"][0].item())
+        assert got == pytest.approx(expected_deg, abs=0.5)
+        xg = ref_xg_one(x[0], centres[0], beta, math.sqrt(2 - 2 * math.cos(tnn - ti)))
+        assert got == pytest.approx(math.degrees(ang(xg, centres[0])), abs=1e-6)
+        assert bool(g["valid"][0])
+
+
+def test_proposition_1_fails_at_large_rho_only():
+    """Proposition 1 (the virtual point stays short of the nearest negative) fails once the
+    centre is as long as the sample: at theta 20 / 60 deg, beta 3 passes the negative from
+    rho 1.0, beta 1 from rho 1.3 (at rho 1.0 it is still 9 deg short).  With short centres
+    (rho 0.15-0.3, the solver mode's regime) no configuration passes it, at any beta up to 3."""
+    ti, tnn = math.radians(20), math.radians(60)
+    for beta, rho, past in [(3.0, 1.0, True), (3.0, 1.3, True), (1.0, 1.3, True),
+                            (1.0, 1.0, False), (3.0, 0.7, False), (1.0, 0.7, False)]:
+        x, y, centres = plane_batch(ti, tnn, rho)
+        g = plane_loss(beta, centres).geometry(t(x), t(y))
+        assert bool(g["theta_g"][0] > g["theta_nn"][0]) is past, (beta, rho)
+    # a grid of (theta_i < theta_nn) in the plane, through virtual_points itself
+    tnn_g, ti_g = np.meshgrid(np.radians(np.arange(5, 180, 5)), np.radians(np.arange(1, 180, 2)))
+    keep = ti_g < tnn_g
+    tnn_g, ti_g = tnn_g[keep], ti_g[keep]
+    x = t(np.stack([np.cos(ti_g), np.sin(ti_g)], 1))
+    s = t(2 * np.abs(np.sin((tnn_g - ti_g) / 2)))
+    for beta in (1.0, 2.0, 3.0):
+        for rho, some_past in ((0.15, False), (0.3, False), (1.3, True)):
+            c = t(np.tile([rho, 0.0], (len(ti_g), 1)))
+            xg = virtual_points(x, c, s, beta).numpy()
+            theta_g = np.arccos(np.clip(xg[:, 0] / np.linalg.norm(xg, axis=1), -1, 1))
+            assert (theta_g > tnn_g + 1e-9).any() == some_past, (beta, rho)
+
+
+@pytest.mark.parametrize("beta,rho,past", [(3.0, 1.0, True), (3.0, 1.3, True), (1.0, 1.3, True),
+                                          (1.0, 1.0, False), (3.0, 0.15, False), (0.0, 1.3, False)])
+def test_past_the_nearest_negative_shrinking_the_embedding_lowers_the_loss(beta, rho, past):
+    """Running-mean centres are means of the embeddings, so they shrink with them and rho stays
+    put.  Scaling embeddings and centres together, the loss falls as they shrink exactly when
+    the virtual point lies past the nearest negative (its logit is then below the negative's),
+    towards log 2 at zero (a uniform softmax): the collapse.  Otherwise it rises.  No norm
+    penalty (lam 0)."""
+    x, y, centres = plane_batch(math.radians(20), math.radians(60), rho)
+    values = []
+    for scale in (1.0, 0.5, 1e-3):
+        loss = plane_loss(beta, scale * centres, lam=0.0)
+        values.append(loss(t(scale * x), t(y)).item())
+    assert (values[1] < values[0]) is past
+    assert values[2] == pytest.approx(math.log(2), abs=1e-5)
+    g = plane_loss(beta, centres).geometry(t(x), t(y))
+    assert bool(g["theta_g"][0] > g["theta_nn"][0]) is past
+
+
+def test_step_stats_equal_a_brute_force_computation(rng):
+    """rho, the virtual point's angle and the nearest negative's, from the reference
+    functions above (numpy, the paper's M form), over a training batch."""
+    n_cls, per, k, beta = 5, 3, 6, 3.0
+    y = np.repeat(np.arange(n_cls), per)
+    # samples around their centres' directions, centres from much shorter to longer than them
+    directions = rng.normal(size=(n_cls, k))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    x = (directions[y] + 0.5 * rng.normal(size=(n_cls * per, k))) * rng.uniform(0.5, 2.0, size=(n_cls * per, 1))
+    centres = directions * rng.uniform(0.1, 2.5, size=(n_cls, 1))
+    loss = ALMNLoss(n_cls, k, beta, centre_init="zeros", centre_rate=0.0).double()
+    with torch.no_grad():
+        loss.centers.copy_(t(centres))
+    assert loss.step_stats() == {}                      # no training batch yet
+    loss.train()
+    loss(t(x), t(y))
+    loss.eval()
+    loss(t(rng.normal(size=(4, k))), t(np.array([0, 1, 2, 3])))   # evaluation: not recorded
+    stats = loss.step_stats()
+    rho = np.linalg.norm(centres[y], axis=1) / np.linalg.norm(x, axis=1)
+    _, th_nn = ref_angles(x, y, centres)
+    xg = ref_xg(x, y, centres, beta)
+    th_g = np.array([ang(xg[i], centres[y[i]]) for i in range(len(y))])
+    diff = np.degrees(th_g - np.array(th_nn))
+    assert stats["rho_median"] == pytest.approx(np.median(rho), rel=1e-12)
+    assert stats["virtual_minus_nn_deg_median"] == pytest.approx(np.median(diff), abs=1e-6)
+    assert stats["virtual_past_nn_frac"] == pytest.approx((diff > 0).mean(), abs=1e-12)
+    assert 0 < stats["virtual_past_nn_frac"] < 1
+    th_i, _ = ref_angles(x, y, centres)
+    assert stats["sample_past_nn_frac"] == pytest.approx((np.array(th_i) > np.array(th_nn)).mean(), abs=1e-12)
+    assert 0 < stats["sample_past_nn_frac"] < stats["virtual_past_nn_frac"]  # the margin pushed some past
+
+
+def test_step_stats_skip_rows_without_angles():
+    """Zero centres (the solver mode's start) have no angle: rho is 0 and the angle
+    statistics are absent rather than made up."""
+    loss = ALMNLoss(3, 4, centre_mode="solver").train()
+    loss(torch.randn(6, 4), torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert loss.step_stats() == {"rho_median": 0.0}
+
+
+def test_loss_step_stats_name_the_term():
+    from deepmetric.losses import TripletLoss
+    from deepmetric.train.loss_stats import loss_step_stats
+
+    almn = ALMNLoss(3, 4, centre_init="normal").train()
+    almn(torch.randn(6, 4), torch.tensor([0, 0, 1, 1, 2, 2]))
+    got = loss_step_stats(["triplet", "almn"], [TripletLoss(), almn])
+    assert got == {f"loss/1_almn/{k}": v for k, v in almn.step_stats().items()}
+    assert set(got) == {"loss/1_almn/rho_median", "loss/1_almn/virtual_minus_nn_deg_median",
+                        "loss/1_almn/virtual_past_nn_frac", "loss/1_almn/sample_past_nn_frac"}
+
+
+# ----------------------------------------------------------------------------- centre_mode: solver
+def eq2_step(x, y, centres):
+    """sum_{i: y_i = z} (c_z - x_i) / (1 + n_z) per class (0 for classes not in the batch)."""
+    out = np.zeros_like(centres)
+    for z in range(len(centres)):
+        idx = [i for i in range(len(y)) if y[i] == z]
+        out[z] = sum((centres[z] - x[i] for i in idx), np.zeros(centres.shape[1])) / (1 + len(idx))
+    return out
+
+
+def test_solver_centres_get_the_eq2_step_as_gradient(rng):
+    """The authors' layer: centres are a parameter, the loss value and the embeddings'
+    gradient are those of the running-mean mode, and the centres' gradient is the Eq. 2 step
+    (times the weight of the term), not the derivative of Eq. 8."""
+    n_cls, k = 5, 4
+    y = np.array([0, 0, 0, 1, 3, 3, 1, 0, 3, 1])            # classes 2 and 4 absent
+    x = rng.normal(size=(len(y), k))
+    centres = rng.normal(size=(n_cls, k))
+    solver = ALMNLoss(n_cls, k, centre_mode="solver").double()
+    running = ALMNLoss(n_cls, k, centre_init="zeros", centre_rate=0.0).double()
+    assert [n for n, _ in solver.named_parameters()] == ["centers"]
+    assert torch.equal(solver.centers, torch.zeros(n_cls, k, dtype=torch.float64))  # zero start
+    assert set(solver.state_dict()) == set(running.state_dict())  # same checkpoint keys
+    with torch.no_grad():
+        solver.centers.copy_(t(centres))
+        running.centers.copy_(t(centres))
+    xs, xr = t(x).requires_grad_(), t(x).requires_grad_()
+    vs = solver.train()(xs, t(y))
+    vr = running.train()(xr, t(y))
+    assert vs.item() == vr.item()
+    (2.5 * vs).backward()
+    (2.5 * vr).backward()
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=0, atol=0)
+    np.testing.assert_allclose(solver.centers.grad.numpy(), 2.5 * eq2_step(x, y, centres), rtol=1e-12)
+    np.testing.assert_array_equal(solver.centers.grad.numpy()[[2, 4]], 0.0)
+    np.testing.assert_array_equal(solver.centers.detach().numpy(), centres)   # only the optimiser moves them
+    solver.centers.grad = None
+    solver.eval()(xs, t(y)).backward()                       # evaluation: no centre gradient
+    assert solver.centers.grad is None
+
+
+def test_solver_centres_move_by_sgd_with_momentum_at_the_loss_lr(rng):
+    """build_optimizer puts the centres in the loss group (optim.lr x optim.loss_lr_mult, the
+    new-layer multiplier by default); two SGD steps with momentum and weight decay equal the
+    solver's recurrence on the Eq. 2 steps, as Caffe applies it to the layer's blob."""
+    from deepmetric.train.config import config_from_dict
+    from deepmetric.train.optim import build_optimizer
+
+    n_cls, k = 4, 3
+    raw = {"data": {"name": "synthetic"}, "model": {"name": "synthetic_mlp"},
+           "loss": [{"name": "almn", "options": {"centre_mode": "solver"}}],
+           "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0002,
+                     "new_layer_lr_mult": 10.0},
+           "train": {"epochs": 1}}
+    model = torch.nn.Linear(2, 2)
+    for mult, expected in ((None, 10.0), (3.0, 3.0)):
+        optim_cfg = config_from_dict({**raw, "optim": {**raw["optim"], "loss_lr_mult": mult}}).optim
+        loss = ALMNLoss(n_cls, k, centre_mode="solver", centre_init="normal").double().train()
+        opt = build_optimizer(model, torch.nn.ModuleList([loss]), optim_cfg)
+        (group,) = [g for g in opt.param_groups if "loss.0.centers" in g["param_names"]]
+        assert group["lr_mult"] == expected and group["lr"] == pytest.approx(0.01 * expected)
+        c = loss.centers.detach().numpy().copy()
+        v = np.zeros_like(c)
+        lr = 0.01 * expected
+        for _ in range(2):
+            y = rng.integers(0, n_cls, size=8)
+            x = rng.normal(size=(8, k))
+            opt.zero_grad()
+            loss(t(x), t(y)).backward()
+            opt.step()
+            v = 0.9 * v + eq2_step(x, y, c) + 0.0002 * c
+            c = c - lr * v
+            np.testing.assert_allclose(loss.centers.detach().numpy(), c, rtol=1e-10, atol=1e-14)
+
+
+def test_solver_options_and_errors():
+    with pytest.raises(ValueError, match="centre_rate=0.5 does not apply with centre_mode='solver'"):
+        ALMNLoss(3, 4, centre_mode="solver", centre_rate=0.5)
+    with pytest.raises(ValueError, match="centre_mode must be one of"):
+        ALMNLoss(3, 4, centre_mode="sgd")
+    with pytest.raises(ValueError, match="centre_std"):
+        ALMNLoss(3, 4, centre_init="normal", centre_std=-1.0)
+    torch.manual_seed(0)
+    filled = ALMNLoss(50, 40, centre_mode="solver", centre_init="normal", centre_std=0.01)
+    assert filled.centers.std().item() == pytest.approx(0.01, rel=0.1)
+    assert ALMNLoss(3, 4).centre_rate == 0.5 and ALMNLoss(3, 4).centre_init == "first_batch"
+    assert "centre_mode='solver'" in repr(filled) and "centre_rate" not in repr(filled)
+    filled.set_learning_rate(0.1)                   # the optimiser's rate applies: ignored
+    assert filled.centre_rate is None
+
+
+def _solver_run(out, loss_lr_mult=0.1, **train_extra):
+    from deepmetric.train.config import config_from_dict
+
+    return config_from_dict(synthetic_config(
+        out, per_class=12, hidden=16, loss=[{"name": "almn", "options": {"beta": 3.0, "centre_mode": "solver"}}],
+        optim={"loss_lr_mult": loss_lr_mult},
+        train={"batch_size": 12, "sampler": "class_balanced", "m": 3, "n": 4, **train_extra},
+        eval={"every": 0, "metrics": ["recall"], "ks": [1]}))
+
+
+def test_solver_mode_trains_logs_its_geometry_and_resumes_exactly(tmp_path):
+    """In the training loop: the centres start at 0 and move (frozen at loss lr 0), every step
+    record carries the geometry, and a run stopped after 2 epochs and resumed ends with the
+    same centres, optimiser state and losses as one uninterrupted run."""
+
+    from deepmetric.train.loop import train
+
+    train(_solver_run(tmp_path / "ref"))
+    ref = torch.load(tmp_path / "ref" / "last.pt", weights_only=True)
+    centres = ref["loss"][0]["centers"]
+    assert centres.abs().sum() > 0
+    train(_solver_run(tmp_path / "frozen", epochs=1, loss_lr_mult=0.0))
+    frozen = torch.load(tmp_path / "frozen" / "last.pt", weights_only=True)
+    assert torch.equal(frozen["loss"][0]["centers"], torch.zeros_like(centres))
+    steps = read_log(tmp_path / "ref", type="step")
+    assert steps[0]["loss/0_almn/rho_median"] == 0.0       # zero-initialised centres
+    assert all("loss/0_almn/rho_median" in r for r in steps)
+    later = [r for r in steps[1:] if "loss/0_almn/virtual_past_nn_frac" in r]
+    assert later and all(0 <= r["loss/0_almn/virtual_past_nn_frac"] <= 1 for r in later)
+    assert 0 < steps[-1]["loss/0_almn/rho_median"] < 0.5   # slow centres (lr 0.005): still short
+
+    train(_solver_run(tmp_path / "resumed", epochs=2))
+    train(_solver_run(tmp_path / "resumed"), resume=tmp_path / "resumed" / "last.pt")
+    res = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)
+    assert torch.equal(res["loss"][0]["centers"], centres)
+    assert torch.equal(res["loss"][0]["center_initialized"], ref["loss"][0]["center_initialized"])
+    assert all(torch.equal(res["model"][k], ref["model"][k]) for k in ref["model"])
+    momentum = [s["momentum_buffer"] for s in ref["optimizer"]["state"].values()]
+    assert any(m.shape == centres.shape for m in momentum)  # the centres' momentum is saved
+    resumed = read_log(tmp_path / "resumed", type="step")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in steps]

@@ -6,6 +6,7 @@ from PIL import Image
 
 from deepmetric.data import build_dataset, build_transform
 from deepmetric.evaluate import evaluate
+from deepmetric.train import preflight as P
 from deepmetric.train.config import ConfigError, config_from_dict
 from deepmetric.train.preflight import (check_config_options, check_images_readable, check_metric_names,
                                         check_model_input, expected_metrics, few_classes_warning,
@@ -222,17 +223,63 @@ def test_raw_pixel_baseline_equals_evaluate_on_flattened_pixels(tmp_path):
     assert got == pytest.approx(want) and got != pytest.approx(evaluate(x, ds.labels, ks=(1, 2)))
 
 
-def test_raw_pixel_baseline_skips_large_or_mixed_images(tmp_path):
+def test_raw_pixel_baseline_skips_mixed_images_and_what_it_cannot_afford(tmp_path):
     big = _digits(tmp_path / "big", size=(80, 65))
-    m, why = raw_pixel_baseline({"query": build_dataset("folder", big, split="all")}, _cfg())
+    m, why = raw_pixel_baseline({"query": build_dataset("folder", big, split="all")}, _cfg(), max_side=64)
     assert m is None and why == "images are 80x65 px (baseline only up to 64x64)"
     mixed = _digits(tmp_path / "mixed", size=(10, 10))
     Image.new("L", (12, 10)).save(mixed / "a" / "9.png")
     m, why = raw_pixel_baseline({"query": build_dataset("folder", mixed, split="all")}, _cfg())
     assert m is None and "image sizes differ" in why
-    m, why = raw_pixel_baseline({"query": build_dataset("folder", big, split="all")}, _cfg(),
-                                max_side=100, max_work=10)
-    assert m is None and "too large" in why
+    ds = build_dataset("folder", big, split="all")
+    n, d = len(ds), 80 * 65 * 3                               # read as RGB
+    m, why = raw_pixel_baseline({"query": ds}, _cfg(), max_work=n * n * d - 1)
+    assert m is None and why.startswith(f"{n} images x {d} pixels: an exact search would take about")
+    assert "RAW_PIXEL_MAX_SECONDS" in why
+    m, why = raw_pixel_baseline({"query": ds}, _cfg(), max_bytes=P.RAW_PIXEL_SEARCH_COPIES * 4 * n * d - 1)
+    assert m is None and "of memory, more than the" in why and "RAW_PIXEL_MAX_BYTES" in why
+
+
+def test_raw_pixel_baseline_has_no_side_limit_and_leaves_out_kmeans_it_cannot_afford(tmp_path):
+    """80 x 65 images (over the old 64 px limit) get their baseline; when the search fits the
+    time bound but k-means does not, NMI and F1 are left out and the label says so.  The
+    values are evaluate()'s on the flattened pixels (one call with every metric)."""
+    root = _digits(tmp_path / "big", size=(80, 65))
+    ds = build_dataset("folder", root, split="all")
+    x = np.stack([np.asarray(Image.open(p).convert("RGB"), dtype=np.float32).reshape(-1) / 255 for p in ds.paths])
+    cfg = _cfg(eval={"ks": [1, 2], "metrics": ["recall", "map@r", "nmi", "f1"]})
+    got, desc = raw_pixel_baseline({"query": ds}, cfg)
+    want = evaluate(x, ds.labels, ks=(1, 2), metrics=["recall", "map@r", "nmi", "f1"])
+    assert got == pytest.approx(want, abs=1e-12) and list(got) == list(want)
+    assert desc == "raw pixels (80x65x3 = 15600-d)"
+    n, d = len(ds), 80 * 65 * 3
+    search = n * n * d                                        # every image against all others
+    kmeans = n * len(set(ds.labels)) * d * 20                 # k-means: 20 iterations
+    got, desc = raw_pixel_baseline({"query": ds}, cfg, max_work=search + kmeans - 1)
+    assert got == pytest.approx(evaluate(x, ds.labels, ks=(1, 2), metrics=["recall", "map@r"]), abs=1e-12)
+    assert "nmi" not in got and "nmi and f1 left out: k-means would add about" in desc
+    got, _ = raw_pixel_baseline({"query": ds}, cfg, max_work=search + kmeans)
+    assert set(got) == set(want)
+    got, desc = raw_pixel_baseline({"query": ds}, cfg, max_bytes=P.RAW_PIXEL_KMEANS_COPIES * 4 * n * d - 1)
+    assert set(got) == {"recall@1", "recall@2", "map@r"} and "k-means would need about" in desc
+    only_clustering = _cfg(eval={"metrics": ["nmi"]})
+    m, why = raw_pixel_baseline({"query": ds}, only_clustering, max_work=search)
+    assert m is None and "nmi left out" in why
+
+
+def test_raw_pixel_limits_let_the_emoji_test_split_run_at_128_px():
+    """The emoji test split (5,635 images, 956 classes; bench/RESULTS.md) against the default
+    limits, without reading a pixel: every metric at 64 and 96 px, the retrieval metrics at
+    128 px (k-means there would take minutes and some 10 GiB)."""
+    n, classes = 5635, 956
+    for side, kmeans_fits in ((64, True), (96, True), (128, False)):
+        d = side * side * 3
+        search = n * n * d
+        kmeans = n * classes * d * 20
+        assert search <= P.RAW_PIXEL_MAX_WORK
+        assert P.RAW_PIXEL_SEARCH_COPIES * 4 * n * d <= P.RAW_PIXEL_MAX_BYTES
+        assert (search + kmeans <= P.RAW_PIXEL_MAX_WORK
+                and P.RAW_PIXEL_KMEANS_COPIES * 4 * n * d <= P.RAW_PIXEL_MAX_BYTES) is kmeans_fits
 
 
 # ----------------------------------------------------------------------------- summary

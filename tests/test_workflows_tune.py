@@ -230,19 +230,20 @@ def _free_port() -> int:
 def postgres(tmp_path):
     """A PostgreSQL server of the Debian package on 127.0.0.1 (trust auth, a temporary data
     directory), stopped after the test.  As root the server runs as the 'postgres' user."""
-    pytest.importorskip("psycopg2")
+    pytest.importorskip("psycopg")
     bindir = _pg_bin()
     if bindir is None:
         pytest.fail("PostgreSQL is not installed (install.sh installs the Debian package 'postgresql')")
-    root = tmp_path / "pg"
-    root.mkdir()
+    import tempfile
+
+    # not under tmp_path: pytest's folders are private to this user, the server's user must enter
+    root = Path(tempfile.mkdtemp(prefix="deepmetric-pg-"))
     as_user: list[str] = []
     if os.geteuid() == 0:  # initdb and postgres refuse to run as root
         import pwd
 
         pw = pwd.getpwnam("postgres")
         os.chown(root, pw.pw_uid, pw.pw_gid)
-        os.chmod(tmp_path, 0o755)
         as_user = ["runuser", "-u", "postgres", "--"]
     port = _free_port()
     data = root / "data"
@@ -257,6 +258,7 @@ def postgres(tmp_path):
     finally:
         subprocess.run(as_user + [str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
                        capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_two_workers_share_one_study_on_postgresql(tmp_path, postgres):

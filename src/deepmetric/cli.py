@@ -547,8 +547,8 @@ def _add_tune_parser(sub) -> None:
             "optimization_history.png, param_importances.png and report.html. Space format: docs/tuning.md."),
         epilog=(
             "example:\n"
-            "  deepmetric tune recipes/glyphs_cross_family.yaml --space recipes/spaces/glyphs_lr_alpha.yaml \\\n"
-            "      --trials 12 --workers 2 --out runs/tune/glyphs\n"
+            "  deepmetric tune recipes/glyphs_cross_family.yaml --space spaces/glyphs_lr_alpha.yaml "
+            "--trials 12 --workers 2 --out runs/tune/glyphs\n"
             "  deepmetric train runs/tune/glyphs/best.yaml                 # train the winner\n"
             "  deepmetric tune RECIPE --space S --trials 40 --storage postgresql://user@db/tune --study-name s1"),
     )

@@ -62,6 +62,7 @@ from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_d
 from .config import Config, config_diff, config_to_dict, save_config
 from .embed import cross_domain_metrics, evaluate_model, train_neighbour_metrics
 from .finetune import linear_probe, linear_probe_epoch, probed_backbone
+from .loss_stats import loss_step_stats
 from .module import PAIR_BASED_LOSSES, TrainingModule, init_from_class_means
 from .optim import build_optimizer
 from .rundir import RunDirectoryError, RunLog, prepare_run_dir
@@ -199,17 +200,6 @@ def _check_metric(key: str, cfg_key: str, metrics: dict) -> None:
     if key not in metrics:
         raise ValueError(f"config key '{cfg_key}': {key!r} is not among the evaluated metrics "
                          f"{sorted(metrics)}")
-
-
-def loss_step_stats(module: TrainingModule) -> dict[str, float]:
-    """Per-step statistics the loss terms report about their last forward pass (a loss with a
-    ``step_stats()`` method, e.g. ALMN's virtual-point geometry), keyed ``loss/<i>_<name>/<stat>``."""
-    out = {}
-    for i, (name, loss) in enumerate(zip(module.names, module.losses)):
-        stats = getattr(loss, "step_stats", None)
-        if callable(stats):
-            out.update({f"loss/{i}_{name}/{k}": float(v) for k, v in stats().items()})
-    return out
 
 
 # --------------------------------------------------------------------------- the run's objects
@@ -530,7 +520,7 @@ def _train_one_epoch(run: _Run, epoch: int, interrupt: GracefulInterrupt) -> str
                "loss": loss_value, "lr": lr, "images_per_s": round(ips, 2)}
         if len(parts) > 1:
             rec.update({f"loss/{i}_{n}": float(p.detach()) for i, (n, p) in enumerate(zip(run.module.names, parts))})
-        rec.update(loss_step_stats(run.module))
+        rec.update(loss_step_stats(run.module.names, run.losses))
         if alphas:
             rec["alpha"] = alphas[0]
         run.log.write(rec)

@@ -55,10 +55,29 @@ __all__ = [
 
 #: Fewer training classes than this triggers :func:`few_classes_warning`.
 FEW_CLASSES = 20
-#: The raw-pixel baseline is computed for images whose sides are at most this many pixels.
+#: Images with sides up to this many pixels are small (``size_warnings``).  The raw-pixel
+#: baseline has no side limit of its own any more: it is bounded by its cost (below).
 RAW_PIXEL_MAX_SIDE = 64
-#: ... and skipped when the exact k-NN would cost more than this many multiply-adds.
-RAW_PIXEL_MAX_WORK = 2e11
+#: Raw-pixel baseline limits, measured with ``bench/raw_pixel_cost.py`` (bench/RESULTS.md,
+#: "Raw-pixel baseline"): the exact search and k-means on the emoji test split (5,635 images)
+#: at 64 / 96 / 128 px.  Time: the estimated seconds (multiply-adds of the k-NN pass,
+#: queries x gallery x pixels, plus those of k-means for NMI / F1, samples x classes x pixels
+#: x its 20 iterations, at the rate below) must stay within this; when only the retrieval
+#: metrics fit, NMI and F1 are left out.
+RAW_PIXEL_MAX_SECONDS = 300.0
+#: Multiply-adds per second assumed by the estimate: what one thread of the 2-core development
+#: machine gave under load (about 2e10 for both the k-NN pass and k-means).
+RAW_PIXEL_MACS_PER_SECOND = 2e10
+#: The same time bound in multiply-adds (``raw_pixel_baseline(max_work=...)``).
+RAW_PIXEL_MAX_WORK = RAW_PIXEL_MAX_SECONDS * RAW_PIXEL_MACS_PER_SECOND
+#: Memory: the estimated peak must stay within this many bytes (NMI and F1 are left out when
+#: only the search fits).
+RAW_PIXEL_MAX_BYTES = 8 * 2**30
+#: Peak memory in copies of the float32 pixel rows, measured above with some margin: the
+#: search (the rows, the evaluator's normalised copy, its query and gallery copies: 4.0-4.1)
+#: and k-means (further copies of the rows and of the centroids: 8.9-9.1).
+RAW_PIXEL_SEARCH_COPIES = 5
+RAW_PIXEL_KMEANS_COPIES = 10
 
 
 # --------------------------------------------------------------------------- option names
@@ -340,11 +359,13 @@ def few_classes_warning(num_classes: int, threshold: int = FEW_CLASSES) -> str |
 
 
 # --------------------------------------------------------------------------- raw pixels
-def pixel_rows(dataset, max_side: int) -> tuple[np.ndarray | None, str]:
-    """Float32 [N, D] pixel rows of every image of ``dataset``, or (None, why not).
+def pixel_rows(dataset, max_side: int | None = None) -> tuple[np.ndarray | None, str]:
+    """Float32 [N, D] pixel rows of every image of ``dataset``, or (None, why not): images of
+    different sizes, sides over ``max_side`` (None: any size), samples that are not images.
 
     File-based datasets use the images as stored (values in [0, 1], in the dataset's mode);
-    in-memory datasets use their samples with the test transform."""
+    in-memory datasets use their samples with the test transform.  The rows are written into
+    one preallocated array (no second copy while reading)."""
     n = len(dataset)
     if n == 0:
         return None, "empty split"
@@ -353,80 +374,131 @@ def pixel_rows(dataset, max_side: int) -> tuple[np.ndarray | None, str]:
 
         first = dataset.load_image(0)
         size = first.size
-        if max(size) > max_side:
+        if max_side is not None and max(size) > max_side:
             return None, f"images are {size[0]}x{size[1]} px (baseline only up to {max_side}x{max_side})"
-        rows = []
+        rows = None
         for i in range(n):
             im = first if i == 0 else dataset.load_image(i)
             if im.size != size:
                 return None, f"image sizes differ ({size[0]}x{size[1]} and {im.size[0]}x{im.size[1]})"
-            rows.append(TF.to_dtype(TF.to_image(im), torch.float32, scale=True).reshape(-1))
-        return torch.stack(rows).numpy(), f"{size[0]}x{size[1]}x{len(first.getbands())}"
+            row = TF.to_dtype(TF.to_image(im), torch.float32, scale=True).reshape(-1)
+            if rows is None:
+                rows = np.empty((n, row.numel()), np.float32)
+            rows[i] = row.numpy()
+        return rows, f"{size[0]}x{size[1]}x{len(first.getbands())}"
     x0 = torch.as_tensor(dataset[0][0])
     if x0.dim() != 3:
         return None, "samples are not images"
-    if max(x0.shape[-2:]) > max_side:
+    if max_side is not None and max(x0.shape[-2:]) > max_side:
         return None, f"images are {x0.shape[-1]}x{x0.shape[-2]} px (baseline only up to {max_side}x{max_side})"
-    rows = [x0.reshape(-1)] + [torch.as_tensor(dataset[i][0]).reshape(-1) for i in range(1, n)]
-    return torch.stack(rows).float().numpy(), f"{x0.shape[-1]}x{x0.shape[-2]}x{x0.shape[0]}"
+    rows = np.empty((n, x0.numel()), np.float32)
+    for i in range(n):
+        rows[i] = (x0 if i == 0 else torch.as_tensor(dataset[i][0])).reshape(-1).float().numpy()
+    return rows, f"{x0.shape[-1]}x{x0.shape[-2]}x{x0.shape[0]}"
+
+
+def _format_bytes(b: float) -> str:
+    return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
+
+
+def _format_seconds(work: float) -> str:
+    """Multiply-adds as the seconds they take at ``RAW_PIXEL_MACS_PER_SECOND``."""
+    s = work / RAW_PIXEL_MACS_PER_SECOND
+    return f"{s:.0f} s" if s >= 10 else f"{s:.2g} s"
 
 
 def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
-                       max_side: int = RAW_PIXEL_MAX_SIDE,
-                       max_work: float = RAW_PIXEL_MAX_WORK) -> tuple[dict[str, float] | None, str]:
+                       max_side: int | None = None,
+                       max_work: float = RAW_PIXEL_MAX_WORK,
+                       max_bytes: float = RAW_PIXEL_MAX_BYTES) -> tuple[dict[str, float] | None, str]:
     """Evaluate raw pixels as embeddings: every image flattened and l2-normalised (cosine
     nearest neighbours), with the metrics of ``cfg.eval``.  ``eval_sets`` is ``{"query": ds}``
     or ``{"query": ds, "gallery": ds}``.
 
     Returns ``(metrics, description)``; metrics is None (and the description says why) when the
-    images are larger than ``max_side`` x ``max_side``, differ in size, or the exact search
-    would take more than ``max_work`` multiply-adds."""
-    from deepmetric.evaluate import evaluate
+    images differ in size, are larger than ``max_side`` x ``max_side`` (None: no limit), or,
+    decided before any image is read, when the estimated peak memory
+    (``RAW_PIXEL_SEARCH_COPIES`` x the float32 rows) exceeds ``max_bytes`` or the exact k-NN
+    search exceeds ``max_work`` multiply-adds (``RAW_PIXEL_MAX_SECONDS`` at
+    ``RAW_PIXEL_MACS_PER_SECOND``).  When the search fits but k-means (NMI, F1) would not
+    (its time added to the search's, or ``RAW_PIXEL_KMEANS_COPIES`` x the rows), those two
+    are left out and the description says so.  Retrieval and clustering
+    metrics are evaluated in two calls (the same values as one): the evaluator's copies of the
+    rows for the search are freed before k-means makes its own."""
+    from deepmetric.evaluate import METRICS, evaluate
+    from deepmetric.evaluate.clustering import KMEANS_NITER
 
     from .embed import dataset_query_gallery_masks
 
     keys = [k for k in ("query", "gallery") if k in eval_sets]
     n = sum(len(eval_sets[k]) for k in keys)
     first = eval_sets[keys[0]]
+    if n == 0:
+        return None, "empty split"
+    labels = np.concatenate([np.asarray(eval_sets[k].labels, dtype=np.int64) for k in keys])
     # a split that marks its own queries and gallery (glyphs cross_family) is searched like the
     # trained embedding: its queries against its gallery
     masks = dataset_query_gallery_masks(first) if len(keys) == 1 else {}
+    if len(keys) == 2:
+        is_query = np.r_[np.ones(len(eval_sets["query"]), bool), np.zeros(len(eval_sets["gallery"]), bool)]
+        masks = {"is_query": is_query, "is_gallery": ~is_query}
     if masks:
         pairs = float(masks["is_query"].sum()) * float(masks["is_gallery"].sum())
-    elif len(keys) == 2:
-        pairs = float(len(eval_sets["query"])) * float(len(eval_sets["gallery"]))
+        evaluated = masks["is_query"] | masks["is_gallery"]
     else:
         pairs = float(n) * n
-    if n and hasattr(first, "load_image"):
+        evaluated = np.ones(n, bool)
+    if hasattr(first, "load_image"):
         im = first.load_image(0)
         d = im.size[0] * im.size[1] * len(im.getbands())
-    elif n:
-        d = int(torch.as_tensor(first[0][0]).numel())
     else:
-        return None, "empty split"
-    if pairs * d > max_work:  # decided before any image is read
-        return None, f"{n} images x {d} pixels is too large for an exact search here"
+        d = int(torch.as_tensor(first[0][0]).numel())
+    # the limits, decided before any image is read
+    e = cfg.eval
+    rows_bytes = 4.0 * n * d
+    peak = RAW_PIXEL_SEARCH_COPIES * rows_bytes
+    if peak > max_bytes:
+        return None, (f"{n} images x {d} pixels: an exact search needs about {_format_bytes(peak)} of memory, "
+                      f"more than the {_format_bytes(max_bytes)} allowed (RAW_PIXEL_MAX_BYTES)")
+    search_work = pairs * d
+    if search_work > max_work:
+        return None, (f"{n} images x {d} pixels: an exact search would take about "
+                      f"{_format_seconds(search_work)} here, more than the {_format_seconds(max_work)} "
+                      f"allowed (RAW_PIXEL_MAX_SECONDS)")
+    wanted = list(e.metrics) if e.metrics is not None else list(METRICS)   # None: every metric
+    clustering = [m for m in wanted if m in ("nmi", "f1")]
+    retrieval = [m for m in wanted if m not in ("nmi", "f1")]
+    kmeans_work = (float(evaluated.sum()) * len(np.unique(labels[evaluated])) * d * KMEANS_NITER
+                   * e.kmeans_restarts) if clustering else 0.0
+    left_out = ""
+    if clustering and search_work + kmeans_work > max_work:
+        left_out = (f"; {' and '.join(clustering)} left out: k-means would add about "
+                    f"{_format_seconds(kmeans_work)}")
+    elif clustering and RAW_PIXEL_KMEANS_COPIES * rows_bytes > max_bytes:
+        left_out = (f"; {' and '.join(clustering)} left out: k-means would need about "
+                    f"{_format_bytes(RAW_PIXEL_KMEANS_COPIES * rows_bytes)} of memory")
+    if left_out:
+        if not retrieval:
+            return None, f"{n} images x {d} pixels{left_out}"
+        clustering = []
+
     parts = []
     desc = ""
     for key in keys:
         x, desc_or_why = pixel_rows(eval_sets[key], max_side)
         if x is None:
             return None, desc_or_why
-        parts.append((x, np.asarray(eval_sets[key].labels, dtype=np.int64)))
+        parts.append(x)
         desc = desc_or_why
-    d = parts[0][0].shape[1]
-    e = cfg.eval
-    if len(parts) == 1:
-        metrics = evaluate(parts[0][0], parts[0][1], ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed,
-                           kmeans_restarts=e.kmeans_restarts,
-                           **masks)
-    else:
-        (xq, yq), (xg, yg) = parts
-        is_query = np.r_[np.ones(len(yq), bool), np.zeros(len(yg), bool)]
-        metrics = evaluate(np.concatenate([xq, xg]), np.concatenate([yq, yg]), is_query=is_query,
-                           is_gallery=~is_query, ks=tuple(e.ks), metrics=e.metrics, seed=cfg.train.seed,
-                           kmeans_restarts=e.kmeans_restarts)
-    return {k: float(v) for k, v in metrics.items()}, f"raw pixels ({desc} = {d}-d)"
+    x = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    del parts
+    metrics: dict[str, float] = {}
+    if retrieval:
+        metrics.update(evaluate(x, labels, ks=tuple(e.ks), metrics=retrieval, seed=cfg.train.seed, **masks))
+    if clustering:
+        metrics.update(evaluate(x, labels, ks=tuple(e.ks), metrics=clustering, seed=cfg.train.seed,
+                                kmeans_restarts=e.kmeans_restarts, **masks))
+    return {k: float(v) for k, v in metrics.items()}, f"raw pixels ({desc} = {d}-d{left_out})"
 
 
 def backbone_features_baseline(cfg: Config, dataset, *,
