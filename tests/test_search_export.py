@@ -72,7 +72,8 @@ def test_preprocessing_json_reimplemented_by_hand(shapes, tmp_path):
     info = json.loads(preprocessing_path(out).read_text())
     pre = info["preprocessing"]
     ops = [s["op"] for s in pre["steps"]]
-    assert ops == ["convert", "rgb", "resize", "center_crop", "to_float", "normalize"]
+    assert ops == ["exif_transpose", "to_8bit", "composite_alpha", "convert", "rgb", "resize", "center_crop",
+                   "to_float", "normalize"]
     steps = {s["op"]: s for s in pre["steps"]}
     assert steps["resize"]["size"] == [36, 36] and steps["center_crop"]["size"] == [32, 32]
     assert pre["mean"] == pytest.approx([0.485, 0.456, 0.406]) and pre["std"] == pytest.approx([0.229, 0.224, 0.225])
@@ -94,8 +95,9 @@ def test_export_errors(shapes, tmp_path, capsys):
     assert "none.pt not found" in capsys.readouterr().err
 
 
-def test_transparent_queries_are_composited_onto_the_benchmark_background():
-    """Emoji are drawn on white: a transparent query pixel must become white, not black."""
+def test_transparent_queries_are_composited_onto_white_everywhere():
+    """Emoji are drawn on white, and the decoder makes every transparent pixel white: a
+    transparent query pixel becomes white, not black, with or without the recorded background."""
     import numpy as np
     from PIL import Image
 
@@ -104,7 +106,9 @@ def test_transparent_queries_are_composited_onto_the_benchmark_background():
     img = Image.fromarray(rgba, "RGBA")
     white = Preprocessing(None, mode="RGB", input_size=8, background="white")(img)
     plain = Preprocessing(None, mode="RGB", input_size=8)(img)
-    assert torch.allclose(white[:, 0, 0], torch.ones(3)) and torch.allclose(plain[:, 0, 0], torch.zeros(3))
+    assert torch.allclose(white[:, 0, 0], torch.ones(3)) and torch.equal(plain, white)
     assert torch.allclose(white[:, 3, 3], torch.tensor([200, 30, 30]) / 255.0)
-    desc = Preprocessing(None, mode="RGB", input_size=8, background="white").describe()
-    assert desc["steps"][0] == {"op": "composite_alpha", "background": "white"}
+    grey = Preprocessing(None, mode="L", input_size=8)(img)
+    assert grey[0, 0, 0] == 1.0 and grey[0, 3, 3] == pytest.approx(round(0.299 * 200 + 0.587 * 30 + 0.114 * 30) / 255, abs=1 / 255)
+    desc = Preprocessing(None, mode="RGB", input_size=8).describe()
+    assert {"op": "composite_alpha", "background": "white"} in desc["steps"]

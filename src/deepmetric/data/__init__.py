@@ -3,6 +3,7 @@
 ``build_dataset(name, root=None, split="train", transform=None, **options)`` builds every
 dataset; ``list_datasets()`` names them. See docs/data.md and docs/offline-data.md.
 """
+from .decode import ImageDecodeError, ImageSizeError, decode_image
 from .image_list import IMAGE_EXTENSIONS, ImageList, ImageListDataset, remap_labels
 from .benchmarks import (
     OFFICIAL_COUNTS,

@@ -38,6 +38,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .decode import ImageDecodeError, decode_image
 from .image_list import IMAGE_EXTENSIONS
 
 __all__ = [
@@ -219,10 +220,9 @@ def read_frames(path: str | os.PathLike, indices: Sequence[int], *, seek_after: 
             if i >= len(files):
                 raise VideoDecodeError(f"{p}: frame {i} requested but the folder has {len(files)} frames")
             try:
-                with Image.open(files[i]) as im:
-                    out.append(im.convert("RGB"))
-            except OSError as exc:
-                raise VideoDecodeError(f"{files[i]}: cannot read frame image ({exc})") from exc
+                out.append(decode_image(files[i], mode="RGB"))
+            except (OSError, ImageDecodeError) as exc:
+                raise VideoDecodeError(f"cannot read frame image: {exc}") from exc
         return out
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such video file or frame folder")

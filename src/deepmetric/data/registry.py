@@ -39,7 +39,7 @@ _ALIASES = {
 _EVENT_OPTIONS = ("rate", "window", "min_seconds", "random_window", "test_windows")
 
 # options the ImageListDataset wrapper takes (every file-based dataset accepts them)
-_DATASET_OPTIONS = ("skip_missing", "verify", "mode")
+_DATASET_OPTIONS = ("skip_missing", "verify", "mode", "max_decode_mb")
 _OPTIONS = {
     "benchmark": ("protocol", "check_counts"),
     "folder": ("class_split", "split_file", "seed", "extensions", "allow_empty_classes"),
@@ -104,7 +104,8 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
             ``check_counts``; folder: ``class_split``, ``split_file``, ``seed``,
             ``extensions``, ``allow_empty_classes``; csv: ``image_root``, ``label_map``,
             ``delimiter``; all file-based datasets: ``skip_missing``, ``verify``
-            ("exists" | "open" | "none"), ``mode`` ("RGB" | "L"). fashion-mnist, glyphs and
+            ("exists" | "open" | "none"), ``mode`` ("RGB" | "L"), ``max_decode_mb`` (largest
+            decoded image in MiB, checked before decoding). fashion-mnist, glyphs and
             emoji take their own options (emoji: ``protocol``, ``size``, ``vendors``,
             ``min_vendors``, ``max_classes``; see docs/offline-data.md).
 

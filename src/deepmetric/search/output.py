@@ -16,10 +16,11 @@ __all__ = ["results_text", "results_json", "results_html", "thumbnail_png"]
 
 def thumbnail_png(path: str | Path, size: int = 160) -> bytes:
     """PNG bytes of the image at ``path`` scaled to fit ``size`` x ``size`` (small images are
-    enlarged with nearest-neighbour so 32-pixel glyphs stay sharp)."""
-    with Image.open(path) as im:
-        im.load()
-        im = im.convert("RGB") if im.mode not in ("RGB", "L") else im.copy()
+    enlarged with nearest-neighbour so 32-pixel glyphs stay sharp). Read with the decoder
+    queries use (EXIF orientation, 8 bits, transparency onto white; grey stays grey)."""
+    from deepmetric.data.decode import decode_image
+
+    im = decode_image(path, mode=None)
     scale = size / max(im.size)
     new = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
     im = im.resize(new, Image.NEAREST if scale > 1 else Image.LANCZOS)

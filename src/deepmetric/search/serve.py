@@ -85,12 +85,15 @@ def create_app(index, *, max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, default_k
     from starlette.routing import Route
 
     from .output import thumbnail_png
+    from deepmetric.data.decode import ImageSizeError
+
     from .query import decode_image
 
     if not max_upload_mb > 0:
         raise ValueError(f"max_upload_mb must be > 0, got {max_upload_mb}")
     limit = int(max_upload_mb * 2**20)
-    index.model()  # load (and hash-check) the checkpoint now, not on the first request
+    _, pre = index.model()  # load (and hash-check) the checkpoint now, not on the first request
+    decode_bytes = pre.decode_limit()
     page = _PAGE.read_text(encoding="utf-8").replace("__DEFAULT_K__", str(int(default_k)))
     cache: dict[tuple[int, int], bytes] = {}
 
@@ -130,7 +133,9 @@ def create_app(index, *, max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, default_k
         data = await upload.read()
         name = upload.filename or "upload"
         try:
-            img = decode_image(data, name)
+            img = decode_image(data, name, mode=pre.mode, max_bytes=decode_bytes)
+        except ImageSizeError as exc:
+            return error(413, str(exc))
         except ValueError as exc:
             return error(400, str(exc))
 
