@@ -328,7 +328,9 @@ def _add_index_parser(sub) -> None:
         description=(
             "Embed a dataset split with CHECKPOINT (its test transform) and write INDEX_DIR: embeddings.npy, "
             "labels.npy, class_names.json, paths.json, index.faiss and manifest.json (checkpoint path, SHA-256 "
-            "and config). Exact inner-product search by default. See docs/search.md."),
+            "and config; every file's size and SHA-256). Exact inner-product search by default. The folder "
+            "is written beside the target and swapped in atomically: a failure leaves an existing index "
+            "untouched. See docs/search.md."),
         epilog=("example:\n  deepmetric index runs/demo/last.pt --out runs/demo/index\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root photos/ --out photos.index\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root more_photos/ --out photos.index --add"))
@@ -345,6 +347,9 @@ def _add_index_parser(sub) -> None:
     p.add_argument("--add", action="store_true",
                    help="add the images to the existing index in --out (same checkpoint; already indexed "
                         "paths are skipped)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the index in --out (without --add or --overwrite an existing index is "
+                        "refused; a folder that is not an index always is)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default auto)")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
@@ -356,7 +361,8 @@ def _run_index(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
 
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
-                        approximate=args.approximate, add=args.add, batch_size=args.batch_size,
+                        approximate=args.approximate, add=args.add, overwrite=args.overwrite,
+                        batch_size=args.batch_size,
                         device=args.device, num_workers=args.num_workers, progress=not args.no_progress)
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
     what = "added" if args.add else "indexed"
