@@ -90,6 +90,19 @@ def test_preprocessing_json_reimplemented_by_hand(shapes, tmp_path):
         assert diff.max() < 4 and diff.mean() < 0.5, (diff.max(), diff.mean())
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+def test_both_formats_to_one_stem_keep_their_own_preprocessing_json(shapes, tmp_path):
+    ckpt = str(shapes["checkpoint"])
+    assert cli.main(["export", ckpt, "--format", "onnx", "--out", str(tmp_path / "model.onnx")]) == 0
+    assert cli.main(["export", ckpt, "--format", "torchscript", "--raw", "--out", str(tmp_path / "model.pt")]) == 0
+    onnx = json.loads((tmp_path / "model.onnx.preprocessing.json").read_text())
+    ts = json.loads((tmp_path / "model.pt.preprocessing.json").read_text())
+    assert (onnx["format"], onnx["file"], onnx["output"]["l2_normalized"]) == ("onnx", "model.onnx", True)
+    assert (ts["format"], ts["file"], ts["output"]["l2_normalized"]) == ("torchscript", "model.pt", False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.preprocessing.json",
+                                                          "model.pt", "model.pt.preprocessing.json"]
+
+
 def test_export_errors(shapes, tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "none.pt"), "--out", str(tmp_path / "m.onnx")]) == 2
     assert "none.pt not found" in capsys.readouterr().err

@@ -415,7 +415,7 @@ def _add_export_parser(sub) -> None:
         "export", help="export the embedding network of a checkpoint (ONNX / TorchScript)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=("Write the embedding network (input: preprocessed image batch [N, C, H, W] float32; "
-                     "output: l2-normalised embedding [N, d]) and FILE's .preprocessing.json beside it "
+                     "output: l2-normalised embedding [N, d]) and FILE.preprocessing.json beside it "
                      "(resize, crop, mean/std, channels). ONNX needs the 'onnx' package."),
         epilog=("example:\n  deepmetric export runs/demo/last.pt --format onnx --out demo.onnx\n"
                 "  deepmetric export runs/demo/last.pt --format torchscript --out demo.pt"))

@@ -319,6 +319,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
             refused = exc
     if D.any_true(refused is not None, device):  # every rank stops, before anything is written
         raise refused or RunDirectoryError(f"rank 0 refused the run directory {out_dir}")
+    resume_ckpt = load_checkpoint(resume, map_location=device) if resume is not None else None  # a bad file fails first
     seed_everything(tc.seed)  # identical model/loss initialisation on every rank
 
     # 2. data ----------------------------------------------------------------------------
@@ -391,7 +392,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     state = TrainState(best={"metric": select_key, "value": None, "epoch": None, "test": None})
     last_ckpt = out_dir / "last.pt"
     if resume is not None:
-        ckpt = load_checkpoint(resume, map_location=device)
+        ckpt = resume_ckpt
         state = restore(ckpt, objs, rank=rank, config=config_dict, path=resume)
         if main:
             _truncate_log(out_dir / "log.jsonl", state.iteration, state.epoch)
