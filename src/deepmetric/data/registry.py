@@ -140,7 +140,7 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
 
 def _build_events(key: str, root, split: str, transform, options: dict):
     """Video-event datasets: ``events`` (CSV: video_root, default_fps, delimiter), ``hdd``
-    (label_fps, frames, classes, sessions) and ``synthetic-events`` (num_train, num_test, fps,
+    (label_fps, frames, classes, sessions, frame_fps) and ``synthetic-events`` (num_train, num_test, fps,
     size, seed, val_fraction); all take the EventDataset options rate, window, min_seconds,
     random_window, test_windows."""
     from .events import EventDataset, load_event_csv, load_hdd_events
@@ -150,7 +150,7 @@ def _build_events(key: str, root, split: str, transform, options: dict):
 
         return build_synthetic_events(split=split, transform=transform, root=root, **options)
     loader_options = {"events": ("video_root", "default_fps", "delimiter"),
-                      "hdd": ("label_fps", "frames", "classes", "sessions")}[key]
+                      "hdd": ("label_fps", "frames", "classes", "sessions", "frame_fps")}[key]
     unknown = sorted(set(options) - set(loader_options) - set(_EVENT_OPTIONS))
     if unknown:
         raise TypeError(f"build_dataset({key!r}): unknown option(s) {unknown}; accepted: "
