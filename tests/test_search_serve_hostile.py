@@ -170,7 +170,7 @@ def test_replaced_files_change_nothing_until_a_reload(shapes, tmp_path):
         status, _, body = request(url, "POST", "/api/reload")
         assert status == 200 and json.loads(body)["count"] == 44
         new = Index.load(d)
-        sims, idx = new.search(Image.open(sorted(Path(shapes["queries"]).glob("red_disc/*.png"))[0]), k=5)
+        _, idx = new.search(Image.open(sorted(Path(shapes["queries"]).glob("red_disc/*.png"))[0]), k=5)
         got = json.loads(_search(url, query)[2])["neighbours"]
         assert [n["id"] for n in got] == list(idx[0])
         # SIGHUP reloads too

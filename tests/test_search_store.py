@@ -110,7 +110,7 @@ def test_a_crash_while_writing_changes_nothing(shapes, built, tmp_path, monkeypa
 
 
 def test_out_existing_needs_add_or_overwrite(shapes, built, tmp_path, capsys):
-    out, before, query, part = built
+    out, before, query, _ = built
     few = make_shapes_folder(tmp_path / "few", classes=["blue_square"], per_class=3)
     capsys.readouterr()
     assert _index(shapes["checkpoint"], few, out) == 2
@@ -149,7 +149,7 @@ def test_load_checks_sizes_always_and_hashes_on_request(built):
 
 
 def test_old_index_without_file_list_loads_with_a_warning_and_add_upgrades_it(shapes, built, tmp_path):
-    out, _, query, _ = built
+    out = built[0]
     m = json.loads((out / "manifest.json").read_text())
     del m["files"]
     m["version"] = 1
