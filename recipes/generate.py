@@ -502,7 +502,9 @@ def hdd_config(name: str, batch: int, method: str, balanced: bool, *, descriptio
     lambda 1, margin 0.2); 10k iterations, polynomial lr from 0.01; batch 33 or 63.  The paper
     does not say how batches were drawn: random batches by default, ``_balanced`` recipes draw
     m classes x n events.  The frame size (224 x 224) is our choice.  Evaluated once, at the
-    end (centre window), so no model is selected on the test split."""
+    end (centre window), so no model is selected on the test split.  The softmax baseline has
+    no embedding head (its recall and NMI use the pooled features, not an untrained layer),
+    as the fine-grained softmax recipes."""
     loss = [{"name": "cross_entropy", "weight": 1.0, "input": "logits"}]
     if method == "semihard":
         loss.append({"name": "triplet", "weight": 1.0, "input": "embedding",
@@ -512,6 +514,9 @@ def hdd_config(name: str, batch: int, method: str, balanced: bool, *, descriptio
         m, n = HDD_BALANCED[batch]
         train.update(sampler="class_balanced", m=m, n=n)
     train.update(seed=0, out_dir=f"runs/two_head_hdd/{name}")
+    model_opts = {"backbone": "resnet50", "in_chans": 5, "embedding_dim": 256, "norm": "l2", "input_size": 224}
+    if method == "softmax":  # single-head baseline, as in two_head_config: no untrained embedding head
+        model_opts = {"backbone": "resnet50", "in_chans": 5, "embedding_head": False, "input_size": 224}
     return {
         "name": name,
         "description": description,
@@ -519,8 +524,7 @@ def hdd_config(name: str, batch: int, method: str, balanced: bool, *, descriptio
                  "options": {"rate": 3.0, "window": 6, "min_seconds": 2.0, "test_windows": 1},
                  "train_split": "train", "transform": "sod",
                  "transform_options": {"size": 224, "scale": 1.0}, "num_workers": 8},
-        "model": {"name": "two_head", "options": {
-            "backbone": "resnet50", "in_chans": 5, "embedding_dim": 256, "norm": "l2", "input_size": 224}},
+        "model": {"name": "two_head", "options": model_opts},
         "loss": loss,
         "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0},
         "schedule": {"lr": {"name": "poly", "unit": "iteration", "power": 1.0, "end_factor": 0.0},

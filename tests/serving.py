@@ -32,3 +32,91 @@ def serve_in_thread(app, host: str = "127.0.0.1"):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def request(url, method, path, body=None, headers=None, timeout=60):
+    """One HTTP request: ``(status, headers dict (lower-case names), body bytes)``."""
+    import http.client
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def multipart(fields: dict, files: dict, content_type: str = "multipart/form-data"):
+    """A multipart body: ``files`` maps a field to ``(file name as str or bytes, data)``."""
+    import uuid
+
+    boundary = uuid.uuid4().hex
+    parts = []
+    for k, v in fields.items():
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode())
+    for k, (name, data) in files.items():
+        raw = name if isinstance(name, bytes) else name.encode()
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"; filename="'.encode() + raw
+                     + b'"\r\nContent-Type: application/octet-stream\r\n\r\n' + data + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return body, {"Content-Type": f"{content_type}; boundary={boundary}"}
+
+
+def memory_kib(pid: int) -> dict:
+    """``VmRSS`` (now) and ``VmHWM`` (peak) of a Linux process, in KiB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1])
+    return out
+
+
+@contextlib.contextmanager
+def serve_subprocess(index_dir, *args, host: str = "127.0.0.1", start_timeout: float = 180):
+    """``deepmetric serve INDEX_DIR *args`` in a subprocess on a free port of ``host``; yields
+    ``(url, proc, output)`` where ``output()`` returns what it printed so far (after it stops:
+    everything). Stops it with SIGTERM."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "serve", str(index_dir), "--host", host,
+                             "--port", str(port), *args], env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def output() -> str:
+        log.flush()
+        log.seek(0)
+        return log.read()
+
+    url = f"http://{host}:{port}"
+    try:
+        deadline = time.time() + start_timeout
+        while True:
+            try:
+                if request(url, "GET", "/api/info", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline or proc.poll() is not None:
+                raise AssertionError(f"deepmetric serve did not start: {output()}")
+            time.sleep(0.3)
+        yield url, proc, output
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+        log.close()

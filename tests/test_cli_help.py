@@ -83,6 +83,6 @@ def test_worker_error_is_unwrapped_to_the_workers_message(tmp_path):
         list(loader)
     assert "Original Traceback" in str(exc.value)  # what torch gives
     msg = worker_error_message(exc.value)
-    assert msg.startswith(f"folder: cannot read image {bad}: image file is truncated")
+    assert msg.startswith(f"folder: cannot read image {bad}: not an image that can be decoded (image file is truncated")
     assert "Traceback" not in msg and "File \"" not in msg
     assert worker_error_message(ValueError("plain")) is None

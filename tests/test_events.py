@@ -257,6 +257,85 @@ def test_hdd_miniature_tree(tmp_path):
         load_hdd_events(tmp_path, "test")
 
 
+def _numbered_folder(folder, n):
+    """Frame k of a folder: pixel (0, 0) = k % 256, pixel (0, 1) = k // 256."""
+    folder.mkdir(parents=True)
+    for k in range(n):
+        a = np.zeros((4, 4), np.uint8)
+        a[0, 0], a[0, 1] = k % 256, k // 256
+        Image.fromarray(a).save(folder / f"{k:06d}.png")
+
+
+def _frame_number(img) -> int:
+    a = np.asarray(img)[..., 0]
+    return int(a[0, 0]) + 256 * int(a[0, 1])
+
+
+def test_hdd_folder_with_every_video_frame_is_refused_or_read_at_its_rate(tmp_path):
+    """The defect of issue 20: labels at 3 fps, a folder with all 30 fps frames. A left turn on
+    label frames 10-15 (3.33-5 s) must read source frames 100-150, not 10-15."""
+    y = np.array([0] * 10 + [2] * 6 + [0] * 15, dtype=np.int64)  # 31 labels = 10.33 s
+    (tmp_path / "target").mkdir()
+    np.save(tmp_path / "target" / "s1.npy", y)
+    _numbered_folder(tmp_path / "camera" / "s1", 10 * len(y))
+    (tmp_path / "train_sessions.txt").write_text("s1\n")
+    with pytest.raises(ValueError) as e:
+        load_hdd_events(tmp_path, "train")
+    msg = str(e.value)
+    assert "holds 310 frames but" in msg and "has 31 labels at 3 fps" in msg and "run at 30 fps" in msg
+    assert "ffmpeg -i VIDEO -vf fps=3" in msg and "data.options.frame_fps: 30" in msg
+    ds = build_dataset("hdd", root=str(tmp_path), split="train", frame_fps=30, min_seconds=1.0, window=5,
+                       random_window=False, transform=lambda frames: frames)
+    turn = [i for i, ev in enumerate(ds.events) if ds.class_names[ev.label] == "left turn"]
+    (i,) = turn
+    assert list(ds.frame_indices[i]) == [100, 110, 120, 130, 140, 150]  # floor((10/3 + k/3) * 30)
+    frames, _ = ds[i]  # the centre window of 5 of the 6 sampled frames
+    assert [_frame_number(f) for f in frames] == [100, 110, 120, 130, 140]
+    # a rate that does not fit the frames is refused too
+    with pytest.raises(ValueError, match="run at 30 fps"):
+        load_hdd_events(tmp_path, "train", frame_fps=10)
+    with pytest.raises(ValueError, match="frame_fps must be a positive frame rate"):
+        load_hdd_events(tmp_path, "train", frame_fps=0)
+    # one frame per label (ffmpeg -vf fps=3), give or take the last frames: accepted
+    (tmp_path / "camera" / "s1").rename(tmp_path / "all_frames")
+    _numbered_folder(tmp_path / "camera" / "s1", len(y) - 2)
+    ev = load_hdd_events(tmp_path, "train")
+    assert [ev.class_names[e.label] for e in ev.events] == ["background", "left turn", "background"]
+
+
+def test_hdd_float_labels_and_video_length(tmp_path):
+    y = np.array([0] * 9 + [2] * 6 + [0] * 9)
+    (tmp_path / "target").mkdir()
+    _write_folder(tmp_path / "camera" / "s1", len(y))
+    (tmp_path / "train_sessions.txt").write_text("s1\n")
+    np.save(tmp_path / "target" / "s1.npy", y.astype(np.int64))
+    ints = load_hdd_events(tmp_path, "train").events
+    np.save(tmp_path / "target" / "s1.npy", y.astype(np.float32))  # TRN.pytorch casts float targets
+    assert load_hdd_events(tmp_path, "train").events == ints
+    bad = y.astype(np.float64)
+    bad[12] = 2.5
+    np.save(tmp_path / "target" / "s1.npy", bad)
+    with pytest.raises(ValueError, match=r"s1\.npy': float labels must be whole numbers; frame 12 holds 2\.5"):
+        load_hdd_events(tmp_path, "train")
+    bad[12] = np.nan
+    np.save(tmp_path / "target" / "s1.npy", bad)
+    with pytest.raises(ValueError, match="frame 12 holds nan"):
+        load_hdd_events(tmp_path, "train")
+    np.save(tmp_path / "target" / "s1.npy", np.array(["a", "b"]))
+    with pytest.raises(ValueError, match="expected a 1-D array of per-frame labels"):
+        load_hdd_events(tmp_path, "train")
+    # a video of another length than its labels (8 s of labels, 4 s of video at 6 fps)
+    np.save(tmp_path / "target" / "s1.npy", y.astype(np.int64))
+    import shutil
+
+    shutil.rmtree(tmp_path / "camera" / "s1")
+    _write_video(tmp_path / "camera" / "s1.mp4", 24, fps=6)
+    with pytest.raises(ValueError, match=r"video '.*s1\.mp4' lasts 4\.0 s \(24 frames at 6 fps\) but .* \(8\.0 s\)"):
+        load_hdd_events(tmp_path, "train")
+    _write_video(tmp_path / "camera" / "s1.mp4", 48, fps=6)
+    assert len(load_hdd_events(tmp_path, "train").events) == 3
+
+
 # --------------------------------------------------------------------------- synthetic
 def test_synthetic_events_deterministic_long_tailed_and_split():
     kw = dict(num_train=60, num_test=30, size=16)

@@ -175,5 +175,6 @@ def test_error_in_a_loader_worker_is_one_line(digits, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *_fast(root, out, "data.num_workers=1", "eval.baselines=false")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"deepmetric train: error: folder: cannot read image {bad}: image file is truncated")
+    assert err.startswith(f"deepmetric train: error: folder: cannot read image {bad}: not an image that can be "
+                          "decoded (image file is truncated")
     assert len(err.splitlines()) == 1 and "Traceback" not in err

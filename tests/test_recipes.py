@@ -244,6 +244,10 @@ def test_two_head_hdd_hyper_parameters(configs):
             assert c.train.sampler == "random"
         assert c.eval.every == 0 and c.eval.classification and c.eval.best_metric is None  # final model, no test-set selection
         assert len(c.loss) == (2 if "_semihard" in name else 1)
+        if "_softmax" in name:  # single head: no untrained embedding head, as the fine-grained ones
+            assert o["embedding_head"] is False and "embedding_dim" not in o and "norm" not in o
+        else:
+            assert (o["embedding_dim"], o["norm"]) == (256, "l2")
     assert "macro acc. 53.70" in (ROOT / "recipes" / "two_head_hdd" / "table3_b33_semihard.yaml").read_text().splitlines()[2]
 
 

@@ -72,7 +72,8 @@ def test_preprocessing_json_reimplemented_by_hand(shapes, tmp_path):
     info = json.loads(preprocessing_path(out).read_text())
     pre = info["preprocessing"]
     ops = [s["op"] for s in pre["steps"]]
-    assert ops == ["convert", "rgb", "resize", "center_crop", "to_float", "normalize"]
+    assert ops == ["exif_transpose", "to_8bit", "composite_alpha", "convert", "rgb", "resize", "center_crop",
+                   "to_float", "normalize"]
     steps = {s["op"]: s for s in pre["steps"]}
     assert steps["resize"]["size"] == [36, 36] and steps["center_crop"]["size"] == [32, 32]
     assert pre["mean"] == pytest.approx([0.485, 0.456, 0.406]) and pre["std"] == pytest.approx([0.229, 0.224, 0.225])
@@ -89,13 +90,27 @@ def test_preprocessing_json_reimplemented_by_hand(shapes, tmp_path):
         assert diff.max() < 4 and diff.mean() < 0.5, (diff.max(), diff.mean())
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+def test_both_formats_to_one_stem_keep_their_own_preprocessing_json(shapes, tmp_path):
+    ckpt = str(shapes["checkpoint"])
+    assert cli.main(["export", ckpt, "--format", "onnx", "--out", str(tmp_path / "model.onnx")]) == 0
+    assert cli.main(["export", ckpt, "--format", "torchscript", "--raw", "--out", str(tmp_path / "model.pt")]) == 0
+    onnx = json.loads((tmp_path / "model.onnx.preprocessing.json").read_text())
+    ts = json.loads((tmp_path / "model.pt.preprocessing.json").read_text())
+    assert (onnx["format"], onnx["file"], onnx["output"]["l2_normalized"]) == ("onnx", "model.onnx", True)
+    assert (ts["format"], ts["file"], ts["output"]["l2_normalized"]) == ("torchscript", "model.pt", False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.preprocessing.json",
+                                                          "model.pt", "model.pt.preprocessing.json"]
+
+
 def test_export_errors(shapes, tmp_path, capsys):
     assert cli.main(["export", str(tmp_path / "none.pt"), "--out", str(tmp_path / "m.onnx")]) == 2
     assert "none.pt not found" in capsys.readouterr().err
 
 
-def test_transparent_queries_are_composited_onto_the_benchmark_background():
-    """Emoji are drawn on white: a transparent query pixel must become white, not black."""
+def test_transparent_queries_are_composited_onto_white_everywhere():
+    """Emoji are drawn on white, and the decoder makes every transparent pixel white: a
+    transparent query pixel becomes white, not black, with or without the recorded background."""
     import numpy as np
     from PIL import Image
 
@@ -104,10 +119,12 @@ def test_transparent_queries_are_composited_onto_the_benchmark_background():
     img = Image.fromarray(rgba, "RGBA")
     white = Preprocessing(None, mode="RGB", input_size=8, background="white")(img)
     plain = Preprocessing(None, mode="RGB", input_size=8)(img)
-    assert torch.allclose(white[:, 0, 0], torch.ones(3)) and torch.allclose(plain[:, 0, 0], torch.zeros(3))
+    assert torch.allclose(white[:, 0, 0], torch.ones(3)) and torch.equal(plain, white)
     assert torch.allclose(white[:, 3, 3], torch.tensor([200, 30, 30]) / 255.0)
-    desc = Preprocessing(None, mode="RGB", input_size=8, background="white").describe()
-    assert desc["steps"][0] == {"op": "composite_alpha", "background": "white"}
+    grey = Preprocessing(None, mode="L", input_size=8)(img)
+    assert grey[0, 0, 0] == 1.0 and grey[0, 3, 3] == pytest.approx(round(0.299 * 200 + 0.587 * 30 + 0.114 * 30) / 255, abs=1 / 255)
+    desc = Preprocessing(None, mode="RGB", input_size=8).describe()
+    assert {"op": "composite_alpha", "background": "white"} in desc["steps"]
 
 
 def test_embed_images_is_the_models_normalised_embedding(shapes):

@@ -102,7 +102,8 @@ def test_upload_bounds_and_bad_images(server):
     raw[29:33] = struct.pack(">I", zlib.crc32(bytes(raw[12:29])))
     body, headers = _multipart({}, {"image": ("bomb.png", bytes(raw))})
     status, _, data = _request(url, "POST", "/search", body, headers)
-    assert status == 400 and "8000 x 8000 pixels is larger than the limit" in json.loads(data)["error"]
+    assert status == 413 and json.loads(data)["error"].startswith(
+        "bomb.png: image of 8000 x 8000 pixels (RGB) decodes to 183.1 MiB, more than the limit of 64.0 MiB")
     body, headers = _multipart({"k": "0"}, {"image": ("ok.png", png.getvalue())})
     status, _, data = _request(url, "POST", "/search", body, headers)
     assert status == 400 and "k must lie in" in json.loads(data)["error"]

@@ -244,3 +244,31 @@ def test_train_state_is_what_a_checkpoint_saves_and_restores(tmp_path):
     assert set(fields) <= set(saved)
     assert (saved["epoch"], saved["batch_in_epoch"], saved["epoch_loss_n"]) == (1, 0, 0)
     assert saved["best"]["value"] is None and saved["metrics"]["recall@1"] > 0  # no validation split
+
+
+def test_corrupt_resume_checkpoint_is_reported_first_without_unsafe_advice(tmp_path, capsys):
+    """A damaged --resume file fails before the run summary is printed, names the file and
+    never repeats torch's advice to load with weights_only=False."""
+    import os
+    import pickle
+
+    from deepmetric import cli
+
+    run = tmp_path / "run"
+    base = ["train", "data.name=synthetic", "data.options={num_classes: 4, per_class: 6, dim: 8}",
+            "model.name=synthetic_mlp", "model.options={in_dim: 8, embedding_dim: 4}",
+            "train.epochs=1", "train.batch_size=8", f"train.out_dir={run}", "train.progress=false"]
+    assert cli.main(base) == 0
+    capsys.readouterr()
+    last = run / "last.pt"
+    good = last.read_bytes()
+    tampered = tmp_path / "tampered.pt"
+    with open(tampered, "wb") as f:
+        pickle.dump({"x": os.system}, f)  # a pickle that would run code
+    for bad, why in ((good[: len(good) // 2], "Error"), (tampered.read_bytes(), "Python objects other than tensors")):
+        last.write_bytes(bad)
+        assert cli.main(base + ["--resume", str(last)]) == 2
+        out, err = capsys.readouterr()
+        assert f"checkpoint {last} is corrupt or unreadable" in err and why in err
+        assert "weights_only=False" not in err + out and "weights_only` set to `False" not in err + out
+        assert out == ""  # nothing printed before the error: no run summary

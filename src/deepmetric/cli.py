@@ -330,7 +330,9 @@ def _add_index_parser(sub) -> None:
         description=(
             "Embed a dataset split with CHECKPOINT (its test transform) and write INDEX_DIR: embeddings.npy, "
             "labels.npy, class_names.json, paths.json, index.faiss and manifest.json (checkpoint path, SHA-256 "
-            "and config). Exact inner-product search by default. See docs/search.md."),
+            "and config; every file's size and SHA-256). Exact inner-product search by default. The folder "
+            "is written beside the target and swapped in atomically: a failure leaves an existing index "
+            "untouched. See docs/search.md."),
         epilog=("example:\n  deepmetric index runs/demo/last.pt --out runs/demo/index\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root photos/ --out photos.index\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root more_photos/ --out photos.index --add"))
@@ -347,6 +349,9 @@ def _add_index_parser(sub) -> None:
     p.add_argument("--add", action="store_true",
                    help="add the images to the existing index in --out (same checkpoint; already indexed "
                         "paths are skipped)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the index in --out (without --add or --overwrite an existing index is "
+                        "refused; a folder that is not an index always is)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default auto)")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
@@ -358,7 +363,8 @@ def _run_index(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
 
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
-                        approximate=args.approximate, add=args.add, batch_size=args.batch_size,
+                        approximate=args.approximate, add=args.add, overwrite=args.overwrite,
+                        batch_size=args.batch_size,
                         device=args.device, num_workers=args.num_workers, progress=not args.no_progress)
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
     what = "added" if args.add else "indexed"
@@ -411,7 +417,7 @@ def _add_export_parser(sub) -> None:
         "export", help="export the embedding network of a checkpoint (ONNX / TorchScript)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=("Write the embedding network (input: preprocessed image batch [N, C, H, W] float32; "
-                     "output: l2-normalised embedding [N, d]) and FILE's .preprocessing.json beside it "
+                     "output: l2-normalised embedding [N, d]) and FILE.preprocessing.json beside it "
                      "(resize, crop, mean/std, channels). ONNX needs the 'onnx' package."),
         epilog=("example:\n  deepmetric export runs/demo/last.pt --format onnx --out demo.onnx\n"
                 "  deepmetric export runs/demo/last.pt --format torchscript --out demo.pt"))
@@ -438,13 +444,28 @@ def _add_serve_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=("Serve a search page (drop or pick an image, see its nearest neighbours) and POST /search "
                      "(multipart field 'image', optional 'k'; JSON answer) for INDEX_DIR. Binds 127.0.0.1 by "
-                     "default. Needs the 'serve' extra: pip install 'deepmetric[serve]'."),
-        epilog="example:\n  deepmetric serve runs/demo/index --port 8000   # then open http://127.0.0.1:8000/")
+                     "default. The index is read into memory and checked (SHA-256) at start; changes on disk "
+                     "are used after POST /api/reload or kill -HUP. Needs the 'serve' extra: pip install "
+                     "'deepmetric[serve]'."),
+        epilog="example:\n  deepmetric serve runs/demo/index --port 8000   # then open http://127.0.0.1:8000/\n"
+               "  curl -X POST http://127.0.0.1:8000/api/reload   # after 'deepmetric index ... --add'")
     p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--k", type=int, default=10, help="neighbours shown by default (default 10)")
+    p.add_argument("--k", type=int, default=10,
+                   help="neighbours shown by default (default 10; at most 100 and the index size)")
     p.add_argument("--max-upload-mb", type=float, default=10.0, help="largest accepted upload in MiB (default 10)")
+    p.add_argument("--max-decode-mb", type=float, default=None,
+                   help="cap on an upload's decoded size in MiB (default 512); the limit is derived from the "
+                        "model's input (4096 bytes per input pixel, at least 64 MiB) and checked before decoding")
+    p.add_argument("--workers", type=int, default=2, help="threads that decode, embed and search (default 2)")
+    p.add_argument("--max-in-flight", type=int, default=8,
+                   help="searches accepted at once; more get 503 with Retry-After (default 8)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds a search may take, reading the upload included (default 30)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a Host header name to answer besides loopback ones (repeatable; '*': any). "
+                        "Guards against DNS rebinding; --host ADDRESS is allowed by itself")
     p.add_argument("--checkpoint", default=None, help="the index's checkpoint if it moved (same SHA-256)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] for embedding queries (default cpu)")
     p.set_defaults(func=_run_serve)
@@ -454,7 +475,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     from deepmetric.search.serve import serve
 
     serve(args.index_dir, host=args.host, port=args.port, checkpoint=args.checkpoint,
-          max_upload_mb=args.max_upload_mb, k=args.k, device=args.device)
+          max_upload_mb=args.max_upload_mb, k=args.k, device=args.device, workers=args.workers,
+          max_in_flight=args.max_in_flight, timeout_s=args.timeout, allow_hosts=args.allow_host,
+          max_decode_mb=args.max_decode_mb)
     return 0
 
 
@@ -639,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         msg = in_worker if in_worker is not None else msg
+        # a file name that is not UTF-8 is shown with its bytes escaped (caf\xe9.png)
+        msg = str(msg).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         print(f"deepmetric {args.command}: error: {msg}", file=sys.stderr)
         return 2
 

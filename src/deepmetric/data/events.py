@@ -38,6 +38,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .decode import ImageDecodeError, decode_image
 from .image_list import IMAGE_EXTENSIONS
 
 __all__ = [
@@ -219,10 +220,9 @@ def read_frames(path: str | os.PathLike, indices: Sequence[int], *, seek_after: 
             if i >= len(files):
                 raise VideoDecodeError(f"{p}: frame {i} requested but the folder has {len(files)} frames")
             try:
-                with Image.open(files[i]) as im:
-                    out.append(im.convert("RGB"))
-            except OSError as exc:
-                raise VideoDecodeError(f"{files[i]}: cannot read frame image ({exc})") from exc
+                out.append(decode_image(files[i], mode="RGB"))
+            except (OSError, ImageDecodeError) as exc:
+                raise VideoDecodeError(f"cannot read frame image: {exc}") from exc
         return out
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such video file or frame folder")
@@ -362,19 +362,50 @@ def events_from_frame_labels(labels: Sequence[int], fps: float) -> list[tuple[in
     return [(int(y[a]), a / fps, b / fps) for a, b in zip(starts, ends)]
 
 
+def _frame_labels(tf: Path) -> np.ndarray:
+    """A session's per-frame labels as int64: integer arrays, or float arrays of whole numbers
+    (as TRN.pytorch casts them); anything else names the file and the first bad value."""
+    y = np.load(tf, allow_pickle=False)
+    if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise ValueError(f"hdd: '{tf}': expected a 1-D array of per-frame labels (integers, or floats "
+                         f"with whole values), got {y.dtype} {y.shape}")
+    if np.issubdtype(y.dtype, np.floating):
+        bad = np.flatnonzero(~np.isfinite(y) | (y != np.round(y)))
+        if bad.size:
+            raise ValueError(f"hdd: '{tf}': float labels must be whole numbers; frame {int(bad[0])} holds "
+                             f"{float(y[bad[0]])!r}")
+        y = y.astype(np.int64)
+    if y.size and (y.min() < 0 or y.max() >= len(HDD_CLASSES)):
+        raise ValueError(f"hdd: '{tf}': labels must lie in 0..{len(HDD_CLASSES) - 1}, got {y.min()}..{y.max()}")
+    return y.astype(np.int64, copy=False)
+
+
+def _lengths_agree(frames_s: float, labels_s: float, label_fps: float) -> bool:
+    """Frames and labels cover the same time, within 1 % or 3 label frames (extraction rounds
+    the last frames)."""
+    return abs(frames_s - labels_s) <= max(3.0 / label_fps, 0.01 * labels_s)
+
+
 def load_hdd_events(root, split: str = "train", *, label_fps: float = 3.0, frames: str = "camera",
-                    classes: Sequence[str] = HDD_PAPER_CLASSES, sessions: Sequence[str] | None = None) -> EventList:
+                    classes: Sequence[str] = HDD_PAPER_CLASSES, sessions: Sequence[str] | None = None,
+                    frame_fps: float | None = None) -> EventList:
     """HDD goal-oriented events from per-frame label arrays (layout of the public TRN code).
 
     Layout under ``root``::
 
-        target/<session>.npy        int per-frame labels at label_fps (3), order HDD_CLASSES
-        camera/<session>/*.jpg      the session's frames at the same rate (frame i <-> label i)
+        target/<session>.npy        per-frame labels at label_fps (3), order HDD_CLASSES
+                                    (integers, or floats with whole values)
+        camera/<session>/*.jpg      the session's frames, at label_fps unless frame_fps says
           or camera/<session>.mp4   the session's video (any rate; events are cut by time)
         <split>_sessions.txt        one session id per line (train / val / test)
 
     Events are the maximal runs of one label; labels not in ``classes`` (default: the paper's
     eleven, i.e. without railroad passing) are skipped.  ``sessions`` overrides the list file.
+
+    Each session's frames must cover the time of its labels: a frame folder holding 10 times
+    as many frames as there are labels (every frame of the 30 fps video, not one per label) is
+    refused, naming the rate it implies, unless ``frame_fps`` gives the folder's rate; a video
+    whose duration differs from the labels' is refused too (within 1 % or 3 label frames).
     """
     r = Path(os.fspath(root)).expanduser()
     if sessions is None:
@@ -386,21 +417,33 @@ def load_hdd_events(root, split: str = "train", *, label_fps: float = 3.0, frame
     unknown = [c for c in classes if c not in HDD_CLASSES]
     if unknown:
         raise ValueError(f"hdd: unknown class name(s) {unknown}; known: {HDD_CLASSES}")
+    if frame_fps is not None and not float(frame_fps) > 0:
+        raise ValueError(f"hdd: frame_fps must be a positive frame rate, got {frame_fps!r}")
     keep = {HDD_CLASSES.index(c): i for i, c in enumerate(classes)}
     events = []
     for s in sessions:
         tf = r / "target" / f"{s}.npy"
         if not tf.is_file():
             raise FileNotFoundError(f"hdd: session {s}: label file '{tf}' not found")
-        y = np.load(tf, allow_pickle=False)
-        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-            raise ValueError(f"hdd: '{tf}': expected a 1-D integer array of per-frame labels, got {y.dtype} {y.shape}")
-        if y.size and (y.min() < 0 or y.max() >= len(HDD_CLASSES)):
-            raise ValueError(f"hdd: '{tf}': labels must lie in 0..{len(HDD_CLASSES) - 1}, got {y.min()}..{y.max()}")
+        y = _frame_labels(tf)
         folder, video = r / frames / s, r / frames / f"{s}.mp4"
         src = folder if folder.is_dir() else video
         fps, n = probe_source(src)
-        fps = fps or label_fps
+        labels_s = y.size / label_fps
+        if fps is None:  # a frame folder: its rate is frame_fps, or the labels' rate
+            fps = float(frame_fps or label_fps)
+            if not _lengths_agree(n / fps, labels_s, label_fps):
+                implied = n / labels_s if labels_s else float("inf")
+                raise ValueError(
+                    f"hdd: session {s}: frame folder '{src}' holds {n} frames but '{tf}' has {y.size} labels at "
+                    f"{label_fps:g} fps ({labels_s:.1f} s): read at {fps:g} fps the frames would cover "
+                    f"{n / fps:.1f} s; the folder's frames run at {implied:.3g} fps. Extract one frame per label "
+                    f"(ffmpeg -i VIDEO -vf fps={label_fps:g} {src}/%06d.jpg) or give the folder's rate "
+                    f"(data.options.frame_fps: {implied:.3g})")
+        elif not _lengths_agree(n / fps, labels_s, label_fps):
+            raise ValueError(f"hdd: session {s}: video '{src}' lasts {n / fps:.1f} s ({n} frames at {fps:g} fps) "
+                             f"but '{tf}' has {y.size} labels at {label_fps:g} fps ({labels_s:.1f} s): another "
+                             "session's video, or a video cut differently from its labels")
         for lab, a, b in events_from_frame_labels(y, label_fps):
             if lab in keep:
                 events.append(Event(str(src), keep[lab], a, min(b, n / fps), fps, f"{tf}:{a:.2f}s", n))

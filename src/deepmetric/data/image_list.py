@@ -3,7 +3,9 @@
 Every file-based dataset in deepmetric (the standard benchmarks, ``folder`` and ``csv``)
 is first parsed into an :class:`ImageList` - plain paths, int64 labels remapped to
 0..C-1 within the split, and the original class ids - and then wrapped in an
-:class:`ImageListDataset` that opens images lazily with PIL.
+:class:`ImageListDataset` that reads images lazily with :func:`deepmetric.data.decode.decode_image`
+(EXIF orientation, 16-bit / float scaled to 8 bits, transparency onto white, decoded size
+checked against ``max_decode_mb`` before decoding).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 from torchvision.transforms.v2 import functional as TF
+
+from .decode import DEFAULT_MAX_DECODE_MB, ImageDecodeError, check_decoded_size, decode_image, decode_limit
 
 __all__ = ["ImageList", "ImageListDataset", "remap_labels", "IMAGE_EXTENSIONS"]
 
@@ -117,20 +121,23 @@ def _describe(image_list: ImageList, i: int) -> str:
     return f"{image_list.paths[i]}{where}"
 
 
-def _readable(path: str) -> bool:
+def _readable(path: str, max_bytes: int | None = None) -> bool:
+    """The header opens, its structure verifies and its decoded size is within ``max_bytes``."""
     try:
         with Image.open(path) as im:
+            check_decoded_size(im, path, max_bytes)
             im.verify()
         return True
-    except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError, Image.DecompressionBombError):
         return False
 
 
 class ImageListDataset(Dataset):
     """A torch Dataset over an :class:`ImageList`: ``ds[i] -> (image, label)``.
 
-    Images are opened with PIL and converted to RGB (``mode="RGB"``, or ``"L"`` for
-    grayscale), then ``transform`` is applied. Without a transform the image is returned as
+    Images are read with :func:`deepmetric.data.decode.decode_image` into 8-bit RGB
+    (``mode="RGB"``, or ``"L"`` for grayscale): EXIF orientation applied, 16-bit and float
+    images scaled, transparent pixels made white; then ``transform`` is applied. Without a transform the image is returned as
     a float tensor in [0, 1], shape [C, H, W].
 
     Args:
@@ -142,7 +149,11 @@ class ImageListDataset(Dataset):
             gallery sets stay aligned; a warning names classes left without images.
         verify: ``"exists"`` (default) checks every file exists when the dataset is built;
             ``"open"`` also opens each image header with PIL (slow on large sets, catches
-            truncated/corrupt files); ``"none"`` checks nothing up front.
+            truncated/corrupt files, and images over ``max_decode_mb``); ``"none"`` checks
+            nothing up front.
+        max_decode_mb: largest decoded image (width x height x bands x bytes per band) in
+            MiB, checked from the header before decoding (default
+            :data:`~deepmetric.data.decode.DEFAULT_MAX_DECODE_MB`).
 
     Attributes: ``labels`` (int64 ndarray), ``num_classes``, ``class_names``, ``class_ids``
     (original id per label), ``paths``, ``skipped``, ``num_skipped``.
@@ -156,6 +167,7 @@ class ImageListDataset(Dataset):
         skip_missing: bool = False,
         verify: str = "exists",
         mode: str = "RGB",
+        max_decode_mb: float = DEFAULT_MAX_DECODE_MB,
     ):
         if verify not in _VERIFY_MODES:
             raise ValueError(f"verify must be one of {_VERIFY_MODES}, got {verify!r}")
@@ -163,11 +175,12 @@ class ImageListDataset(Dataset):
             raise ValueError(f"mode must be 'RGB' or 'L', got {mode!r}")
         self.transform = transform
         self.mode = mode
+        self.max_decode_bytes = decode_limit(None, max_decode_mb)
         self.skipped: list[str] = []
         if verify != "none":
             bad = []
             for i, p in enumerate(image_list.paths):
-                ok = os.path.isfile(p) and (verify != "open" or _readable(p))
+                ok = os.path.isfile(p) and (verify != "open" or _readable(p, self.max_decode_bytes))
                 if not ok:
                     bad.append(i)
             if bad and not skip_missing:
@@ -226,18 +239,19 @@ class ImageListDataset(Dataset):
         return len(self.paths)
 
     def load_image(self, i: int) -> Image.Image:
-        """Open image ``i`` as a PIL image in ``self.mode``; errors name the path."""
+        """Image ``i`` as an 8-bit PIL image in ``self.mode`` (:func:`decode_image`); errors
+        name the path."""
         path = self.paths[i]
         try:
-            with Image.open(path) as im:
-                return im.convert(self.mode)
+            return decode_image(path, mode=self.mode, max_bytes=self.max_decode_bytes)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{self.name}: image not found: {_describe(self.image_list, i)}"
             ) from None
-        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+        except (OSError, ImageDecodeError) as e:
+            reason = e.reason if isinstance(e, ImageDecodeError) else e
             raise OSError(
-                f"{self.name}: cannot read image {_describe(self.image_list, i)}: {e}. "
+                f"{self.name}: cannot read image {_describe(self.image_list, i)}: {reason}. "
                 "Build the dataset with verify='open', skip_missing=True to drop unreadable files "
                 "(in a YAML config: data.options.verify: open and data.options.skip_missing: true)."
             ) from e

@@ -136,7 +136,8 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
             ``check_counts``; folder: ``class_split``, ``split_file``, ``seed``,
             ``extensions``, ``allow_empty_classes``; csv: ``image_root``, ``label_map``,
             ``delimiter``; all file-based datasets: ``skip_missing``, ``verify``
-            ("exists" | "open" | "none"), ``mode`` ("RGB" | "L"). fashion-mnist, glyphs and
+            ("exists" | "open" | "none"), ``mode`` ("RGB" | "L"), ``max_decode_mb`` (largest
+            decoded image in MiB, checked before decoding). fashion-mnist, glyphs and
             emoji take their own options (emoji: ``protocol``, ``size``, ``vendors``,
             ``min_vendors``, ``max_classes``; see docs/offline-data.md); see
             :func:`dataset_options`.
@@ -148,7 +149,7 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
 
 # --------------------------------------------------------------------------- file-based datasets
 #: options of the ImageListDataset wrapper, accepted by every file-based dataset
-_WRAPPER_OPTIONS = ("skip_missing", "verify", "mode")
+_WRAPPER_OPTIONS = ("skip_missing", "verify", "mode", "max_decode_mb")
 _BENCHMARK_OPTIONS = ("protocol", "check_counts")
 _FOLDER_OPTIONS = ("class_split", "split_file", "seed", "extensions", "allow_empty_classes")
 _CSV_OPTIONS = ("image_root", "label_map", "delimiter")
@@ -227,4 +228,4 @@ def _build_event_csv(split: str = "train", transform=None, root=None, **options)
 
 @register_dataset("hdd", aliases=("honda",), event=True)
 def _build_hdd(split: str = "train", transform=None, root=None, **options):
-    return _build_events("hdd", ("label_fps", "frames", "classes", "sessions"), root, split, transform, options)
+    return _build_events("hdd", ("label_fps", "frames", "classes", "sessions", "frame_fps"), root, split, transform, options)

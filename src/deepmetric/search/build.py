@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .query import load_image, preprocessing_from_config
+from .store import check_utf8
 
 _FILE_DATASETS_ALL = ("folder", "csv")
 
@@ -25,12 +26,14 @@ class _ImageFiles(torch.utils.data.Dataset):
 
     def __init__(self, paths, labels, preprocessing):
         self.paths, self.labels, self.preprocessing = paths, labels, preprocessing
+        self.max_bytes = preprocessing.decode_limit()
 
     def __len__(self):
         return len(self.paths)
 
     def __getitem__(self, i):
-        return self.preprocessing(load_image(self.paths[i])), int(self.labels[i])
+        img = load_image(self.paths[i], mode=self.preprocessing.mode, max_bytes=self.max_bytes)
+        return self.preprocessing(img), int(self.labels[i])
 
 
 def class_names_of(ds) -> list[str] | None:
@@ -79,6 +82,10 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
     labels = np.asarray(ds.labels, dtype=np.int64)[keep] if hasattr(ds, "labels") else None
 
     names = class_names_of(ds)
+    for name in names or []:  # before any work: index files store names and paths as UTF-8
+        check_utf8(name, "class name")
+    for i in keep if paths is not None else []:
+        check_utf8(paths[i], "image file")
     if paths is not None:  # image files: exactly the preprocessing queries get (query.py)
         ds = _ImageFiles(paths, np.asarray(ds.labels, dtype=np.int64), preprocessing)
     embs = []

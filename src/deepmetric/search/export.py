@@ -5,11 +5,14 @@ as ``forward_head(forward_features(x))`` (timm's model contract), the embedding 
 ``image`` float32 ``[batch, C, H, W]`` (already preprocessed), output ``embedding`` float32
 ``[batch, d]``, l2-normalised unless ``normalize=False`` (cosine = dot product, as the index
 uses). The preprocessing that makes the input from an image file is written beside the
-exported file as ``<name>.preprocessing.json`` (see :meth:`Preprocessing.describe`).
+exported file as ``<file name>.preprocessing.json`` (``model.onnx.preprocessing.json``: the
+whole name, so an ONNX and a TorchScript export to one stem keep one each; see
+:meth:`Preprocessing.describe`).
 """
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -41,8 +44,10 @@ class EmbeddingOnly(nn.Module):
 
 
 def preprocessing_path(out: str | Path) -> Path:
+    """``model.onnx`` -> ``model.onnx.preprocessing.json`` (the whole file name, so ``model.onnx``
+    and ``model.pt`` do not share one)."""
     out = Path(out)
-    return out.with_name(out.stem + ".preprocessing.json")
+    return out.with_name(out.name + ".preprocessing.json")
 
 
 def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
@@ -82,5 +87,7 @@ def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
             "preprocessing": desc, "checkpoint": str(Path(checkpoint).resolve()),
             "model": cfg.model.name}
     side = preprocessing_path(out)
-    side.write_text(json.dumps(info, indent=1))
+    tmp = side.with_name(f".{side.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=1))
+    os.replace(tmp, side)
     return out, side

@@ -12,6 +12,13 @@ On disk (``deepmetric index ... --out INDEX_DIR``)::
     INDEX_DIR/index.faiss       faiss index: IndexFlatIP (exact), IndexIVFFlat or IndexHNSWFlat
     INDEX_DIR/images/           PNG copies of images that exist only in memory (glyphs, MNIST)
 
+``manifest.json`` (version 2) lists every other file's size and SHA-256 (``files``). Folders
+are written as transactions (:mod:`deepmetric.search.store`): into a temporary folder beside
+the target, swapped in atomically, so a failed ``index`` / ``index --add`` leaves the old
+index byte-identical. :meth:`Index.load` checks every listed file's size (and SHA-256 with
+``verify_hashes=True``, as ``deepmetric serve`` does at start and on reload); an index written
+before version 2 has no ``files`` and loads with a warning saying how to rebuild it.
+
 Exact search ranks by inner product with the exact faiss backend of
 :mod:`deepmetric.evaluate.knn` (chunked by a memory budget, ties by the smaller index);
 ``index.faiss`` is then only written for other tools. Approximate indexes (``ivf`` / ``hnsw``,
@@ -21,9 +28,11 @@ recall@10 against exact search is measured when they are built and stored in the
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,21 +40,92 @@ import numpy as np
 
 from .query import (Preprocessing, approximate_search, as_query_list, embed_images, exact_search,
                     recall_against_exact)
+from .store import (IndexFilesError, carry_file, check_utf8, file_entries, file_sha256, index_transaction,
+                    verify_files)
 
-__all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256"]
+__all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256", "IndexFilesError", "is_index_dir"]
 
 INDEX_FORMAT = "deepmetric-index"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: manifest.json lists every file's size and SHA-256 ("files")
 KINDS = ("exact", "ivf", "hnsw")
 _FILES = ("manifest.json", "embeddings.npy", "labels.npy", "class_names.json", "paths.json")
+_MANIFEST_OWN = ("format", "version", "kind", "count", "dim", "classes", "files")
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def is_index_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a folder with a deepmetric ``manifest.json``."""
+    m = Path(path) / "manifest.json"
+    try:
+        return m.is_file() and json.loads(m.read_text(encoding="utf-8")).get("format") == INDEX_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_out_dir(out: str | Path, *, overwrite: bool) -> None:
+    """Refuse to replace an existing index without ``overwrite``, and any non-empty folder that
+    is not an index (``--overwrite`` only ever replaces an index)."""
+    d = Path(out)
+    if not d.exists():
+        return
+    if not d.is_dir():
+        raise FileExistsError(f"--out {d} is a file, not an index folder")
+    if not any(d.iterdir()):
+        return
+    if not is_index_dir(d):
+        raise FileExistsError(f"--out {d} is a folder that is not empty and not a deepmetric index; choose "
+                              "another --out (--overwrite only replaces an index)")
+    if not overwrite:
+        try:
+            count = json.loads((d / "manifest.json").read_text(encoding="utf-8")).get("count")
+        except (OSError, ValueError):
+            count = "?"
+        raise FileExistsError(f"--out {d} already holds an index ({count} images); add images to it with "
+                              "--add, replace it with --overwrite, or choose another --out")
+
+
+class _Folder:
+    """Reads the files of one index folder through a descriptor of the folder, so that a
+    folder swapped in by a writer meanwhile is never mixed with the old one."""
+
+    def __init__(self, d: Path):
+        self.d = d
+        self.fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+    def close(self):
+        os.close(self.fd)
+
+    def open(self, rel: str):
+        return open(rel, "rb", opener=lambda p, flags: os.open(p, flags, dir_fd=self.fd))
+
+    def read(self, rel: str) -> bytearray:
+        with self.open(rel) as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = bytearray(size)
+            view, got = memoryview(buf), 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise IndexFilesError(f"{self.d / rel}: file shrank while it was read")
+                got += n
+        return buf
+
+    def size(self, rel: str) -> int:
+        return os.stat(rel, dir_fd=self.fd).st_size
+
+
+def _npy_from_buffer(buf: bytearray, name: str) -> np.ndarray:
+    """A ``.npy`` array viewing ``buf`` (no copy, no pickles)."""
+    f = io.BytesIO(buf)
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    if dtype.hasobject:
+        raise ValueError(f"{name}: holds Python objects; an index stores plain numbers")
+    count = int(np.prod(shape)) if shape else 1
+    arr = np.frombuffer(buf, dtype=dtype, count=count, offset=f.tell())
+    return arr.reshape(shape, order="F" if fortran else "C")
 
 
 def _normalised(x, name: str) -> np.ndarray:
@@ -55,17 +135,6 @@ def _normalised(x, name: str) -> np.ndarray:
     if arr.ndim == 1:
         arr = arr[None, :]
     return check_embeddings(arr, name)
-
-
-def _save_npy(path: Path, arr: np.ndarray) -> None:
-    with open(path, "wb") as f:  # a file object: np.save would append ".npy" to the temporary name
-        np.save(f, arr, allow_pickle=False)
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 class Index:
@@ -99,6 +168,7 @@ class Index:
         self.meta: dict[str, Any] = dict(meta or {})
         self.directory = Path(directory) if directory is not None else None
         self.faiss_index = None
+        self.manifest_files = None  # {relative path: {bytes, sha256}} of a loaded index
         self._model = None
         if kind != "exact":
             self._build_approximate()
@@ -135,25 +205,45 @@ class Index:
     @classmethod
     def build(cls, checkpoint: str | Path, *, data: str | None = None, root: str | None = None,
               split: str | None = None, out: str | Path | None = None, approximate: str | None = None,
-              add: bool = False, options: dict | None = None, batch_size: int = 256,
-              device: str = "auto", num_workers: int = 0, progress: bool = True) -> "Index":
+              add: bool = False, overwrite: bool = False, options: dict | None = None,
+              batch_size: int = 256, device: str = "auto", num_workers: int = 0,
+              progress: bool = True) -> "Index":
         """Embed a dataset split with ``checkpoint`` (its test transform) and index it.
 
         ``data`` / ``root`` default to the checkpoint's training data; ``split`` defaults to
         ``all`` for ``folder`` / ``csv`` and ``test`` otherwise. With ``add=True`` the images are
         added to the index in ``out`` (which must come from the same checkpoint; images whose
-        path is already indexed are skipped). The index is saved to ``out`` when given.
+        path is already indexed are skipped). The index is saved to ``out`` when given, as a
+        transaction: any failure leaves what was in ``out`` byte-identical. An existing index
+        in ``out`` is refused unless ``add`` or ``overwrite``; a non-empty folder that is not an
+        index always is.
         """
+        if add and out is None:
+            raise ValueError("add=True needs out=INDEX_DIR, the index to add to")
+        if approximate not in (None, "exact", "ivf", "hnsw"):
+            raise ValueError(f"approximate must be 'ivf' or 'hnsw' (or None for exact), got {approximate!r}")
+        kw = dict(data=data, root=root, split=split, options=options, batch_size=batch_size, device=device,
+                  num_workers=num_workers, progress=progress)
+        if out is None:
+            return cls._build(checkpoint, None, None, approximate=approximate, add=False, **kw)
+        out = Path(out)
+        if not add:
+            check_out_dir(out, overwrite=overwrite)
+        with index_transaction(out) as tmp:  # the old index is read and replaced under one lock
+            index = cls._build(checkpoint, out, tmp, approximate=approximate, add=add, **kw)
+            rel_paths = index._write(tmp, out)
+        index._settle(out, rel_paths)
+        return index
+
+    @classmethod
+    def _build(cls, checkpoint, out: Path | None, tmp: Path | None, *, data, root, split, options,
+               approximate, add, batch_size, device, num_workers, progress) -> "Index":
         from .build import embed_dataset_for_index
 
         old = None
         if add:
-            if out is None:
-                raise ValueError("add=True needs out=INDEX_DIR, the index to add to")
             old = cls.load(out)
             approximate = old.kind if old.kind != "exact" else None
-        if approximate not in (None, "exact", "ivf", "hnsw"):
-            raise ValueError(f"approximate must be 'ivf' or 'hnsw' (or None for exact), got {approximate!r}")
         sha = file_sha256(checkpoint) if Path(checkpoint).is_file() else None
         if old is not None and sha is not None and old.meta.get("checkpoint", {}).get("sha256") != sha:
             c = old.meta.get("checkpoint", {})
@@ -162,7 +252,7 @@ class Index:
                 f"not {checkpoint} (sha256 {sha[:12]}): embeddings of different models cannot be "
                 "compared; build a new index with another --out")
         skip = set(old.paths) if old is not None else set()
-        images_dir = Path(out) / "images" if out is not None else None
+        images_dir = tmp / "images" if tmp is not None else None
         got = embed_dataset_for_index(checkpoint, data=data, root=root, split=split, options=options,
                                       batch_size=batch_size, device=device, num_workers=num_workers,
                                       progress=progress, skip_paths=skip, images_dir=images_dir,
@@ -179,8 +269,6 @@ class Index:
             index = cls(got["embeddings"], got["labels"], got["paths"], got["class_names"],
                         kind=approximate or "exact", meta=meta)
         index.meta["skipped_already_indexed"] = got["skipped"]
-        if out is not None:
-            index.save(out)
         return index
 
     def add(self, embeddings, labels=None, paths: Sequence[str] | None = None,
@@ -279,67 +367,154 @@ class Index:
 
     # ------------------------------------------------------------------ files
     def save(self, directory: str | Path) -> Path:
+        """Write the index to ``directory`` as a transaction (:mod:`deepmetric.search.store`):
+        an index already there is replaced atomically, a failure leaves it byte-identical; a
+        non-empty folder that is not an index is refused."""
+        d = Path(directory)
+        if d.exists() and d.is_dir() and any(d.iterdir()) and not is_index_dir(d):
+            check_out_dir(d, overwrite=True)  # raises: not an index
+        with index_transaction(d) as tmp:
+            rel_paths = self._write(tmp, d)
+        self._settle(d, rel_paths)
+        return d
+
+    def _write(self, tmp: Path, final: Path) -> list[str]:
+        """Write every file into the empty folder ``tmp`` (to become ``final``): images the index
+        owns (below ``final`` or its current folder) are carried along; ``manifest.json`` last,
+        with every file's size and SHA-256. Returns the paths as stored."""
         import faiss
 
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        root = d.resolve()
-        paths = []
+        for name in self.class_names:
+            check_utf8(name, "class name")
         for p in self.paths:
-            try:
-                paths.append(Path(p).resolve().relative_to(root).as_posix() if p else p)
-            except ValueError:
-                paths.append(p)
-        manifest = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "kind": self.kind,
-                    "count": len(self), "dim": self.dim, "classes": len(self.class_names),
-                    **{k: v for k, v in self.meta.items() if k not in ("format", "version", "kind", "count",
-                                                                       "dim", "classes")}}
+            check_utf8(p, "image path")
+        roots = [tmp.resolve()]
+        for r in (final, self.directory):
+            if r is not None and Path(r).exists() and Path(r).resolve() not in roots:
+                roots.append(Path(r).resolve())
+        stored = []
+        for p in self.paths:
+            rel = None
+            if p:
+                rp = Path(p).resolve()
+                for k, r in enumerate(roots):
+                    try:
+                        rel = rp.relative_to(r).as_posix()
+                    except ValueError:
+                        continue
+                    if k and not (tmp / rel).exists():
+                        carry_file(rp, tmp / rel)
+                    break
+            stored.append(rel if rel is not None else p)
         index = self.faiss_index
         if index is None:
             index = faiss.IndexFlatIP(self.dim)
-            index.add(self.embeddings)
-        _atomic_write(d / "embeddings.npy", lambda t: _save_npy(t, self.embeddings))
-        _atomic_write(d / "labels.npy", lambda t: _save_npy(t, self.labels))
-        _atomic_write(d / "class_names.json", lambda t: t.write_text(json.dumps(self.class_names, ensure_ascii=False)))
-        _atomic_write(d / "paths.json", lambda t: t.write_text(json.dumps(paths, ensure_ascii=False)))
-        _atomic_write(d / "index.faiss", lambda t: faiss.write_index(index, str(t)))
-        _atomic_write(d / "manifest.json", lambda t: t.write_text(json.dumps(manifest, indent=1, ensure_ascii=False)))
+            index.add(np.ascontiguousarray(self.embeddings, dtype=np.float32))
+        with open(tmp / "embeddings.npy", "wb") as f:
+            np.save(f, np.ascontiguousarray(self.embeddings), allow_pickle=False)
+        with open(tmp / "labels.npy", "wb") as f:
+            np.save(f, np.asarray(self.labels, np.int64), allow_pickle=False)
+        (tmp / "class_names.json").write_text(json.dumps(self.class_names, ensure_ascii=False), encoding="utf-8")
+        (tmp / "paths.json").write_text(json.dumps(stored, ensure_ascii=False), encoding="utf-8")
+        faiss.write_index(index, str(tmp / "index.faiss"))
+        manifest = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "kind": self.kind,
+                    "count": len(self), "dim": self.dim, "classes": len(self.class_names),
+                    **{k: v for k, v in self.meta.items() if k not in _MANIFEST_OWN},
+                    "files": file_entries(tmp)}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
+        for name in _FILES + ("index.faiss",):  # on disk before the swap makes them the index
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        return stored
+
+    def _settle(self, d: Path, stored: list[str]) -> None:
+        """After the swap: this object describes the files in ``d``."""
+        root = d.resolve()
         self.directory = d
-        return d
+        self.paths = [p if (not p or os.path.isabs(p)) else str(root / p) for p in stored]
 
     @classmethod
-    def load(cls, directory: str | Path, *, mmap: bool = False) -> "Index":
-        """Open a saved index (``mmap=True`` maps the embeddings instead of reading them)."""
+    def load(cls, directory: str | Path, *, mmap: bool = False, verify_hashes: bool = False) -> "Index":
+        """Open a saved index. Every file listed in the manifest must have its recorded size
+        (``verify_hashes=True`` also compares SHA-256s); IndexFilesError names the files that
+        differ. ``mmap=True`` maps ``embeddings.npy`` instead of reading it; without it every
+        file is read into memory through one descriptor of the folder, so replacing the folder
+        or its files later cannot change or break the loaded index."""
         import faiss
 
         d = Path(directory)
         if not d.is_dir():
             raise FileNotFoundError(f"index folder {d} does not exist (make one with 'deepmetric index')")
-        missing = [f for f in _FILES if not (d / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{d} is not a deepmetric index: missing {', '.join(missing)}")
-        manifest = json.loads((d / "manifest.json").read_text())
-        if manifest.get("format") != INDEX_FORMAT:
-            raise ValueError(f"{d / 'manifest.json'}: format {manifest.get('format')!r}, expected {INDEX_FORMAT!r}")
-        if manifest.get("version", 0) > INDEX_VERSION:
-            raise ValueError(f"{d}: index version {manifest['version']} is newer than this deepmetric "
-                             f"reads ({INDEX_VERSION}); upgrade deepmetric")
-        emb = np.load(d / "embeddings.npy", mmap_mode="r" if mmap else None, allow_pickle=False)
-        labels = np.load(d / "labels.npy", allow_pickle=False)
-        names = json.loads((d / "class_names.json").read_text())
-        rel = json.loads((d / "paths.json").read_text())
+        folder = _Folder(d)
+        try:
+            missing = [f for f in _FILES if not _exists(folder, f)]
+            if missing:
+                raise FileNotFoundError(f"{d} is not a deepmetric index: missing {', '.join(missing)}")
+            raw = {"manifest.json": folder.read("manifest.json")}
+            try:
+                manifest = json.loads(bytes(raw["manifest.json"]).decode("utf-8"))
+            except ValueError as exc:
+                raise ValueError(f"{d / 'manifest.json'}: not valid JSON ({exc})") from None
+            if not isinstance(manifest, dict) or manifest.get("format") != INDEX_FORMAT:
+                raise ValueError(f"{d / 'manifest.json'}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+                                 f"expected {INDEX_FORMAT!r}")
+            if manifest.get("version", 0) > INDEX_VERSION:
+                raise ValueError(f"{d}: index version {manifest['version']} is newer than this deepmetric "
+                                 f"reads ({INDEX_VERSION}); upgrade deepmetric")
+            files = manifest.get("files")
+            kind = manifest["kind"]
+            names = ["labels.npy", "class_names.json", "paths.json"] + (["index.faiss"] if kind != "exact" else [])
+            if not mmap:
+                names.append("embeddings.npy")
+            for name in names:
+                raw[name] = folder.read(name)
+            if files is None:
+                warnings.warn(f"{d}: index written by an older deepmetric (version {manifest.get('version', 1)}) "
+                              "without file sizes and SHA-256s, so it cannot be checked; rebuild it with "
+                              f"'deepmetric index CHECKPOINT ... --out {d} --overwrite' (an --add also "
+                              "rewrites it with them)", stacklevel=2)
+            else:
+                bad = []
+                for rel, entry in files.items():
+                    if rel in raw:
+                        if len(raw[rel]) != entry["bytes"]:
+                            bad.append(f"{rel}: {len(raw[rel])} bytes, the manifest says {entry['bytes']}")
+                        elif verify_hashes and hashlib.sha256(raw[rel]).hexdigest() != entry["sha256"]:
+                            bad.append(f"{rel}: SHA-256 differs from the manifest's")
+                if bad:
+                    raise IndexFilesError(f"{d}: files changed since the index was written: {'; '.join(bad)}. "
+                                          "Rebuild it with 'deepmetric index ... --overwrite'")
+                verify_files(d, {k: v for k, v in files.items() if k not in raw}, hashes=verify_hashes)
+            emb = (np.load(d / "embeddings.npy", mmap_mode="r", allow_pickle=False) if mmap
+                   else _npy_from_buffer(raw["embeddings.npy"], str(d / "embeddings.npy")))
+            labels = _npy_from_buffer(raw["labels.npy"], str(d / "labels.npy"))
+            names_ = json.loads(bytes(raw["class_names.json"]).decode("utf-8"))
+            rel = json.loads(bytes(raw["paths.json"]).decode("utf-8"))
+            faiss_index = (faiss.deserialize_index(np.frombuffer(raw["index.faiss"], dtype=np.uint8))
+                           if kind != "exact" else None)
+        finally:
+            folder.close()
         if emb.shape != (manifest["count"], manifest["dim"]) or labels.shape != (manifest["count"],) \
                 or len(rel) != manifest["count"]:
             raise ValueError(f"{d}: files disagree with manifest.json (count {manifest['count']}, dim "
                              f"{manifest['dim']}; embeddings {emb.shape}, labels {labels.shape}, {len(rel)} paths)")
-        paths = [p if (not p or os.path.isabs(p)) else str(d.resolve() / p) for p in rel]
-        kind = manifest["kind"]
-        meta = {k: v for k, v in manifest.items() if k not in ("format", "version", "kind", "count", "dim", "classes")}
+        root = d.resolve()
+        paths = [p if (not p or os.path.isabs(p)) else str(root / p) for p in rel]
+        meta = {k: v for k, v in manifest.items() if k not in _MANIFEST_OWN}
         obj = cls.__new__(cls)
-        obj.embeddings, obj.labels, obj.paths, obj.class_names = emb, labels, paths, names
+        obj.embeddings, obj.labels, obj.paths, obj.class_names = emb, labels, paths, names_
         obj.kind, obj.meta, obj.directory, obj._model = kind, meta, d, None
-        obj.faiss_index = faiss.read_index(str(d / "index.faiss")) if kind != "exact" else None
+        obj.manifest_files = files
+        obj.faiss_index = faiss_index
         return obj
+
+
+def _exists(folder: _Folder, rel: str) -> bool:
+    try:
+        folder.size(rel)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 EmbeddingIndex = Index

@@ -11,15 +11,16 @@ from pathlib import Path
 
 from PIL import Image
 
-__all__ = ["results_text", "results_json", "results_html", "thumbnail_png"]
+__all__ = ["results_text", "results_json", "results_html", "thumbnail_png", "displayable"]
 
 
 def thumbnail_png(path: str | Path, size: int = 160) -> bytes:
     """PNG bytes of the image at ``path`` scaled to fit ``size`` x ``size`` (small images are
-    enlarged with nearest-neighbour so 32-pixel glyphs stay sharp)."""
-    with Image.open(path) as im:
-        im.load()
-        im = im.convert("RGB") if im.mode not in ("RGB", "L") else im.copy()
+    enlarged with nearest-neighbour so 32-pixel glyphs stay sharp). Read with the decoder
+    queries use (EXIF orientation, 8 bits, transparency onto white; grey stays grey)."""
+    from deepmetric.data.decode import decode_image
+
+    im = decode_image(path, mode=None)
     scale = size / max(im.size)
     new = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
     im = im.resize(new, Image.NEAREST if scale > 1 else Image.LANCZOS)
@@ -33,14 +34,20 @@ def _width(text: str) -> int:
     return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 
+def displayable(text: str) -> str:
+    """``text`` that prints as UTF-8: a file name that is not UTF-8 (lone surrogates from the OS)
+    gets its undecodable bytes escaped (``caf\\xe9.png``)."""
+    return str(text).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _shown(path: str) -> str:
     """``path`` relative to the working directory when it lies below it."""
     if not path:
         return "-"
     try:
-        return str(Path(path).relative_to(Path.cwd()))
+        return displayable(str(Path(path).relative_to(Path.cwd())))
     except ValueError:
-        return path
+        return displayable(path)
 
 
 def results_text(queries: list[str], results: list[list[dict]]) -> str:
@@ -48,7 +55,7 @@ def results_text(queries: list[str], results: list[list[dict]]) -> str:
     (relative to the working directory when below it)."""
     lines = []
     for q, rows in zip(queries, results):
-        lines.append(f"query: {q}")
+        lines.append(f"query: {displayable(q)}")
         labels = [f"{r['class_name']} ({r['label']})" for r in rows]
         width = max([_width(lab) for lab in labels] + [5])
         lines.append(f"  {'rank':>4}  {'cosine':>7}  {'label':<{width}}  path")
@@ -59,7 +66,7 @@ def results_text(queries: list[str], results: list[list[dict]]) -> str:
 
 
 def results_json(queries: list[str], results: list[list[dict]], k: int) -> str:
-    return json.dumps({"k": k, "queries": [{"query": q, "neighbours": rows}
+    return json.dumps({"k": k, "queries": [{"query": displayable(q), "neighbours": rows}
                                            for q, rows in zip(queries, results)]}, indent=1,
                       ensure_ascii=False)
 
@@ -78,7 +85,7 @@ def results_html(queries: list[str], results: list[list[dict]], out: str | Path,
     rows = []
     for q, res in zip(queries, results):
         cells = [f'<figure class="query"><img src="{_data_uri(q, size)}" alt="query"><figcaption>'
-                 f'<b>query</b><br>{esc(Path(q).name)}</figcaption></figure>']
+                 f'<b>query</b><br>{esc(displayable(Path(q).name))}</figcaption></figure>']
         for r in res:
             cells.append(f'<figure><img src="{_data_uri(r["path"], size)}" alt="{esc(r["class_name"])}">'
                          f'<figcaption>#{r["rank"]} <b>{esc(r["class_name"])}</b><br>cos {r["cosine"]:.3f}'

@@ -6,26 +6,33 @@ Preprocessing is exactly what ``deepmetric embed`` / evaluation apply to a test 
 checkpoint's ``data.transform`` built with ``train=False`` (``resize_crop``: resize to a square
 and centre crop; ``short_side``: resize the short side and centre crop; ``glyph`` /
 ``mnist``: grey levels only), fed the way the dataset feeds it: a PIL image in the dataset's
-mode for image files; for the in-memory benchmarks (glyphs, Fashion-MNIST: grey; emoji: RGB,
-transparent pixels made white as the benchmark draws them) a ``uint8`` tensor, after resizing
-the query to the benchmark's square size (``input_size``), since their pipelines do not resize.
+mode for image files; for the in-memory benchmarks (glyphs, Fashion-MNIST: grey; emoji: RGB)
+a ``uint8`` tensor, after resizing the query to the benchmark's square size (``input_size``),
+since their pipelines do not resize.
+
+Images are read with :func:`deepmetric.data.decode.decode_image`, the decoder training uses:
+EXIF orientation, 16-bit / float scaled to 8 bits, transparent pixels made white (as the emoji
+benchmark draws its images), and a decoded-size limit derived from the model's input
+(:meth:`Preprocessing.decode_limit`) checked before decoding.
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
+
+from deepmetric.data.decode import decode_image as _decode, decode_limit, prepare_image
 
 __all__ = ["Preprocessing", "preprocessing_from_config", "load_image", "decode_image",
            "embed_images", "exact_search", "approximate_search"]
 
 # in-memory benchmarks: PIL mode, the option naming their square side, its default, and the
-# background transparent pixels are composited onto (emoji are drawn on white)
+# background transparent pixels are composited onto (emoji are drawn on white; the decoder
+# makes every transparent pixel white, so the entry is kept for the manifests' record)
 _IN_MEMORY = {"glyphs": ("L", "size", 32, None), "fashion-mnist": ("L", None, 28, None),
               "emoji": ("RGB", "size", 64, "white")}
 
@@ -36,8 +43,10 @@ class Preprocessing:
 
     ``transform`` / ``transform_options``: a :func:`deepmetric.data.build_transform` pipeline
     (``None``: the dataset default, pixels scaled to [0, 1]); ``mode``: the PIL mode images are
-    converted to first; ``input_size``: for in-memory benchmarks, the square side queries are
-    resized to (bilinear, antialiased) before the transform, which then gets a ``uint8`` tensor.
+    converted to first (:func:`deepmetric.data.decode.prepare_image`: EXIF orientation, 8 bits,
+    transparency onto white); ``input_size``: for in-memory benchmarks, the square side queries
+    are resized to (bilinear, antialiased) before the transform, which then gets a ``uint8``
+    tensor. ``background``: recorded for old manifests; every transparent pixel becomes white.
     """
 
     transform: str | None = None
@@ -48,6 +57,7 @@ class Preprocessing:
 
     def __post_init__(self):
         self._pipeline = None
+        self._input_shape = None
 
     def pipeline(self):
         if self._pipeline is None:
@@ -60,11 +70,7 @@ class Preprocessing:
     def __call__(self, img: Image.Image) -> torch.Tensor:
         from torchvision.transforms.v2 import functional as TF
 
-        if self.background is not None and (img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info):
-            rgba = img.convert("RGBA")
-            flat = Image.new("RGBA", rgba.size, self.background)
-            img = Image.alpha_composite(flat, rgba)
-        img = img.convert(self.mode)
+        img = prepare_image(img, self.mode, getattr(img, "filename", "") or "image", copy=False)
         if self.input_size is not None:
             if img.size != (self.input_size, self.input_size):
                 img = img.resize((self.input_size, self.input_size), Image.BILINEAR, reducing_gap=None)
@@ -75,6 +81,19 @@ class Preprocessing:
         if pipe is None:
             return TF.to_dtype(TF.to_image(x), torch.float32, scale=True)
         return pipe(x)
+
+    def input_shape(self) -> list[int]:
+        """``[C, H, W]`` of the network input made from a square image."""
+        if self._input_shape is None:
+            side = self.input_size or 256
+            self._input_shape = list(self(Image.new(self.mode, (side, side), 128)).shape)
+        return self._input_shape
+
+    def decode_limit(self, cap_mb: float | None = None) -> int:
+        """Largest decoded query image in bytes: :func:`deepmetric.data.decode.decode_limit`
+        of this network input's pixels, capped at ``cap_mb``."""
+        shape = self.input_shape()
+        return decode_limit(int(shape[-1]) * int(shape[-2]), cap_mb)
 
     def to_dict(self) -> dict:
         return {"transform": self.transform, "transform_options": dict(self.transform_options),
@@ -91,10 +110,12 @@ class Preprocessing:
         of the network input (for a square image) and the build recipe."""
         from torchvision.transforms import v2
 
-        steps: list[dict] = []
-        if self.background is not None:
-            steps.append({"op": "composite_alpha", "background": self.background})
-        steps.append({"op": "convert", "mode": self.mode})
+        steps: list[dict] = [
+            {"op": "exif_transpose", "note": "apply the EXIF Orientation tag"},
+            {"op": "to_8bit", "note": "16-bit: divide by 257; 32-bit int in 0..65535: divide by 257, "
+                                      "else min..max -> 0..255; float in [0, 1]: times 255, else min..max"},
+            {"op": "composite_alpha", "background": "white"},
+            {"op": "convert", "mode": self.mode}]
         if self.input_size is not None:
             steps.append({"op": "resize", "size": [self.input_size, self.input_size],
                           "interpolation": "bilinear"})
@@ -124,8 +145,7 @@ class Preprocessing:
                 steps.append({"op": name})
         if pipe is None:
             steps.append({"op": "to_float", "scale": "divide by 255 (values in [0, 1])"})
-        side = self.input_size or 256
-        shape = list(self(Image.new("RGB", (side, side), (128, 128, 128))).shape)
+        shape = self.input_shape()
         return {"recipe": self.to_dict(), "steps": steps, "mean": mean, "std": std,
                 "input_shape": shape, "channels": shape[0], "layout": "NCHW float32"}
 
@@ -143,40 +163,17 @@ def preprocessing_from_config(cfg) -> Preprocessing:
     return Preprocessing(d.transform, dict(d.transform_options), mode=d.options.get("mode", "RGB"))
 
 
-#: largest image (width x height) decoded; a small compressed file can claim a huge size
-MAX_PIXELS = 40_000_000
+def decode_image(data: bytes, name: str = "upload", *, mode: str | None = "RGB",
+                 max_bytes: int | None = None) -> Image.Image:
+    """Decode image bytes with :func:`deepmetric.data.decode.decode_image` (fully, so truncated
+    files fail here); errors are ``ImageDecodeError`` (a ValueError) naming ``name``, and
+    ``ImageSizeError`` when the decoded size is over ``max_bytes`` (checked before decoding)."""
+    return _decode(data, name=name, mode=mode, max_bytes=max_bytes)
 
 
-def decode_image(data: bytes, name: str = "upload") -> Image.Image:
-    """Decode image bytes fully (so truncated files fail here); ValueError names ``name``.
-    Images of more than :data:`MAX_PIXELS` pixels are refused before they are decoded."""
-    if not data:
-        raise ValueError(f"{name}: empty file, expected an image (PNG, JPEG, ...)")
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            w, h = im.size
-            if w * h > MAX_PIXELS:
-                raise ValueError(f"{name}: image of {w} x {h} pixels is larger than the limit of "
-                                 f"{MAX_PIXELS:,} pixels")
-            im.load()
-            return im.copy()
-    except UnidentifiedImageError:
-        raise ValueError(f"{name}: not an image (the file is not in a format Pillow reads: PNG, JPEG, "
-                         "WebP, BMP, GIF, TIFF, ...)") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        if str(exc).startswith(f"{name}: image of"):
-            raise
-        raise ValueError(f"{name}: not an image that can be decoded ({exc})") from None
-
-
-def load_image(path: str | Path) -> Image.Image:
-    """Open an image file; FileNotFoundError / ValueError name the path and what was wrong."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"image not found: {p}")
-    if p.is_dir():
-        raise IsADirectoryError(f"{p} is a folder, expected an image file")
-    return decode_image(p.read_bytes(), str(p))
+def load_image(path: str | Path, *, mode: str | None = "RGB", max_bytes: int | None = None) -> Image.Image:
+    """Read an image file with the decoder; FileNotFoundError / ValueError name the path."""
+    return _decode(Path(path).expanduser(), mode=mode, max_bytes=max_bytes)
 
 
 @torch.no_grad()
@@ -194,8 +191,10 @@ def embed_images(model: torch.nn.Module, preprocess: Preprocessing,
         out.append(torch.nn.functional.normalize(e, dim=1).cpu().numpy())
         batch.clear()
 
+    limit = preprocess.decode_limit()
     for im in images:
-        batch.append(preprocess(im if isinstance(im, Image.Image) else load_image(im)))
+        batch.append(preprocess(im if isinstance(im, Image.Image)
+                                else load_image(im, mode=preprocess.mode, max_bytes=limit)))
         if len(batch) == batch_size:
             flush()
     if batch:

@@ -128,9 +128,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises several types for damaged files
-        raise ValueError(
-            f"checkpoint {path} is corrupt or unreadable ({type(exc).__name__}: {str(exc)[:200]})"
-        ) from None
+        raise ValueError(f"checkpoint {path} is corrupt or unreadable ({_load_failure(exc)})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint {path} is not a deepmetric checkpoint (no 'format' marker)")
     version = int(state.get("version", 1))
@@ -143,6 +141,19 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     if version == 1:
         state = _upgrade_v1(state)
     return state
+
+
+def _load_failure(exc: Exception) -> str:
+    """torch.load's reason in one line, without its advice to retry with weights_only=False
+    (which would run any code a tampered file holds)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        detail = " ".join(text.split("WeightsUnpickler error:", 1)[1].split("\n\n")[:2]).strip()
+        detail = detail.split("Check the documentation")[0].strip()
+        return (f"it holds Python objects other than tensors and plain values ({detail}); deepmetric "
+                "checkpoints never do, and they are only loaded with weights_only=True")
+    first = text.split("This is an internal")[0].split("\n")[0].strip().rstrip(".")
+    return f"{type(exc).__name__}: {first[:200]}"
 
 
 def _upgrade_v1(state: dict) -> dict:

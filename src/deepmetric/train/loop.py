@@ -232,6 +232,7 @@ class _Run:
     baselines: dict = field(default_factory=dict)
     reevaluate: bool = False        # a finished run resumed without its final evaluation
     on_validation: Any = None       # callback(epoch, val_metrics) after each validation
+    resume_ckpt: dict | None = None  # the --resume checkpoint, loaded (and checked) first
     t_start: float = 0.0
     wall_before: float = 0.0
 
@@ -277,6 +278,8 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
             refused = exc
     if D.any_true(refused is not None, device):  # every rank stops, before anything is written
         raise refused or RunDirectoryError(f"rank 0 refused the run directory {out_dir}")
+    # a damaged --resume checkpoint fails here, before the data, the model and the run summary
+    resume_ckpt = load_checkpoint(resume, map_location=device) if resume is not None else None
     seed_everything(tc.seed)  # identical model/loss initialisation on every rank
 
     # 2. data ----------------------------------------------------------------------------
@@ -352,7 +355,7 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
                model_args={"num_classes": num_classes, "embedding_dim": embedding_dim, "world_size": world},
                config_dict=config_to_dict(cfg), warnings=run_warnings,
                state=TrainState(best={"metric": select_key, "value": None, "epoch": None, "test": None}),
-               last_ckpt=out_dir / R.LAST)
+               last_ckpt=out_dir / R.LAST, resume_ckpt=resume_ckpt)
     run.evaluate = Evaluator(model, losses, eval_sets, cfg, device=device, world=world, log=run.log,
                              on_eval=on_eval)
     return run
@@ -360,7 +363,7 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
 
 def _resume(run: _Run, resume) -> None:
     """Step 5: restore the checkpoint's states and drop the log records written after it."""
-    ckpt = load_checkpoint(resume, map_location=run.device)
+    ckpt, run.resume_ckpt = run.resume_ckpt, None
     run.state = restore(ckpt, run.objs, rank=run.dist_info.rank, config=run.config_dict, path=resume)
     if run.main:
         R.truncate_log(run.out_dir, run.state.iteration, run.state.epoch)

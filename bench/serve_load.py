@@ -1,0 +1,321 @@
+"""Load on ``deepmetric serve``: requests/s, latency percentiles and peak memory for N
+concurrent clients, and (``--hostile``) how the server holds up under decompression bombs.
+
+The server is ``deepmetric serve INDEX_DIR`` in a child process on 127.0.0.1 (a free port;
+only loopback addresses are accepted). For each client count, that many threads each send
+``--requests`` POST /search uploads (the index's own images, cycled, so every answer is
+known: the image must come back first with cosine 1), one after another, and the script
+reports:
+
+  clients  requests  ok  busy(503)  other  req/s  p50/p95/p99 ms  peak RSS MiB
+
+``req/s`` counts answered requests (200 and 503) over the wall time of the round; latencies
+are of the 200 answers; ``peak RSS`` is the server's largest resident set during the round,
+sampled every 20 ms from /proc (plus the kernel's high-water mark, reset per round where the
+kernel allows). Every loop is bounded (requests per client, a deadline per round).
+
+``--hostile``: 8 concurrent uploads of a 78 KB PNG claiming 1 x 40,000,000 pixels, 8 of a
+3500 x 3500 gradient PNG (36.8 MB decoded), while a separate process times GET /api/info
+every 20 ms; reports the statuses, the worst /api/info latency and the server's peak RSS.
+
+  python bench/serve_load.py runs/demo/index                    # 1, 4 and 16 clients
+  python bench/serve_load.py runs/demo/index --clients 1 4 --requests 20 --hostile
+  python bench/serve_load.py --checkpoint runs/demo/last.pt     # index its test split first
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http(host, port, method, path, body=None, headers=None, timeout=120):
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def multipart(name: str, data: bytes, k: int):
+    boundary = "deepmetricbench"
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="k"\r\n\r\n{k}\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{name}"\r\n'
+            'Content-Type: application/octet-stream\r\n\r\n').encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+def memory_kib(pid: int) -> dict:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1])
+    return out
+
+
+def reset_peak(pid: int) -> bool:
+    """Reset the kernel's VmHWM of ``pid`` (Linux: ``echo 5 > /proc/PID/clear_refs``)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class Sampler:
+    """The largest VmRSS of a process, sampled every 20 ms until stopped."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, memory_kib(self.pid).get("VmRSS", 0))
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.thread.join(timeout=5)
+
+
+def start_server(index_dir: Path, host: str, args) -> tuple[subprocess.Popen, int, object]:
+    port = free_port(host)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    log = tempfile.TemporaryFile("w+")
+    cmd = [sys.executable, "-m", "deepmetric.cli", "serve", str(index_dir), "--host", host, "--port", str(port),
+           "--workers", str(args.workers), "--max-in-flight", str(args.max_in_flight), "--k", str(args.k)]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while True:
+        try:
+            if http(host, port, "GET", "/api/info", timeout=5)[0] == 200:
+                return proc, port, log
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            log.seek(0)
+            raise SystemExit(f"deepmetric serve did not start:\n{log.read()}")
+        time.sleep(0.3)
+
+
+def load_round(host, port, pid, queries, clients: int, requests: int, k: int) -> dict:
+    lat, statuses, wrong = [], [], []
+    lock = threading.Lock()
+
+    def client(c):
+        for r in range(requests):
+            i, name, data = queries[(c * requests + r) % len(queries)]
+            body, headers = multipart(name, data, k)
+            t = time.perf_counter()
+            status, out = http(host, port, "POST", "/search", body, headers)
+            dt = time.perf_counter() - t
+            with lock:
+                statuses.append(status)
+                if status == 200:
+                    lat.append(dt)
+                    first = json.loads(out)["neighbours"][0]
+                    if first["id"] != i and first["cosine"] < 0.9999:
+                        wrong.append((i, first))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    peak_reset = reset_peak(pid)
+    with Sampler(pid) as sampler:
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        wall = time.perf_counter() - t0
+    hwm = memory_kib(pid)["VmHWM"] if peak_reset else None
+    ms = np.asarray(lat) * 1000
+    ok, busy = statuses.count(200), statuses.count(503)
+    return {"clients": clients, "requests": len(statuses), "ok": ok, "busy": busy,
+            "other": len(statuses) - ok - busy, "req_s": (ok + busy) / wall,
+            "p50": float(np.percentile(ms, 50)) if ok else None, "p95": float(np.percentile(ms, 95)) if ok else None,
+            "p99": float(np.percentile(ms, 99)) if ok else None,
+            "peak_mib": max(sampler.peak, hwm or 0) / 1024, "wrong_first": len(wrong)}
+
+
+POLLER = r"""
+import http.client, json, os, sys, time
+host, port, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out, end = [], time.monotonic() + 120
+while not os.path.exists(stop) and time.monotonic() < end:
+    t = time.perf_counter()
+    c = http.client.HTTPConnection(host, port, timeout=10)
+    c.request("GET", "/api/info")
+    r = c.getresponse(); r.read(); c.close()
+    out.append([r.status, time.perf_counter() - t])
+    time.sleep(0.02)
+print(json.dumps(out))
+"""
+
+
+def long_thin_png(width: int, height: int) -> bytes:
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    comp = zlib.compressobj(9)
+    total = (1 + width) * height
+    block = b"\x00" * min(total, 1 << 22)
+    parts = [comp.compress(block[:min(len(block), total - a)]) for a in range(0, total, len(block))]
+    parts.append(comp.flush())
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b""))
+
+
+def hostile_round(host, port, pid) -> dict:
+    from PIL import Image
+
+    bomb = long_thin_png(1, 40_000_000)
+    side = 3500
+    y, x = np.mgrid[0:side, 0:side]
+    a = np.stack([x * 255 // (side - 1), y * 255 // (side - 1), ((x + y) // 28) % 256], -1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "PNG")
+    big = buf.getvalue()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        stop = Path(tmp) / "stop"
+        poller = subprocess.Popen([sys.executable, "-c", POLLER, host, str(port), str(stop)],
+                                  stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+
+        def upload(name, data):
+            body, headers = multipart(name, data, 5)
+            t = time.perf_counter()
+            status, _ = http(host, port, "POST", "/search", body, headers)
+            results.append((name, status, time.perf_counter() - t))
+
+        threads = [threading.Thread(target=upload, args=(f"bomb{i}.png", bomb)) for i in range(8)]
+        threads += [threading.Thread(target=upload, args=(f"big{i}.png", big)) for i in range(8)]
+        reset_peak(pid)
+        before = memory_kib(pid)["VmRSS"]
+        with Sampler(pid) as sampler:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            time.sleep(0.2)
+        stop.touch()
+        info = json.loads(poller.communicate(timeout=60)[0])
+    lat = np.asarray([dt for _, dt in info]) * 1000
+    return {"bomb_statuses": sorted(s for n, s, _ in results if n.startswith("bomb")),
+            "big_statuses": sorted(s for n, s, _ in results if n.startswith("big")),
+            "uploads_s": max(dt for *_, dt in results), "info_polls": len(info),
+            "info_ok": sum(s == 200 for s, _ in info), "info_p50_ms": float(np.median(lat)),
+            "info_max_ms": float(lat.max()), "info_over_100ms": int((lat > 100).sum()),
+            "rss_before_mib": before / 1024,
+            "peak_mib": max(sampler.peak, memory_kib(pid)["VmHWM"]) / 1024}
+
+
+def queries_of(index_dir: Path, limit: int) -> list:
+    """(row, name, bytes) of up to ``limit`` indexed images, spread over the index."""
+    paths = json.loads((index_dir / "paths.json").read_text(encoding="utf-8"))
+    rows = [i for i, p in enumerate(paths) if p]
+    rows = rows[:: max(1, len(rows) // limit)][:limit]
+    out = []
+    for i in rows:
+        p = Path(paths[i]) if os.path.isabs(paths[i]) else index_dir / paths[i]
+        out.append((i, p.name, p.read_bytes()))
+    if not out:
+        raise SystemExit(f"{index_dir}: no indexed image files to send as queries")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("index", nargs="?", help="index folder (or give --checkpoint to build one)")
+    ap.add_argument("--checkpoint", help="index this checkpoint's test split into a temporary folder first")
+    ap.add_argument("--host", default="127.0.0.1", help="loopback address to serve on (default 127.0.0.1)")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=40, help="requests per client and round (default 40)")
+    ap.add_argument("--queries", type=int, default=64, help="distinct query images (default 64)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--max-in-flight", type=int, default=8)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--hostile", action="store_true", help="also the bomb round")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+    from deepmetric.search.serve import is_loopback
+
+    if not is_loopback(a.host):
+        raise SystemExit(f"--host {a.host}: this benchmark only serves on loopback addresses")
+    tmp = None
+    if a.index is None:
+        if a.checkpoint is None:
+            raise SystemExit("give an index folder or --checkpoint")
+        from deepmetric.search import Index
+
+        tmp = tempfile.TemporaryDirectory()
+        Index.build(a.checkpoint, out=Path(tmp.name) / "index", progress=False)
+        a.index = Path(tmp.name) / "index"
+    index_dir = Path(a.index)
+    manifest = json.loads((index_dir / "manifest.json").read_text(encoding="utf-8"))
+    queries = queries_of(index_dir, a.queries)
+    proc, port, log = start_server(index_dir, a.host, a)
+    try:
+        info = json.loads(http(a.host, port, "GET", "/api/info")[1])
+        print(f"index {index_dir}: {info['count']} images, d={info['dim']}, {info['kind']}; checkpoint "
+              f"{(manifest.get('checkpoint') or {}).get('path')} (sha256 {str(info['checkpoint_sha256'])[:12]}); "
+              f"workers {a.workers}, max in flight {a.max_in_flight}, k {a.k}, {len(queries)} query images; "
+              f"cpus {os.cpu_count()}, load average {os.getloadavg()}")
+        print(f"server idle RSS {memory_kib(proc.pid)['VmRSS'] / 1024:.0f} MiB")
+        print("| clients | requests | ok | busy (503) | other | req/s | p50 ms | p95 ms | p99 ms | peak RSS MiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        http(a.host, port, "POST", "/search", *multipart(queries[0][1], queries[0][2], a.k))  # warm-up
+        for c in a.clients:
+            r = load_round(a.host, port, proc.pid, queries, c, a.requests, a.k)
+            fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+            print(f"| {c} | {r['requests']} | {r['ok']} | {r['busy']} | {r['other']} | {r['req_s']:.1f} | "
+                  f"{fmt(r['p50'])} | {fmt(r['p95'])} | {fmt(r['p99'])} | {r['peak_mib']:.0f} |", flush=True)
+            if r["wrong_first"]:
+                print(f"  warning: {r['wrong_first']} answers did not find the query image first")
+        if a.hostile:
+            h = hostile_round(a.host, port, proc.pid)
+            print("hostile: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items()))
+        if proc.poll() is not None:
+            raise SystemExit("the server died")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
