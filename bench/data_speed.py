@@ -87,7 +87,7 @@ def main():
             return _Cycle(make_loader(folder, batch_sampler=s, num_workers=w, seed=0), s)
 
         results = {}
-        for rep in range(args.repeats):
+        for _ in range(args.repeats):
             for name, make in (("glyphs (32x32, glyph aug, 32x4)", glyph_loader),
                                ("JPEG folder (500x375 -> 224, resize_crop, 32)", jpeg_loader)):
                 for w in args.workers:

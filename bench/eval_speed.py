@@ -102,7 +102,7 @@ def sop_bench(args):
     for rep in range(args.repeats):
         for name in (("deepmetric", "pml") if rep % 2 == 0 else ("pml", "deepmetric")):
             nmi = not args.retrieval_only
-            fn = (lambda: run_ours(x, y, args.backend, nmi)) if name == "deepmetric" else (lambda: run_pml(x, y, nmi))
+            fn = (lambda nmi=nmi: run_ours(x, y, args.backend, nmi)) if name == "deepmetric" else (lambda nmi=nmi: run_pml(x, y, nmi))
             with PeakRSS() as m:
                 t = time.perf_counter()
                 res[name] = fn()
@@ -162,7 +162,7 @@ def large_bench(args):
     rng = np.random.default_rng(0)
     n, c, d = 1_000_000, 10_000, 128
     t0 = time.perf_counter()
-    with PeakRSS() as m_data:
+    with PeakRSS():
         x, y = sop_like(rng, n=n, n_classes=c, lo=100, hi=100, d=d)
     print(f"data: {n} x {d} float32 ({x.nbytes / 2**30:.2f} GiB), {c} classes of 100 "
           f"(built in {time.perf_counter() - t0:.1f} s)")

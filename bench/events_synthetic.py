@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         merged: dict[str, list] = {}
         for path in args.summarize:
             with open(path) as fh:
-                for lr, res in json.load(fh).items():
+                for _lr, res in json.load(fh).items():
                     for m, runs in res.items():
                         merged.setdefault(m, []).extend(runs)
         summarize(merged, f"merged from {', '.join(args.summarize)}")

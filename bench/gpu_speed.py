@@ -138,7 +138,7 @@ def knn_speed(threads: int, repeats: int, device) -> list[dict]:
     xg = torch.from_numpy(x).to(device)
     for mb in (256, 4096):
         _reset_peak(device)
-        got, t = timed(lambda: evaluate(xg, y, backend="torch", memory_mb=mb, **kw))
+        got, t = timed(lambda mb=mb: evaluate(xg, y, backend="torch", memory_mb=mb, **kw))
         diff = max(abs(got[k] - ref[k]) for k in ref)
         rows.append({"set": "SOP-sized 60,502 x 128", "backend": f"torch (GPU), memory_mb {mb}", "s": t,
                      "peak_mem_mib": _peak_mib(device),
@@ -158,7 +158,7 @@ def knn_speed(threads: int, repeats: int, device) -> list[dict]:
     bg = torch.from_numpy(big).to(device)
     for mb in (256, 8192):
         _reset_peak(device)
-        got, t = timed(lambda: evaluate(bg, labels, backend="torch", memory_mb=mb, **kw))
+        got, t = timed(lambda mb=mb: evaluate(bg, labels, backend="torch", memory_mb=mb, **kw))
         rows.append({"set": "20,000 queries x 980,000 gallery, 128-d", "backend": f"torch (GPU), memory_mb {mb}",
                      "s": t, "peak_mem_mib": _peak_mib(device),
                      "max_abs_diff": max(abs(got[k] - ref[k]) for k in ref), **got})

@@ -204,7 +204,7 @@ def test_fixed_margin_equals_eq12(rng):
         ref = ref_loss(x, y, centres, np.array(pos), 0.0005)
         assert loss(t(x), t(y)).item() == pytest.approx(ref, rel=1e-10)
         xt = t(x).requires_grad_(True)
-        assert torch.autograd.gradcheck(lambda v: loss(v, t(y)), (xt,))
+        assert torch.autograd.gradcheck(lambda v, loss=loss, y=y: loss(v, t(y)), (xt,))
 
 
 def test_rows_without_negatives_contribute_zero(rng):

@@ -58,7 +58,7 @@ def make_cars(root, n_classes=4):
     recs, truth = [], []
     k = 0
     for c in range(1, n_classes + 1):
-        for i in range(c + 1):
+        for _ in range(c + 1):
             k += 1
             rel = f"car_ims/{k:06d}.jpg"
             test = (k + c) % 2

@@ -10,7 +10,7 @@ from deepmetric.losses import build_loss  # noqa: E402
 from deepmetric.train.config import config_from_dict  # noqa: E402
 from deepmetric.train.loop import build_losses, build_model, train  # noqa: E402
 from deepmetric.train.optim import build_optimizer  # noqa: E402
-from conftest import synthetic_config
+from conftest import synthetic_config  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["NormalizedSoftmaxLoss", "ProxyAnchorLoss", "MultiSimilarityLoss"])

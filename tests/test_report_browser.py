@@ -23,7 +23,7 @@ PER_CLASS = 6
 
 
 def _make_images(root, rng):
-    for ci, name in enumerate(CLASSES):
+    for name in CLASSES:
         colour, shape = name.split()
         d = root / name.replace(" ", "_")
         d.mkdir(parents=True)

@@ -50,7 +50,7 @@ def test_class_balanced_composition_coverage_length(rng, m, n):
                 for b in batches:
                     _check_composition(b, labels, m, n)
                     # padding by repetition only for classes smaller than n
-                    for c, k in Counter(labels[b].tolist()).items():
+                    for c in Counter(labels[b].tolist()):
                         idx = [i for i in b if labels[i] == c]
                         distinct = len(set(idx))
                         assert distinct == min(class_sizes[c], n), (c, idx)

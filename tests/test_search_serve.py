@@ -153,7 +153,7 @@ def test_serve_command_binds_loopback_and_answers(server):
                 break
             except OSError:
                 if time.time() > deadline or proc.poll() is not None:
-                    raise AssertionError(f"deepmetric serve did not start: {proc.stdout.read() if proc.poll() is not None else ''}")
+                    raise AssertionError(f"deepmetric serve did not start: {proc.stdout.read() if proc.poll() is not None else ''}") from None
                 time.sleep(0.3)
         assert status == 200 and json.loads(data)["count"] == 32
         # listening sockets on the port (Linux /proc/net/tcp[6]: local address hex, state 0A = LISTEN)

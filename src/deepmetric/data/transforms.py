@@ -531,7 +531,7 @@ def _emoji(train, size=None, degrees=8.0, translate=0.06, scale=(0.85, 1.1), bri
     return _finish(steps, normalize, 3)
 
 
-def to_grayscale_uint8(frame) -> "np.ndarray":
+def to_grayscale_uint8(frame):
     """One frame -> uint8 ``[H, W]`` luma, with PIL's ITU-R 601-2 conversion
     ``L = (19595 R + 38470 G + 7471 B + 2**15) >> 16`` (i.e. 0.299 R + 0.587 G + 0.114 B,
     rounded).  Accepts a PIL image, a uint8 array ``[H, W]`` / ``[H, W, 3]`` or a uint8 tensor
