@@ -346,3 +346,13 @@ def test_a_registered_dataset_model_and_loss_train_without_any_other_edit(scratc
              r"'loss.0.options.scael': .* for loss 'tiny_loss' \(did you mean 'scale'")):
         with pytest.raises(ConfigError, match=message):
             check_config_options(_cfg(**{section: bad}))
+
+
+def test_pair_based_losses_declare_it_on_their_class():
+    """Under DDP a pair-based term sees every rank's embeddings: the loss class says so itself
+    (no table of names in train/)."""
+    from deepmetric.losses import list_losses, loss_class
+    from deepmetric.train.module import is_pair_based
+
+    assert {n for n in list_losses() if is_pair_based(loss_class(n))} == {"triplet", "npair", "almn", "contrastive",
+                                                                          "lifted"}

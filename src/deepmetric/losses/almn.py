@@ -164,6 +164,10 @@ class ALMNLoss(nn.Module):
     virtual point against the nearest negative); the training loop logs it every step.
     """
 
+    #: the loss of a sample depends on the other samples of the batch: under DDP it sees every
+    #: rank's embeddings (``deepmetric.train.module.TrainingModule``)
+    pair_based = True
+
     def __init__(self, num_classes: int, embedding_dim: int, beta: float = 3.0, *,
                  centre_rate: float | str | None = None, lam: float = 0.0005, margin_mode: str = "virtual",
                  margin_m: int = 2, hard_case: str = "paper", detach_margin: bool = True,

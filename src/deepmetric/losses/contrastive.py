@@ -34,6 +34,10 @@ class ContrastiveLoss(nn.Module):
             pairs with a non-zero loss, or ``"sum"``.
     """
 
+    #: the loss of a sample depends on the other samples of the batch: under DDP it sees every
+    #: rank's embeddings (``deepmetric.train.module.TrainingModule``)
+    pair_based = True
+
     def __init__(self, margin: float = 1.0, normalize: bool = True, reduction: str = "mean") -> None:
         super().__init__()
         if margin < 0:

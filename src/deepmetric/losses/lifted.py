@@ -41,6 +41,10 @@ class LiftedStructureLoss(nn.Module):
     or without negatives returns a zero connected to the graph.
     """
 
+    #: the loss of a sample depends on the other samples of the batch: under DDP it sees every
+    #: rank's embeddings (``deepmetric.train.module.TrainingModule``)
+    pair_based = True
+
     def __init__(self, margin: float = 1.0, normalize: bool = False) -> None:
         super().__init__()
         self.margin = float(margin)

@@ -54,6 +54,10 @@ class NPairLoss(nn.Module):
     Batches without any class holding two samples return a zero connected to the graph.
     """
 
+    #: the loss of a sample depends on the other samples of the batch: under DDP it sees every
+    #: rank's embeddings (``deepmetric.train.module.TrainingModule``)
+    pair_based = True
+
     def __init__(self, l2_reg: float = 0.002, normalize: bool = False) -> None:
         super().__init__()
         if l2_reg < 0:

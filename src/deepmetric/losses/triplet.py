@@ -123,6 +123,10 @@ class TripletLoss(nn.Module):
     that is still connected to the graph.
     """
 
+    #: the loss of a sample depends on the other samples of the batch: under DDP it sees every
+    #: rank's embeddings (``deepmetric.train.module.TrainingModule``)
+    pair_based = True
+
     def __init__(
         self,
         margin: float = 0.2,

@@ -63,7 +63,7 @@ from .config import Config, config_diff, config_to_dict, save_config
 from .embed import cross_domain_metrics, evaluate_model, train_neighbour_metrics
 from .finetune import linear_probe, linear_probe_epoch, probed_backbone
 from .loss_stats import loss_step_stats
-from .module import PAIR_BASED_LOSSES, TrainingModule, init_from_class_means
+from .module import TrainingModule, init_from_class_means
 from .optim import build_optimizer
 from .rundir import RunDirectoryError, RunLog, prepare_run_dir
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
@@ -75,8 +75,7 @@ build_dataset_split = build_dataset
 RUN_FILES = R.RUN_FILES
 
 __all__ = ["train", "TrainResult", "RunDirectoryError", "prepare_run_dir", "TrainingModule", "NonFiniteLossError",
-           "build_dataset_split", "build_model", "build_losses", "seed_everything", "init_from_class_means",
-           "PAIR_BASED_LOSSES"]
+           "build_dataset_split", "build_model", "build_losses", "seed_everything", "init_from_class_means"]
 
 
 class NonFiniteLossError(RuntimeError):

@@ -8,13 +8,15 @@ from torch import nn
 from . import distributed as D
 from .amp import autocast_context
 
-__all__ = ["PAIR_BASED_LOSSES", "TrainingModule", "init_from_class_means"]
+__all__ = ["TrainingModule", "init_from_class_means", "is_pair_based"]
 
-#: Losses whose value depends on pairs/tuples of batch samples: under DDP they see the
-#: embeddings of all ranks.  Per-sample losses (heated softmax, Proxy-NCA, CE) stay local
-#: (DDP's gradient average is then the global-batch mean), and the centre loss all-reduces
-#: its own centre update.
-PAIR_BASED_LOSSES = frozenset({"triplet", "npair", "almn", "contrastive", "lifted"})
+def is_pair_based(loss: nn.Module) -> bool:
+    """Whether a loss's value depends on pairs / tuples of batch samples (the loss class says
+    so with ``pair_based = True``: triplet, N-pair, ALMN, contrastive, lifted): under DDP such a
+    term sees the embeddings of all ranks.  Per-sample losses (heated softmax, Proxy-NCA, CE)
+    stay local (DDP's gradient average is then the global-batch mean), and the centre loss
+    all-reduces its own centre update."""
+    return bool(getattr(loss, "pair_based", False))
 
 
 class TrainingModule(nn.Module):
@@ -35,7 +37,7 @@ class TrainingModule(nn.Module):
         self.weights = [float(t.weight) for t in terms]
         self.inputs = [t.input for t in terms]
         self.names = [t.name for t in terms]
-        self.gather = [t.gather if t.gather is not None else t.name in PAIR_BASED_LOSSES for t in terms]
+        self.gather = [t.gather if t.gather is not None else is_pair_based(loss) for t, loss in zip(terms, losses)]
         self.world_size = world_size
         self.amp = amp
         self.device = device or torch.device("cpu")
