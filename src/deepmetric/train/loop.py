@@ -53,6 +53,7 @@ from torch import nn
 from . import distributed as D
 from . import preflight as P
 from . import rundir as R
+from . import tracking as T
 from .amp import autocast_context, check_amp
 from .batches import make_train_loader
 from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler,
@@ -266,14 +267,18 @@ class _Run:
     def save(self, name: str) -> Path:
         """Write checkpoint ``name`` (``last.pt`` / ``best.pt``) of the run so far (rank 0)."""
         self.state.wall_time_s = self.wall_before + time.perf_counter() - self.t_start
-        return save_checkpoint(checkpoint_dict(self.state, self.objs, model_args=self.model_args,
+        path = save_checkpoint(checkpoint_dict(self.state, self.objs, model_args=self.model_args,
                                                config=self.config_dict), self.out_dir / name)
+        if name == R.LAST:
+            self.log.checkpointed()  # trackers take the records a resume keeps
+        return path
 
 
 def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules."""
     tc = cfg.train
     P.check_config(cfg)  # option and metric names: fail before anything is built
+    T.check_loggers(tc.loggers)  # the trackers' libraries too
     dist_info = D.init_distributed(tc.device)
     device, rank, world, main = dist_info.device, dist_info.rank, dist_info.world_size, dist_info.is_main
     _configure_torch(tc, device)
@@ -386,10 +391,18 @@ def _resume(run: _Run, resume) -> None:
         run.reevaluate = D.any_true(run.main and not saved, run.device)
 
 
-def _open_log(run: _Run) -> None:
+def _open_log(run: _Run, resume) -> None:
+    """``config.yaml``, ``log.jsonl`` and the trackers of ``train.loggers`` (rank 0)."""
+    trackers, error = [], None
     if run.main:
         save_config(run.cfg, run.out_dir / R.CONFIG)
-    run.log = run.evaluate.log = RunLog(run.out_dir / R.LOG if run.main else None)
+        try:
+            trackers = T.open_trackers(run.cfg, run.out_dir, resumed=resume is not None)
+        except Exception as exc:  # shared with every rank before anyone trains
+            error = exc
+    if D.any_true(error is not None, run.device):
+        raise error or RuntimeError("rank 0 could not open the trackers of train.loggers (see its message)")
+    run.log = run.evaluate.log = RunLog(run.out_dir / R.LOG if run.main else None, sinks=trackers)
 
 
 def _log_heat_up(run: _Run, epoch: int) -> None:
@@ -633,26 +646,28 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     run.on_validation = on_validation
     if resume is not None:
         _resume(run, resume)                                                     # step 5
-    _open_log(run)
-    run.t_start, run.wall_before = time.perf_counter(), run.state.wall_time_s
-    _baselines(run, resume)
-    finished = run.finished
-    if run.reevaluate:
-        _evaluate_finished_resume(run)
-    interrupted = False
-    with GracefulInterrupt() as interrupt:
-        while run.state.epoch < run.total_epochs and not finished:             # steps 6-7
-            outcome = _train_one_epoch(run, run.state.epoch, interrupt)
-            if outcome == "interrupted":
-                interrupted = True
-                if run.main:
-                    run.save(R.LAST)
-                    print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
-                          f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})", flush=True)
-                break
-            finished = _end_of_epoch(run, run.state.epoch + 1, finished=outcome == "finished")
-    run.log.close()
-    result = _finish(run, interrupted)
+    _open_log(run, resume)
+    with run.log:  # closes log.jsonl; an exception closes the trackers' run as failed
+        run.t_start, run.wall_before = time.perf_counter(), run.state.wall_time_s
+        _baselines(run, resume)
+        finished = run.finished
+        if run.reevaluate:
+            _evaluate_finished_resume(run)
+        interrupted = False
+        with GracefulInterrupt() as interrupt:
+            while run.state.epoch < run.total_epochs and not finished:         # steps 6-7
+                outcome = _train_one_epoch(run, run.state.epoch, interrupt)
+                if outcome == "interrupted":
+                    interrupted = True
+                    if run.main:
+                        run.save(R.LAST)
+                        print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
+                              f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})",
+                              flush=True)
+                    break
+                finished = _end_of_epoch(run, run.state.epoch + 1, finished=outcome == "finished")
+        result = _finish(run, interrupted)
+        run.log.finish(run.out_dir, interrupted=interrupted)  # trackers: final metrics, artifacts
     D.cleanup_distributed(run.dist_info)
     return result
 
