@@ -144,7 +144,7 @@ def _raw(out_dir, epochs=3, **train_extra):
 
 
 # --------------------------------------------------------------------------- a whole run
-def test_run_mirrored_in_tensorboard_and_mlflow_default_store(tmp_path):
+def test_run_mirrored_in_tensorboard_and_mlflow_default_store(tmp_path, capsys):
     out = tmp_path / "run"
     raw = _raw(out, tracking={"experiment": "exp-A", "run_name": "trial-7", "tags": {"trial": 7, "sampler": "tpe"}})
     cfg = config_from_dict(raw)
@@ -197,12 +197,12 @@ def test_run_mirrored_in_tensorboard_and_mlflow_default_store(tmp_path):
     assert copy.read_bytes() == (out / "best.pt").read_bytes()
 
     # a report written after training joins the run
-    from deepmetric.train.tracking import log_report
+    from deepmetric.cli import main
 
-    (out / "report").mkdir()
-    (out / "report" / "report.md").write_text("# run\n")
-    assert log_report(out)
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "report")] == ["report/report.md"]
+    assert main(["report", str(out), "--no-embed"]) == 0
+    assert f"report stored in MLflow run {run.info.run_id} (artifacts report/)" in capsys.readouterr().out
+    stored = {a.path for a in client.list_artifacts(run.info.run_id, "report")}
+    assert stored == {f"report/{p.name}" for p in (out / "report").iterdir()} and "report/report.html" in stored
 
 
 # --------------------------------------------------------------------------- resume
@@ -269,6 +269,7 @@ def test_killed_run_resumes_without_duplicate_points(tmp_path, store, mode):
     result = train(config_from_dict(raw), resume=out / "last.pt")
     records = read_log(out)
     assert [r["step"] for r in records if r["type"] == "step"] == list(range(1, result.iteration + 1))
+    assert [r["event"] for r in records if r["type"] == "heat_up"] == [1]  # fired at step 8, kept once
     assert json.loads((out / "tracking.json").read_text())["mlflow"]["run_id"] == run_id  # the same run
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"

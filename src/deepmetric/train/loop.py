@@ -35,7 +35,8 @@ Files in ``train.out_dir``: ``config.yaml`` (resolved), ``log.jsonl`` (one ``{"t
 evaluation, one ``{"type": "heat_up"}`` per temperature event, one ``{"type":
 "early_stop"}``, one ``{"type": "baseline"}`` per baseline), ``last.pt``, ``best.pt`` (only
 with a validation split), ``metrics.json`` (with ``baselines`` and ``warnings``).  Only
-rank 0 writes.
+rank 0 writes.  ``train.loggers`` mirror ``log.jsonl`` in TensorBoard / MLflow
+(``deepmetric.train.tracking``): the log hands them every record, each ``last.pt`` and the end.
 """
 from __future__ import annotations
 
@@ -374,7 +375,8 @@ def _resume(run: _Run, resume) -> None:
     ckpt = load_checkpoint(resume, map_location=run.device)
     run.state = restore(ckpt, run.objs, rank=run.dist_info.rank, config=run.config_dict, path=resume)
     if run.main:
-        R.truncate_log(run.out_dir, run.state.iteration, run.state.epoch)
+        R.truncate_log(run.out_dir, run.state.iteration, run.state.epoch,
+                       heat_ups=len(run.objs.temperature.history))
         print(f"[deepmetric] resumed from {resume}: epoch {run.state.epoch}, step {run.state.iteration}", flush=True)
         changed = [f"{k} {a!r} -> {b!r}" for k, a, b in config_diff(ckpt["config"], run.config_dict)]
         if changed:

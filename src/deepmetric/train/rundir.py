@@ -67,6 +67,8 @@ def remove_run_files(out_dir: Path, keep_checkpoint: bool = False) -> None:
             (out_dir / name).unlink(missing_ok=True)
         for tmp in out_dir.glob(f".{name}.*.tmp"):  # checkpoint.save_checkpoint, write_text_atomic
             tmp.unlink(missing_ok=True)
+    for suffix in ("-journal", "-wal", "-shm"):  # SQLite's: a stale one would be replayed into a new store
+        (out_dir / f"{MLFLOW_DB}{suffix}").unlink(missing_ok=True)
     for name in RUN_DIRS:
         if (out_dir / name).is_dir():
             shutil.rmtree(out_dir / name)
@@ -193,12 +195,21 @@ def rewrite_log(path: str | os.PathLike, drop: Callable[[dict], bool]) -> None:
     write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
-def truncate_log(run_dir: str | os.PathLike, iteration: int, epoch: int) -> None:
-    """On resume, drop the records a killed run wrote after its last checkpoint (steps after
-    ``iteration``; evaluations, heat-ups and an early stop after ``epoch``: the early stop is
-    decided again when that epoch is trained again)."""
-    rewrite_log(run_dir, lambda rec: (rec.get("type") == "step" and rec.get("step", 0) > iteration)
-                or (rec.get("type") in ("eval", "heat_up", "early_stop") and rec.get("epoch", 0) > epoch))
+def truncate_log(run_dir: str | os.PathLike, iteration: int, epoch: int, heat_ups: int | None = None) -> None:
+    """On resume, drop the records a killed run wrote after its last checkpoint: steps after
+    ``iteration``; evaluations and an early stop after ``epoch`` (the early stop is decided
+    again when that epoch is trained again); heat-ups beyond the checkpoint's ``heat_ups``
+    events (a heat-up at the start of an epoch comes after the checkpoint of the epoch before,
+    with the same epoch number, and fires again on resume), by epoch when not given."""
+    def drop(rec: dict) -> bool:
+        kind = rec.get("type")
+        if kind == "step":
+            return rec.get("step", 0) > iteration
+        if kind == "heat_up" and heat_ups is not None and isinstance(rec.get("event"), int):
+            return rec["event"] > heat_ups
+        return kind in ("eval", "heat_up", "early_stop") and rec.get("epoch", 0) > epoch
+
+    rewrite_log(run_dir, drop)
 
 
 def drop_eval_records(run_dir: str | os.PathLike, epoch: int) -> None:

@@ -430,16 +430,17 @@ class MlflowTracker(_Tracker):
         self.client.set_terminated(self.run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
 
 
-def log_report(run_dir: str | os.PathLike, report_dir: str | os.PathLike | None = None) -> bool:
+def log_report(run_dir: str | os.PathLike, report_dir: str | os.PathLike | None = None) -> str | None:
     """Store a run's report folder (default ``RUN_DIR/report``, written by ``deepmetric report``
-    after training) in the run's MLflow run as ``report/``; False when the run has none."""
+    after training) in the run's MLflow run as ``report/``; returns the MLflow run id, None when
+    the run has no MLflow run or no report."""
     info = read_tracking(run_dir).get("mlflow") or {}
     report = Path(report_dir) if report_dir is not None else Path(run_dir) / "report"
     if not info.get("run_id") or not report.is_dir():
-        return False
+        return None
     MlflowClient = _import_mlflow()
     MlflowClient(tracking_uri=info["tracking_uri"]).log_artifacts(info["run_id"], str(report), "report")
-    return True
+    return info["run_id"]
 
 
 # --------------------------------------------------------------------------- opening
