@@ -328,8 +328,11 @@ class MlflowTracker(_Tracker):
             self._log_params(run.info.run_id, params, {})
         else:
             self.client.update_run(run.info.run_id, status="RUNNING")
+            if "deepmetric.error" in run.data.tags:  # failed at a checkpoint, continued now
+                self.client.delete_tag(run.info.run_id, "deepmetric.error")
             self._log_params(run.info.run_id, params, run.data.params)
         self.run_id, self.start_time = run.info.run_id, run.info.start_time
+        self.experiment_id = run.info.experiment_id  # a continued run stays where it was
         R.write_text_atomic(self.out_dir / R.TRACKING, json.dumps(
             {"mlflow": {"tracking_uri": self.uri, "experiment_id": self.experiment_id, "run_id": self.run_id}},
             indent=2) + "\n")
