@@ -43,16 +43,16 @@ import math
 import os
 import re
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from . import rundir as R
 from .config import Config, flatten_config
 
-__all__ = ["LOGGERS", "TRACKING_EXTRA", "SYNC_METRIC", "check_loggers", "open_trackers", "record_scalars",
-           "final_scalars", "hyperparameters", "mlflow_key", "mlflow_tracking_uri",
-           "ensure_mlflow_experiment", "read_tracking", "log_report", "TensorBoardTracker",
-           "MlflowTracker"]
+__all__ = ["LOGGERS", "SYNC_METRIC", "TRACKING_EXTRA", "MlflowTracker", "TensorBoardTracker", "check_loggers",
+           "ensure_mlflow_experiment", "final_scalars", "hyperparameters", "log_report", "mlflow_key",
+           "mlflow_tracking_uri", "open_trackers", "read_tracking", "record_scalars"]
 
 #: logger name -> (module to import, package to install)
 LOGGERS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow-skinny")}
