@@ -31,7 +31,9 @@ fi
 
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-# torch/torchvision are pinned in pyproject.toml (2.14.1 / 0.29.1).
+# torch/torchvision are pinned in pyproject.toml (2.14.1 / 0.29.1).  The dev extra includes the
+# optional extras (serve, export, tracking: TensorBoard and MLflow for train.loggers), so the tests of
+# every feature run here and in CI.
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
 
 # Emoji benchmark: emoji-datasource-{apple,google,twitter,facebook}@16.0.0, emojione-assets@4.5.0,

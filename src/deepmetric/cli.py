@@ -131,6 +131,14 @@ def _run_report(args: argparse.Namespace) -> int:
                        embed_train=False if args.skip_train else None, images=not args.no_images,
                        n_queries=args.queries, top_k=args.top_k)
     print(f"report written to {path.with_name('report.html')} (and {path.name}, figures in {path.parent})")
+    from deepmetric.train.tracking import log_report, read_tracking
+
+    if "mlflow" in read_tracking(args.run_dir):  # the run went to MLflow (train.loggers): the report joins it
+        try:
+            run_id = log_report(args.run_dir, path.parent)
+            print(f"report stored in MLflow run {run_id} (artifacts report/)")
+        except ImportError as exc:
+            print(f"note: the report was not stored in the run's MLflow run: {exc}")
     return 0
 
 

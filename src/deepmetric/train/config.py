@@ -49,12 +49,14 @@ __all__ = [
     "LrScheduleConfig",
     "TemperatureScheduleConfig",
     "ScheduleConfig",
+    "TrackingConfig",
     "TrainConfig",
     "EvalConfig",
     "Config",
     "config_from_dict",
     "config_to_dict",
     "config_diff",
+    "flatten_config",
     "apply_overrides",
     "load_config",
     "save_config",
@@ -262,6 +264,23 @@ class ScheduleConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Where ``train.loggers`` send a run (:mod:`deepmetric.train.tracking`, docs/tracking.md).
+
+    ``experiment`` (default: the config's ``name``) and ``run_name`` (default: the name of
+    ``train.out_dir``) name the MLflow experiment and run; ``tags`` (string-keyed scalars) are
+    set on the MLflow run.  ``mlflow_uri`` is the MLflow tracking URI; ``null`` takes
+    ``MLFLOW_TRACKING_URI`` from the environment, else ``sqlite:///OUT/mlflow.db`` (a SQLite
+    file in the run directory, no server).  ``deepmetric tune`` / ``study`` set all four so
+    that every trial becomes a run of one experiment in one store."""
+
+    experiment: Optional[str] = None
+    run_name: Optional[str] = None
+    tags: dict[str, Any] = field(default_factory=dict)
+    mlflow_uri: Optional[str] = None
+
+
+@dataclass
 class TrainConfig:
     """Run length, batching, precision and bookkeeping.
 
@@ -302,6 +321,10 @@ class TrainConfig:
     checkpoint_every: int = 1
     progress: bool = True
     sync_bn: bool = True
+    #: experiment trackers fed alongside ``log.jsonl``: ``tensorboard`` (``OUT/tensorboard``),
+    #: ``mlflow`` (optional extra ``deepmetric[tracking]``; docs/tracking.md)
+    loggers: list[Literal["tensorboard", "mlflow"]] = field(default_factory=list)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 @dataclass
@@ -518,6 +541,15 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'train.num_threads': must be >= 1, got {t.num_threads}")
     if t.warmup_epochs < 0:
         raise ConfigError(f"config key 'train.warmup_epochs': must be >= 0, got {t.warmup_epochs}")
+    if len(set(t.loggers)) != len(t.loggers):
+        raise ConfigError(f"config key 'train.loggers': names a logger twice: {t.loggers}")
+    for key, value in t.tracking.tags.items():
+        if not isinstance(key, str) or isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"config key 'train.tracking.tags.{key}': expected a string key and a "
+                              f"string, number or bool value, got {_describe(value)}")
+    for key in ("experiment", "run_name", "mlflow_uri"):
+        if getattr(t.tracking, key) == "":
+            raise ConfigError(f"config key 'train.tracking.{key}': empty; leave it out (null) for the default")
     if not cfg.loss:
         raise ConfigError("config key 'loss': needs at least one loss term")
     if cfg.optim.lr < 0:
@@ -648,6 +680,13 @@ def _flatten(value: Any, prefix: str, out: dict) -> dict:
     else:
         out[prefix] = value
     return out
+
+
+def flatten_config(cfg: Any) -> dict[str, Any]:
+    """The configuration (``Config`` or plain dict) as ``{"dotted.key": value}``: mappings and
+    lists of mappings (loss terms, parameter groups) are opened up, other lists stay values
+    (``eval.ks``).  Trackers log these as hyperparameters."""
+    return _flatten(config_to_dict(cfg) if dataclasses.is_dataclass(cfg) else cfg, "", {})
 
 
 def config_diff(old: Any, new: Any) -> list[tuple[str, Any, Any]]:

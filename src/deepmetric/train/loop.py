@@ -35,7 +35,8 @@ Files in ``train.out_dir``: ``config.yaml`` (resolved), ``log.jsonl`` (one ``{"t
 evaluation, one ``{"type": "heat_up"}`` per temperature event, one ``{"type":
 "early_stop"}``, one ``{"type": "baseline"}`` per baseline), ``last.pt``, ``best.pt`` (only
 with a validation split), ``metrics.json`` (with ``baselines`` and ``warnings``).  Only
-rank 0 writes.
+rank 0 writes.  ``train.loggers`` mirror ``log.jsonl`` in TensorBoard / MLflow
+(``deepmetric.train.tracking``): the log hands them every record, each ``last.pt`` and the end.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from torch import nn
 from . import distributed as D
 from . import preflight as P
 from . import rundir as R
+from . import tracking as T
 from .amp import autocast_context, check_amp
 from .batches import make_train_loader
 from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler,
@@ -257,14 +259,18 @@ class _Run:
     def save(self, name: str) -> Path:
         """Write checkpoint ``name`` (``last.pt`` / ``best.pt``) of the run so far (rank 0)."""
         self.state.wall_time_s = self.wall_before + time.perf_counter() - self.t_start
-        return save_checkpoint(checkpoint_dict(self.state, self.objs, model_args=self.model_args,
+        path = save_checkpoint(checkpoint_dict(self.state, self.objs, model_args=self.model_args,
                                                config=self.config_dict), self.out_dir / name)
+        if name == R.LAST:
+            self.log.checkpointed()  # trackers take the records a resume keeps
+        return path
 
 
 def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules."""
     tc = cfg.train
     P.check_config(cfg)  # option and metric names: fail before anything is built
+    T.check_loggers(tc.loggers)  # the trackers' libraries too
     dist_info = D.init_distributed(tc.device)
     device, rank, world, main = dist_info.device, dist_info.rank, dist_info.world_size, dist_info.is_main
     _configure_torch(tc, device)
@@ -365,7 +371,8 @@ def _resume(run: _Run, resume) -> None:
     ckpt, run.resume_ckpt = run.resume_ckpt, None
     run.state = restore(ckpt, run.objs, rank=run.dist_info.rank, config=run.config_dict, path=resume)
     if run.main:
-        R.truncate_log(run.out_dir, run.state.iteration, run.state.epoch)
+        R.truncate_log(run.out_dir, run.state.iteration, run.state.epoch,
+                       heat_ups=len(run.objs.temperature.history))
         print(f"[deepmetric] resumed from {resume}: epoch {run.state.epoch}, step {run.state.iteration}", flush=True)
         changed = [f"{k} {a!r} -> {b!r}" for k, a, b in config_diff(ckpt["config"], run.config_dict)]
         if changed:
@@ -382,10 +389,18 @@ def _resume(run: _Run, resume) -> None:
         run.reevaluate = D.any_true(run.main and not saved, run.device)
 
 
-def _open_log(run: _Run) -> None:
+def _open_log(run: _Run, resume) -> None:
+    """``config.yaml``, ``log.jsonl`` and the trackers of ``train.loggers`` (rank 0)."""
+    trackers, error = [], None
     if run.main:
         save_config(run.cfg, run.out_dir / R.CONFIG)
-    run.log = run.evaluate.log = RunLog(run.out_dir / R.LOG if run.main else None)
+        try:
+            trackers = T.open_trackers(run.cfg, run.out_dir, resumed=resume is not None)
+        except Exception as exc:  # shared with every rank before anyone trains
+            error = exc
+    if D.any_true(error is not None, run.device):
+        raise error or RuntimeError("rank 0 could not open the trackers of train.loggers (see its message)")
+    run.log = run.evaluate.log = RunLog(run.out_dir / R.LOG if run.main else None, sinks=trackers)
 
 
 def _log_heat_up(run: _Run, epoch: int) -> None:
@@ -629,27 +644,29 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     run.on_validation = on_validation
     if resume is not None:
         _resume(run, resume)                                                     # step 5
-    _open_log(run)
-    run.t_start, run.wall_before = time.perf_counter(), run.state.wall_time_s
-    _baselines(run, resume)
-    finished = run.finished
-    if run.reevaluate:
-        _evaluate_finished_resume(run)
-    interrupted = False
-    with GracefulInterrupt() as interrupt:
-        while run.state.epoch < run.total_epochs and not finished:             # steps 6-7
-            with linear_probe(run.model, active=linear_probe_epoch(run.cfg.train, run.state.epoch)):  # LP-FT
-                outcome = _train_one_epoch(run, run.state.epoch, interrupt)
-            if outcome == "interrupted":
-                interrupted = True
-                if run.main:
-                    run.save(R.LAST)
-                    print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
-                          f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})", flush=True)
-                break
-            finished = _end_of_epoch(run, run.state.epoch + 1, finished=outcome == "finished")
-    run.log.close()
-    result = _finish(run, interrupted)
+    _open_log(run, resume)
+    with run.log:  # closes log.jsonl; an exception closes the trackers' run as failed
+        run.t_start, run.wall_before = time.perf_counter(), run.state.wall_time_s
+        _baselines(run, resume)
+        finished = run.finished
+        if run.reevaluate:
+            _evaluate_finished_resume(run)
+        interrupted = False
+        with GracefulInterrupt() as interrupt:
+            while run.state.epoch < run.total_epochs and not finished:         # steps 6-7
+                with linear_probe(run.model, active=linear_probe_epoch(run.cfg.train, run.state.epoch)):  # LP-FT
+                    outcome = _train_one_epoch(run, run.state.epoch, interrupt)
+                if outcome == "interrupted":
+                    interrupted = True
+                    if run.main:
+                        run.save(R.LAST)
+                        print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
+                              f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})",
+                              flush=True)
+                    break
+                finished = _end_of_epoch(run, run.state.epoch + 1, finished=outcome == "finished")
+        result = _finish(run, interrupted)
+        run.log.finish(run.out_dir, interrupted=interrupted)  # trackers: final metrics, artifacts
     D.cleanup_distributed(run.dist_info)
     return result
 

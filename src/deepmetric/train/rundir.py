@@ -11,7 +11,10 @@ A run directory (``train.out_dir``) holds:
 * ``last.pt`` / ``best.pt`` (:data:`LAST`, :data:`BEST`): checkpoints (``best.pt`` only with a
   validation split), written atomically by :mod:`deepmetric.train.checkpoint`;
 * ``metrics.json`` (:data:`METRICS`): the run's summary, written last (a run is finished when
-  it exists).
+  it exists);
+* with ``train.loggers`` (:mod:`deepmetric.train.tracking`): ``tensorboard/`` (event files),
+  ``tracking.json`` (which MLflow run mirrors this one) and, with the default MLflow store,
+  ``mlflow.db`` and ``mlartifacts/``.
 
 Only rank 0 writes.  On resume the records a killed run wrote after its last checkpoint are
 dropped (:func:`truncate_log`), so the log always matches the checkpoint it continues from.
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 __all__ = [
-    "CONFIG", "LOG", "LAST", "BEST", "METRICS", "RUN_FILES", "CONFIG_NAMES",
+    "CONFIG", "LOG", "LAST", "BEST", "METRICS", "TRACKING", "TENSORBOARD", "MLFLOW_DB", "MLFLOW_ARTIFACTS",
+    "RUN_FILES", "RUN_DIRS", "CONFIG_NAMES",
     "RunDirectoryError", "prepare_run_dir", "remove_run_files", "looks_like_run_dir",
     "RunLog", "read_log", "rewrite_log", "truncate_log", "drop_eval_records",
     "final_evaluation_saved", "baselines_from_log", "median_images_per_s",
@@ -37,8 +42,14 @@ LOG = "log.jsonl"
 LAST = "last.pt"
 BEST = "best.pt"
 METRICS = "metrics.json"
+TRACKING = "tracking.json"
+TENSORBOARD = "tensorboard"
+MLFLOW_DB = "mlflow.db"
+MLFLOW_ARTIFACTS = "mlartifacts"
 #: what a run writes into its directory (``--overwrite`` removes these and nothing else)
-RUN_FILES = (CONFIG, LOG, LAST, BEST, METRICS)
+RUN_FILES = (CONFIG, LOG, LAST, BEST, METRICS, TRACKING, MLFLOW_DB)
+#: the folders a run writes (the trackers'), removed with the files
+RUN_DIRS = (TENSORBOARD, MLFLOW_ARTIFACTS)
 #: config file names a run directory may carry (older tools wrote the other two)
 CONFIG_NAMES = (CONFIG, "config.yml", "resolved_config.yaml")
 
@@ -56,6 +67,11 @@ def remove_run_files(out_dir: Path, keep_checkpoint: bool = False) -> None:
             (out_dir / name).unlink(missing_ok=True)
         for tmp in out_dir.glob(f".{name}.*.tmp"):  # checkpoint.save_checkpoint, write_text_atomic
             tmp.unlink(missing_ok=True)
+    for suffix in ("-journal", "-wal", "-shm"):  # SQLite's: a stale one would be replayed into a new store
+        (out_dir / f"{MLFLOW_DB}{suffix}").unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        if (out_dir / name).is_dir():
+            shutil.rmtree(out_dir / name)
 
 
 def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> None:
@@ -86,15 +102,32 @@ def looks_like_run_dir(path: Path) -> bool:
 class RunLog:
     """Append-only JSON-lines log of a run (``path=None``: a no-op, for ranks other than 0).
 
-    Every record is flushed as it is written, so a killed run loses at most its last line."""
+    Every record is flushed as it is written, so a killed run loses at most its last line.
+    ``sinks`` (the experiment trackers of :mod:`deepmetric.train.tracking`) get every record
+    too, :meth:`checkpointed` after each ``last.pt`` and :meth:`finish` at the end of the run;
+    leaving the ``with`` block on an exception hands it to them (``abort``)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, sinks: Iterable = ()):
         self.f = open(path, "a", encoding="utf-8") if path is not None else None
+        self.sinks = list(sinks)
 
     def write(self, record: dict) -> None:
         if self.f is not None:
             self.f.write(json.dumps(record, default=float) + "\n")
             self.f.flush()
+        for sink in self.sinks:
+            sink.write(record)
+
+    def checkpointed(self) -> None:
+        """``last.pt`` was written: the records so far will survive a resume."""
+        for sink in self.sinks:
+            sink.checkpointed()
+
+    def finish(self, run_dir: Path, *, interrupted: bool) -> None:
+        """The run ended (``metrics.json`` written unless ``interrupted``): the sinks close."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.finish(run_dir, interrupted=interrupted)
 
     def close(self) -> None:
         if self.f is not None:
@@ -104,8 +137,11 @@ class RunLog:
     def __enter__(self) -> "RunLog":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks if exc is not None else ():
+            sink.abort(exc)
 
 
 def _log_path(path: str | os.PathLike) -> Path:
@@ -159,11 +195,21 @@ def rewrite_log(path: str | os.PathLike, drop: Callable[[dict], bool]) -> None:
     write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
-def truncate_log(run_dir: str | os.PathLike, iteration: int, epoch: int) -> None:
-    """On resume, drop the records a killed run wrote after its last checkpoint (steps after
-    ``iteration``, evaluations and heat-ups after ``epoch``)."""
-    rewrite_log(run_dir, lambda rec: (rec.get("type") == "step" and rec.get("step", 0) > iteration)
-                or (rec.get("type") in ("eval", "heat_up") and rec.get("epoch", 0) > epoch))
+def truncate_log(run_dir: str | os.PathLike, iteration: int, epoch: int, heat_ups: int | None = None) -> None:
+    """On resume, drop the records a killed run wrote after its last checkpoint: steps after
+    ``iteration``; evaluations and an early stop after ``epoch`` (the early stop is decided
+    again when that epoch is trained again); heat-ups beyond the checkpoint's ``heat_ups``
+    events (a heat-up at the start of an epoch comes after the checkpoint of the epoch before,
+    with the same epoch number, and fires again on resume), by epoch when not given."""
+    def drop(rec: dict) -> bool:
+        kind = rec.get("type")
+        if kind == "step":
+            return rec.get("step", 0) > iteration
+        if kind == "heat_up" and heat_ups is not None and isinstance(rec.get("event"), int):
+            return rec["event"] > heat_ups
+        return kind in ("eval", "heat_up", "early_stop") and rec.get("epoch", 0) > epoch
+
+    rewrite_log(run_dir, drop)
 
 
 def drop_eval_records(run_dir: str | os.PathLike, epoch: int) -> None:
