@@ -10,6 +10,8 @@ A run directory (``train.out_dir``) holds:
   ``{"type": "baseline"}`` per baseline;
 * ``last.pt`` / ``best.pt`` (:data:`LAST`, :data:`BEST`): checkpoints (``best.pt`` only with a
   validation split), written atomically by :mod:`deepmetric.train.checkpoint`;
+* ``wise.pt`` (:data:`WISE`): with ``eval.wise_ft``, the WiSE-FT mixture chosen on validation
+  (weights only: embed / index / export load it like ``last.pt``; it does not resume);
 * ``metrics.json`` (:data:`METRICS`): the run's summary, written last (a run is finished when
   it exists).
 
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 __all__ = [
-    "CONFIG", "LOG", "LAST", "BEST", "METRICS", "RUN_FILES", "CONFIG_NAMES",
+    "CONFIG", "LOG", "LAST", "BEST", "WISE", "METRICS", "RUN_FILES", "CONFIG_NAMES",
     "RunDirectoryError", "prepare_run_dir", "remove_run_files", "looks_like_run_dir",
     "RunLog", "read_log", "rewrite_log", "truncate_log", "drop_eval_records",
     "final_evaluation_saved", "baselines_from_log", "median_images_per_s",
@@ -36,9 +38,10 @@ CONFIG = "config.yaml"
 LOG = "log.jsonl"
 LAST = "last.pt"
 BEST = "best.pt"
+WISE = "wise.pt"
 METRICS = "metrics.json"
 #: what a run writes into its directory (``--overwrite`` removes these and nothing else)
-RUN_FILES = (CONFIG, LOG, LAST, BEST, METRICS)
+RUN_FILES = (CONFIG, LOG, LAST, BEST, WISE, METRICS)
 #: config file names a run directory may carry (older tools wrote the other two)
 CONFIG_NAMES = (CONFIG, "config.yml", "resolved_config.yaml")
 
