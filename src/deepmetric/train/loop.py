@@ -345,7 +345,8 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
         for term, loss in zip(cfg.loss, losses):
             if term.init == "class_means":
                 init_from_class_means(model, loss, build_dataset(cfg, cfg.data.train_split, train=False),
-                                      device=device, seed=tc.seed, amp=tc.amp, output=term.input)
+                                      device=device, seed=tc.seed, amp=tc.amp,
+                                      output="projection" if term.input == "projection" else "embedding")
     module = TrainingModule(model, losses, cfg.loss, world_size=world, amp=tc.amp, device=device, teacher=teacher)
     step_module: nn.Module = module
     if world > 1:
