@@ -15,9 +15,15 @@ features do: its scale and dimension are free (k need not equal C).
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
-from .distances import check_embeddings_labels, gram, l2_normalize, no_autocast, zero_loss
+from .distances import (
+    check_embeddings_labels,
+    gram,
+    l2_normalize,
+    no_autocast,
+    zero_loss,
+)
 from .registry import register_loss
 
 __all__ = ["SimilarityDistillationLoss", "cosine_matrix"]

@@ -24,12 +24,12 @@ At a = 0 and a = 1 every mixed tensor is exactly the pretrained / fine-tuned one
 from __future__ import annotations
 
 import copy
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["WISE_FT_PARAMS", "snapshot_state", "mixed_keys", "interpolate_state", "choose_alpha", "wise_ft_alphas"]
+__all__ = ["WISE_FT_PARAMS", "choose_alpha", "interpolate_state", "mixed_keys", "snapshot_state", "wise_ft_alphas"]
 
 WISE_FT_PARAMS = ("backbone", "all")
 
