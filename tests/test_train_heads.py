@@ -15,7 +15,7 @@ from sklearn.decomposition import PCA
 
 from deepmetric.data.synthetic import write_digit_folder
 from deepmetric.losses import build_loss
-from deepmetric.models import batchnorm_layers, create_model
+from deepmetric.models import batchnorm_layers, create_model, model_options
 from deepmetric.models.heads import EmbeddingHead
 from deepmetric.train import loop as loop_module
 from deepmetric.train import wise_ft as W
@@ -355,6 +355,9 @@ def test_freeze_bn_model_modes_and_options():
     assert bns and all(not bn.training and not bn.weight.requires_grad for bn in bns)
     with pytest.raises(ValueError, match="freeze_bn must be false, true"):
         create_model("glyph_resnet", freeze_bn="yes")
+    # the registry knows the new options, so preflight's option check accepts them (and only where they apply)
+    assert {"freeze_bn", "head_init", "projection"} <= model_options("efficientnet_lite0")
+    assert "freeze_bn" in model_options("two_head") and "head_init" not in model_options("two_head")
 
 
 # ----------------------------------------------------------------------------- WiSE-FT
