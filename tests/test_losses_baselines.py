@@ -236,7 +236,7 @@ def test_cross_entropy_matches_log_softmax_formula(rng):
 def test_registry_names_and_errors():
     assert list_losses() == [
         "almn", "center", "contrastive", "cross_entropy", "heated_softmax", "lifted", "npair", "pml", "proxy_nca",
-        "triplet",
+        "similarity_distillation", "triplet",
     ]
     assert loss_class("lifted") is LiftedStructureLoss
     assert loss_class("heated_softmax").__name__ == "HeatedSoftmaxLoss"

@@ -236,7 +236,7 @@ def test_create_model_none_means_default():
 def test_every_loss_is_registered_where_defined():
     assert list_losses() == sorted(list_losses())
     assert {"heated_softmax", "almn", "triplet", "center", "contrastive", "npair", "lifted", "proxy_nca",
-            "cross_entropy", "pml"} == set(list_losses())
+            "cross_entropy", "pml", "similarity_distillation"} == set(list_losses())
     for name in list_losses():
         cls = loss_class(name)
         assert issubclass(cls, nn.Module) and cls.__module__ == f"deepmetric.losses.{name}"

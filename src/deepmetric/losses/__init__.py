@@ -16,6 +16,7 @@ from .lifted import LiftedStructureLoss
 from .npair import NPairLoss, select_npairs
 from .proxy_nca import ProxyNCALoss
 from .registry import build_loss, list_losses, loss_class, loss_options, register_loss
+from .similarity_distillation import SimilarityDistillationLoss
 from .triplet import TripletLoss, mine_all, mine_batch_hard, mine_semihard
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "LiftedStructureLoss",
     "NPairLoss",
     "ProxyNCALoss",
+    "SimilarityDistillationLoss",
     "TripletLoss",
     "build_loss",
     "list_losses",

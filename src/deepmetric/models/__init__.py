@@ -30,8 +30,8 @@ from .backbones import (
     read_backbone_weights,
     register_backbone,
 )
-from .embedding_model import EmbeddingModel, global_pool
-from .heads import NORMS, EmbeddingHead, ShiftOnlyBatchNorm1d
+from .embedding_model import FREEZE_BN, EmbeddingModel, batchnorm_layers, global_pool
+from .heads import HEAD_INITS, NORMS, EmbeddingHead, ProjectionHead, ShiftOnlyBatchNorm1d, pca_directions
 from .pretrained import LoadReport, clean_state_dict, load_pretrained, read_state_dict
 from .registry import _MODELS, _NEEDS_NUM_CLASSES, _unknown_model, list_models, register_model
 from .small import GlyphResNet, LeNet
@@ -54,7 +54,10 @@ __all__ = [
     "EmbeddingModel",
     "TwoHeadModel",
     "EmbeddingHead",
+    "ProjectionHead",
     "ShiftOnlyBatchNorm1d",
+    "pca_directions",
+    "batchnorm_layers",
     "FeatureBackbone",
     "LeNet",
     "GlyphResNet",
@@ -66,10 +69,15 @@ __all__ = [
     "feature_map_shape",
     "global_pool",
     "NORMS",
+    "HEAD_INITS",
+    "FREEZE_BN",
 ]
 
 _COMMON_ARGS = ("embedding_dim", "norm", "num_classes", "pretrained", "in_chans", "dropout")
 _HEAD_OPTIONS = ("bn_momentum", "bn_eps", "bn_divide_sqrt_k", "init", "bias")
+# options of the backbone models' EmbeddingModel beyond the head's (docs/models.md): a SimCLR
+# projection on the embedding, frozen backbone BN statistics, the head's PCA initialisation
+_EMBEDDING_MODEL_OPTIONS = ("projection", "freeze_bn", "head_init")
 _TWO_HEAD_BACKBONE = "resnet50"  # two_head's default backbone
 
 
@@ -97,17 +105,17 @@ def model_options(name: str, options: Mapping | None = None) -> set[str] | None:
     """The options (``model.options``: :func:`create_model`'s keywords) model ``name``
     accepts, or None when its factory takes ``**kwargs`` and checks them itself.
 
-    Backbone models accept the common arguments, ``pool``, the head options and their
-    backbone's options (``widths``, ``transform_input``, ...); ``two_head`` also ``backbone``,
-    ``input_size``, ``feature_shape``, ``embedding_head`` and the options of the backbone
-    that ``options`` chooses (:func:`model_backbone`); a registered model its factory's
-    keyword parameters.  An unknown name raises as :func:`create_model`."""
+    Backbone models accept the common arguments, ``pool``, the head options, ``projection``,
+    ``freeze_bn``, ``head_init`` and their backbone's options (``widths``, ``transform_input``,
+    ...); ``two_head`` also ``backbone``, ``input_size``, ``feature_shape``, ``embedding_head``,
+    ``freeze_bn`` and the options of the backbone that ``options`` chooses
+    (:func:`model_backbone`); a registered model its factory's keyword parameters.  An unknown name raises as :func:`create_model`."""
     common = set(_COMMON_ARGS) | {"pool"} | set(_HEAD_OPTIONS)
     backbone = model_backbone(name, options)
     if name in list_backbones():
-        return common | _keywords(get_backbone_spec(name).builder)[0]
+        return common | set(_EMBEDDING_MODEL_OPTIONS) | _keywords(get_backbone_spec(name).builder)[0]
     if name == "two_head":
-        accepted = common | {"backbone", "input_size", "feature_shape", "embedding_head"}
+        accepted = common | {"backbone", "input_size", "feature_shape", "embedding_head", "freeze_bn"}
         if backbone in list_backbones():
             accepted |= _keywords(get_backbone_spec(backbone).builder)[0]
         return accepted
@@ -189,7 +197,10 @@ def create_model(
     the common arguments that are not None (as timm's ``create_model``).
 
     Extra keyword arguments: ``pool`` ("avg" | "max"); head options ``bn_momentum`` (0.05),
-    ``bn_eps`` (1e-3), ``bn_divide_sqrt_k`` (True), ``init``, ``bias``; backbone options
+    ``bn_eps`` (1e-3), ``bn_divide_sqrt_k`` (True), ``init``, ``bias``; ``projection``
+    (``{dim, norm, hidden}``: a SimCLR projection head adding ``"projection"``), ``freeze_bn``
+    (False, True / "stats", "all"; also ``two_head``), ``head_init`` (None, "pca",
+    "pca_whiten": applied by the trainer before the first step); backbone options
     (``transform_input``, ``widths``, ``depths``, ``hidden``, ``freeze_stages``,
     ``drop_path_rate``).  ``two_head`` also takes ``backbone`` (default "resnet50"),
     ``input_size`` (224), ``feature_shape`` and ``embedding_head`` (False: the single-head
@@ -206,7 +217,7 @@ def create_model(
     elif name in list_backbones():
         kwargs = dict(kwargs)
         backbone_options = _split_backbone_options(name, kwargs)
-        _check_unknown(name, kwargs, ("pool",) + _HEAD_OPTIONS + tuple(backbone_options))
+        _check_unknown(name, kwargs, ("pool",) + _HEAD_OPTIONS + _EMBEDDING_MODEL_OPTIONS + tuple(backbone_options))
         backbone = create_backbone(name, in_chans=in_chans, **backbone_options)
         model = EmbeddingModel(
             backbone,
@@ -242,7 +253,7 @@ def _two_head(
     kwargs = dict(kwargs)
     spec = get_backbone_spec(backbone)
     backbone_options = _split_backbone_options(backbone, kwargs)
-    _check_unknown("two_head", kwargs, ("pool", "feature_shape", "embedding_head") + _HEAD_OPTIONS
+    _check_unknown("two_head", kwargs, ("pool", "feature_shape", "embedding_head", "freeze_bn") + _HEAD_OPTIONS
                    + tuple(backbone_options))
     if num_classes is None:
         raise ValueError("create_model('two_head') needs num_classes (size of the classification head)")

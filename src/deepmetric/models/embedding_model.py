@@ -9,11 +9,59 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .heads import EmbeddingHead
+from .heads import HEAD_INITS, EmbeddingHead, ProjectionHead
 
-__all__ = ["EmbeddingModel", "global_pool", "POOLS"]
+__all__ = ["EmbeddingModel", "global_pool", "POOLS", "FREEZE_BN", "batchnorm_layers", "check_freeze_bn",
+           "freeze_batchnorm_parameters", "build_projection"]
 
 POOLS = ("avg", "max")
+#: ``freeze_bn`` values: False (BN layers train as usual), ``"stats"`` (True means the same: the
+#: backbone's BN layers stay in eval mode, running statistics frozen, affine weight and bias
+#: still trained) and ``"all"`` (statistics and affine parameters frozen).
+FREEZE_BN = (False, True, "stats", "all")
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def check_freeze_bn(value) -> str | None:
+    """None (off), ``"stats"`` or ``"all"`` from a ``freeze_bn`` option."""
+    if value is False or value is None:
+        return None
+    if value is True or value == "stats":
+        return "stats"
+    if value == "all":
+        return "all"
+    raise ValueError(f"freeze_bn must be false, true (= 'stats': running statistics frozen) or 'all' "
+                     f"(statistics and affine parameters frozen), got {value!r}")
+
+
+def batchnorm_layers(module: nn.Module) -> list[nn.Module]:
+    """The batch-norm layers inside ``module`` (timm's BatchNormAct2d is a BatchNorm2d)."""
+    return [m for m in module.modules() if isinstance(m, _BATCHNORMS)]
+
+
+def freeze_batchnorm_parameters(module: nn.Module) -> None:
+    """``freeze_bn: all``: the affine weight and bias of every BN layer in ``module`` stop
+    training (``requires_grad=False``: the optimiser skips them)."""
+    for bn in batchnorm_layers(module):
+        for p in bn.parameters(recurse=False):
+            p.requires_grad_(False)
+
+
+def build_projection(in_features: int, projection, **bn_options) -> ProjectionHead | None:
+    """The ``projection`` option: None, or ``{"dim": int, "norm": "none"|"l2"|"bn" (default
+    "l2"), "hidden": int (optional)}`` -> :class:`ProjectionHead`."""
+    if projection is None:
+        return None
+    if not isinstance(projection, dict):
+        raise ValueError(f"projection must be a mapping {{dim, norm, hidden}}, got {projection!r}")
+    unknown = sorted(set(projection) - {"dim", "norm", "hidden"})
+    if unknown:
+        raise ValueError(f"projection: unknown key(s) {unknown}; expected dim, norm, hidden")
+    dim = projection.get("dim")
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+        raise ValueError(f"projection needs 'dim', a positive int, got {dim!r}")
+    return ProjectionHead(in_features, dim, norm=projection.get("norm", "l2"), hidden=projection.get("hidden"),
+                          **bn_options)
 
 
 def global_pool(fmap: torch.Tensor, pool: str) -> torch.Tensor:
@@ -26,7 +74,8 @@ def global_pool(fmap: torch.Tensor, pool: str) -> torch.Tensor:
 
 
 class EmbeddingModel(nn.Module):
-    """forward(x) -> {"embedding": [B, k], "features": [B, C]} (+ "logits" with num_classes).
+    """forward(x) -> {"embedding": [B, k], "features": [B, C]} (+ "logits" with num_classes,
+    + "projection" with a projection head).
 
     timm's model contract, which ``forward`` is written in:
 
@@ -42,6 +91,15 @@ class EmbeddingModel(nn.Module):
             (softmax baseline trained with plain cross-entropy on the model's own logits).
             The heated-up / NormFace classifier with its temperature lives in the loss instead.
         pool: ``"avg"`` (all three papers) or ``"max"``.
+        projection: None, or ``{dim, norm, hidden}``: a SimCLR projection head on the embedding
+            adds ``"projection"`` to ``forward``'s dict (what ``loss.N.input: projection``
+            reads); ``forward_head`` and everything that indexes still give the embedding.
+        freeze_bn: False, True / ``"stats"`` (the backbone's batch norms stay in eval mode:
+            running statistics frozen, affine parameters trained) or ``"all"`` (affine
+            parameters frozen too).  The embedding head's BN is not the backbone's and trains.
+        head_init: None, ``"pca"`` or ``"pca_whiten"``: recorded for the trainer, which sets
+            the projection from the PCA of the training images' pooled features before the
+            first step (:meth:`EmbeddingHead.init_from_pca`); the model itself starts random.
     """
 
     def __init__(
@@ -52,11 +110,16 @@ class EmbeddingModel(nn.Module):
         dropout: float = 0.0,
         num_classes: int | None = None,
         pool: str = "avg",
+        projection: dict | None = None,
+        freeze_bn=False,
+        head_init: str | None = None,
         **head_options,
     ):
         super().__init__()
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        if head_init is not None and head_init not in HEAD_INITS:
+            raise ValueError(f"head_init must be None or one of {HEAD_INITS}, got {head_init!r}")
         if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 2):
             raise ValueError(f"num_classes must be None or an int >= 2, got {num_classes!r}")
         self.backbone = backbone
@@ -66,6 +129,21 @@ class EmbeddingModel(nn.Module):
         self.head = EmbeddingHead(self.num_features, embedding_dim, norm=norm, dropout=dropout, **head_options)
         self.classifier = nn.Linear(embedding_dim, num_classes) if num_classes is not None else None
         self.num_classes = num_classes
+        bn_options = {k: head_options[k] for k in ("bn_momentum", "bn_eps", "bn_divide_sqrt_k") if k in head_options}
+        # registered only when asked for: models without it keep their state-dict keys
+        self.projection = build_projection(self.embedding_dim, projection, **bn_options)
+        self.projection_dim = None if self.projection is None else self.projection.dim
+        self.freeze_bn = check_freeze_bn(freeze_bn)
+        if self.freeze_bn == "all":
+            freeze_batchnorm_parameters(self.backbone)
+        self.head_init = head_init
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.freeze_bn is not None:  # the backbone's BN layers use (and keep) their running statistics
+            for bn in batchnorm_layers(self.backbone):
+                bn.eval()
+        return self
 
     @property
     def norm(self) -> str:
@@ -86,4 +164,6 @@ class EmbeddingModel(nn.Module):
         out = {"embedding": self.head(features), "features": features}
         if self.classifier is not None:
             out["logits"] = self.classifier(out["embedding"])
+        if self.projection is not None:
+            out["projection"] = self.projection(out["embedding"])
         return out

@@ -18,9 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["NORMS", "ShiftOnlyBatchNorm1d", "EmbeddingHead", "check_norm"]
+__all__ = ["NORMS", "HEAD_INITS", "ShiftOnlyBatchNorm1d", "EmbeddingHead", "ProjectionHead", "check_norm",
+           "pca_directions"]
 
 NORMS = ("none", "l2", "bn")
+#: ``head_init`` values: the projection initialised from the PCA of the backbone's pooled
+#: features (:meth:`EmbeddingHead.init_from_pca`), or whitened PCA.
+HEAD_INITS = ("pca", "pca_whiten")
 
 # Official heated-up code (TensorFlow slim batch_norm): decay 0.95 -> PyTorch momentum 0.05,
 # epsilon 1e-3.  PyTorch's own defaults are momentum 0.1, eps 1e-5.
@@ -186,5 +190,90 @@ class EmbeddingHead(nn.Module):
             return f
         return f.float()
 
+    @torch.no_grad()
+    def init_from_pca(self, features: torch.Tensor, whiten: bool = False) -> dict[str, torch.Tensor]:
+        """Set the projection to the PCA of ``features`` [N, in_features] (e.g. the pretrained
+        backbone's pooled features of the training images).
+
+        With mean mu, the top-k principal directions v_1..v_k (unit rows of W) and their
+        variances lambda_1..lambda_k (denominator N - 1, as scikit-learn's PCA):
+
+        * ``whiten=False``: W = [v_1..v_k]^T, an orthogonal projection onto the top-k subspace,
+          so distances between centred features are kept as well as any rank-k map can
+          (Eckart-Young); ``whiten=True``: row i divided by sqrt(lambda_i), unit variance per
+          dimension (scikit-learn's ``PCA(whiten=True)``);
+        * bias = -W mu, so the projection of the training features has mean 0.
+
+        Dropout before the projection is not part of the map (it is off in eval mode).  With the
+        BN head (``norm="bn"``) its running statistics are set to the projection's statistics
+        (mean 0, variance lambda_i or 1), so that eval mode at step 0 normalises as training
+        mode will: BN standardises each dimension, so the BN head's output is whitened PCA
+        either way.  Each direction's sign makes its largest-magnitude entry positive
+        (deterministic).  Returns ``{"mean", "components", "variances"}`` (float64).
+        """
+        n, c = features.shape if features.dim() == 2 else (0, 0)
+        if features.dim() != 2 or c != self.in_features:
+            raise ValueError(f"init_from_pca: expected features [N, {self.in_features}], got "
+                             f"{tuple(features.shape)}")
+        k = self.embedding_dim
+        if k > min(n - 1, c):
+            raise ValueError(f"init_from_pca: a {k}-d embedding needs at least {k} principal directions, but "
+                             f"{n} features of {c} dims give at most {max(min(n - 1, c), 0)}; use a smaller "
+                             f"embedding_dim or more training images")
+        if self.proj.bias is None:
+            raise ValueError("init_from_pca: the projection has no bias (bias=False), so it cannot be centred")
+        mean, components, variances = pca_directions(features, k)
+        weight = components / variances.clamp_min(1e-12).sqrt()[:, None] if whiten else components
+        self.proj.weight.copy_(weight.to(self.proj.weight.dtype))
+        self.proj.bias.copy_((-(weight @ mean)).to(self.proj.bias.dtype))
+        if self.bn is not None:
+            self.bn.running_mean.zero_()
+            self.bn.running_var.copy_(torch.ones_like(variances) if whiten else variances)
+        return {"mean": mean, "components": components, "variances": variances}
+
     def extra_repr(self) -> str:
         return f"norm={self.norm!r}, bn_divide_sqrt_k={self.bn_divide_sqrt_k}"
+
+
+def pca_directions(features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mean [C], components [k, C], variances [k])`` of the rows of ``features`` [N, C]:
+    the top-k right singular vectors of the centred matrix (float64 SVD), variances
+    S^2 / (N - 1), each component's largest-magnitude entry made positive."""
+    x = features.detach().to(torch.float64)
+    mean = x.mean(0)
+    _, s, vh = torch.linalg.svd(x - mean, full_matrices=False)
+    components = vh[:k]
+    signs = torch.sign(components.gather(1, components.abs().argmax(1, keepdim=True)))
+    components = components * torch.where(signs == 0, torch.ones_like(signs), signs)
+    return mean, components, s[:k] ** 2 / max(x.shape[0] - 1, 1)
+
+
+class ProjectionHead(nn.Module):
+    """SimCLR's projection head g (Chen et al., ICML 2020, Sec. 2.1): [B, k] -> [B, dim].
+
+    ``hidden=None``: a linear map then the normalisation; ``hidden=h``: z = W2 ReLU(W1 e)
+    (the paper's one-hidden-layer MLP), then the normalisation.  The normalisation is an
+    :class:`EmbeddingHead`'s (``"none"``, ``"l2"``, or the BN head's BN^ / sqrt(dim)), so a
+    heated softmax reads a projection as it reads an embedding.  The loss terms that read the
+    projection (``loss.N.input: projection``) train the network through it, while the
+    embedding before it is what retrieval indexes: SimCLR found the representation before
+    the projection head transfers better than its output.
+    """
+
+    def __init__(self, in_features: int, dim: int, norm: str = "l2", hidden: int | None = None,
+                 bn_momentum: float = BN_MOMENTUM, bn_eps: float = BN_EPS, bn_divide_sqrt_k: bool = True):
+        super().__init__()
+        if hidden is not None and (not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1):
+            raise ValueError(f"projection hidden must be a positive int or None, got {hidden!r}")
+        self.in_features, self.dim, self.hidden = in_features, dim, hidden
+        self.mlp = (nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(inplace=True))
+                    if hidden is not None else nn.Identity())
+        self.out = EmbeddingHead(hidden or in_features, dim, norm=norm, bn_momentum=bn_momentum, bn_eps=bn_eps,
+                                 bn_divide_sqrt_k=bn_divide_sqrt_k)
+
+    @property
+    def norm(self) -> str:
+        return self.out.norm
+
+    def forward(self, e: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mlp(e))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .embedding_model import POOLS, global_pool
+from .embedding_model import POOLS, batchnorm_layers, check_freeze_bn, freeze_batchnorm_parameters, global_pool
 from .heads import EmbeddingHead
 
 __all__ = ["TwoHeadModel", "feature_map_shape"]
@@ -86,6 +86,8 @@ class TwoHeadModel(nn.Module):
             head (no untrained W_emb is trained or evaluated); ``"embedding"`` is then the
             pooled pre-logit features ``x`` (C dims), the representation softmax trains, and
             ``embedding_dim`` / ``norm`` / head options are ignored.
+        freeze_bn: as :class:`~deepmetric.models.embedding_model.EmbeddingModel`'s: False,
+            True / ``"stats"`` or ``"all"`` (the backbone's batch norms only).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class TwoHeadModel(nn.Module):
         pool: str = "avg",
         feature_shape: tuple[int, int, int] | None = None,
         embedding_head: bool = True,
+        freeze_bn=False,
         **head_options,
     ):
         super().__init__()
@@ -133,6 +136,16 @@ class TwoHeadModel(nn.Module):
             )
         else:  # single-head softmax baseline: the pooled features are the embedding
             self.embedding_dim = c
+        self.freeze_bn = check_freeze_bn(freeze_bn)
+        if self.freeze_bn == "all":
+            freeze_batchnorm_parameters(self.backbone)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.freeze_bn is not None:  # the backbone's BN layers keep their running statistics
+            for bn in batchnorm_layers(self.backbone):
+                bn.eval()
+        return self
 
     @property
     def norm(self) -> str:

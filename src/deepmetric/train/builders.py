@@ -264,9 +264,12 @@ def build_model(cfg: Config, num_classes: int | None = None) -> nn.Module:
     return _call_filling(create_model, m.name, dict(m.options), {"num_classes": num_classes})
 
 
-def build_losses(cfg: Config, num_classes: int | None = None, embedding_dim: int | None = None) -> nn.ModuleList:
+def build_losses(cfg: Config, num_classes: int | None = None, embedding_dim: int | None = None,
+                 projection_dim: int | None = None) -> nn.ModuleList:
     """One loss module per ``cfg.loss`` term; ``num_classes`` / ``embedding_dim`` are passed
-    to the losses that accept them (classifier losses) unless the options set them."""
+    to the losses that accept them (classifier losses) unless the options set them.  A term
+    reading ``input: projection`` gets ``projection_dim`` (the model's ``projection_dim``) as
+    its ``embedding_dim``."""
     from deepmetric.losses import build_loss, loss_options
 
     terms = []
@@ -275,8 +278,9 @@ def build_losses(cfg: Config, num_classes: int | None = None, embedding_dim: int
             accepted = loss_options(term.name)
         except ValueError as exc:
             raise ValueError(f"config key 'loss.{i}.name': {exc}") from None
+        dim = projection_dim if term.input == "projection" else embedding_dim
         terms.append(_call_filling(build_loss, term.name, dict(term.options),
-                                   {"num_classes": num_classes, "embedding_dim": embedding_dim}, accepted))
+                                   {"num_classes": num_classes, "embedding_dim": dim}, accepted))
     return nn.ModuleList(terms)
 
 

@@ -271,6 +271,9 @@ def restore(ckpt: dict, objs: Trainables, *, rank: int = 0, config: dict | None 
     config keys that differ from ``config`` (the current run's) in one paragraph."""
     from .config import config_diff
 
+    if "optimizer" not in ckpt:  # wise.pt: weights for embed / index / export, no training state
+        raise ValueError(f"cannot resume from {path}: it holds model weights only (e.g. wise.pt, the WiSE-FT "
+                         f"mixture), not a training state; resume from last.pt")
     diff = config_diff(ckpt["config"], config) if config is not None else []
     detail = state_dict_mismatch(ckpt["model"], objs.model)
     if detail:

@@ -17,13 +17,13 @@ docs/training.md for every key)::
     data:     {name, root, options, train_split, transform, transform_options, num_workers,
                val_classes, val_seed, val_folds, val_fold, val_query_families}
     model:    {name, options}
-    loss:     [{name, weight, input: embedding|logits, options, gather}, ...]
+    loss:     [{name, weight, input: embedding|logits|projection, options, gather}, ...]
     optim:    {name: sgd|adam|adamw, lr, momentum, weight_decay, new_layer_lr_mult, ...}
     schedule: {lr: {name: constant|step|multistep|poly|cosine, ...},
                temperature: {name: none|heat_up|gradual|auto_plateau, ...}}
     train:    {epochs | iterations, batch_size, sampler, m, n, amp, seed, out_dir, ...}
     eval:     {every, split, gallery_split, ks, metrics, best_metric, early_stop_patience, baselines,
-               cross_domain, train_neighbours, ...}
+               cross_domain, train_neighbours, wise_ft, wise_ft_params, ...}
 """
 from __future__ import annotations
 
@@ -128,8 +128,10 @@ class ModelConfig:
 class LossTermConfig:
     """One weighted term of the total loss: ``weight * build_loss(name, **options)(input, y)``.
 
-    ``input`` picks the model output the term reads: ``embedding`` or ``logits`` (the
-    two-head model's classifier, for ``cross_entropy``).  ``num_classes`` and
+    ``input`` picks the model output the term reads: ``embedding``, ``logits`` (the
+    two-head model's classifier, for ``cross_entropy``) or ``projection`` (the SimCLR
+    projection head of ``model.options.projection``: the loss trains through it while the
+    embedding before it is what retrieval indexes).  ``num_classes`` and
     ``embedding_dim`` are filled in automatically when the loss accepts them.
     ``gather`` (distributed training only) makes the term see the embeddings of all ranks;
     ``null`` = automatic: the pair-based losses (triplet, npair, almn, contrastive, lifted)
@@ -142,7 +144,7 @@ class LossTermConfig:
 
     name: str = "heated_softmax"
     weight: float = 1.0
-    input: Literal["embedding", "logits"] = "embedding"
+    input: Literal["embedding", "logits", "projection"] = "embedding"
     options: dict[str, Any] = field(default_factory=dict)
     gather: Optional[bool] = None
     init: Optional[Literal["class_means"]] = None
@@ -375,6 +377,16 @@ class EvalConfig:
     train_neighbours: bool = False
     #: k-means initialisations behind NMI / F1 (lowest inertia kept); 1 as pytorch-metric-learning
     kmeans_restarts: int = 1
+    #: WiSE-FT (Wortsman et al., CVPR 2022) after training: the mixing coefficients a in [0, 1]
+    #: of theta(a) = (1 - a) theta_pretrained + a theta_finetuned to evaluate on the validation
+    #: split besides a = 1 (the fine-tuned model, best.pt); the best a on ``best_metric`` is
+    #: written as ``wise.pt`` and reported in metrics.json under ``wise_ft``.  Needs a
+    #: validation split.
+    wise_ft: Optional[list[float]] = None
+    #: what WiSE-FT mixes: ``backbone`` (its parameters and BN statistics; the head stays the
+    #: fine-tuned one: it has no pretrained value) or ``all`` (every model tensor, the head from
+    #: its value before the first step: its PCA initialisation, or a pretrained deepmetric model's)
+    wise_ft_params: Literal["backbone", "all"] = "backbone"
 
 
 @dataclass
@@ -633,6 +645,11 @@ def _check_validation(cfg: Config) -> None:
     if cfg.eval.train_neighbours and not cfg.eval.classification:
         raise ConfigError("config key 'eval.train_neighbours': compares the classifier's mistakes with the "
                           "nearest training images, so it needs eval.classification: true")
+    if cfg.eval.wise_ft is not None:
+        bad = [a for a in cfg.eval.wise_ft if not 0.0 <= a <= 1.0]
+        if not cfg.eval.wise_ft or bad:
+            raise ConfigError(f"config key 'eval.wise_ft': expected a non-empty list of mixing coefficients in "
+                              f"[0, 1] (e.g. [0.25, 0.5, 0.75]), got {cfg.eval.wise_ft}")
     if cfg.data.has_validation and cfg.eval.classification:
         raise ConfigError("config keys 'data.val_classes' and 'eval.classification': validation classes "
                           "are carved out of training (class-disjoint), so a classifier cannot be "
@@ -648,6 +665,9 @@ def _check_validation(cfg: Config) -> None:
     if cfg.eval.early_stop_patience is not None:
         raise ConfigError(f"config key 'eval.early_stop_patience' stops on validation metrics, but "
                           f"there is no validation split: {why}")
+    if cfg.eval.wise_ft is not None:
+        raise ConfigError(f"config key 'eval.wise_ft' chooses the WiSE-FT mixing coefficient on validation "
+                          f"metrics, but there is no validation split: {why}")
     t = cfg.schedule.temperature
     if t.name == "auto_plateau" and t.monitor != "train_loss":
         raise ConfigError(f"config key 'schedule.temperature.monitor' ({t.monitor!r}) watches a "

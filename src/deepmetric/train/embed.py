@@ -25,7 +25,7 @@ from .builders import build_dataset, build_losses, build_model
 from .checkpoint import load_checkpoint
 from .config import config_from_dict
 
-__all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "embed_checkpoint",
+__all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "split_metrics", "embed_checkpoint",
            "load_model_from_checkpoint", "dataset_query_gallery_masks", "EMBEDDING_OUTPUTS"]
 
 # compute_embeddings(output=...): forward_head(fmap) and forward_head(fmap, pre_logits=True)
@@ -222,6 +222,16 @@ def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, devi
     return metrics, embedded
 
 
+def split_metrics(model: nn.Module, sets: dict[str, Dataset], cfg, *, device: torch.device,
+                  losses: Sequence[nn.Module] = ()) -> dict[str, float]:
+    """The metrics one evaluation of ``sets`` gives during training: :func:`evaluate_model`'s and,
+    with ``eval.cross_domain``, :func:`cross_domain_metrics` (as the training loop's evaluator)."""
+    metrics, embedded = evaluate_model(model, sets, cfg, device=device, losses=losses)
+    if cfg.eval.cross_domain:
+        metrics.update(cross_domain_metrics(embedded, sets["query"], cfg))
+    return metrics
+
+
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
     """Rebuild the model (and loss terms) of a training checkpoint.
 
@@ -237,7 +247,8 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     except RuntimeError as exc:
         raise ValueError(f"checkpoint {path}: model weights do not match the config's model "
                          f"({str(exc)[:300]})") from None
-    losses = build_losses(cfg, num_classes=num_classes, embedding_dim=model_args.get("embedding_dim"))
+    losses = build_losses(cfg, num_classes=num_classes, embedding_dim=model_args.get("embedding_dim"),
+                          projection_dim=getattr(model, "projection_dim", None))
     for loss, ls in zip(losses, state.get("loss", [])):
         loss.load_state_dict(ls)
     device = torch.device(device)

@@ -62,10 +62,10 @@ from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, buil
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
                          restore, save_checkpoint)
 from .config import Config, config_diff, config_to_dict, save_config
-from .embed import cross_domain_metrics, evaluate_model, train_neighbour_metrics
+from .embed import cross_domain_metrics, evaluate_model, split_metrics, train_neighbour_metrics
 from .finetune import linear_probe, linear_probe_epoch, probed_backbone
 from .loss_stats import loss_step_stats
-from .module import TrainingModule, init_from_class_means
+from .module import PretrainedTeacher, TrainingModule, init_from_class_means, init_head_from_pca
 from .optim import build_optimizer
 from .rundir import RunDirectoryError, RunLog, prepare_run_dir
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
@@ -234,6 +234,8 @@ class _Run:
     reevaluate: bool = False        # a finished run resumed without its final evaluation
     on_validation: Any = None       # callback(epoch, val_metrics) after each validation
     resume_ckpt: dict | None = None  # the --resume checkpoint, loaded (and checked) first
+    pretrained_state: dict | None = None  # eval.wise_ft: the model before the first step (CPU, rank 0)
+    wise_ft: dict | None = None     # eval.wise_ft: metrics.json's "wise_ft" section
     t_start: float = 0.0
     wall_before: float = 0.0
 
@@ -307,6 +309,7 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
 
     # 3. model and loss terms ------------------------------------------------------------
     model = build_model(cfg, num_classes=num_classes)
+    teacher = _pretrained_teacher(cfg, model)  # before any change: the model as built (pretrained)
     # pre-flight: image headers of every split, the model on two training images.  Rank 0 alone
     # checks the evaluation splits, so a failure is shared before the ranks meet in DDP.
     preflight_error: Exception | None = None
@@ -318,11 +321,14 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     if D.any_true(preflight_error is not None, device):
         raise preflight_error or RuntimeError("pre-flight checks failed on another rank (see its message)")
     embedding_dim = embedding_dim_of(model, train_ds)
-    losses = build_losses(cfg, num_classes=num_classes, embedding_dim=embedding_dim)
+    losses = build_losses(cfg, num_classes=num_classes, embedding_dim=embedding_dim,
+                          projection_dim=getattr(model, "projection_dim", None))
     if world > 1 and tc.sync_bn and device.type == "cuda":
         model = D.convert_sync_batchnorm(model)  # keeps the BN head's learned shift
     model.to(device)
     losses.to(device)
+    if teacher is not None:
+        teacher.to(device)
     if tc.channels_last:
         model.to(memory_format=torch.channels_last)
     if main:
@@ -333,12 +339,14 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
                                  total_epochs=total_epochs, total_steps=total_iters, out_dir=out_dir), flush=True)
         for w in run_warnings:
             print(f"[deepmetric] warning: {w}", flush=True)
+    pretrained_state = _init_head(cfg, model, device, resume=resume) if main else None  # rank 0
     if resume is None and main:  # rank 0 only: DDP broadcasts rank 0's parameters below
         for term, loss in zip(cfg.loss, losses):
             if term.init == "class_means":
                 init_from_class_means(model, loss, build_dataset(cfg, cfg.data.train_split, train=False),
-                                      device=device, seed=tc.seed, amp=tc.amp)
-    module = TrainingModule(model, losses, cfg.loss, world_size=world, amp=tc.amp, device=device)
+                                      device=device, seed=tc.seed, amp=tc.amp,
+                                      output="projection" if term.input == "projection" else "embedding")
+    module = TrainingModule(model, losses, cfg.loss, world_size=world, amp=tc.amp, device=device, teacher=teacher)
     step_module: nn.Module = module
     probes = tc.warmup_mode == "linear_probe" and tc.warmup_epochs > 0
     if probes:
@@ -360,10 +368,76 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
                model_args={"num_classes": num_classes, "embedding_dim": embedding_dim, "world_size": world},
                config_dict=config_to_dict(cfg), warnings=run_warnings,
                state=TrainState(best={"metric": select_key, "value": None, "epoch": None, "test": None}),
-               last_ckpt=out_dir / R.LAST, resume_ckpt=resume_ckpt)
+               last_ckpt=out_dir / R.LAST, resume_ckpt=resume_ckpt, pretrained_state=pretrained_state)
     run.evaluate = Evaluator(model, losses, eval_sets, cfg, device=device, world=world, log=run.log,
                              on_eval=on_eval)
     return run
+
+
+def _pretrained_teacher(cfg: Config, model: nn.Module) -> PretrainedTeacher | None:
+    """A frozen copy of the model as built (its pretrained weights) when a loss term reads
+    ``pretrained_features`` (``similarity_distillation``); rebuilt, not saved, on resume."""
+    from deepmetric.losses import loss_class
+
+    wanted = any("pretrained_features" in getattr(loss_class(t.name), "extra_inputs", ()) for t in cfg.loss)
+    return PretrainedTeacher(model) if wanted else None
+
+
+def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=None) -> dict | None:
+    """Before the first step (rank 0): ``model.options.head_init`` (the head from the PCA of the
+    training images' pooled features), then, with ``eval.wise_ft``, a CPU copy of the model as
+    it starts (WiSE-FT's pretrained end point).  A resumed run's checkpoint overwrites the head,
+    so it computes the PCA only for ``eval.wise_ft_params: all`` (the head's starting value is
+    mixed).  The random streams are left as they were.  Returns that copy or None."""
+    tc = cfg.train
+    needed = resume is None or (cfg.eval.wise_ft is not None and cfg.eval.wise_ft_params == "all")
+    if getattr(model, "head_init", None) is not None and needed:
+        with P.rng_preserved():
+            info = init_head_from_pca(model, build_dataset(cfg, cfg.data.train_split, train=False), device=device,
+                                      batch_size=cfg.eval.batch_size, amp=tc.amp, channels_last=tc.channels_last,
+                                      num_workers=cfg.data.num_workers)
+        print(f"[deepmetric] head_init {model.head_init}: the projection is the PCA of {info['images']} training "
+              f"images' pooled features ({100 * info['explained_variance']:.1f} % of their variance kept)", flush=True)
+    if cfg.eval.wise_ft is None:
+        return None
+    from .wise_ft import snapshot_state
+
+    return snapshot_state(model)
+
+
+def _wise_ft(run: _Run) -> None:
+    """After training (rank 0): WiSE-FT (``eval.wise_ft``) between the model as it started and
+    the fine-tuned ``best.pt``; the mixture chosen on validation is written as ``wise.pt``."""
+    cfg = run.cfg
+    if cfg.eval.wise_ft is None or not run.main:
+        return
+    from .wise_ft import run_wise_ft
+
+    source = run.out_dir / (R.BEST if (run.out_dir / R.BEST).is_file() else R.LAST)
+    best = load_checkpoint(source, map_location=run.device)
+
+    def evaluate(net: nn.Module, split: str) -> dict:
+        return split_metrics(net, run.eval_sets[split], cfg, device=run.device, losses=run.losses)
+
+    res = run_wise_ft(run.model, run.pretrained_state, best["model"], cfg.eval.wise_ft, cfg.eval.wise_ft_params,
+                      run.select_key, evaluate)
+    state = res.pop("state")
+    res["finetuned"] = source.name
+    keep = ("loss", "alphas", "model_args", "config", "epoch", "iteration")
+    save_checkpoint({**{k: best[k] for k in keep if k in best}, "model": state, "wise_ft": _plain_summary(res)},
+                    run.out_dir / R.WISE)
+    for rec in res["val"]:
+        print(f"[deepmetric] WiSE-FT a={rec['alpha']:g} val {run.select_key}={rec[run.select_key]:.4f}", flush=True)
+    print(f"[deepmetric] WiSE-FT: a={res['alpha']:g} chosen on validation {run.select_key} "
+          f"({res['value']:.4f}); its test metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in res["test"].items())
+          + f"; written to {run.out_dir / R.WISE}", flush=True)
+    run.wise_ft = res
+
+
+def _plain_summary(info: dict) -> dict:
+    """The ``wise_ft`` summary as plain floats / strings (a checkpoint entry)."""
+    return {k: ([{kk: float(vv) for kk, vv in r.items()} for r in v] if k == "val" else
+                {kk: float(vv) for kk, vv in v.items()} if k == "test" else v) for k, v in info.items()}
 
 
 def _resume(run: _Run, resume) -> None:
@@ -618,7 +692,8 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
             "metrics": result.metrics, "final": result.final, "selected": result.selected,
             "epochs": result.epochs_completed, "steps": result.iteration, "heat_ups": result.heat_ups,
             "wall_time_s": result.wall_time_s, "train_images_per_s": result.train_images_per_s,
-            "baselines": run.baselines, "warnings": run.warnings})
+            "baselines": run.baselines, "warnings": run.warnings,
+            **({"wise_ft": run.wise_ft} if run.wise_ft is not None else {})})
         print(format_run_end(metrics=state.metrics, val_metrics=state.val_metrics if run.has_val else None,
                              best=state.best, key=run.select_key or "recall@1", seconds=result.wall_time_s,
                              epochs=state.epoch, steps=state.iteration, out_dir=run.out_dir,
@@ -665,6 +740,9 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                               flush=True)
                     break
                 finished = _end_of_epoch(run, run.state.epoch + 1, finished=outcome == "finished")
+        if not interrupted:
+            _wise_ft(run)
+            D.barrier()
         result = _finish(run, interrupted)
         run.log.finish(run.out_dir, interrupted=interrupted)  # trackers: final metrics, artifacts
     D.cleanup_distributed(run.dist_info)

@@ -8,7 +8,7 @@ from torch import nn
 from . import distributed as D
 from .amp import autocast_context
 
-__all__ = ["TrainingModule", "init_from_class_means", "is_pair_based"]
+__all__ = ["TrainingModule", "PretrainedTeacher", "init_from_class_means", "is_pair_based"]
 
 def is_pair_based(loss: nn.Module) -> bool:
     """Whether a loss's value depends on pairs / tuples of batch samples (the loss class says
@@ -27,13 +27,20 @@ class TrainingModule(nn.Module):
     distributed, terms flagged ``gather`` see the embeddings/labels of all ranks and are
     multiplied by ``world_size`` so that DDP's gradient averaging gives exactly the
     single-process gradient of the whole global batch (see ``deepmetric.train.distributed``).
+
+    A loss that lists model outputs in ``extra_inputs`` (``similarity_distillation``:
+    ``("pretrained_features",)``) gets them by keyword; ``pretrained_features`` come from
+    ``teacher``, a frozen copy of the pretrained model (:class:`PretrainedTeacher`), which is a
+    submodule here (it follows ``.to(device)``) but neither of the model nor of the losses, so
+    no checkpoint holds it.
     """
 
     def __init__(self, model: nn.Module, losses: nn.ModuleList, terms, *, world_size: int = 1,
-                 amp: str = "none", device: torch.device | None = None):
+                 amp: str = "none", device: torch.device | None = None, teacher: nn.Module | None = None):
         super().__init__()
         self.model = model
         self.losses = losses
+        self.teacher = teacher
         self.weights = [float(t.weight) for t in terms]
         self.inputs = [t.input for t in terms]
         self.names = [t.name for t in terms]
@@ -45,6 +52,8 @@ class TrainingModule(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor):
         with autocast_context(self.device, self.amp):
             out = self.model(x)
+            if self.teacher is not None:
+                out["pretrained_features"] = self.teacher(x)
         total = 0.0
         parts = []
         # Losses in float32 outside autocast: softmax temperatures and distances need it.
@@ -55,21 +64,58 @@ class TrainingModule(nn.Module):
                     raise ValueError(f"loss term {name!r} reads the model output {inp!r}, but the model "
                                      f"returns only {sorted(out)}")
                 z = out[inp].float()
+                extra = {}
+                for key in getattr(loss, "extra_inputs", ()):
+                    if key not in out:
+                        raise ValueError(f"loss term {name!r} needs the model output {key!r}, which this run "
+                                         f"does not compute (the trainer builds a pretrained teacher only "
+                                         f"for losses that list it in extra_inputs)")
+                    extra[key] = out[key].float()
                 if gather and self.world_size > 1:
-                    value = loss(D.all_gather_with_grad(z), D.all_gather_with_grad(y)) * self.world_size
+                    extra = {k: D.all_gather_with_grad(v) for k, v in extra.items()}
+                    value = loss(D.all_gather_with_grad(z), D.all_gather_with_grad(y), **extra) * self.world_size
                 else:
-                    value = loss(z, y)
+                    value = loss(z, y, **extra)
                 parts.append(value)
                 total = total + w * value
         return total, parts
 
 
+class PretrainedTeacher(nn.Module):
+    """A frozen copy of a model as it is now (before the first step: the pretrained network),
+    giving its pooled backbone features ``forward_head(forward_features(x), pre_logits=True)``
+    in float32, without gradient.
+
+    Its parameters have ``requires_grad=False`` (no optimiser sees them: the trainer builds the
+    optimiser from the model and the losses) and it stays in eval mode whatever ``train()``
+    asks (running statistics fixed, no dropout): it never changes during training.  It is not
+    saved: a resumed run rebuilds it from the pretrained weights, as the model was built."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        import copy
+
+        self.net = copy.deepcopy(model)
+        for p in self.net.parameters():
+            p.requires_grad_(False)
+        self.net.eval()
+
+    def train(self, mode: bool = True):
+        return super().train(False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.forward_head(self.net.forward_features(x), pre_logits=True).float()
+
+
 @torch.no_grad()
 def init_from_class_means(model: nn.Module, loss: nn.Module, dataset, *, device: torch.device,
-                          batch_size: int = 256, seed: int = 0, amp: str = "none") -> None:
+                          batch_size: int = 256, seed: int = 0, amp: str = "none",
+                          output: str = "embedding") -> None:
     """Heated-up paper, official code for SOP: set the classifier's weights to the
     l2-normalised per-class means of the training embeddings before training.
 
+    ``output`` is the model output the loss reads (``embedding`` or ``projection``).
     The embeddings are taken as the loss will see them in the first steps: batch-norm layers
     use the statistics of (shuffled, seeded) batches rather than their untrained running
     averages, dropout is off, and every buffer (running statistics) is restored afterwards.
@@ -90,7 +136,7 @@ def init_from_class_means(model: nn.Module, loss: nn.Module, dataset, *, device:
     try:
         for x, y in loader:
             with autocast_context(device, amp):
-                embs.append(model(x.to(device))["embedding"].float())
+                embs.append(model(x.to(device))[output].float())
             labels.append(torch.as_tensor(y).to(device))
     finally:
         with torch.no_grad():
@@ -98,3 +144,30 @@ def init_from_class_means(model: nn.Module, loss: nn.Module, dataset, *, device:
                 v.copy_(buffers[k])
         model.train(was_training)
     loss.init_from_class_means(torch.cat(embs), torch.cat(labels))
+
+
+@torch.no_grad()
+def init_head_from_pca(model: nn.Module, dataset, *, device: torch.device, batch_size: int = 256,
+                       amp: str = "none", channels_last: bool = False, num_workers: int = 0) -> dict:
+    """``model.options.head_init: pca | pca_whiten``: before the first step, set the embedding
+    head's projection from the PCA of the pooled backbone features of ``dataset`` (the training
+    split with the test transform), taken in eval mode as retrieval takes them
+    (:meth:`deepmetric.models.EmbeddingHead.init_from_pca`).  Returns a summary for the logs:
+    ``{"images", "explained_variance"}`` (the share of the features' variance the k
+    directions keep)."""
+    from .embed import compute_embeddings
+
+    head = getattr(model, "head", None)
+    if not callable(getattr(head, "init_from_pca", None)):
+        raise ValueError(f"config key 'model.options.head_init': {type(model).__name__} has no embedding head "
+                         f"with a linear projection to initialise from a PCA")
+    feats = compute_embeddings(model, dataset, batch_size=batch_size, device=device, amp=amp,
+                               channels_last=channels_last, num_workers=num_workers, output="features")
+    features = torch.from_numpy(feats["embeddings"])
+    try:
+        stats = head.init_from_pca(features, whiten=model.head_init == "pca_whiten")
+    except ValueError as exc:
+        raise ValueError(f"config key 'model.options.head_init': {exc}") from None
+    total = features.double().var(0).sum()
+    return {"images": int(features.shape[0]),
+            "explained_variance": float(stats["variances"].sum() / total) if total > 0 else 0.0}

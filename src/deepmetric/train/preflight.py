@@ -41,6 +41,7 @@ __all__ = [
     "unknown_option_error",
     "check_images_readable",
     "check_model_input",
+    "check_loss_inputs",
     "size_warnings",
     "few_classes_warning",
     "pixel_rows",
@@ -304,7 +305,23 @@ def check_model_input(model: nn.Module, dataset, cfg: Config) -> tuple[int, ...]
     if not isinstance(out, dict) or "embedding" not in out:
         raise ValueError(f"model '{m.name}' must return a dict with an 'embedding' entry, "
                          f"got {type(out).__name__}")
+    check_loss_inputs(cfg, sorted(out))
     return shape
+
+
+def check_loss_inputs(cfg: Config, outputs: list[str]) -> None:
+    """Every loss term's ``input`` is among the model's ``outputs``, and a projection head
+    (``model.options.projection``) is read by some term: unread, it would never train (and
+    DDP refuses parameters without a gradient)."""
+    for i, term in enumerate(cfg.loss):
+        if term.input not in outputs:
+            hint = (" (add model.options.projection: {dim: ..., norm: l2})" if term.input == "projection" else
+                    " (a loss reading logits needs a model with a classifier)" if term.input == "logits" else "")
+            raise ValueError(f"config key 'loss.{i}.input': the model '{cfg.model.name}' has no output "
+                             f"'{term.input}'; it returns {', '.join(outputs)}{hint}")
+    if "projection" in outputs and not any(t.input == "projection" for t in cfg.loss):
+        raise ValueError("config key 'model.options.projection': no loss term reads the projection "
+                         "(set loss.N.input: projection on the term that should train through it)")
 
 
 def native_size(dataset) -> tuple[int, int] | None:

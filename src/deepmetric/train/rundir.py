@@ -10,6 +10,8 @@ A run directory (``train.out_dir``) holds:
   ``{"type": "baseline"}`` per baseline;
 * ``last.pt`` / ``best.pt`` (:data:`LAST`, :data:`BEST`): checkpoints (``best.pt`` only with a
   validation split), written atomically by :mod:`deepmetric.train.checkpoint`;
+* ``wise.pt`` (:data:`WISE`): with ``eval.wise_ft``, the WiSE-FT mixture chosen on validation
+  (weights only: embed / index / export load it like ``last.pt``; it does not resume);
 * ``metrics.json`` (:data:`METRICS`): the run's summary, written last (a run is finished when
   it exists);
 * with ``train.loggers`` (:mod:`deepmetric.train.tracking`): ``tensorboard/`` (event files),
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 __all__ = [
-    "CONFIG", "LOG", "LAST", "BEST", "METRICS", "TRACKING", "TENSORBOARD", "MLFLOW_DB", "MLFLOW_ARTIFACTS",
+    "CONFIG", "LOG", "LAST", "BEST", "WISE", "METRICS", "TRACKING", "TENSORBOARD", "MLFLOW_DB", "MLFLOW_ARTIFACTS",
     "RUN_FILES", "RUN_DIRS", "CONFIG_NAMES",
     "RunDirectoryError", "prepare_run_dir", "remove_run_files", "looks_like_run_dir",
     "RunLog", "read_log", "rewrite_log", "truncate_log", "drop_eval_records",
@@ -41,13 +43,14 @@ CONFIG = "config.yaml"
 LOG = "log.jsonl"
 LAST = "last.pt"
 BEST = "best.pt"
+WISE = "wise.pt"
 METRICS = "metrics.json"
 TRACKING = "tracking.json"
 TENSORBOARD = "tensorboard"
 MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS = "mlartifacts"
 #: what a run writes into its directory (``--overwrite`` removes these and nothing else)
-RUN_FILES = (CONFIG, LOG, LAST, BEST, METRICS, TRACKING, MLFLOW_DB)
+RUN_FILES = (CONFIG, LOG, LAST, BEST, WISE, METRICS, TRACKING, MLFLOW_DB)
 #: the folders a run writes (the trackers'), removed with the files
 RUN_DIRS = (TENSORBOARD, MLFLOW_ARTIFACTS)
 #: config file names a run directory may carry (older tools wrote the other two)
