@@ -185,7 +185,10 @@ def test_kill_9_halfway_then_the_same_command_finishes_exactly_n_trials(tmp_path
         while time.time() < deadline:
             time.sleep(0.5)
             if (out / "tune.db").is_file():
-                s = _states(open_study(setup, create=False))
+                try:
+                    s = _states(open_study(setup, create=False))
+                except KeyError:  # the file exists, the study in it not yet
+                    continue
                 if s.get("COMPLETE", 0) + s.get("PRUNED", 0) >= 1 and s.get("RUNNING", 0) >= 1:
                     break
         else:
