@@ -456,3 +456,22 @@ def test_build_losses_gives_projection_terms_the_projection_dim():
     a, b = build_losses(cfg, num_classes=4, embedding_dim=16, projection_dim=6)
     assert a.weight.shape == (4, 16) and b.proxies.shape[1] == 6
     assert build_model(cfg).state_dict().keys() == create_model("glyph_resnet").state_dict().keys()
+
+
+def test_embedding_dim_0_indexes_the_normalised_pooled_features():
+    """embedding_dim 0: no linear layer; the embedding is the pooled features through the norm
+    (here l2: exactly the normalised features), and a projection head can carry the loss."""
+    import torch.nn.functional as F
+
+    from deepmetric.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("glyph_resnet", embedding_dim=0, norm="l2", in_chans=1, widths=[8, 16], depths=[1, 1],
+                         projection={"dim": 4, "norm": "l2"}).eval()
+    x = torch.randn(3, 1, 32, 32)
+    out = model(x)
+    assert model.embedding_dim == model.num_features == out["features"].shape[1]
+    assert torch.allclose(out["embedding"], F.normalize(out["features"], dim=1))
+    assert out["projection"].shape == (3, 4) and not any("head.proj" in n for n, _ in model.named_parameters())
+    with pytest.raises(ValueError, match="embedding_dim 0 has none"):
+        create_model("glyph_resnet", embedding_dim=0, head_init="pca", in_chans=1, widths=[8], depths=[1])

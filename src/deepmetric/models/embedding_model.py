@@ -120,14 +120,16 @@ class EmbeddingModel(nn.Module):
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
         if head_init is not None and head_init not in HEAD_INITS:
             raise ValueError(f"head_init must be None or one of {HEAD_INITS}, got {head_init!r}")
+        if head_init is not None and embedding_dim == 0:
+            raise ValueError("head_init initialises the head's linear layer; embedding_dim 0 has none")
         if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 2):
             raise ValueError(f"num_classes must be None or an int >= 2, got {num_classes!r}")
         self.backbone = backbone
         self.pool = pool
         self.num_features = int(backbone.num_features)
-        self.embedding_dim = int(embedding_dim)
-        self.head = EmbeddingHead(self.num_features, embedding_dim, norm=norm, dropout=dropout, **head_options)
-        self.classifier = nn.Linear(embedding_dim, num_classes) if num_classes is not None else None
+        self.head = EmbeddingHead(self.num_features, int(embedding_dim), norm=norm, dropout=dropout, **head_options)
+        self.embedding_dim = self.head.embedding_dim  # embedding_dim 0: the pooled features' size
+        self.classifier = nn.Linear(self.embedding_dim, num_classes) if num_classes is not None else None
         self.num_classes = num_classes
         bn_options = {k: head_options[k] for k in ("bn_momentum", "bn_eps", "bn_divide_sqrt_k") if k in head_options}
         # registered only when asked for: models without it keep their state-dict keys

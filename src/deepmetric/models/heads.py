@@ -117,7 +117,9 @@ class EmbeddingHead(nn.Module):
 
     Args:
         in_features: size of the pooled (or flattened) backbone features.
-        embedding_dim: k.
+        embedding_dim: k; 0 = no linear layer: the embedding is the backbone's pooled features
+            themselves, normalised by ``norm`` (k = ``in_features``), so what is indexed keeps
+            everything the backbone learnt (a projection head on top can carry the loss).
         norm: ``"none"`` | ``"l2"`` | ``"bn"`` (see module docstring).
         dropout: dropout probability on the *input* of the projection.  This is where
             GoogLeNet's own dropout sits (pool5 -> dropout -> classifier), which ALMN keeps
@@ -146,8 +148,8 @@ class EmbeddingHead(nn.Module):
         bias: bool = True,
     ):
         super().__init__()
-        if not isinstance(embedding_dim, int) or embedding_dim < 1:
-            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if not isinstance(embedding_dim, int) or isinstance(embedding_dim, bool) or embedding_dim < 0:
+            raise ValueError(f"embedding_dim must be a positive int (or 0: no linear layer), got {embedding_dim!r}")
         if not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features must be a positive int, got {in_features!r}")
         if not 0.0 <= dropout < 1.0:
@@ -155,12 +157,14 @@ class EmbeddingHead(nn.Module):
         if init not in ("default", "xavier"):
             raise ValueError(f"init must be 'default' or 'xavier', got {init!r}")
         self.norm = check_norm(norm)
+        linear = embedding_dim > 0
+        embedding_dim = embedding_dim if linear else in_features
         self.embedding_dim = embedding_dim
         self.in_features = in_features
         self.bn_divide_sqrt_k = bool(bn_divide_sqrt_k)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.proj = nn.Linear(in_features, embedding_dim, bias=bias)
-        if init == "xavier":
+        self.proj = nn.Linear(in_features, embedding_dim, bias=bias) if linear else nn.Identity()
+        if init == "xavier" and linear:
             nn.init.xavier_uniform_(self.proj.weight)
             if self.proj.bias is not None:
                 nn.init.zeros_(self.proj.bias)
