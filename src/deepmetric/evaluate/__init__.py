@@ -19,7 +19,7 @@ from deepmetric.evaluate.clustering import (
     pairwise_f1,
     pairwise_f1_from_clusters,
 )
-from deepmetric.evaluate.engine import (METRICS, check_metric_names, evaluate, list_metrics, map_at_r,
+from deepmetric.evaluate.engine import (CLUSTERING_METRICS, METRICS, RETRIEVAL_METRICS, check_metric_names, evaluate, list_metrics, map_at_r,
                                         r_precision, recall_at_k)
 from deepmetric.evaluate.cross_domain import evaluate_cross_domain
 from deepmetric.evaluate.knn import BACKENDS, knn
@@ -27,6 +27,8 @@ from deepmetric.evaluate.knn import BACKENDS, knn
 __all__ = [
     "BACKENDS",
     "METRICS",
+    "RETRIEVAL_METRICS",
+    "CLUSTERING_METRICS",
     "check_embeddings",
     "check_metric_names",
     "classification_accuracy",

@@ -17,13 +17,13 @@ from typing import Sequence
 import numpy as np
 
 from deepmetric.evaluate._checks import check_embeddings, to_numpy_labels
-from deepmetric.evaluate.engine import evaluate
+from deepmetric.evaluate.engine import CLUSTERING_METRICS, RETRIEVAL_METRICS, evaluate
 
 __all__ = ["evaluate_cross_domain"]
 
 
 def evaluate_cross_domain(embeddings, labels, domains, *, domain_names: Sequence[str] | None = None,
-                          ks=(1, 2, 4, 8), metrics=("recall", "map@r", "r_precision"),
+                          ks=(1, 2, 4, 8), metrics=RETRIEVAL_METRICS,
                           **evaluate_kw) -> dict[str, dict[str, float]]:
     """Metrics per domain (queries of that domain, gallery of the others) and their mean.
 
@@ -40,7 +40,7 @@ def evaluate_cross_domain(embeddings, labels, domains, *, domain_names: Sequence
         ..., "mean": {metric: average over the domains}}``.
     """
     metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
-    if any(m in ("nmi", "f1") for m in metrics):
+    if any(m in CLUSTERING_METRICS for m in metrics):
         raise ValueError("evaluate_cross_domain: nmi/f1 are clustering metrics of one set, not "
                          "query-vs-gallery metrics; use evaluate() for them")
     x = check_embeddings(embeddings)

@@ -21,7 +21,11 @@ from deepmetric.evaluate.knn import (
 )
 from deepmetric.evaluate.retrieval import RetrievalAccumulator
 
-METRICS = ("recall", "map@r", "r_precision", "nmi", "f1")
+#: metrics read from each query's ranked neighbours (one k-NN pass) ...
+RETRIEVAL_METRICS = ("recall", "map@r", "r_precision")
+#: ... and metrics of a k-means clustering of the whole set
+CLUSTERING_METRICS = ("nmi", "f1")
+METRICS = RETRIEVAL_METRICS + CLUSTERING_METRICS
 RECALL_LIST_CAP = 32  # longest k-NN list kept for Recall@K alone (see evaluate)
 
 
@@ -108,7 +112,7 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
     out: dict[str, float] = {}
 
     want_recall = "recall" in metrics
-    want_map = "map@r" in metrics or "r_precision" in metrics
+    want_map = any(m in RETRIEVAL_METRICS and m != "recall" for m in metrics)  # the first R neighbours
     if want_recall or want_map:
         q_idx, g_idx = np.flatnonzero(qm), np.flatnonzero(gm)
         gpos = np.full(n, -1, np.int64)
@@ -158,7 +162,7 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
                           "gallery; they are excluded from the retrieval metrics", stacklevel=2)
             out["queries_without_positive"] = acc.n_no_positive
 
-    if "nmi" in metrics or "f1" in metrics:
+    if any(m in CLUSTERING_METRICS for m in metrics):
         ev = np.flatnonzero(evaluated)
         xe = _rows(x, ev)
         clusters = kmeans(xe if isinstance(xe, np.ndarray) else xe.cpu().numpy(), n_classes, seed=seed,

@@ -139,7 +139,9 @@ def dataset_domains(dataset) -> tuple[np.ndarray, list[str]] | None:
 
 def _cross_domain_metrics(cfg) -> tuple[str, ...]:
     """The retrieval metrics of ``eval.metrics`` that have a cross-domain form (default recall, map@r)."""
-    wanted = tuple(m for m in (cfg.eval.metrics or ("recall", "map@r")) if m in ("recall", "map@r", "r_precision"))
+    from deepmetric.evaluate import RETRIEVAL_METRICS
+
+    wanted = tuple(m for m in (cfg.eval.metrics or ("recall", "map@r")) if m in RETRIEVAL_METRICS)
     return wanted or ("recall", "map@r")
 
 

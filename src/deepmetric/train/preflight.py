@@ -442,7 +442,7 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     are left out and the description says so.  Retrieval and clustering
     metrics are evaluated in two calls (the same values as one): the evaluator's copies of the
     rows for the search are freed before k-means makes its own."""
-    from deepmetric.evaluate import METRICS, evaluate
+    from deepmetric.evaluate import CLUSTERING_METRICS, METRICS, evaluate
     from deepmetric.evaluate.clustering import KMEANS_NITER
 
     from .embed import dataset_query_gallery_masks
@@ -483,8 +483,8 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
                       f"{_format_seconds(search_work)} here, more than the {_format_seconds(max_work)} "
                       f"allowed (RAW_PIXEL_MAX_SECONDS)")
     wanted = list(e.metrics) if e.metrics is not None else list(METRICS)   # None: every metric
-    clustering = [m for m in wanted if m in ("nmi", "f1")]
-    retrieval = [m for m in wanted if m not in ("nmi", "f1")]
+    clustering = [m for m in wanted if m in CLUSTERING_METRICS]
+    retrieval = [m for m in wanted if m not in CLUSTERING_METRICS]
     kmeans_work = (float(evaluated.sum()) * len(np.unique(labels[evaluated])) * d * KMEANS_NITER
                    * e.kmeans_restarts) if clustering else 0.0
     left_out = ""
