@@ -59,6 +59,7 @@ __all__ = [
     "flatten_config",
     "apply_overrides",
     "load_config",
+    "read_yaml_mapping",
     "save_config",
 ]
 
@@ -777,20 +778,28 @@ def _list_index(node: list, part: str, where: str, text: str) -> int:
 
 
 # --------------------------------------------------------------------------- files
+def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
+    """A YAML file whose top level is a mapping (an empty file reads as ``{}``); a missing file
+    is a ``FileNotFoundError`` and bad YAML or another top level a ``ConfigError``, each naming
+    the file (the recipes, study files and tune spaces are all read here)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {p}: invalid YAML ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {p}: top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config (or start from defaults when ``path`` is None), apply overrides,
     validate, and return the ``Config``."""
     raw: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file not found: {p}")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p}: invalid YAML ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {p}: top level must be a mapping, got {type(raw).__name__}")
+        raw = read_yaml_mapping(path)
     apply_overrides(raw, overrides)
     try:
         return config_from_dict(raw)

@@ -72,12 +72,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import yaml
 
 from deepmetric.report.study_tables import (metric_columns, paired_differences, plot_summary,
                                             summarize, summary_markdown)
 from deepmetric.train import rundir
-from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, save_config
+from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping, save_config
 from deepmetric.train.rundir import write_text_atomic
 
 from .engine import HEARTBEAT_S, Heartbeat, display_storage, optuna_module, rdb_storage, run_workers, sqlite_url
@@ -139,15 +138,12 @@ def _err(where: str, msg: str) -> ConfigError:
 
 
 def _read_yaml(path: Path, where: str) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"{where}: config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise _err(where, f"{path}: invalid YAML ({exc})") from None
-    if not isinstance(raw, dict):
-        raise _err(where, f"{path}: top level must be a mapping, got {type(raw).__name__}")
-    return raw
+        return read_yaml_mapping(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{where}: {exc}") from None
+    except ConfigError as exc:
+        raise _err(where, str(exc)) from None
 
 
 def _resolve_config(value: Any, study_dir: Path, where: str) -> dict:

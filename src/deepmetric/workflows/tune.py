@@ -59,7 +59,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from deepmetric.train import rundir
-from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict
+from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping
 
 from .engine import HEARTBEAT_S, display_storage, optuna_module, rdb_storage, run_workers, sqlite_url
 
@@ -199,14 +199,10 @@ def _param(name: str, spec: Any, path) -> ParamSpec:
 def load_space(path: str | os.PathLike) -> SearchSpace:
     """Read and check a space file; a mistake is a :class:`TuneError` naming the file and key."""
     path = Path(path)
-    if not path.is_file():
-        raise TuneError(f"space file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise _space_error(path, f"invalid YAML ({exc})") from None
-    if not isinstance(raw, dict):
-        raise _space_error(path, "top level must be a mapping with 'objective' and 'params'")
+        raw = read_yaml_mapping(path, "space file")
+    except (FileNotFoundError, ConfigError) as exc:
+        raise TuneError(f"{exc} (a space file is a mapping with 'objective' and 'params')") from None
     unknown = sorted(set(raw) - set(_SPACE_KEYS))
     if unknown:
         raise _space_error(path, f"unknown key(s) {unknown}; a space file has {', '.join(_SPACE_KEYS)}")
