@@ -9,6 +9,8 @@ import json
 
 import numpy as np
 import pytest
+
+from deepmetric.train.rundir import read_log
 import torch
 import torch.nn.functional as F
 from sklearn.decomposition import PCA
@@ -313,7 +315,7 @@ def test_teacher_is_frozen_not_optimised_not_saved_and_rebuilt_on_resume(digits,
     names = [n for g in ckpt["optimizer"]["param_groups"] for n in g["param_names"]]
     assert names and not any("teacher" in n or n.startswith("loss.1") for n in names)
     assert set(ckpt["model"]) == set(pre) and ckpt["loss"][1] == {}  # the checkpoint holds no teacher
-    steps = [r for r in map(json.loads, (ref_run / "log.jsonl").read_text().splitlines()) if r["type"] == "step"]
+    steps = read_log(ref_run, type="step")
     assert all(r["loss/1_similarity_distillation"] > 0 for r in steps)
 
     # one epoch, then resumed for the second: the teacher is rebuilt from the pretrained weights
