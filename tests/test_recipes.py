@@ -1,6 +1,7 @@
 """recipes/: every paper-table recipe validates with the training config loader, names only
 models / losses / transforms / dataset splits that exist with options they accept, follows
 the papers' hyper-parameters, and equals the output of recipes/generate.py."""
+import json
 import importlib.util
 import re
 from pathlib import Path
@@ -95,23 +96,23 @@ def test_names_and_options_exist(configs):
                 assert split is None or split in splits, f"{name}: split {split!r} not in {splits}"
         assert cfg.model.name in list_models(), name
         opts = {k: v for k, v in cfg.model.options.items() if k != "pretrained"}
-        key = (cfg.model.name, tuple(sorted(opts.items())))
+        key = (cfg.model.name, json.dumps(opts, sort_keys=True))  # options may hold mappings (projection)
         if key not in seen_models:  # build on the meta device: checks every option, no memory
             seen_models.add(key)
             extra = {"num_classes": 10} if cfg.model.name == "two_head" else {}
             with torch.device("meta"):
                 model = create_model(cfg.model.name, **opts, **extra)
-            if opts.get("embedding_head", True):
-                assert model.embedding_dim == opts["embedding_dim"], name
+            if opts.get("embedding_head", True):  # embedding_dim 0: the pooled features themselves
+                assert model.embedding_dim == (opts["embedding_dim"] or model.num_features), name
         for t in cfg.loss:
             assert t.name in list_losses(), name
-            k = (t.name, tuple(sorted(t.options.items())))
+            k = (t.name, json.dumps(t.options, sort_keys=True))
             if k not in seen_losses:
                 seen_losses.add(k)
                 auto = {"num_classes": 10, "embedding_dim": 16} if t.name in ("heated_softmax", "almn", "center") else {}
                 build_loss(t.name, **auto, **t.options)
         if d.transform is not None:
-            k = (d.transform, tuple(sorted(d.transform_options.items())))
+            k = (d.transform, json.dumps(d.transform_options, sort_keys=True))
             if k not in seen_tf:
                 seen_tf.add(k)
                 build_transform(d.transform, train=True, **d.transform_options)

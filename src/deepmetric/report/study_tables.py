@@ -39,8 +39,9 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> dict:
 
 
 def metric_columns(rows: Sequence[dict], wanted: Sequence[str] | None = None) -> list[str]:
-    """The numeric metric columns of ``rows``: ``wanted`` if given, else every ``final/*``
-    then ``selected/*`` column, then ``wall_time_s`` and ``images_per_s``."""
+    """The numeric metric columns of ``rows``: ``wanted`` if given, else every ``final/*``,
+    then ``selected/*``, then ``wise/*`` (the WiSE-FT mixture chosen on validation) column, then
+    ``wall_time_s`` and ``images_per_s``."""
     if wanted:
         return list(wanted)
     seen: dict[str, None] = {}
@@ -49,7 +50,8 @@ def metric_columns(rows: Sequence[dict], wanted: Sequence[str] | None = None) ->
             seen.setdefault(k, None)
     final = [k for k in seen if k.startswith("final/")]
     sel = [k for k in seen if k.startswith("selected/") and k != "selected/epoch"]
-    return final + sel + ["wall_time_s", "images_per_s"]
+    wise = [k for k in seen if k.startswith("wise/") and k != "wise/alpha"]
+    return final + sel + wise + ["wall_time_s", "images_per_s"]
 
 
 def summarize(rows: Sequence[dict], metrics: Sequence[str], confidence: float = 0.95) -> list[dict]:

@@ -70,8 +70,18 @@ def rdb_storage(url: str, *, retry_stale: bool):
         engine_kwargs = {"pool_pre_ping": True}
     callback = (optuna.storages.RetryHeartbeatStaleTrialCallback(inherit_intermediate_values=True)
                 if retry_stale else None)
-    return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
-                                      grace_period=GRACE_S, heartbeat_stale_trial_callback=callback)
+    import sqlalchemy.exc
+
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
+                                              grace_period=GRACE_S, heartbeat_stale_trial_callback=callback)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            # two machines creating the tables of a new database at once: PostgreSQL refuses
+            # the second CREATE TYPE / TABLE; the first has made them, so try again
+            if attempt == 4:
+                raise
+            time.sleep(0.5 + attempt)
 
 
 class Heartbeat:

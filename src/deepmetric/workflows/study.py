@@ -357,6 +357,12 @@ def run_row(run: StudyRun) -> dict | None:
         batch = (t.get("m") or 0) * (t.get("n") or 0) if t.get("sampler") == "class_balanced" else t.get("batch_size", 32)
         ips = float(summary["steps"]) * batch * int(t.get("grad_accum", 1)) / wall
     row["images_per_s"] = ips
+    wise = summary.get("wise_ft")
+    if isinstance(wise, dict) and isinstance(wise.get("test"), dict):  # eval.wise_ft: the mixture chosen on val
+        row["wise/alpha"] = _num(wise.get("alpha"))
+        for k, v in wise["test"].items():
+            if _num(v) is not None:
+                row[f"wise/{k}"] = float(v)
     for k in ("epochs", "steps"):
         if _num(summary.get(k)) is not None:
             row[k] = int(summary[k])

@@ -1,0 +1,105 @@
+"""Run the fair emoji loss comparison (studies/emoji_fair.py): for each loss in order, its tune
+(the same budget for every loss, on the cross-vendor validation emoji), then its 3 seeds at the
+chosen settings; the result files are copied to bench/studies/emoji_fair/ and committed after
+each step.  Resumable: a rerun continues the unfinished tune or seeds.
+
+    nohup python bench/emoji_fair.py > runs/emoji_fair.log 2>&1 &
+    python bench/emoji_fair.py --only BN HBN SM        # some losses
+    python bench/emoji_fair.py --summary                # rewrite the tables from what finished
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "studies"))
+
+import emoji_fair as spec  # noqa: E402
+
+from deepmetric.workflows.study import load_study, run_study, write_results  # noqa: E402
+
+TUNES = ROOT / "runs" / "tune" / "emoji_fair"
+COPY = ROOT / "bench" / "studies" / "emoji_fair"
+TUNE_FILES = ("trials.md", "trials.csv", "best.yaml", "best_overrides.json", "optimization_history.png",
+              "param_importances.png")
+
+
+def tune(name: str, workers: int) -> bool:
+    out = TUNES / name
+    cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(ROOT / "recipes" / "emoji_fair.yaml"), "--space",
+           str(ROOT / "spaces" / "emoji_fair" / f"{name}.yaml"), "--trials", str(spec.TRIALS), "--workers",
+           str(workers), "--out", str(out)]
+    print("$", " ".join(cmd), flush=True)
+    ok = subprocess.call(cmd, cwd=ROOT) == 0
+    dest = COPY / "tunes" / name
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in TUNE_FILES:
+        if (out / f).is_file():
+            shutil.copy(out / f, dest / f)
+    return ok and (out / "best_overrides.json").is_file()
+
+
+def study(names: list[str]):
+    """The study restricted to the losses whose tune has finished (from_tune needs it)."""
+    raw = yaml.safe_load((ROOT / "studies" / "emoji_fair.yaml").read_text())
+    raw = copy.deepcopy(raw)
+    raw["base"] = str(ROOT / "recipes" / "emoji_fair.yaml")
+    raw["variants"] = {n: [{"from_tune": str(TUNES / n)}, *spec.LOSSES[n][0]] for n in names}
+    raw["compare"] = [p for p in raw["compare"] if p[0] in names and p[1] in names]
+    return load_study(raw=raw, out_dir=ROOT / "runs" / "studies" / "emoji_fair")
+
+
+def copy_study(s) -> list[Path]:
+    paths = write_results(s)
+    COPY.mkdir(parents=True, exist_ok=True)
+    out = []
+    for p in paths.values():
+        shutil.copy(p, COPY / p.name)
+        out.append(COPY / p.name)
+    return out
+
+
+def commit(message: str) -> None:
+    subprocess.run(["git", "add", "-f", str(COPY)], cwd=ROOT, check=False)
+    subprocess.run(["git", "commit", "-q", "-m", message, "--", str(COPY)], cwd=ROOT, check=False)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", default=None, help="these losses (default: all, in the table's order)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--summary", action="store_true", help="train nothing: rewrite the tables")
+    args = ap.parse_args(argv)
+    names = args.only or list(spec.LOSSES)
+    unknown = [n for n in names if n not in spec.LOSSES]
+    if unknown:
+        raise SystemExit(f"unknown loss(es) {unknown}; the table has {list(spec.LOSSES)}")
+    done = [n for n in spec.LOSSES if (TUNES / n / "best_overrides.json").is_file()]
+    if args.summary:
+        copy_study(study(done))
+        return 0
+    for name in names:
+        if not tune(name, args.workers):
+            print(f"[emoji_fair] {name}: the tune did not finish; rerun to continue", flush=True)
+            return 1
+        commit(f"bench/studies/emoji_fair: {name} tuned ({spec.TRIALS} trials on validation)")
+        done = [n for n in spec.LOSSES if (TUNES / n / "best_overrides.json").is_file()]
+        s = study(done)
+        result = run_study(s, workers=args.workers, only=[name])
+        copy_study(s)
+        commit(f"bench/studies/emoji_fair: {name} 3 seeds at the tuned settings")
+        if result["interrupted"]:
+            return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
