@@ -166,6 +166,21 @@ def test_a_hopeless_trial_is_pruned_at_its_first_evaluation(tmp_path):
     assert by_lr[1.0e6].state.name == "PRUNED" and "non-finite" in by_lr[1.0e6].user_attrs["stopped"]
 
 
+def test_workers_with_a_seeded_sampler_draw_different_values(tmp_path):
+    """Each worker process seeds its sampler: the same seed in every worker would make them draw
+    the same values (seen: two glyph trials with identical parameters)."""
+    space = {**SPACE, "sampler": {"name": "random", "seed": 0}, "pruner": {"name": "none"}}
+    recipe, sp = _files(tmp_path, space=space, epochs=1)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "deepmetric.cli", "tune", str(recipe), "--space", str(sp),
+                        "--trials", "4", "--workers", "2", "--out", str(out)], env=_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    trials = open_study(prepare_tune(recipe, sp, trials=4, out=out), create=False).get_trials()
+    lrs = [t.params["optim.lr"] for t in trials if t.state.name == "COMPLETE"]
+    assert len(lrs) == 4 and len(set(lrs)) == 4, lrs
+
+
 # --------------------------------------------------------------------------- kill -9, resume
 def _env(heartbeat="1"):
     return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -61,7 +61,8 @@ import yaml
 from deepmetric.train import rundir
 from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping
 
-from .engine import HEARTBEAT_S, display_storage, optuna_module, rdb_storage, run_workers, sqlite_url
+from .engine import (HEARTBEAT_S, display_storage, optuna_module, rdb_storage, run_workers, sqlite_url,
+                     worker_seed)
 
 __all__ = ["ParamSpec", "SearchSpace", "TuneSetup", "load_space", "prepare_tune", "run_tune", "run_worker",
            "write_outputs", "open_study", "trial_rows", "default_storage"]
@@ -366,6 +367,8 @@ def open_study(setup: TuneSetup, *, create: bool = True):
     sp = setup.space
     name = sp.sampler.get("name", "tpe")
     opts = {k: v for k, v in sp.sampler.items() if k != "name"}
+    if "seed" in opts:  # the workers of a study must not draw the same values
+        opts["seed"] = worker_seed(opts["seed"])
     sampler = (optuna.samplers.TPESampler(**opts) if name == "tpe" else optuna.samplers.RandomSampler(**opts))
     pname = sp.pruner.get("name", "median")
     popts = {k: v for k, v in sp.pruner.items() if k != "name"}
