@@ -45,10 +45,10 @@ def report_search_device(device: str = "auto", search_device: str = "auto", *, n
     from deepmetric.train.distributed import resolve_device
 
     check_search_device(search_device)
+    model_device = resolve_device(device, name="--device")  # checked even when the search is on the CPU
     if search_device == "cpu":
         return torch.device("cpu")
-    return choose_search_device("auto", default=resolve_device(device, name="--device"), nbytes=nbytes,
-                                flag="--search-device")
+    return choose_search_device("auto", default=model_device, nbytes=nbytes, flag="--search-device")
 
 
 def check_run_dir(run_dir: Path) -> None:

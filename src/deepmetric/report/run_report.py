@@ -47,7 +47,7 @@ from . import page as pg
 from . import plots
 from deepmetric.train import rundir
 
-from .run_inputs import check_run_dir, check_search_device, embed_run, find_checkpoint, image_source_for, report_search_device
+from .run_inputs import check_run_dir, embed_run, find_checkpoint, image_source_for, report_search_device
 
 __all__ = ["make_report", "load_embeddings_npz", "CONFIG_NAMES", "LOG_NAME"]
 
@@ -321,7 +321,7 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     """
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
-    check_search_device(search_device)
+    report_search_device(device, search_device)  # a bad --device / --search-device fails before any work
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     if embeddings is None and (run_dir / "embeddings.npz").is_file():

@@ -147,10 +147,10 @@ def index_search_device(device: str = "auto", search_device: str = "auto", *, nb
     if search_device not in INDEX_SEARCH_DEVICES:
         raise ValueError(f"--search-device {search_device!r}: expected one of {', '.join(INDEX_SEARCH_DEVICES)} "
                          "(auto: where --device puts the model)")
+    model_device = resolve_device(device, name="--device")  # checked even when the search is on the CPU
     if search_device == "cpu":
         return torch.device("cpu")
-    return choose_search_device("auto", default=resolve_device(device, name="--device"), nbytes=nbytes,
-                                flag="--search-device")
+    return choose_search_device("auto", default=model_device, nbytes=nbytes, flag="--search-device")
 
 
 def _normalised(x, name: str) -> np.ndarray:
