@@ -329,3 +329,24 @@ def test_index_search_device_reaches_the_recall_measurement(rng, monkeypatch):
     ix.add(x[:5])
     assert calls == [CPU, CPU] and ix.search_device == CPU
     assert Index(x).search_device == "cpu"
+
+
+# --------------------------------------------------------------------------- recipes
+def test_recipes_at_batch_128_say_when_bf16_and_channels_last_pay_and_keep_float32():
+    from pathlib import Path
+
+    from deepmetric.train import load_config
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    advised, plain = [], []
+    for path in sorted(root.glob("*/*.yaml")):
+        cfg = load_config(path)
+        text = path.read_text()
+        has = "train.amp=bf16 train.channels_last=true" in text
+        (advised if cfg.train.batch_size >= 128 else plain).append((path, cfg, has))
+    assert len(advised) >= 28 and all(has for _, _, has in advised)      # ALMN: GoogLeNet, m x n = 128-130
+    assert not any(has for _, _, has in plain)                             # batch 32-63: AMP does not help
+    for path, cfg, _ in advised:
+        assert cfg.train.amp == "none" and not cfg.train.channels_last, path  # the settings stay the paper's
+        if cfg.model.name == "googlenet":
+            assert "1.6x the float32 speed of googlenet" in path.read_text()
