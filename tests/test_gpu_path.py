@@ -164,6 +164,19 @@ def test_query_gallery_evaluation_torch_path_equals_faiss(tmp_path):
         assert m_torch[k] == pytest.approx(m_faiss[k], abs=1e-6), k
 
 
+def test_search_placement_moves_device_tensors_to_a_cpu_search():
+    x = np.ones((3, 2), np.float32)
+    assert E.place_for_search(x, CPU) is x                       # faiss reads the array
+    t = torch.ones(3, 2)
+    assert E.place_for_search(t, CPU) is t
+    on_gpu = torch.ones(3, 2, device="meta")                      # stands in for a CUDA tensor
+    with pytest.raises((NotImplementedError, RuntimeError), match="meta"):
+        E.place_for_search(on_gpu, CPU)   # eval.device: cpu copies it to the host (meta cannot be)
+    assert E.place_for_search(on_gpu, torch.device("meta")) is on_gpu
+    moved = E.place_for_search(x, torch.device("meta"))           # an array bound for a GPU search
+    assert isinstance(moved, torch.Tensor) and moved.device.type == "meta" and moved.shape == (3, 2)
+
+
 def test_a_run_with_eval_device_cpu_logs_the_same_metrics(tmp_path):
     """On a CPU machine ``auto`` and ``cpu`` are the same search: identical eval records."""
     records = {}

@@ -186,11 +186,11 @@ def eval_search_device(cfg, device: torch.device | str, *, nbytes: int = 0) -> t
 
 
 def place_for_search(x, device: torch.device):
-    """``x`` (numpy array or tensor) where a search on ``device`` wants it: a tensor on a GPU,
-    else as it is (a CPU tensor or array goes to faiss)."""
-    if device.type == "cpu":
-        return x
-    return (x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))).to(device)
+    """``x`` (numpy array or tensor) where a search on ``device`` wants it: a tensor on that
+    device (on the CPU, a CPU tensor goes to faiss), a numpy array as it is for the CPU."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)  # a GPU tensor bound for a CPU search comes to the host
+    return x if device.type == "cpu" else torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
 
 def cross_domain_metrics(embedded: dict, dataset, cfg, *, device: torch.device | str | None = None) -> dict[str, float]:
