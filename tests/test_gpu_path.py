@@ -363,3 +363,34 @@ def test_recipes_at_batch_128_say_when_bf16_and_channels_last_pay_and_keep_float
         assert cfg.train.amp == "none" and not cfg.train.channels_last, path  # the settings stay the paper's
         if cfg.model.name == "googlenet":
             assert "1.6x the float32 speed of googlenet" in path.read_text()
+
+
+def test_report_searches_where_it_decided(tmp_path, monkeypatch):
+    """make_report takes one decision (report_search_device) for the embeddings it shows and
+    hands it to every neighbour search of the page."""
+    import deepmetric.report.run_report as rr
+    from deepmetric.report import diagnostics as dg
+
+    run = tmp_path / "run"
+    train(config_from_dict(synthetic_config(run, train={"epochs": 1})))
+    decided, searched = [], []
+    real_decide = rr.report_search_device
+
+    def decide(device, search_device, **kw):
+        decided.append((device, search_device, kw.get("nbytes", 0)))
+        return real_decide(device, search_device, **kw)
+
+    monkeypatch.setattr(rr, "report_search_device", decide)
+    for name in ("recall_curve", "retrieval_examples", "per_class_recall"):
+        real = getattr(dg, name)
+
+        def spy(*a, _name=name, _real=real, **kw):
+            searched.append((_name, kw.get("device")))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(dg, name, spy)
+    rr.make_report(run, device="cpu", search_device="auto", images=False, embed_train=False)
+    n = len(build_dataset(config_from_dict(synthetic_config(run)), "test", train=False))
+    assert decided[0] == ("cpu", "auto", 0)                 # checked before any work
+    assert decided[1] == ("cpu", "auto", 4 * n * 8)         # then with the embeddings' size (n x 8 float32)
+    assert sorted(searched) == [("per_class_recall", CPU), ("recall_curve", CPU), ("retrieval_examples", CPU)]
