@@ -17,9 +17,18 @@ against the same arrays on the CPU (backend ``faiss``, ``--threads`` threads); t
 must agree. Then 20,000 queries against a 1,000,000 x 128 gallery (Recall@1 / MAP@R), both
 backends.
 
-    python bench/gpu_speed.py --out bench/results/gpu_speed.json           # both parts
+Part ``eval`` (not in the default parts: it trains): the same emoji run (``--eval-recipe``,
+default the demo's recipe at 64 px with an evaluation every epoch, one before training and the
+cross-vendor metrics) trained twice on the GPU, once with its evaluations searching on the GPU
+(``eval.device=auto``) and once on the CPU (``eval.device=cpu``): the evaluations' seconds
+(``eval_seconds`` of log.jsonl: embedding and search), the run's wall time, and the largest
+metric difference between the two (the evaluation before training compares the searches
+alone: same weights, same embeddings).
+
+    python bench/gpu_speed.py --out bench/results/gpu_speed.json           # train + knn
     python bench/gpu_speed.py --parts knn --threads 16
     python bench/gpu_speed.py --models efficientnet_lite0 --steps 20        # one model
+    python bench/gpu_speed.py --parts eval --eval-out /tmp/gpu_eval         # GPU vs CPU evaluation
 
 Needs a CUDA device; numbers are committed in bench/RESULTS.md with the device's name.
 """
@@ -165,6 +174,60 @@ def knn_speed(threads: int, repeats: int, device) -> list[dict]:
     return rows
 
 
+#: ``--parts eval``: the demo's emoji run at 64 px (its cache file, 36 MB, can be carried to a machine
+#: without the npm packages), evaluated every epoch and before training, with the cross-vendor metrics
+EVAL_RECIPE = "recipes/demo_emoji.yaml"
+EVAL_OVERRIDES = ["data.options={size: 64}", "eval.every=1", "eval.at_start=true", "eval.cross_domain=true",
+                  "train.num_threads=null", "train.progress=false"]
+
+
+def eval_device_runs(recipe: str, overrides: list[str], out_dir: Path, devices=("auto", "cpu")) -> list[dict]:
+    """Train ``recipe`` once per ``eval.device`` in ``devices`` (same seed, same everything else)
+    and return per run: the evaluations (count, seconds in all and per evaluation, from the
+    ``eval_seconds`` of log.jsonl), the wall time of the whole run, and every evaluation's
+    metrics (``evals``: ``(split, epoch) -> metrics``)."""
+    from deepmetric.train import rundir
+    from deepmetric.train.loop import train_from_config_file
+
+    rows = []
+    for device in devices:
+        out = Path(out_dir) / f"eval_{device}"
+        t0 = time.perf_counter()
+        train_from_config_file(recipe, [*overrides, f"eval.device={device}", f"train.out_dir={out}"], overwrite=True)
+        wall = time.perf_counter() - t0
+        evals = rundir.read_log(out, type="eval")
+        seconds = [float(r["eval_seconds"]) for r in evals]
+        keep = ("type", "split", "epoch", "step", "eval_seconds", "alpha")
+        rows.append({"eval_device": device, "wall_s": wall, "evaluations": len(evals), "eval_s": sum(seconds),
+                     "eval_s_each": sum(seconds) / max(1, len(seconds)),
+                     "evals": {(r["split"], r["epoch"]): {k: v for k, v in r.items() if k not in keep}
+                               for r in evals}})
+    return rows
+
+
+def metric_differences(a: dict, b: dict) -> tuple[float, float]:
+    """``(largest |difference| of the evaluation before training, largest over every evaluation)``
+    between two :func:`eval_device_runs` rows (NaN where an evaluation or metric is missing)."""
+    def diff(keys):
+        d = [abs(a["evals"][k][m] - b["evals"][k][m]) for k in keys if k in a["evals"] and k in b["evals"]
+             for m in a["evals"][k] if m in b["evals"][k]]
+        return max(d) if d else float("nan")
+
+    first = [k for k in a["evals"] if k[1] == 0]
+    return diff(first), diff(list(a["evals"]))
+
+
+def _eval_table(rows: list[dict]) -> str:
+    out = ["| eval.device | evaluations | eval s (all) | s per evaluation | run wall s | max diff before training "
+           "| max diff, all evaluations |", "|---|---|---|---|---|---|---|"]
+    ref = next((r for r in rows if r["eval_device"] == "cpu"), rows[0])
+    for r in rows:
+        d0, d_all = metric_differences(r, ref)
+        out.append(f"| {r['eval_device']} | {r['evaluations']} | {r['eval_s']:.2f} | {r['eval_s_each']:.3f} "
+                   f"| {r['wall_s']:.1f} | {d0:.1e} | {d_all:.1e} |")
+    return "\n".join(out)
+
+
 def _train_table(rows: list[dict]) -> str:
     out = ["| model | px | batch | amp | channels_last | img/s | ms/step | x fp32 | peak MiB | first loss - fp32 |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -188,7 +251,7 @@ def _knn_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", nargs="+", default=["train", "knn"], choices=["train", "knn"])
+    ap.add_argument("--parts", nargs="+", default=["train", "knn"], choices=["train", "knn", "eval"])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--amp", nargs="+", default=["none", "bf16", "fp16"], choices=["none", "bf16", "fp16"])
     ap.add_argument("--batch", type=int, default=None, help="batch size for every model (default: each recipe's)")
@@ -196,6 +259,11 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=10, help="untimed training steps first (cudnn autotune)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads of the faiss side")
     ap.add_argument("--repeats", type=int, default=1, help="k-NN repeats (the fastest is kept)")
+    ap.add_argument("--eval-recipe", default=EVAL_RECIPE, help=f"the run of --parts eval (default {EVAL_RECIPE})")
+    ap.add_argument("--eval-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help=f"more overrides for --parts eval (after {' '.join(EVAL_OVERRIDES)})")
+    ap.add_argument("--eval-out", type=Path, default=Path("runs/gpu_eval"),
+                    help="run directories of --parts eval (eval_auto/, eval_cpu/; replaced)")
     ap.add_argument("--out", type=Path, help="write every row as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -204,7 +272,7 @@ def main(argv=None) -> None:
     torch.backends.cudnn.benchmark = True  # fixed shapes: let cudnn pick its kernels, as a user would
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "cuda": torch.version.cuda, "cpus": os.cpu_count(), "python": platform.python_version(),
-              "argv": sys.argv[1:], "train": [], "knn": []}
+              "argv": sys.argv[1:], "train": [], "knn": [], "eval": []}
     print(f"# {result['device']}, torch {result['torch']} (CUDA {result['cuda']}), {result['cpus']} CPUs", flush=True)
     if "train" in args.parts:
         for name in args.models:
@@ -218,6 +286,11 @@ def main(argv=None) -> None:
     if "knn" in args.parts:
         result["knn"] = knn_speed(args.threads, args.repeats, device)
         print(_knn_table(result["knn"]), flush=True)
+    if "eval" in args.parts:
+        rows = eval_device_runs(args.eval_recipe, EVAL_OVERRIDES + list(args.eval_set), args.eval_out)
+        print(_eval_table(rows), flush=True)
+        result["eval"] = [{**r, "evals": [{"split": k[0], "epoch": k[1], **v} for k, v in r["evals"].items()]}
+                          for r in rows]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -30,13 +30,18 @@ def _add_evaluate_parser(sub) -> None:
             "Evaluate embeddings stored in an .npz file with arrays 'embeddings' (N x d float), "
             "'labels' (N integers) and optionally boolean 'is_query' / 'is_gallery' (In-shop "
             "style). Without them every sample is a query against all the others. Write such a "
-            "file with 'deepmetric embed' or numpy.savez(path, embeddings=E, labels=y)."
+            "file with 'deepmetric embed' or numpy.savez(path, embeddings=E, labels=y). The exact "
+            "search runs on the GPU when one is present (--device auto; the torch backend, same "
+            "metrics as faiss, bench/RESULTS.md section 8) and on the CPU with faiss otherwise or "
+            "with --device cpu."
         ),
         epilog=(
             "examples:\n"
             "  deepmetric embed runs/demo/last.pt --split test --out emb.npz\n"
             "  deepmetric evaluate emb.npz\n"
             "  deepmetric evaluate emb.npz --k 1 10 100 --metrics recall map@r --out metrics.json\n"
+            "  deepmetric evaluate emb.npz --device cpu        # faiss on the CPU even on a GPU machine\n"
+            "  deepmetric evaluate emb.npz --device cuda:1     # the second GPU; an error without CUDA\n"
             "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -49,7 +54,11 @@ def _add_evaluate_parser(sub) -> None:
     p.add_argument("--out", default=None, help="write the metrics as JSON to this path")
     p.add_argument("--backend", default="auto",
                    choices=["auto", "torch", "faiss", "faiss-hnsw", "faiss-ivf"],
-                   help="nearest-neighbour backend; faiss-hnsw / faiss-ivf are APPROXIMATE")
+                   help="nearest-neighbour backend (auto: torch on a GPU, faiss on the CPU); the faiss ones run "
+                        "on the CPU; faiss-hnsw / faiss-ivf are APPROXIMATE")
+    p.add_argument("--device", default="auto",
+                   help="where the search runs: auto (the GPU when CUDA is available, the embeddings fit in its "
+                        "free memory and --backend allows it; else the CPU), cpu, cuda or cuda:INDEX")
     p.add_argument("--chunk-size", type=int, default=None,
                    help="queries per search chunk (default: derived from --memory-mb)")
     p.add_argument("--memory-mb", type=float, default=None,
@@ -82,6 +91,8 @@ def _add_report_parser(sub) -> None:
             "for classifiers, misclassified test images beside their nearest training image -\n"
             "plus the PNG figures and report.md. Embeddings come from --embeddings, else\n"
             "RUN_DIR/embeddings.npz, else the run's best.pt (or last.pt) on the test split.\n"
+            "--device says where the model embeds and, unless --search-device cpu, where the\n"
+            "neighbours are searched (a GPU: the torch backend, same results as faiss).\n"
             "See docs/report.md."
         ),
         epilog=(
@@ -91,7 +102,8 @@ def _add_report_parser(sub) -> None:
             "  deepmetric demo --quick --out runs/quick\n"
             "  deepmetric report runs/quick\n"
             "  deepmetric embed runs/quick/last.pt --out runs/quick/embeddings.npz\n"
-            "  deepmetric report runs/quick --embeddings runs/quick/embeddings.npz --out runs/quick/figs"
+            "  deepmetric report runs/quick --embeddings runs/quick/embeddings.npz --out runs/quick/figs\n"
+            "  deepmetric report runs/demo --device cuda --search-device cpu   # embed on the GPU, faiss search"
         ),
     )
     p.add_argument("run_dir", help="the run directory 'deepmetric train' wrote (log.jsonl, config.yaml, "
@@ -108,7 +120,12 @@ def _add_report_parser(sub) -> None:
     p.add_argument("--skip-train", action="store_true",
                    help="do not embed the training split (it is embedded by default when the model "
                         "has a classifier: two-head Fig. 10, heated-up Fig. 1, train histogram)")
-    p.add_argument("--device", default="auto", help="device for embedding: auto, cpu or cuda[:i]")
+    p.add_argument("--device", default="auto",
+                   help="device of the model (auto: CUDA when available, cpu, cuda or cuda:INDEX); the "
+                        "neighbour searches run there too unless --search-device cpu")
+    p.add_argument("--search-device", default="auto", choices=["auto", "cpu"],
+                   help="where the neighbour searches run: auto (the --device; on a GPU only when the "
+                        "embeddings fit in its free memory) or cpu (faiss)")
     p.add_argument("--batch-size", type=int, default=256, help="batch size for embedding (default 256)")
     p.add_argument("--no-images", action="store_true",
                    help="do not rebuild the dataset for images (grids show labels only)")
@@ -129,7 +146,7 @@ def _run_report(args: argparse.Namespace) -> int:
                        seed=args.seed, checkpoint=False if args.no_embed else args.checkpoint,
                        split=args.split, device=args.device, batch_size=args.batch_size,
                        embed_train=False if args.skip_train else None, images=not args.no_images,
-                       n_queries=args.queries, top_k=args.top_k)
+                       n_queries=args.queries, top_k=args.top_k, search_device=args.search_device)
     print(f"report written to {path.with_name('report.html')} (and {path.name}, figures in {path.parent})")
     from deepmetric.train.tracking import log_report, read_tracking
 
@@ -206,10 +223,13 @@ def _add_embed_parser(sub) -> None:
         "embed", help="embed a dataset split with a trained checkpoint into an .npz",
         description=_wrap("Rebuild the model stored in a training checkpoint, embed one split of a dataset "
                      "(by default the checkpoint's own data and test transform) and write an .npz "
-                     "that 'deepmetric evaluate' and 'deepmetric report' read."),
+                     "that 'deepmetric evaluate' and 'deepmetric report' read. 'embed' searches nothing: "
+                     "--device is where the model runs (on CUDA the batches come from pinned memory); "
+                     "'deepmetric evaluate EMB.npz' then searches on the GPU when one is present."),
         epilog=(
             "examples:\n"
             "  deepmetric embed runs/demo/last.pt --split test --out emb.npz\n"
+            "  deepmetric embed runs/demo/last.pt --out emb.npz --device cpu   # the CPU even on a GPU machine\n"
             "  deepmetric embed runs/mine/best.pt --data folder --root new_images --split all --out new.npz\n"
             "  deepmetric embed runs/inshop/best.pt --split query+gallery --out inshop.npz"
         ),
@@ -224,17 +244,20 @@ def _add_embed_parser(sub) -> None:
                    "(glyphs protocol=cross_family: test) stores its masks too")
     p.add_argument("--out", required=True, help="output .npz (embeddings, labels[, is_query, is_gallery, paths, class_names])")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:i]")
+    p.add_argument("--device", default="auto",
+                   help="where the model runs: auto (CUDA when available), cpu, cuda or cuda:INDEX")
     p.add_argument("--num-workers", type=int, default=0,
                    help="data-loader worker processes (default 0: load in the main process)")
     p.set_defaults(func=_run_embed)
 
 
 def _run_embed(args: argparse.Namespace) -> int:
+    from deepmetric.train.distributed import resolve_device
     from deepmetric.train.embed import embed_checkpoint
 
+    device = resolve_device(args.device, name="--device")  # errors name the flag
     out = embed_checkpoint(args.checkpoint, args.out, data=args.data, root=args.root, split=args.split,
-                           batch_size=args.batch_size, device=args.device, num_workers=args.num_workers)
+                           batch_size=args.batch_size, device=str(device), num_workers=args.num_workers)
     print(f"wrote {out}")
     return 0
 
@@ -340,8 +363,12 @@ def _add_index_parser(sub) -> None:
             "labels.npy, class_names.json, paths.json, index.faiss and manifest.json (checkpoint path, SHA-256 "
             "and config; every file's size and SHA-256). Exact inner-product search by default. The folder "
             "is written beside the target and swapped in atomically: a failure leaves an existing index "
-            "untouched. See docs/search.md."),
+            "untouched. --device is where the model embeds and, unless --search-device cpu, where the exact "
+            "search behind --approximate's recall measurement runs (a GPU: the torch backend, same "
+            "neighbours as faiss). See docs/search.md."),
         epilog=("example:\n  deepmetric index runs/demo/last.pt --out runs/demo/index\n"
+                "  deepmetric index runs/big/best.pt --data folder --root photos/ --out big.index --approximate ivf "
+                "--device cuda --search-device cpu   # embed on the GPU, exact search with faiss\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root photos/ --out photos.index\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root more_photos/ --out photos.index --add"))
     p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train' (best.pt / last.pt)")
@@ -361,7 +388,12 @@ def _add_index_parser(sub) -> None:
                    help="replace the index in --out (without --add or --overwrite an existing index is "
                         "refused; a folder that is not an index always is)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default auto)")
+    p.add_argument("--device", default="auto",
+                   help="where the model runs: auto (CUDA when available), cpu, cuda or cuda:INDEX; the exact "
+                        "search runs there too unless --search-device cpu")
+    p.add_argument("--search-device", default="auto", choices=["auto", "cpu"],
+                   help="where the exact search runs: auto (the --device; on a GPU only when the embeddings fit "
+                        "in its free memory) or cpu (faiss)")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_index)
@@ -372,7 +404,7 @@ def _run_index(args: argparse.Namespace) -> int:
 
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
                         approximate=args.approximate, add=args.add, overwrite=args.overwrite,
-                        batch_size=args.batch_size,
+                        batch_size=args.batch_size, search_device=args.search_device,
                         device=args.device, num_workers=args.num_workers, progress=not args.no_progress)
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
     what = "added" if args.add else "indexed"

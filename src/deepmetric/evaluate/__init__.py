@@ -8,6 +8,7 @@ See docs/evaluation.md. Public API::
     list_metrics() -> the metric names; check_metric_names(metrics) validates a selection
     check_embeddings(x) -> validated, l2-normalised (N, d) float32 embeddings
     evaluate_cross_domain(embeddings, labels, domains, domain_names=None, ...) -> {domain: metrics, "mean": ...}
+    choose_search_device(request, default=None, backend="auto", nbytes=0) -> where a search runs
 """
 from deepmetric.evaluate._checks import check_embeddings
 from deepmetric.evaluate.classification import (classification_accuracy, format_per_class_table,
@@ -22,10 +23,12 @@ from deepmetric.evaluate.clustering import (
 from deepmetric.evaluate.engine import (CLUSTERING_METRICS, METRICS, RETRIEVAL_METRICS, check_metric_names, evaluate, list_metrics, map_at_r,
                                         r_precision, recall_at_k)
 from deepmetric.evaluate.cross_domain import evaluate_cross_domain
-from deepmetric.evaluate.knn import BACKENDS, knn
+from deepmetric.evaluate.knn import BACKENDS, SEARCH_DEVICES, choose_search_device, knn
 
 __all__ = [
     "BACKENDS",
+    "SEARCH_DEVICES",
+    "choose_search_device",
     "METRICS",
     "RETRIEVAL_METRICS",
     "CLUSTERING_METRICS",

@@ -113,13 +113,28 @@ def format_table(metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def evaluate_cli_search_device(args, nbytes: int = 0, *, cuda_available: bool | None = None):
+    """Where ``deepmetric evaluate`` searches: ``--device`` (auto | cpu | cuda[:i]) with
+    ``--backend`` (:func:`deepmetric.evaluate.choose_search_device`; errors name the flags)."""
+    from deepmetric.evaluate.knn import choose_search_device
+
+    return choose_search_device(getattr(args, "device", "auto"), backend=args.backend, nbytes=nbytes,
+                                memory_mb=args.memory_mb, cuda_available=cuda_available)
+
+
 def run_evaluate_cli(args) -> int:
     """Body of ``deepmetric evaluate`` (argument parsing lives in deepmetric.cli)."""
+    import torch
+
     from deepmetric.evaluate.engine import evaluate
 
     data = load_npz(args.npz)
+    emb = data["embeddings"]
+    device = evaluate_cli_search_device(args, nbytes=4 * emb.size)
+    if device.type != "cpu":  # float32 before the copy: half the bytes of a float64 file
+        emb = torch.from_numpy(np.ascontiguousarray(emb, dtype=np.float32)).to(device)
     try:
-        res = evaluate(data["embeddings"], data["labels"], is_query=data["is_query"],
+        res = evaluate(emb, data["labels"], is_query=data["is_query"],
                        is_gallery=data["is_gallery"], ks=args.ks, metrics=args.metrics,
                        seed=args.seed, chunk_size=args.chunk_size, backend=args.backend,
                        memory_mb=args.memory_mb, nmi_average=args.nmi_average,

@@ -41,6 +41,61 @@ def resolve_backend(backend: str, x) -> str:
     return backend
 
 
+#: what a command's search-device flag takes (``cuda:i`` names one GPU)
+SEARCH_DEVICES = ("auto", "cpu", "cuda")
+#: ``auto`` keeps a search on the GPU only when this many copies of the embeddings fit in its free
+#: memory (the input, its l2-normalised copy, the query and gallery rows), plus the tile budget
+SEARCH_COPIES = 4
+
+
+def _cuda_free_bytes(device: torch.device) -> int:
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def choose_search_device(request: str = "auto", *, default=None, backend: str = "auto",
+                         nbytes: int = 0, memory_mb: float | None = None, flag: str = "--device",
+                         backend_flag: str = "--backend", cuda_available: bool | None = None,
+                         free_bytes=None) -> torch.device:
+    """Where an exact k-NN search runs: the CPU (faiss) or a GPU (the torch backend).
+
+    ``request`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:i`` (the value of ``flag``, named in
+    errors). ``auto`` is ``default`` when given (e.g. the device the embeddings were computed
+    on), else the GPU when CUDA is available; it falls back to the CPU when ``backend`` only
+    runs there (the faiss backends) or when ``SEARCH_COPIES x nbytes`` (the embeddings' size)
+    plus the tile budget do not fit in the GPU's free memory. ``cpu`` always gives the CPU. An
+    explicit ``cuda`` without CUDA, or with a faiss backend, is a ``ValueError`` naming the flags.
+    ``cuda_available`` / ``free_bytes`` (a function of the device) replace the queries of torch
+    (tests decide without a GPU)."""
+    if not isinstance(request, str) or request.split(":")[0] not in SEARCH_DEVICES or (
+            ":" in request and (request.split(":")[0] != "cuda" or not request.split(":", 1)[1].isdigit())):
+        raise ValueError(f"{flag} {request!r}: expected auto, cpu, cuda or cuda:INDEX")
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend_flag} {backend!r}: expected one of {', '.join(BACKENDS)}")
+    cpu = torch.device("cpu")
+    if request == "cpu":
+        return cpu
+    available = torch.cuda.is_available() if cuda_available is None else bool(cuda_available)
+    cpu_backend = backend.startswith("faiss")
+    if request.startswith("cuda"):
+        if not available:
+            raise ValueError(f"{flag} {request}: CUDA is not available on this machine "
+                             f"(torch.cuda.is_available() is False); use {flag} cpu or auto")
+        if cpu_backend:
+            raise ValueError(f"{backend_flag} {backend} searches on the CPU, but {flag} {request} asks for the "
+                             f"GPU; use {backend_flag} torch (or auto) on the GPU, or {flag} cpu")
+        return torch.device(request)
+    # auto
+    dev = torch.device(default) if default is not None else (torch.device("cuda") if available else cpu)
+    if dev.type != "cuda" or cpu_backend:  # searches run on the CPU or on a CUDA device
+        return cpu
+    if nbytes:
+        free = (free_bytes or _cuda_free_bytes)(dev)
+        if SEARCH_COPIES * int(nbytes) + _budget(memory_mb) > free:
+            return cpu
+    return dev
+
+
 def _budget(memory_mb: float | None) -> int:
     mb = DEFAULT_MEMORY_MB if memory_mb is None else float(memory_mb)
     if not mb > 0:

@@ -77,6 +77,14 @@ def _as_labels(y: Any, n: int, name: str = "labels") -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _searchable(x: np.ndarray, device: Any = None):
+    """``x`` for a k-NN search on ``device``: the array itself for the CPU (faiss; ``None`` is
+    the CPU), a tensor on a GPU (the torch backend of :mod:`deepmetric.evaluate`)."""
+    if device is None or torch.device(device).type == "cpu":
+        return x
+    return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+
+
 def _l2n(x: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return x / np.maximum(norms, 1e-12)
@@ -533,9 +541,10 @@ def embedding_2d(embeddings: Any, *, normalize: bool = False, seed: int = 0,
 
 # --------------------------------------------------------------------------- retrieval
 def recall_curve(embeddings: Any, labels: Any, ks: Iterable[int] = (1, 2, 4, 8, 16, 32), *,
-                 is_query: Any = None, is_gallery: Any = None) -> dict[int, float]:
+                 is_query: Any = None, is_gallery: Any = None, device: Any = None) -> dict[int, float]:
     """Recall@K for every K in ``ks`` via :func:`deepmetric.evaluate.evaluate` (cosine,
-    query excluded by index; In-shop style query/gallery masks are passed through)."""
+    query excluded by index; In-shop style query/gallery masks are passed through), searched
+    on ``device`` (None: the CPU)."""
     from deepmetric.evaluate import evaluate
 
     ks = sorted({int(k) for k in ks})
@@ -543,7 +552,8 @@ def recall_curve(embeddings: Any, labels: Any, ks: Iterable[int] = (1, 2, 4, 8, 
         raise ValueError(f"ks must be positive integers, got {ks}")
     x = _as_2d_float(embeddings, "embeddings")
     y = _as_labels(labels, x.shape[0])
-    res = evaluate(x, y, is_query=is_query, is_gallery=is_gallery, ks=tuple(ks), metrics=["recall"])
+    res = evaluate(_searchable(x, device), y, is_query=is_query, is_gallery=is_gallery, ks=tuple(ks),
+                   metrics=["recall"])
     return {k: float(res[f"recall@{k}"]) for k in ks}
 
 
@@ -558,20 +568,22 @@ def _query_gallery(x: np.ndarray, is_query: Any, is_gallery: Any) -> tuple[np.nd
     return np.flatnonzero(q), np.flatnonzero(g)
 
 
-def _neighbours(x: np.ndarray, q_idx: np.ndarray, g_idx: np.ndarray, k: int
+def _neighbours(x: np.ndarray, q_idx: np.ndarray, g_idx: np.ndarray, k: int, device: Any = None
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Top-k gallery rows (indices into ``x``) of each query row, exact cosine, the query
-    itself excluded by index when it is also in the gallery (REFERENCE.md section 5)."""
+    itself excluded by index when it is also in the gallery (REFERENCE.md section 5);
+    searched on ``device`` (None: the CPU)."""
     from deepmetric.evaluate import knn
 
     xn = _l2n(x.astype(np.float32))
+    q, g = _searchable(xn[q_idx], device), _searchable(xn[g_idx], device)
     same = q_idx.shape == g_idx.shape and np.array_equal(q_idx, g_idx)
     if same:
-        sims, idx = knn(xn[q_idx], None, k)
+        sims, idx = knn(q, None, k)
     else:
-        sims, idx = knn(xn[q_idx], xn[g_idx], k, exclude_self=False)
+        sims, idx = knn(q, g, k, exclude_self=False)
         if np.intersect1d(q_idx, g_idx).size:  # overlapping sets: drop the query itself
-            sims, idx = knn(xn[q_idx], xn[g_idx], k + 1, exclude_self=False)
+            sims, idx = knn(q, g, k + 1, exclude_self=False)
             pos = np.where(idx >= 0, g_idx[np.maximum(idx, 0)], -1)
             keep = pos != q_idx[:, None]
             order = np.argsort(~keep, axis=1, kind="stable")[:, :k]
@@ -583,7 +595,7 @@ def _neighbours(x: np.ndarray, q_idx: np.ndarray, g_idx: np.ndarray, k: int
 
 def retrieval_examples(embeddings: Any, labels: Any, *, k: int = 8, n_random: int = 8,
                        n_worst: int = 8, seed: int = 0, is_query: Any = None,
-                       is_gallery: Any = None) -> dict[str, Any]:
+                       is_gallery: Any = None, device: Any = None) -> dict[str, Any]:
     """Queries with their ``k`` nearest neighbours for the retrieval grids of the report
     (ALMN paper Fig. 8: queries and their top retrievals; two-head paper Fig. 9: failure
     cases).
@@ -597,14 +609,15 @@ def retrieval_examples(embeddings: Any, labels: Any, *, k: int = 8, n_random: in
 
     Returns ``{"k", "random": query rows, "worst": query rows, "neighbours": {q: (k,) rows},
     "similarity": {q: (k,)}, "correct": {q: (k,) bool}, "n_correct": {q: int}}``; rows index
-    ``embeddings``; a missing neighbour (gallery smaller than ``k``) is -1.
+    ``embeddings``; a missing neighbour (gallery smaller than ``k``) is -1. ``device``: where
+    the search runs (None: the CPU).
     """
     x = _as_2d_float(embeddings, "embeddings")
     y = _as_labels(labels, x.shape[0])
     if int(k) < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     q_idx, g_idx = _query_gallery(x, is_query, is_gallery)
-    sims, nb = _neighbours(x, q_idx, g_idx, int(k))
+    sims, nb = _neighbours(x, q_idx, g_idx, int(k), device)
     correct = (nb >= 0) & (y[np.maximum(nb, 0)] == y[q_idx][:, None])
     n_correct = correct.sum(axis=1)
     rng = np.random.default_rng(seed)
@@ -624,7 +637,7 @@ def retrieval_examples(embeddings: Any, labels: Any, *, k: int = 8, n_random: in
 
 
 def per_class_recall(embeddings: Any, labels: Any, *, k: int = 1, is_query: Any = None,
-                     is_gallery: Any = None) -> dict[str, np.ndarray]:
+                     is_gallery: Any = None, device: Any = None) -> dict[str, np.ndarray]:
     """Recall@k of each query class: the share of its queries with a same-class sample
     among their ``k`` nearest gallery neighbours (same ranking as :func:`recall_curve`;
     the mean over queries, not over classes, is the usual Recall@k).
@@ -634,7 +647,7 @@ def per_class_recall(embeddings: Any, labels: Any, *, k: int = 1, is_query: Any 
     x = _as_2d_float(embeddings, "embeddings")
     y = _as_labels(labels, x.shape[0])
     q_idx, g_idx = _query_gallery(x, is_query, is_gallery)
-    _, nb = _neighbours(x, q_idx, g_idx, int(k))
+    _, nb = _neighbours(x, q_idx, g_idx, int(k), device)
     hit = ((nb >= 0) & (y[np.maximum(nb, 0)] == y[q_idx][:, None])).any(axis=1)
     classes, inv, counts = np.unique(y[q_idx], return_inverse=True, return_counts=True)
     hits = np.bincount(inv, weights=hit.astype(float), minlength=len(classes))
@@ -647,12 +660,15 @@ def misclassified_neighbours(
     test_embeddings: Any,
     test_labels: Any,
     test_predictions: Any,
+    *,
+    device: Any = None,
 ) -> dict[str, Any]:
     """Two-head paper, Sec. 4.3 / Fig. 10: explain misclassifications by the nearest
     training image in the embedding space (cosine).
 
     ``test_predictions`` are class ids, or logits (N, C) whose arg-max is taken. Labels of
-    train and test must use the same class ids (classification protocol).
+    train and test must use the same class ids (classification protocol). ``device``: where
+    the nearest-neighbour search runs (None: the CPU).
 
     Returns ``{"misclassified": test indices, "neighbour": nearest-train indices,
     "neighbour_label", "predicted", "true", "n_test", "n_misclassified",
@@ -674,7 +690,7 @@ def misclassified_neighbours(
         pred = pred.argmax(axis=1)
     pred = _as_labels(pred, xte.shape[0], "test_predictions")
     wrong = np.flatnonzero(pred != yte)
-    nb = _nearest(xtr, xte[wrong]) if wrong.size else np.zeros(0, dtype=np.int64)
+    nb = _nearest(xtr, xte[wrong], device) if wrong.size else np.zeros(0, dtype=np.int64)
     nb_label = ytr[nb]
     n_wrong = int(wrong.size)
     return {
@@ -686,11 +702,11 @@ def misclassified_neighbours(
     }
 
 
-def _nearest(reference: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """Index of the nearest reference (cosine) for each query."""
+def _nearest(reference: np.ndarray, queries: np.ndarray, device: Any = None) -> np.ndarray:
+    """Index of the nearest reference (cosine) for each query, searched on ``device``."""
     ref = _l2n(reference.astype(np.float32))
     q = _l2n(queries.astype(np.float32))
     from deepmetric.evaluate import knn
 
-    _, idx = knn(q, ref, 1)  # exact cosine search, chunked (torch / faiss)
+    _, idx = knn(_searchable(q, device), _searchable(ref, device), 1)  # exact, chunked (torch / faiss)
     return np.asarray(idx)[:, 0].astype(np.int64)

@@ -21,8 +21,35 @@ from deepmetric.train import rundir
 
 from .page import image_data_uri
 
-__all__ = ["check_run_dir", "find_checkpoint", "embed_run",
+__all__ = ["check_run_dir", "find_checkpoint", "embed_run", "report_search_device",
            "ImageSource", "image_source_for"]
+
+#: what ``deepmetric report --search-device`` takes
+REPORT_SEARCH_DEVICES = ("auto", "cpu")
+
+
+def check_search_device(search_device: str) -> None:
+    if search_device not in REPORT_SEARCH_DEVICES:
+        raise ValueError(f"--search-device {search_device!r}: expected one of {', '.join(REPORT_SEARCH_DEVICES)} "
+                         "(auto: where --device puts the model)")
+
+
+def report_search_device(device: str = "auto", search_device: str = "auto", *, nbytes: int = 0):
+    """Where the report's neighbour searches run (Recall@K, retrieval grids, per-class recall,
+    nearest training images): ``--search-device cpu`` -> faiss on the CPU; ``auto`` -> the
+    device of ``--device`` (the model's: auto | cpu | cuda[:i]), the GPU's torch backend when
+    that is CUDA and ``nbytes`` (the embeddings) fit in its free memory."""
+    import torch
+
+    from deepmetric.evaluate import choose_search_device
+    from deepmetric.train.distributed import resolve_device
+
+    check_search_device(search_device)
+    model_device = resolve_device(device, name="--device")  # checked even when the search is on the CPU
+    if search_device == "cpu":
+        return torch.device("cpu")
+    return choose_search_device("auto", default=model_device, nbytes=nbytes, flag="--search-device")
+
 
 def check_run_dir(run_dir: Path) -> None:
     if not run_dir.exists():
@@ -82,7 +109,7 @@ def embed_run(checkpoint: Path, *, split: str | None = None, device: str = "auto
     from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
     from deepmetric.train.builders import build_dataset as build_dataset_split
 
-    dev = resolve_device(device)
+    dev = resolve_device(device, name="--device")
     model, losses, cfg, _ = load_model_from_checkpoint(checkpoint, dev)
     q_split, g_split = _eval_splits(cfg, split)
     clf_loss = next((l for l in losses if hasattr(l, "logits")), None)

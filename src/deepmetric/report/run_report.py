@@ -47,7 +47,7 @@ from . import page as pg
 from . import plots
 from deepmetric.train import rundir
 
-from .run_inputs import check_run_dir, embed_run, find_checkpoint, image_source_for
+from .run_inputs import check_run_dir, embed_run, find_checkpoint, image_source_for, report_search_device
 
 __all__ = ["make_report", "load_embeddings_npz", "CONFIG_NAMES", "LOG_NAME"]
 
@@ -303,7 +303,7 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
                 ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32), checkpoint: str | Path | bool | None = None,
                 split: str | None = None, device: str = "cpu", batch_size: int = 256,
                 embed_train: bool | None = None, images: bool = True, n_queries: int = 8,
-                top_k: int = 8) -> Path:
+                top_k: int = 8, search_device: str = "auto") -> Path:
     """Write ``report.html``, the figures and ``report.md`` of a run; returns the path of
     ``report.md`` (``report.html`` sits beside it).
 
@@ -316,9 +316,12 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     on ``device``. ``out_dir`` defaults to ``RUN_DIR/report``. ``max_pairs`` bounds the
     pairs per histogram (exact below it). ``images``: show dataset images in the grids;
     ``n_queries`` random and ``n_queries`` worst queries with their ``top_k`` neighbours.
+    ``search_device``: where the neighbour searches run (:func:`report_search_device`:
+    ``auto`` = ``device``, ``cpu`` = faiss on the CPU).
     """
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
+    report_search_device(device, search_device)  # a bad --device / --search-device fails before any work
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     if embeddings is None and (run_dir / "embeddings.npz").is_file():
@@ -403,8 +406,9 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
                 cfg_obj = cfg_obj or cfg_from_ckpt
                 source = f"`{ckpt.name}` on the {split or 'test'} split"
     if data is not None:
+        where = report_search_device(device, search_device, nbytes=4 * int(np.asarray(data["embeddings"]).size))
         emb_md, emb_html = _embedding_sections(
-            data, source, out, figures, max_pairs=max_pairs, seed=seed, ks=ks, cfg=cfg_obj,
+            data, source, out, figures, max_pairs=max_pairs, seed=seed, ks=ks, cfg=cfg_obj, search_device=where,
             baselines=[b for b in baselines if b.get("split") in (None, "test", split or "test")],
             cfg_note=cfg_note, split=split, images=images, n_queries=n_queries, top_k=top_k)
         md += emb_md
@@ -444,7 +448,7 @@ def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
                         figures: list[tuple[str, str]], *, max_pairs: int, seed: int,
                         ks: tuple[int, ...], cfg=None, cfg_note: str = "", split: str | None = None,
                         images: bool = True, n_queries: int = 8, top_k: int = 8,
-                        baselines: list[dict] | None = None,
+                        baselines: list[dict] | None = None, search_device=None,
                         ) -> tuple[list[str], list[tuple[str, str, str, str]]]:
     x = data["embeddings"]
     y = dg._as_labels(data["labels"], len(x))
@@ -469,7 +473,7 @@ def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
     ks_ok = tuple(k for k in ks if k <= n_ref)
     body = [f"<p>{pg.esc(head.replace('`', ''))}</p>"]
     if ks_ok:
-        rc = dg.recall_curve(x, y, ks_ok, is_query=is_q, is_gallery=is_g)
+        rc = dg.recall_curve(x, y, ks_ok, is_query=is_q, is_gallery=is_g, device=search_device)
         # logged baselines (epoch-0 model, raw pixels, ...) with Recall@K, drawn beside the run
         base = {}
         for b in baselines or []:
@@ -540,13 +544,13 @@ def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
 
     # --- retrieval grids and per-class recall -------------------------------------------
     ex = dg.retrieval_examples(x, y, k=top_k, n_random=n_queries, n_worst=n_queries, seed=seed,
-                               is_query=is_q, is_gallery=is_g)
+                               is_query=is_q, is_gallery=is_g, device=search_device)
     note = f'<p class="note">{pg.esc(img_note)}. Green border: same class as the query; red: another class.</p>'
     sections.append(("grids", f"Retrieval: random queries and their top-{top_k}",
                      note + _grid_html(ex, "random", y, names, src, "grid-random"), "random queries"))
     sections.append(("worst", f"Retrieval: worst queries (fewest correct in the top-{top_k})",
                      note + _grid_html(ex, "worst", y, names, src, "grid-worst"), "worst queries"))
-    pcr = dg.per_class_recall(x, y, k=1, is_query=is_q, is_gallery=is_g)
+    pcr = dg.per_class_recall(x, y, k=1, is_query=is_q, is_gallery=is_g, device=search_device)
     cls_html, cls_md = _per_class_html(pcr, names, src, y, is_q)
     sections.append(("classes", "Per-class Recall@1", cls_html, "per class"))
     md += cls_md
@@ -562,7 +566,8 @@ def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
                f"{_fmt(float(np.mean(per_class)))} %", ""]
         body = [f"<p>top-1 accuracy <b>{_fmt(acc)} %</b>, mean per-class {_fmt(float(np.mean(per_class)))} %</p>"]
         if "train_embeddings" in data:
-            res = dg.misclassified_neighbours(data["train_embeddings"], data["train_labels"], x, y, p)
+            res = dg.misclassified_neighbours(data["train_embeddings"], data["train_labels"], x, y, p,
+                                              device=search_device)
             line = (f"{res['n_misclassified']} of {res['n_test']} test images misclassified; "
                     f"their nearest training image carries the **predicted** label for "
                     f"{_fmt(res['share_neighbour_is_predicted'])} % and the true label for "

@@ -56,7 +56,7 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
 
     if not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} not found (expected last.pt / best.pt of 'deepmetric train')")
-    dev = resolve_device(device)
+    dev = resolve_device(device, name="--device")
     model, _, cfg, state = load_model_from_checkpoint(checkpoint, dev)
     preprocessing = preprocessing_from_config(cfg)  # before the data is overridden: the model's input
     if data is not None and data != cfg.data.name:

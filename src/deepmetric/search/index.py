@@ -20,7 +20,9 @@ index byte-identical. :meth:`Index.load` checks every listed file's size (and SH
 before version 2 has no ``files`` and loads with a warning saying how to rebuild it.
 
 Exact search ranks by inner product with the exact faiss backend of
-:mod:`deepmetric.evaluate.knn` (chunked by a memory budget, ties by the smaller index);
+:mod:`deepmetric.evaluate.knn` (chunked by a memory budget, ties by the smaller index), or
+its torch backend on a GPU when the index's ``search_device`` is CUDA (``deepmetric index``
+on a GPU machine: the exact search behind an approximate index's recall);
 ``index.faiss`` is then only written for other tools. Approximate indexes (``ivf`` / ``hnsw``,
 built by the same module's approximate backends) are searched through ``index.faiss``; their
 recall@10 against exact search is measured when they are built and stored in the manifest.
@@ -43,7 +45,8 @@ from .query import (Preprocessing, approximate_search, as_query_list, embed_imag
 from .store import (IndexFilesError, carry_file, check_utf8, file_entries, file_sha256, index_transaction,
                     verify_files)
 
-__all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256", "IndexFilesError", "is_index_dir"]
+__all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256", "IndexFilesError", "is_index_dir",
+           "index_search_device"]
 
 INDEX_FORMAT = "deepmetric-index"
 INDEX_VERSION = 2  # 2: manifest.json lists every file's size and SHA-256 ("files")
@@ -128,6 +131,28 @@ def _npy_from_buffer(buf: bytearray, name: str) -> np.ndarray:
     return arr.reshape(shape, order="F" if fortran else "C")
 
 
+#: what ``deepmetric index --search-device`` takes
+INDEX_SEARCH_DEVICES = ("auto", "cpu")
+
+
+def index_search_device(device: str = "auto", search_device: str = "auto", *, nbytes: int = 0):
+    """Where ``deepmetric index`` runs its exact searches: ``--search-device cpu`` -> faiss on
+    the CPU; ``auto`` -> the model's ``--device`` (auto | cpu | cuda[:i]): the GPU's torch
+    backend when that is CUDA and ``nbytes`` (the embeddings) fit in its free memory."""
+    import torch
+
+    from deepmetric.evaluate import choose_search_device
+    from deepmetric.train.distributed import resolve_device
+
+    if search_device not in INDEX_SEARCH_DEVICES:
+        raise ValueError(f"--search-device {search_device!r}: expected one of {', '.join(INDEX_SEARCH_DEVICES)} "
+                         "(auto: where --device puts the model)")
+    model_device = resolve_device(device, name="--device")  # checked even when the search is on the CPU
+    if search_device == "cpu":
+        return torch.device("cpu")
+    return choose_search_device("auto", default=model_device, nbytes=nbytes, flag="--search-device")
+
+
 def _normalised(x, name: str) -> np.ndarray:
     from deepmetric.evaluate import check_embeddings
 
@@ -143,11 +168,13 @@ class Index:
     Build one with :meth:`build` (from a checkpoint and a dataset) or :meth:`from_embeddings`,
     keep it with :meth:`save`, open it with :meth:`load`, query it with :meth:`search`
     (embeddings or images) and turn the result into rows with :meth:`neighbours`.
+    ``search_device`` (default the CPU) is where exact searches run (a CUDA device: the
+    torch backend on the GPU, same results as faiss).
     """
 
     def __init__(self, embeddings, labels=None, paths: Sequence[str] | None = None,
                  class_names: Sequence[str] | None = None, *, kind: str = "exact",
-                 meta: dict | None = None, directory: str | Path | None = None):
+                 meta: dict | None = None, directory: str | Path | None = None, search_device=None):
         if kind not in KINDS:
             raise ValueError(f"index kind must be one of {KINDS}, got {kind!r}")
         self.embeddings = _normalised(embeddings, "index embeddings")
@@ -170,6 +197,7 @@ class Index:
         self.faiss_index = None
         self.manifest_files = None  # {relative path: {bytes, sha256}} of a loaded index
         self._model = None
+        self.search_device = search_device or "cpu"
         if kind != "exact":
             self._build_approximate()
 
@@ -192,7 +220,8 @@ class Index:
         self.faiss_index = build_approximate_index(self.embeddings, f"faiss-{self.kind}", k=10)
         self.meta["approximate"] = {
             "kind": self.kind, "build_s": round(time.perf_counter() - t, 3),
-            "recall@10_vs_exact": recall_against_exact(self.embeddings, self.faiss_index, k=10),
+            "recall@10_vs_exact": recall_against_exact(self.embeddings, self.faiss_index, k=10,
+                                                       device=self.search_device),
             "recall_queries": min(1000, len(self)),
         }
 
@@ -207,7 +236,7 @@ class Index:
               split: str | None = None, out: str | Path | None = None, approximate: str | None = None,
               add: bool = False, overwrite: bool = False, options: dict | None = None,
               batch_size: int = 256, device: str = "auto", num_workers: int = 0,
-              progress: bool = True) -> "Index":
+              progress: bool = True, search_device: str = "auto") -> "Index":
         """Embed a dataset split with ``checkpoint`` (its test transform) and index it.
 
         ``data`` / ``root`` default to the checkpoint's training data; ``split`` defaults to
@@ -216,14 +245,16 @@ class Index:
         path is already indexed are skipped). The index is saved to ``out`` when given, as a
         transaction: any failure leaves what was in ``out`` byte-identical. An existing index
         in ``out`` is refused unless ``add`` or ``overwrite``; a non-empty folder that is not an
-        index always is.
+        index always is. The model runs on ``device``; the exact searches (an approximate
+        index's recall against exact search) where :func:`index_search_device` says.
         """
         if add and out is None:
             raise ValueError("add=True needs out=INDEX_DIR, the index to add to")
         if approximate not in (None, "exact", "ivf", "hnsw"):
             raise ValueError(f"approximate must be 'ivf' or 'hnsw' (or None for exact), got {approximate!r}")
+        index_search_device(device, search_device)  # bad values are refused before any work
         kw = dict(data=data, root=root, split=split, options=options, batch_size=batch_size, device=device,
-                  num_workers=num_workers, progress=progress)
+                  num_workers=num_workers, progress=progress, search_device=search_device)
         if out is None:
             return cls._build(checkpoint, None, None, approximate=approximate, add=False, **kw)
         out = Path(out)
@@ -237,7 +268,7 @@ class Index:
 
     @classmethod
     def _build(cls, checkpoint, out: Path | None, tmp: Path | None, *, data, root, split, options,
-               approximate, add, batch_size, device, num_workers, progress) -> "Index":
+               approximate, add, batch_size, device, num_workers, progress, search_device) -> "Index":
         from .build import embed_dataset_for_index
 
         old = None
@@ -257,7 +288,9 @@ class Index:
                                       batch_size=batch_size, device=device, num_workers=num_workers,
                                       progress=progress, skip_paths=skip, images_dir=images_dir,
                                       first_image_number=len(old) if old is not None else 0)
+        where = index_search_device(device, search_device, nbytes=got["embeddings"].nbytes)
         if old is not None:
+            old.search_device = where
             if len(got["paths"]):
                 old.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
             old.meta.setdefault("added", []).append(got["data"])
@@ -267,7 +300,7 @@ class Index:
                                    "config": got["config"]},
                     "preprocessing": got["preprocessing"], "data": got["data"]}
             index = cls(got["embeddings"], got["labels"], got["paths"], got["class_names"],
-                        kind=approximate or "exact", meta=meta)
+                        kind=approximate or "exact", meta=meta, search_device=where)
         index.meta["skipped_already_indexed"] = got["skipped"]
         return index
 
@@ -303,7 +336,7 @@ class Index:
         if self.faiss_index is not None:
             self.faiss_index.add(e)
             self.meta["approximate"]["recall@10_vs_exact"] = recall_against_exact(
-                self.embeddings, self.faiss_index, k=10)
+                self.embeddings, self.faiss_index, k=10, device=self.search_device)
 
     # ------------------------------------------------------------------ search
     def model(self, checkpoint: str | Path | None = None, device: str = "cpu"):
@@ -353,7 +386,7 @@ class Index:
             raise ValueError(f"k must be >= 1, got {k}")
         if self.faiss_index is not None:
             return approximate_search(self.faiss_index, q, k)
-        return exact_search(self.embeddings, q, k, memory_mb=memory_mb)
+        return exact_search(self.embeddings, q, k, memory_mb=memory_mb, device=self.search_device)
 
     def neighbours(self, sims: np.ndarray, idx: np.ndarray) -> list[list[dict]]:
         """Per query, its neighbours as dicts: rank (1-based), id (row), path, label, class_name,
@@ -505,6 +538,7 @@ class Index:
         obj.embeddings, obj.labels, obj.paths, obj.class_names = emb, labels, paths, names_
         obj.kind, obj.meta, obj.directory, obj._model = kind, meta, d, None
         obj.manifest_files = files
+        obj.search_device = "cpu"  # a loaded index answers a few queries at a time: faiss
         obj.faiss_index = faiss_index
         return obj
 

@@ -204,12 +204,21 @@ def embed_images(model: torch.nn.Module, preprocess: Preprocessing,
     return np.concatenate(out).astype(np.float32)
 
 
-def exact_search(gallery: np.ndarray, query: np.ndarray, k: int, memory_mb: float | None = None):
-    """Exact top-``k`` by cosine of l2-normalised ``query`` rows in ``gallery`` (faiss brute
-    force in memory-bounded chunks, ties by the smaller index): ``(sims, idx)``."""
+def exact_search(gallery: np.ndarray, query: np.ndarray, k: int, memory_mb: float | None = None, *,
+                 device: str | torch.device = "cpu", backend: str | None = None):
+    """Exact top-``k`` by cosine of l2-normalised ``query`` rows in ``gallery`` (brute force in
+    memory-bounded chunks, ties by the smaller index): ``(sims, idx)``, numpy.  On the CPU
+    faiss searches; on a CUDA ``device`` both go to the GPU and the torch backend of
+    :mod:`deepmetric.evaluate.knn` searches there (same results).  ``backend`` overrides the
+    choice (``torch`` on the CPU runs the GPU's code path there)."""
     from deepmetric.evaluate.knn import iter_knn
 
-    parts = list(iter_knn(query, gallery, k, backend="faiss", memory_mb=memory_mb))
+    device = torch.device(device)
+    backend = backend or ("faiss" if device.type == "cpu" else "torch")
+    if backend == "torch":
+        gallery = torch.as_tensor(np.ascontiguousarray(gallery)).to(device)
+        query = torch.as_tensor(np.ascontiguousarray(query)).to(device)
+    parts = list(iter_knn(query, gallery, k, backend=backend, memory_mb=memory_mb))
     return np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
 
 
@@ -221,14 +230,15 @@ def approximate_search(faiss_index, query: np.ndarray, k: int):
 
 
 def recall_against_exact(gallery: np.ndarray, faiss_index, *, k: int = 10, n_queries: int = 1000,
-                         seed: int = 0) -> float:
+                         seed: int = 0, device: str | torch.device = "cpu") -> float:
     """Mean share of the exact top-``k`` found by the approximate index, over a seeded sample of
-    ``n_queries`` indexed vectors used as queries (each finds itself in both)."""
+    ``n_queries`` indexed vectors used as queries (each finds itself in both); the exact search
+    runs on ``device`` (:func:`exact_search`)."""
     n = gallery.shape[0]
     rows = np.sort(np.random.default_rng(seed).choice(n, size=min(n_queries, n), replace=False))
     q = np.ascontiguousarray(gallery[rows])
     kk = min(k, n)
-    _, exact = exact_search(gallery, q, kk)
+    _, exact = exact_search(gallery, q, kk, device=device)
     _, approx = approximate_search(faiss_index, q, kk)
     hits = [len(set(a[a >= 0]) & set(e[e >= 0])) / max(1, (e >= 0).sum()) for a, e in zip(approx, exact)]
     return float(np.mean(hits))

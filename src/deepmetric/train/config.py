@@ -23,7 +23,7 @@ docs/training.md for every key)::
                temperature: {name: none|heat_up|gradual|auto_plateau, ...}}
     train:    {epochs | iterations, batch_size, sampler, m, n, amp, seed, out_dir, ...}
     eval:     {every, split, gallery_split, ks, metrics, best_metric, early_stop_patience, baselines,
-               cross_domain, train_neighbours, wise_ft, wise_ft_params, ...}
+               cross_domain, train_neighbours, wise_ft, wise_ft_params, device, ...}
 """
 from __future__ import annotations
 
@@ -378,6 +378,11 @@ class EvalConfig:
     train_neighbours: bool = False
     #: k-means initialisations behind NMI / F1 (lowest inertia kept); 1 as pytorch-metric-learning
     kmeans_restarts: int = 1
+    #: where the evaluations' nearest-neighbour searches run: ``auto`` = the training device (a
+    #: CUDA run keeps its embeddings on the GPU and searches there with the torch backend; a CPU
+    #: run uses faiss), ``cpu`` = always faiss on the CPU.  Same metrics either way
+    #: (bench/RESULTS.md section 8); the model always embeds on the training device.
+    device: Literal["auto", "cpu"] = "auto"
     #: WiSE-FT (Wortsman et al., CVPR 2022) after training: the mixing coefficients a in [0, 1]
     #: of theta(a) = (1 - a) theta_pretrained + a theta_finetuned to evaluate on the validation
     #: split besides a = 1 (the fine-tuned model, best.pt); the best a on ``best_metric`` is

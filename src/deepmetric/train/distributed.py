@@ -54,15 +54,21 @@ class DistInfo:
         return self.world_size > 1
 
 
-def resolve_device(pref: str = "auto", local_rank: int = 0) -> torch.device:
+def resolve_device(pref: str = "auto", local_rank: int = 0, *, name: str = "device") -> torch.device:
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` (this process's GPU,
+    ``local_rank``) or ``cuda:i``; ``name`` (a flag or config key) is named in the errors."""
     if pref == "auto":
         pref = "cuda" if torch.cuda.is_available() else "cpu"
     if pref.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ValueError(f"device {pref!r} requested but CUDA is not available; use device=cpu")
+            raise ValueError(f"{name} {pref!r} requested but CUDA is not available on this machine "
+                             f"(torch.cuda.is_available() is False); use {name} cpu or auto")
         if pref == "cuda":
             return torch.device("cuda", local_rank)
-    return torch.device(pref)
+    try:
+        return torch.device(pref)
+    except RuntimeError:
+        raise ValueError(f"{name} {pref!r}: expected auto, cpu, cuda or cuda:INDEX") from None
 
 
 def init_distributed(device: str = "auto") -> DistInfo:
@@ -70,7 +76,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = resolve_device(device, local_rank)
+    dev = resolve_device(device, local_rank, name="train.device")
     if world_size <= 1:
         return DistInfo(0, 1, 0, dev)
     if dev.type == "cuda":

@@ -1,11 +1,13 @@
 """Embedding a dataset with a model, in-training evaluation, and ``deepmetric embed``.
 
 ``compute_embeddings`` runs the model in eval mode over a dataset (sequential batches, no
-augmentation) and returns float32 numpy arrays.  ``evaluate_model`` embeds the evaluation
+augmentation, pinned host memory when the model is on CUDA) and returns float32 numpy arrays
+(or a tensor left on the model's device).  ``evaluate_model`` embeds the evaluation
 split(s) and calls ``deepmetric.evaluate.evaluate`` -- all samples against each other for
 zero-shot splits, queries against the gallery for In-shop (two splits) and for a split that
 marks its own queries and gallery (``is_query`` / ``is_gallery`` attributes: the glyphs
-``cross_family`` test split).  ``embed_checkpoint`` rebuilds
+``cross_family`` test split).  On a CUDA run the embeddings never leave the GPU for the
+search (``eval.device: auto``; ``eval_search_device`` decides).  ``embed_checkpoint`` rebuilds
 the model from a checkpoint's stored config and writes the ``.npz`` that ``deepmetric
 evaluate`` reads (``embeddings``, ``labels`` and, for query/gallery data, ``is_query`` and
 ``is_gallery``).
@@ -26,10 +28,21 @@ from .checkpoint import load_checkpoint
 from .config import config_from_dict
 
 __all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "split_metrics", "embed_checkpoint",
-           "load_model_from_checkpoint", "dataset_query_gallery_masks", "EMBEDDING_OUTPUTS"]
+           "load_model_from_checkpoint", "dataset_query_gallery_masks", "EMBEDDING_OUTPUTS", "eval_search_device",
+           "make_eval_loader"]
 
 # compute_embeddings(output=...): forward_head(fmap) and forward_head(fmap, pre_logits=True)
 EMBEDDING_OUTPUTS = ("embedding", "features")
+
+
+def make_eval_loader(dataset: Dataset, *, batch_size: int, device: torch.device | str,
+                     num_workers: int = 0) -> DataLoader:
+    """The sequential loader :func:`compute_embeddings` reads: page-locked (pinned) batches
+    exactly when the model runs on CUDA, so that the host-to-GPU copies are asynchronous
+    (``non_blocking``); no ``persistent_workers``: the loader is made for one pass (one
+    evaluation) and its workers end with it."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      pin_memory=torch.device(device).type == "cuda")
 
 
 @torch.no_grad()
@@ -38,7 +51,7 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
                        channels_last: bool = False, num_workers: int = 0,
                        with_logits: bool = False, loss_with_logits: nn.Module | None = None,
                        output: str = "embedding", with_paths: bool = False,
-                       progress: str | None = None) -> dict:
+                       progress: str | None = None, as_tensor: bool = False) -> dict:
     """Embed every sample of ``dataset`` in order.
 
     ``output`` names the model output kept as ``"embeddings"``: ``"embedding"`` (the trained
@@ -48,6 +61,8 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
 
     Returns ``{"embeddings": float32 [N, k], "labels": int64 [N]}`` plus ``"logits"`` when
     ``with_logits`` and the model outputs them (or ``loss_with_logits.logits(emb)`` exists).
+    ``as_tensor``: ``"embeddings"`` is a float32 torch tensor left on ``device`` (on a GPU:
+    no copy to the host per batch, ready for a search on the GPU) instead of a numpy array.
     The model's train/eval mode is restored afterwards. ``progress``: a label for a tqdm bar
     over the batches (none when None).
     """
@@ -56,7 +71,7 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
     device = torch.device(device)
     was_training = model.training
     model.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    loader = make_eval_loader(dataset, batch_size=batch_size, device=device, num_workers=num_workers)
     embs, labels, logits = [], [], []
     try:
         if progress is not None:
@@ -74,7 +89,7 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
                     out = {output: model.forward_head(model.forward_features(x),
                                                       pre_logits=output == "features")}
             e = out[output].float()
-            embs.append(e.cpu())
+            embs.append(e if as_tensor else e.cpu())
             labels.append(torch.as_tensor(y).cpu())
             if with_logits:
                 if "logits" in out:
@@ -83,8 +98,12 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
                     logits.append(loss_with_logits.logits(e).float().cpu())
     finally:
         model.train(was_training)
+    if as_tensor:
+        emb = torch.cat(embs) if embs else torch.zeros((0, 0), dtype=torch.float32, device=device)
+    else:
+        emb = torch.cat(embs).numpy().astype(np.float32) if embs else np.zeros((0, 0), np.float32)
     result = {
-        "embeddings": torch.cat(embs).numpy().astype(np.float32) if embs else np.zeros((0, 0), np.float32),
+        "embeddings": emb,
         "labels": torch.cat(labels).numpy().astype(np.int64) if labels else np.zeros(0, np.int64),
     }
     if logits:
@@ -153,16 +172,42 @@ def cross_domain_metric_names(cfg) -> list[str]:
     return out
 
 
-def cross_domain_metrics(embedded: dict, dataset, cfg) -> dict[str, float]:
+def eval_search_device(cfg, device: torch.device | str, *, nbytes: int = 0) -> torch.device:
+    """Where an evaluation of a run searches (config key ``eval.device``): ``auto`` = the
+    training ``device`` (on CUDA the embeddings stay on the GPU and
+    :func:`deepmetric.evaluate.evaluate` searches there with its torch backend; on the CPU,
+    faiss), ``cpu`` = faiss on the CPU whatever the training device.  ``nbytes`` (the
+    embeddings' size): an ``auto`` search that would not fit in the GPU's free memory runs on
+    the CPU (:func:`deepmetric.evaluate.choose_search_device`)."""
+    from deepmetric.evaluate import choose_search_device
+
+    return choose_search_device(cfg.eval.device, default=torch.device(device), nbytes=nbytes,
+                                flag="config key 'eval.device'")
+
+
+def place_for_search(x, device: torch.device):
+    """``x`` (numpy array or tensor) where a search on ``device`` wants it: a tensor on that
+    device (on the CPU, a CPU tensor goes to faiss), a numpy array as it is for the CPU."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)  # a GPU tensor bound for a CPU search comes to the host
+    return x if device.type == "cpu" else torch.from_numpy(np.ascontiguousarray(x)).to(device)
+
+
+def cross_domain_metrics(embedded: dict, dataset, cfg, *, device: torch.device | str | None = None) -> dict[str, float]:
     """``eval.cross_domain``: ``cross_domain_<metric>``, the mean over domains of each domain's
-    queries against the other domains' images (:func:`deepmetric.evaluate.evaluate_cross_domain`)."""
+    queries against the other domains' images (:func:`deepmetric.evaluate.evaluate_cross_domain`).
+    ``device``: the training device; the searches run where :func:`eval_search_device` says
+    (None: on the CPU)."""
     from deepmetric.evaluate import evaluate_cross_domain
 
     domains = dataset_domains(dataset)
     if domains is None:
         raise ValueError(f"config key 'eval.cross_domain': the test split ({type(dataset).__name__}) has no "
                          "domains (domain_ids, or vendor_ids as in the emoji benchmark)")
-    res = evaluate_cross_domain(embedded["embeddings"], embedded["labels"], domains[0], domain_names=domains[1],
+    x = embedded["embeddings"]
+    if device is not None:
+        x = place_for_search(x, eval_search_device(cfg, device, nbytes=4 * int(np.prod(x.shape))))
+    res = evaluate_cross_domain(x, embedded["labels"], domains[0], domain_names=domains[1],
                                 ks=tuple(cfg.eval.ks), metrics=_cross_domain_metrics(cfg), seed=cfg.train.seed)
     return {f"cross_domain_{k}": float(v) for k, v in res["mean"].items()}
 
@@ -170,48 +215,56 @@ def cross_domain_metrics(embedded: dict, dataset, cfg) -> dict[str, float]:
 def train_neighbour_metrics(model: nn.Module, embedded: dict, cfg, *, device: torch.device) -> dict[str, float]:
     """``eval.train_neighbours``: embed the training split (test transform) and compare every
     misclassified test image's prediction with its nearest training image
-    (:func:`deepmetric.evaluate.misclassified_neighbour_agreement`)."""
+    (:func:`deepmetric.evaluate.misclassified_neighbour_agreement`), searched where
+    :func:`eval_search_device` says."""
     from deepmetric.evaluate import misclassified_neighbour_agreement
 
     from .builders import build_dataset
 
     train_set = build_dataset(cfg, cfg.data.train_split, train=False)
     t = compute_embeddings(model, train_set, batch_size=cfg.eval.batch_size, device=device, amp=cfg.train.amp,
-                           channels_last=cfg.train.channels_last, num_workers=cfg.data.num_workers)
-    return misclassified_neighbour_agreement(embedded["logits"], embedded["labels"], embedded["embeddings"],
-                                             t["embeddings"], t["labels"])
+                           channels_last=cfg.train.channels_last, num_workers=cfg.data.num_workers, as_tensor=True)
+    test = embedded["embeddings"]
+    where = eval_search_device(cfg, device, nbytes=4 * (t["embeddings"].numel() + int(np.prod(test.shape))))
+    return misclassified_neighbour_agreement(embedded["logits"], embedded["labels"], place_for_search(test, where),
+                                             place_for_search(t["embeddings"], where), t["labels"])
 
 
 def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, device: torch.device,
-                   losses: Sequence[nn.Module] = ()) -> tuple[dict[str, float], dict[str, Any]]:
+                   losses: Sequence[nn.Module] = (), backend: str = "auto") -> tuple[dict[str, float], dict[str, Any]]:
     """Evaluate ``model`` on ``eval_sets`` (``{"query": ds}`` or ``{"query": ds, "gallery": ds}``)
     with the settings of ``cfg.eval``.  Returns ``(metrics, embedded)`` where ``embedded``
-    holds the arrays (for plots)."""
+    holds the arrays (numpy, for plots).
+
+    The embeddings stay on ``device`` and are searched where :func:`eval_search_device` says:
+    on the GPU of a CUDA run (``evaluate``'s torch backend), on the CPU with faiss otherwise or
+    with ``eval.device: cpu``.  ``backend`` is passed to :func:`deepmetric.evaluate.evaluate`
+    (``auto``: faiss on the CPU, torch on a GPU)."""
     from deepmetric.evaluate import evaluate
 
     ec = cfg.eval
     clf_loss = next((l for l in losses if hasattr(l, "logits")), None)
-    q = compute_embeddings(model, eval_sets["query"], batch_size=ec.batch_size, device=device,
-                           amp=cfg.train.amp, channels_last=cfg.train.channels_last,
-                           num_workers=cfg.data.num_workers, with_logits=ec.classification,
-                           loss_with_logits=clf_loss)
+    kw = dict(batch_size=ec.batch_size, device=device, amp=cfg.train.amp, channels_last=cfg.train.channels_last,
+              num_workers=cfg.data.num_workers, as_tensor=True)
+    q = compute_embeddings(model, eval_sets["query"], with_logits=ec.classification, loss_with_logits=clf_loss, **kw)
     if "gallery" in eval_sets:
-        g = compute_embeddings(model, eval_sets["gallery"], batch_size=ec.batch_size, device=device,
-                               amp=cfg.train.amp, channels_last=cfg.train.channels_last,
-                               num_workers=cfg.data.num_workers)
-        emb = np.concatenate([q["embeddings"], g["embeddings"]])
+        g = compute_embeddings(model, eval_sets["gallery"], **kw)
+        emb = torch.cat([q["embeddings"], g["embeddings"]])
         lab = np.concatenate([q["labels"], g["labels"]])
         is_query = np.r_[np.ones(len(q["labels"]), bool), np.zeros(len(g["labels"]), bool)]
-        metrics = evaluate(emb, lab, is_query=is_query, is_gallery=~is_query, ks=tuple(ec.ks),
-                           metrics=ec.metrics, seed=cfg.train.seed,
-                           kmeans_restarts=ec.kmeans_restarts)
-        embedded = {"embeddings": emb, "labels": lab, "is_query": is_query, "is_gallery": ~is_query}
+        masks = {"is_query": is_query, "is_gallery": ~is_query}
     else:
         # a split that marks its own queries and gallery (glyphs, protocol cross_family: test)
+        emb, lab = q["embeddings"], q["labels"]
         masks = dataset_query_gallery_masks(eval_sets["query"])
-        metrics = evaluate(q["embeddings"], q["labels"], ks=tuple(ec.ks), metrics=ec.metrics,
-                           seed=cfg.train.seed, kmeans_restarts=ec.kmeans_restarts, **masks)
-        embedded = {**q, **masks}
+    where = eval_search_device(cfg, device, nbytes=4 * emb.numel())
+    metrics = evaluate(place_for_search(emb, where), lab, ks=tuple(ec.ks), metrics=ec.metrics, seed=cfg.train.seed,
+                       kmeans_restarts=ec.kmeans_restarts, backend=backend, **masks)
+    emb_np = emb.cpu().numpy()
+    if "gallery" in eval_sets:
+        embedded = {"embeddings": emb_np, "labels": lab, **masks}
+    else:
+        embedded = {**q, "embeddings": emb_np, **masks}
     metrics = {k: float(v) for k, v in metrics.items()}
     if ec.classification:
         if "logits" not in q:
@@ -230,7 +283,7 @@ def split_metrics(model: nn.Module, sets: dict[str, Dataset], cfg, *, device: to
     with ``eval.cross_domain``, :func:`cross_domain_metrics` (as the training loop's evaluator)."""
     metrics, embedded = evaluate_model(model, sets, cfg, device=device, losses=losses)
     if cfg.eval.cross_domain:
-        metrics.update(cross_domain_metrics(embedded, sets["query"], cfg))
+        metrics.update(cross_domain_metrics(embedded, sets["query"], cfg, device=device))
     return metrics
 
 

@@ -177,7 +177,7 @@ class Evaluator:
             metrics, embedded = evaluate_model(self.model, sets, self.cfg, device=self.device,
                                                losses=self.losses)
             if ec.cross_domain:
-                metrics.update(cross_domain_metrics(embedded, sets["query"], self.cfg))
+                metrics.update(cross_domain_metrics(embedded, sets["query"], self.cfg, device=self.device))
             if split == "test" and ec.train_neighbours and final:  # 1 pass over the training set
                 metrics.update(train_neighbour_metrics(self.model, embedded, self.cfg, device=self.device))
             rec = {"type": "eval", "split": split, "epoch": epoch, "step": iteration,

@@ -427,7 +427,8 @@ def _format_seconds(work: float) -> str:
 def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
                        max_side: int | None = None,
                        max_work: float = RAW_PIXEL_MAX_WORK,
-                       max_bytes: float = RAW_PIXEL_MAX_BYTES) -> tuple[dict[str, float] | None, str]:
+                       max_bytes: float = RAW_PIXEL_MAX_BYTES,
+                       device: torch.device | str | None = None) -> tuple[dict[str, float] | None, str]:
     """Evaluate raw pixels as embeddings: every image flattened and l2-normalised (cosine
     nearest neighbours), with the metrics of ``cfg.eval``.  ``eval_sets`` is ``{"query": ds}``
     or ``{"query": ds, "gallery": ds}``.
@@ -441,11 +442,14 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     (its time added to the search's, or ``RAW_PIXEL_KMEANS_COPIES`` x the rows), those two
     are left out and the description says so.  Retrieval and clustering
     metrics are evaluated in two calls (the same values as one): the evaluator's copies of the
-    rows for the search are freed before k-means makes its own."""
+    rows for the search are freed before k-means makes its own.  ``device`` (the training
+    device): the search runs where :func:`~deepmetric.train.embed.eval_search_device` says (a
+    CUDA run: on its GPU when the rows fit in its free memory; None: on the CPU); the limits
+    above stay those of the CPU."""
     from deepmetric.evaluate import CLUSTERING_METRICS, METRICS, evaluate
     from deepmetric.evaluate.clustering import KMEANS_NITER
 
-    from .embed import dataset_query_gallery_masks
+    from .embed import dataset_query_gallery_masks, eval_search_device, place_for_search
 
     keys = [k for k in ("query", "gallery") if k in eval_sets]
     n = sum(len(eval_sets[k]) for k in keys)
@@ -511,31 +515,40 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     del parts
     metrics: dict[str, float] = {}
     if retrieval:
-        metrics.update(evaluate(x, labels, ks=tuple(e.ks), metrics=retrieval, seed=cfg.train.seed, **masks))
-    if clustering:
+        where = eval_search_device(cfg, device, nbytes=x.nbytes) if device is not None else torch.device("cpu")
+        metrics.update(evaluate(place_for_search(x, where), labels, ks=tuple(e.ks), metrics=retrieval,
+                                seed=cfg.train.seed, **masks))
+    if clustering:  # k-means runs on the CPU
         metrics.update(evaluate(x, labels, ks=tuple(e.ks), metrics=clustering, seed=cfg.train.seed,
                                 kmeans_restarts=e.kmeans_restarts, **masks))
     return {k: float(v) for k, v in metrics.items()}, f"raw pixels ({desc} = {d}-d{left_out})"
 
 
-def backbone_features_baseline(cfg: Config, dataset, *,
-                               num_classes: int | None = None) -> tuple[dict[str, float], str, dict]:
+def backbone_features_baseline(cfg: Config, dataset, *, num_classes: int | None = None,
+                               device: torch.device | str = "cpu") -> tuple[dict[str, float], str, dict]:
     """Evaluate the backbone's pooled features before any training (``output="features"``,
     e.g. EfficientNet-Lite0's 1,280 ImageNet features): what the (pretrained) network gives
     without metric learning.  Evaluated like the trained embedding: the metrics of
-    ``cfg.eval``, the split's own query/gallery masks.  Returns ``(metrics, description,
-    features)``, features as :func:`~deepmetric.train.embed.compute_embeddings` returns them."""
+    ``cfg.eval``, the split's own query/gallery masks, the network on ``device`` and the
+    search where :func:`~deepmetric.train.embed.eval_search_device` says.  Returns
+    ``(metrics, description, features)``, features as
+    :func:`~deepmetric.train.embed.compute_embeddings` returns them (numpy)."""
     from deepmetric.evaluate import evaluate
 
     from .builders import build_model, seed_everything
-    from .embed import compute_embeddings, dataset_query_gallery_masks
+    from .embed import compute_embeddings, dataset_query_gallery_masks, eval_search_device, place_for_search
 
     seed_everything(cfg.train.seed)
-    model = build_model(cfg, num_classes=num_classes or 2)  # the classifier, if any, is not used
+    device = torch.device(device)
+    model = build_model(cfg, num_classes=num_classes or 2).to(device)  # the classifier, if any, is not used
     with torch.no_grad():
-        f = compute_embeddings(model, dataset, batch_size=cfg.eval.batch_size, output="features")
-    m = evaluate(f["embeddings"], f["labels"], ks=tuple(cfg.eval.ks), metrics=cfg.eval.metrics, seed=cfg.train.seed,
-                 kmeans_restarts=cfg.eval.kmeans_restarts, **dataset_query_gallery_masks(dataset))
+        f = compute_embeddings(model, dataset, batch_size=cfg.eval.batch_size, output="features", device=device,
+                               as_tensor=True)
+    x = f["embeddings"]
+    where = eval_search_device(cfg, device, nbytes=4 * x.numel())
+    m = evaluate(place_for_search(x, where), f["labels"], ks=tuple(cfg.eval.ks), metrics=cfg.eval.metrics,
+                 seed=cfg.train.seed, kmeans_restarts=cfg.eval.kmeans_restarts, **dataset_query_gallery_masks(dataset))
+    f["embeddings"] = x.cpu().numpy()
     weights = cfg.model.options.get("pretrained") or "untrained"
     desc = f"{cfg.model.name} {weights} features ({f['embeddings'].shape[1]}-d)"
     return {k: float(v) for k, v in m.items()}, desc, f
@@ -623,7 +636,7 @@ def compute_baselines(model: nn.Module, losses, eval_sets: dict[str, Any], cfg: 
         if at_start is None:
             at_start, _ = evaluate_model(model, eval_sets, cfg, device=device, losses=losses)
         out["epoch0"] = {"label": label, "metrics": dict(at_start)}
-        metrics, desc = raw_pixel_baseline(eval_sets, cfg)
+        metrics, desc = raw_pixel_baseline(eval_sets, cfg, device=device)
     if metrics is not None:
         out["raw_pixels"] = {"label": desc, "metrics": metrics}
     else:
