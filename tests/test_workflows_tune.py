@@ -181,6 +181,37 @@ def test_workers_with_a_seeded_sampler_draw_different_values(tmp_path):
     assert len(lrs) == 4 and len(set(lrs)) == 4, lrs
 
 
+def test_a_retry_of_a_run_killed_after_its_last_evaluation_counts_the_logged_validations(tmp_path):
+    """Seen on the glyph tune: a worker killed after the run's last epoch, before the trial was
+    told; the retry resumed a checkpoint with no epoch left to train and failed with 'the run
+    evaluated no validation split', again at every retry.  The validations in the run's log
+    count: the retry completes with their best, each reported at its epoch."""
+    from optuna.trial import TrialState
+
+    from deepmetric.train.loop import train
+    from deepmetric.workflows.tune import run_tune
+
+    space = {**SPACE, "pruner": {"name": "none"}}
+    recipe, sp = _files(tmp_path, space=space, epochs=2)
+    setup = prepare_tune(recipe, sp, trials=1, out=tmp_path / "out")
+    study = open_study(setup)
+    params = {"optim.lr": 0.05, "loss.0.options.alpha": 16.0}
+    study.enqueue_trial(params)
+    first = study.ask()
+    values = {p.name: p.suggest(first) for p in setup.space.params}
+    run_dir = setup.out / "trials" / "trial_0000"
+    train(setup.trial_config(values, run_dir, threads=1))  # the whole run, then the worker dies
+    study.tell(first, state=TrialState.FAIL)
+    study.enqueue_trial(params, user_attrs={"retry_of": 0}, skip_if_exists=False)
+    run_tune(setup)
+    trials = open_study(setup, create=False).get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
+    val = {r["epoch"]: r["recall@1"] for r in read_log(run_dir, type="eval") if r["split"] == "val"}
+    assert sorted(val) == [1, 2]
+    assert trials[1].intermediate_values == pytest.approx(val)
+    assert trials[1].value == pytest.approx(max(val.values()))
+
+
 # --------------------------------------------------------------------------- kill -9, resume
 def _env(heartbeat="1"):
     return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),

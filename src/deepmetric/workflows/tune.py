@@ -447,15 +447,29 @@ def _objective(setup: TuneSetup, study, *, threads: int | None, log: Callable[[s
         log(f"trial {trial.number}{f' (retry of {origin})' if origin != trial.number else ''}: {shown}")
         sign = 1.0 if setup.space.direction == "maximize" else -1.0
         best = {"value": None}
+        reported: set[int] = set()
 
         def report(epoch: int, val_metrics: dict) -> None:
+            if resume is not None:  # a resumed run: its evaluations before the checkpoint first
+                replay_log(before=epoch)
             value = float(val_metrics[setup.space.metric])
+            reported.add(epoch)
             if best["value"] is None or sign * value > sign * best["value"]:
                 best["value"] = value
             trial.report(value, step=epoch)
             if trial.should_prune():
                 trial.set_user_attr("pruned_at_epoch", epoch)
                 raise optuna.TrialPruned(f"validation {setup.space.metric}={value:.4f} at epoch {epoch}")
+
+        def replay_log(before: float = float("inf")) -> None:
+            # A retried trial resumes its original's checkpoint; the validations that run made
+            # before it are in its log (truncated to the checkpoint by the resume) and count here,
+            # or a run killed after its last evaluation would resume with nothing to report.
+            for rec in rundir.read_log(run_dir, type="eval"):
+                epoch = rec.get("epoch")
+                if rec.get("split") == "val" and epoch is not None and epoch < before and epoch not in reported \
+                        and setup.space.metric in rec:
+                    report(int(epoch), rec)
 
         t0 = time.perf_counter()
         try:
@@ -468,6 +482,8 @@ def _objective(setup: TuneSetup, study, *, threads: int | None, log: Callable[[s
         if result.interrupted:  # Ctrl-C: queue the same parameters again, this trial fails
             study.enqueue_trial(trial.params, user_attrs={"retry_of": origin}, skip_if_exists=False)
             raise KeyboardInterrupt
+        if resume is not None:
+            replay_log()
         value = best["value"]
         if value is None:
             raise RuntimeError(f"trial {trial.number}: the run evaluated no validation split")
