@@ -1,0 +1,63 @@
+"""The fair emoji comparison (studies/emoji_fair.py, bench/emoji_fair.py): the committed spaces
+and study are what the generator writes, every space passes the tune's checks, and every loss of
+the comparison trains and is evaluated cross-vendor through the tune's own trial config (tiny
+emoji: 32 px, 40 classes), so a user's GPU run cannot stop at a loss that does not build."""
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from deepmetric.train.rundir import read_log
+
+pytest.importorskip("optuna")
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = importlib.util.spec_from_file_location("emoji_fair_spec", ROOT / "studies" / "emoji_fair.py")
+fair = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(fair)
+TINY = ["data.options={size: 32, max_classes: 40}", "train.epochs=1", "eval.test_every=0"]
+
+
+def _emoji_installed() -> bool:
+    from deepmetric.data.emoji import PACKAGES, _is_installed
+
+    ok = all(_is_installed(p, None) for p in PACKAGES.values())
+    if not ok and os.environ.get("CI"):
+        pytest.fail("emoji packages not installed: bash install.sh installs them")
+    return ok
+
+
+def test_committed_spaces_and_study_are_the_generators(tmp_path, monkeypatch):
+    import yaml
+
+    for name in fair.LOSSES:
+        committed = yaml.safe_load((ROOT / "spaces" / "emoji_fair" / f"{name}.yaml").read_text())
+        assert committed == fair.space(name), name
+        assert {"optim.lr", "optim.weight_decay"} <= set(committed["params"])  # the same budget ...
+        assert len(committed["params"]) >= 3 or name == "SM"                     # ... and its own option
+    study = yaml.safe_load((ROOT / "studies" / "emoji_fair.yaml").read_text())
+    assert list(study["variants"]) == list(fair.LOSSES) and study["seeds"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("name", list(fair.LOSSES))
+def test_every_loss_of_the_comparison_trains_as_its_tune_would(tmp_path, name):
+    if not _emoji_installed():
+        pytest.skip("emoji packages not installed (bash install.sh installs them)")
+    from deepmetric.train.loop import train
+    from deepmetric.workflows.tune import prepare_tune
+
+    setup = prepare_tune(ROOT / "recipes" / "emoji_fair.yaml", ROOT / "spaces" / "emoji_fair" / f"{name}.yaml",
+                         trials=1, out=tmp_path / "tune", overrides=TINY)
+    values = {}
+    for p in setup.space.params:  # the geometric middle of each range, the first choice
+        spec = fair.space(name)["params"][p.name]
+        if spec["type"] == "categorical":
+            values[p.name] = spec["choices"][0]
+        else:
+            values[p.name] = math.sqrt(spec["low"] * spec["high"]) if spec.get("log") else (spec["low"] + spec["high"]) / 2
+    result = train(setup.trial_config(values, tmp_path / "run", threads=1))
+    val = [r for r in read_log(tmp_path / "run", type="eval") if r["split"] == "val"]
+    assert val and 0.0 <= val[-1]["cross_domain_recall@1"] <= 1.0, name
+    assert math.isfinite(read_log(tmp_path / "run", type="step")[-1]["loss"])
+    assert "cross_domain_map@r" in result.metrics
