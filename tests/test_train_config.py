@@ -131,4 +131,8 @@ def test_demo_recipe_is_the_demo_config(data):
     assert demo_recipe(data).resolve() == recipe.resolve()  # the demo reads the shipped recipe
     cfg = load_config(recipe)
     assert demo_config(data=data, overrides=[f"train.out_dir={cfg.train.out_dir}"]) == cfg
-    assert cfg.schedule.temperature.name == "heat_up" and cfg.model.options["norm"] == "bn"
+    assert cfg.model.options["norm"] == "bn"
+    if data == "glyphs":  # the glyph demo shows heating-up; the emoji demo is the transfer recipe
+        assert cfg.schedule.temperature.name == "heat_up"
+    else:
+        assert cfg.eval.cross_domain and cfg.model.options["embedding_dim"] == 0

@@ -267,11 +267,12 @@ def _add_demo_parser(sub) -> None:
         "demo",
         help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, ~9 min on 2 idle cores)",
         description=(
-            "Fine-tune the ImageNet-pretrained EfficientNet-Lite0 with the heated-up BN softmax "
-            "(alpha 16, then alpha 4 and lr / 10) on the training half of the emoji benchmark and "
-            "measure zero-shot retrieval on the unseen half: raw pixels, ImageNet features, the "
-            "network before training, and the trained embedding before / after heating-up; then "
-            "draw a retrieval grid. --data glyphs runs the glyph demo (a compact ResNet from scratch)."),
+            "Fine-tune the ImageNet-pretrained EfficientNet-Lite0 on the training half of the emoji "
+            "benchmark with the transfer recipe (recipes/demo_emoji.yaml: the pooled features are the "
+            "embedding, the heated softmax trains a projection head on them, style augmentation, cosine "
+            "lr) and measure zero-shot retrieval on the unseen half, all-vs-all and cross-vendor: raw "
+            "pixels, ImageNet features and the trained embedding; then draw a retrieval grid. --data "
+            "glyphs runs the glyph demo (a compact ResNet from scratch, heated-up BN softmax)."),
         epilog="example:\n  deepmetric demo\n  deepmetric demo --data glyphs --out runs/demo_glyphs\n"
                "  deepmetric demo --quick --out /tmp/demo train.progress=false",
         formatter_class=argparse.RawDescriptionHelpFormatter,
