@@ -13,7 +13,7 @@ Per run:
   ``best.pt``), its test metrics as the run recorded them (``metrics.json`` ``wise_ft.test``);
 * **its own backbone's pooled features**: the same checkpoint's pooled 1,280-d features before
   the embedding head (``output="features"``), computed here;
-* the fine-tuned model without WiSE (``selected``) and at the end (``final``), for reading only.
+* the fine-tuned model at the last epoch (``final``), for reading only.
 
 Once (they do not depend on the seed): **raw pixels** and the **untouched ImageNet network's
 pooled features** at the run's input size, and the ImageNet features at 128 px as a reference
@@ -107,7 +107,9 @@ def run_numbers(run: Path, threads: int) -> dict:
     return {"run": str(run), "seed": int(cfg.train.seed), "checkpoint": ckpt.name,
             "wise_alpha": m.get("wise_ft", {}).get("alpha"),
             "recipe": _xv(recipe), "own_backbone_features": own,
-            "selected": _xv(m["selected"]["test"]) if m.get("selected") else None,
+            # best.pt's own test metrics exist only when it is the last epoch (tests run at the end);
+            # with WiSE a = 1 chosen, the recipe row is best.pt's
+            "selected": _xv(m["selected"]["test"]) if (m.get("selected") or {}).get("test") else None,
             "final": _xv(m["final"]["test"])}
 
 
@@ -115,7 +117,7 @@ def compare(runs: list[dict], base: dict) -> dict:
     from deepmetric.report.study_tables import mean_ci
 
     rows = {}
-    for name in ("recipe", "own_backbone_features", "selected", "final"):
+    for name in ("recipe", "own_backbone_features", "final"):
         rows[name] = {k: mean_ci([r[name][k] for r in runs if r.get(name)]) for k in METRICS}
     diffs = {}
     refs = {**base, "its own backbone's pooled features": None}
@@ -138,7 +140,7 @@ def markdown(runs: list[dict], base: dict, cmp: dict, seconds: float) -> str:
         lines.append(f"| {name} | " + " | ".join(pct(vals[k]) for k in METRICS) + " |")
     label = {"recipe": f"**the recipe's embedding** (wise.pt), mean ± sd over {len(runs)} seeds",
              "own_backbone_features": "its own backbone's pooled features (same checkpoint)",
-             "selected": "fine-tuned best.pt, without WiSE-FT", "final": "fine-tuned, last epoch"}
+             "final": "fine-tuned, last epoch (for reading: not what validation chose)"}
     for name, text in label.items():
         r = cmp["rows"][name]
         lines.append(f"| {text} | " + " | ".join(f"{pct(r[k]['mean'])} ± {pct(r[k]['std'])}" for k in METRICS) + " |")
