@@ -45,3 +45,29 @@ def test_paired_differences_and_the_bar():
     assert w["mean"] > 0.10 and w["ci_low"] < 0 and not w["holds"]
     text = seeds.markdown(runs, base, cmp, 1.0)
     assert "| raw pixels (96 px) | xv R@1 | +10.00 | +12.00 |" in text and "**no**" not in text
+
+
+def test_ablation_rows_read_validation_only(tmp_path):
+    """bench/emoji_transfer_ablations.py: best epoch = highest validation cross-vendor Recall@1
+    (the earliest on ties, as best.pt), test records ignored, the WiSE row is the chosen a."""
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "emoji_transfer_ablations", Path(__file__).resolve().parents[1] / "bench" / "emoji_transfer_ablations.py")
+    abl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(abl)
+    R1, MAP = "cross_domain_recall@1", "cross_domain_map@r"
+    recs = [{"type": "step", "step": 1, "loss": 1.0},
+            {"type": "eval", "split": "val", "epoch": 1, R1: 0.5, MAP: 0.2},
+            {"type": "eval", "split": "val", "epoch": 2, R1: 0.6, MAP: 0.3},
+            {"type": "eval", "split": "val", "epoch": 3, R1: 0.6, MAP: 0.35},
+            {"type": "eval", "split": "test", "epoch": 3, R1: 0.9, MAP: 0.9}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "metrics.json").write_text(json.dumps({
+        "epochs": 3, "wall_time_s": 120.0,
+        "wise_ft": {"alpha": 0.5, "val": [{"alpha": 0.5, R1: 0.65, MAP: 0.31}, {"alpha": 1.0, R1: 0.6, MAP: 0.3}]}}))
+    r = abl.row("x", tmp_path)
+    assert (r["best_epoch"], r["best_r1"], r["best_map"]) == (2, 0.6, 0.3)
+    assert (r["last_epoch"], r["last_r1"]) == (3, 0.6)
+    assert (r["wise_alpha"], r["wise_r1"], r["wise_map"], r["wall_min"]) == (0.5, 0.65, 0.31, 2.0)
+    assert "| x | 2 | 60.00 | 30.00 | 60.00 | 0.5 | 65.00 | 31.00 | 3 | 2.0 |" in abl.markdown([r])
