@@ -336,3 +336,27 @@ def test_two_workers_share_one_study_on_postgresql(tmp_path, postgres):
     for k in (0, 1):
         assert (tmp_path / f"machine{k}" / "trials.md").is_file()
     assert json.loads((tmp_path / "machine0" / "tune.json").read_text())["storage"] == postgres
+
+
+def test_the_same_recipe_by_another_path_continues_the_tune_and_a_changed_one_is_refused(tmp_path, monkeypatch):
+    """Seen: a tune started as `tune recipes/x.yaml` was refused when bench/emoji_fair.py
+    continued it with the absolute path. The recipe is compared by content, not by how its path
+    is written; an edited recipe is still refused."""
+    import json as _json
+
+    from deepmetric.workflows.tune import _check_same_tune, _setup_record
+
+    recipe, sp = _files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    rel = prepare_tune(Path("recipe.yaml"), sp, trials=2, out=tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tune.json").write_text(_json.dumps(_setup_record(rel)))
+    _check_same_tune(prepare_tune(recipe.resolve(), sp, trials=2, out=tmp_path / "out"))  # accepted
+    old = _json.loads((tmp_path / "out" / "tune.json").read_text())
+    del old["recipe_sha256"]  # a record written before the hash: the path resolves to the same file
+    (tmp_path / "out" / "tune.json").write_text(_json.dumps(old))
+    _check_same_tune(prepare_tune(recipe.resolve(), sp, trials=2, out=tmp_path / "out"))
+    (tmp_path / "out" / "tune.json").write_text(_json.dumps(_setup_record(rel)))
+    recipe.write_text(recipe.read_text().replace("epochs: 3", "epochs: 4"))
+    with pytest.raises(TuneError, match="another recipe"):
+        _check_same_tune(prepare_tune(recipe.resolve(), sp, trials=2, out=tmp_path / "out"))

@@ -334,8 +334,25 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
 
 
 def _setup_record(setup: TuneSetup) -> dict:
-    return {"recipe": str(setup.recipe), "space": setup.space.raw, "overrides": setup.cli_overrides,
-            "trials": setup.trials, "study_name": setup.study_name, "storage": display_storage(setup.storage)}
+    return {"recipe": str(setup.recipe), "recipe_sha256": _sha256(setup.recipe), "space": setup.space.raw,
+            "overrides": setup.cli_overrides, "trials": setup.trials, "study_name": setup.study_name,
+            "storage": display_storage(setup.storage)}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _same_recipe(old: dict, setup: TuneSetup) -> bool:
+    """The recipe is the same file content, however its path is written (relative to another
+    working directory, absolute, through a link); a record without a hash (older tunes): the
+    same path, or one that resolves to the same file from here."""
+    if old.get("recipe_sha256"):
+        return old["recipe_sha256"] == _sha256(setup.recipe)
+    before = old.get("recipe")
+    return before == str(setup.recipe) or (before is not None and Path(before).resolve() == setup.recipe.resolve())
 
 
 def _check_same_tune(setup: TuneSetup) -> None:
@@ -345,7 +362,8 @@ def _check_same_tune(setup: TuneSetup) -> None:
         return
     old = json.loads(path.read_text())
     new = _setup_record(setup)
-    changed = [k for k in ("recipe", "space", "overrides", "study_name") if old.get(k) != new.get(k)]
+    changed = ([] if _same_recipe(old, setup) else ["recipe"]) + \
+        [k for k in ("space", "overrides", "study_name") if old.get(k) != new.get(k)]
     if changed:
         raise TuneError(f"{setup.out} holds a tune with another {', '.join(changed)} (see {path}); continue it "
                         f"with the same command, or choose another --out")
