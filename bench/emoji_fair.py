@@ -54,7 +54,12 @@ def study(names: list[str]):
     raw["base"] = str(ROOT / "recipes" / "emoji_fair.yaml")
     raw["variants"] = {n: [{"from_tune": str(TUNES / n)}, *spec.LOSSES[n][0]] for n in names}
     raw["compare"] = [p for p in raw["compare"] if p[0] in names and p[1] in names]
-    return load_study(raw=raw, out_dir=ROOT / "runs" / "studies" / "emoji_fair")
+    # written to a file: the study's worker processes (--workers > 1) load it from there
+    path = ROOT / "runs" / "studies" / "emoji_fair.tuned.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# bench/emoji_fair.py: studies/emoji_fair.yaml restricted to the tuned losses\n"
+                    + yaml.safe_dump(raw, sort_keys=False, width=120))
+    return load_study(path, out_dir=ROOT / "runs" / "studies" / "emoji_fair")
 
 
 def copy_study(s) -> list[Path]:
