@@ -58,7 +58,7 @@ def baselines(cfg, threads: int) -> dict:
     """Raw pixels and ImageNet features at the run's size, ImageNet features at 128 px."""
     import torch
 
-    from deepmetric.train.config import apply_overrides, config_from_dict
+    from deepmetric.train.config import apply_overrides, config_from_dict, config_to_dict
     from deepmetric.train.embed import cross_domain_metrics
     from deepmetric.train.preflight import backbone_features_baseline, pixel_rows
 
@@ -72,7 +72,7 @@ def baselines(cfg, threads: int) -> dict:
     _, label, f = backbone_features_baseline(cfg, test)
     out[f"ImageNet features ({size} px, {f['embeddings'].shape[1]}-d)"] = _xv(cross_domain_metrics(f, test, cfg))
     if size != 128:
-        raw = cfg_raw(cfg)
+        raw = config_to_dict(cfg)
         apply_overrides(raw, ["data.options.size=128"])
         cfg128 = config_from_dict(raw)
         t128 = _test_set(cfg128)
@@ -80,12 +80,6 @@ def baselines(cfg, threads: int) -> dict:
         out[f"ImageNet features (128 px, {f['embeddings'].shape[1]}-d), reference"] = _xv(
             cross_domain_metrics(f, t128, cfg128))
     return out
-
-
-def cfg_raw(cfg) -> dict:
-    import dataclasses
-
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def run_numbers(run: Path, threads: int) -> dict:

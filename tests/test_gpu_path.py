@@ -12,8 +12,7 @@ from conftest import synthetic_config
 from deepmetric import cli
 from deepmetric.evaluate import choose_search_device, evaluate
 from deepmetric.evaluate.knn import resolve_backend
-from deepmetric.report.run_inputs import report_search_device
-from deepmetric.search.index import index_search_device
+from deepmetric.train.embed import command_search_device
 from deepmetric.search.query import exact_search
 from deepmetric.train import rundir, train
 from deepmetric.train.builders import build_dataset, build_model
@@ -277,7 +276,7 @@ def test_model_commands_device_and_search_device(tmp_path, monkeypatch):
         with pytest.raises(SystemExit):
             parse(command + ["--search-device", "cuda"])  # the GPU comes from --device
     assert parse(["embed", "CKPT", "--out", "e.npz"]).device == "auto"
-    for decide in (report_search_device, index_search_device):
+    for decide in (command_search_device,):  # report's and index's one decision
         no_cuda(monkeypatch)
         assert decide("auto", "auto") == CPU             # a CPU machine: faiss
         assert decide("cpu", "auto") == CPU
@@ -366,7 +365,7 @@ def test_recipes_at_batch_128_say_when_bf16_and_channels_last_pay_and_keep_float
 
 
 def test_report_searches_where_it_decided(tmp_path, monkeypatch):
-    """make_report takes one decision (report_search_device) for the embeddings it shows and
+    """make_report takes one decision (command_search_device) for the embeddings it shows and
     hands it to every neighbour search of the page."""
     import deepmetric.report.run_report as rr
     from deepmetric.report import diagnostics as dg
@@ -374,13 +373,13 @@ def test_report_searches_where_it_decided(tmp_path, monkeypatch):
     run = tmp_path / "run"
     train(config_from_dict(synthetic_config(run, train={"epochs": 1})))
     decided, searched = [], []
-    real_decide = rr.report_search_device
+    real_decide = rr.command_search_device
 
     def decide(device, search_device, **kw):
         decided.append((device, search_device, kw.get("nbytes", 0)))
         return real_decide(device, search_device, **kw)
 
-    monkeypatch.setattr(rr, "report_search_device", decide)
+    monkeypatch.setattr(rr, "command_search_device", decide)
     for name in ("recall_curve", "retrieval_examples", "per_class_recall"):
         real = getattr(dg, name)
 

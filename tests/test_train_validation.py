@@ -228,7 +228,7 @@ def _scripted_evaluation(monkeypatch, val, test):
         calls[split] += 1
         return {"recall@1": value, "nmi": 0.5}, {}
 
-    monkeypatch.setattr(loop, "evaluate_model", fake)
+    monkeypatch.setattr(loop, "evaluate_split", fake)
 
 
 def test_best_checkpoint_is_chosen_by_validation_not_test(tmp_path, monkeypatch):
@@ -330,7 +330,7 @@ def test_run_killed_between_the_final_evaluations_reevaluates_on_resume(tmp_path
     validation records but before the test records must not report the previous
     evaluation's test metrics when resumed."""
     straight = train(config_from_dict(_raw(tmp_path / "straight", epochs=3)))
-    real = loop.evaluate_model
+    real = loop.evaluate_split
     calls = {"n": 0}
 
     def dies_at_the_last_test_split(model, sets, cfg, **kw):
@@ -339,12 +339,12 @@ def test_run_killed_between_the_final_evaluations_reevaluates_on_resume(tmp_path
             raise RuntimeError("killed")
         return real(model, sets, cfg, **kw)
 
-    monkeypatch.setattr(loop, "evaluate_model", dies_at_the_last_test_split)
+    monkeypatch.setattr(loop, "evaluate_split", dies_at_the_last_test_split)
     with pytest.raises(RuntimeError, match="killed"):
         train(config_from_dict(_raw(tmp_path / "run", epochs=3)))
     evals = _records(tmp_path / "run" / "log.jsonl", "eval")
     assert [(r["split"], r["epoch"]) for r in evals][-1] == ("val", 3)  # the partial evaluation
-    monkeypatch.setattr(loop, "evaluate_model", real)
+    monkeypatch.setattr(loop, "evaluate_split", real)
     res = train(config_from_dict(_raw(tmp_path / "run", epochs=3)), resume=tmp_path / "run" / "last.pt")
     for split in ("test", "val"):
         assert res.final[split] == pytest.approx(straight.final[split])
@@ -353,6 +353,6 @@ def test_run_killed_between_the_final_evaluations_reevaluates_on_resume(tmp_path
     evals = _records(tmp_path / "run" / "log.jsonl", "eval")
     assert [(r["split"], r["epoch"]) for r in evals] == [(s, e) for e in range(1, 4) for s in ("val", "test")]
     # resuming the finished run again changes nothing and evaluates nothing
-    monkeypatch.setattr(loop, "evaluate_model", lambda *a, **k: pytest.fail("evaluated again"))
+    monkeypatch.setattr(loop, "evaluate_split", lambda *a, **k: pytest.fail("evaluated again"))
     again = train(config_from_dict(_raw(tmp_path / "run", epochs=3)), resume=tmp_path / "run" / "last.pt")
     assert again.final == res.final

@@ -78,6 +78,17 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- report
+def _add_model_device_arguments(p, searches: str) -> None:
+    """--device and --search-device of a command that runs a model, then searches (report,
+    index); train.embed.command_search_device decides from them."""
+    p.add_argument("--device", default="auto",
+                   help=f"where the model runs: auto (CUDA when available), cpu, cuda or cuda:INDEX; {searches} "
+                        "runs there too unless --search-device cpu")
+    p.add_argument("--search-device", default="auto", choices=["auto", "cpu"],
+                   help=f"where {searches} runs: auto (the --device; on a GPU only when the embeddings fit in "
+                        "its free memory) or cpu (faiss)")
+
+
 def _add_report_parser(sub) -> None:
     p = sub.add_parser(
         "report",
@@ -120,12 +131,7 @@ def _add_report_parser(sub) -> None:
     p.add_argument("--skip-train", action="store_true",
                    help="do not embed the training split (it is embedded by default when the model "
                         "has a classifier: two-head Fig. 10, heated-up Fig. 1, train histogram)")
-    p.add_argument("--device", default="auto",
-                   help="device of the model (auto: CUDA when available, cpu, cuda or cuda:INDEX); the "
-                        "neighbour searches run there too unless --search-device cpu")
-    p.add_argument("--search-device", default="auto", choices=["auto", "cpu"],
-                   help="where the neighbour searches run: auto (the --device; on a GPU only when the "
-                        "embeddings fit in its free memory) or cpu (faiss)")
+    _add_model_device_arguments(p, "the neighbour searches")
     p.add_argument("--batch-size", type=int, default=256, help="batch size for embedding (default 256)")
     p.add_argument("--no-images", action="store_true",
                    help="do not rebuild the dataset for images (grids show labels only)")
@@ -389,12 +395,7 @@ def _add_index_parser(sub) -> None:
                    help="replace the index in --out (without --add or --overwrite an existing index is "
                         "refused; a folder that is not an index always is)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
-    p.add_argument("--device", default="auto",
-                   help="where the model runs: auto (CUDA when available), cpu, cuda or cuda:INDEX; the exact "
-                        "search runs there too unless --search-device cpu")
-    p.add_argument("--search-device", default="auto", choices=["auto", "cpu"],
-                   help="where the exact search runs: auto (the --device; on a GPU only when the embeddings fit "
-                        "in its free memory) or cpu (faiss)")
+    _add_model_device_arguments(p, "the exact search")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_index)

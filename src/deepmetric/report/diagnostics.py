@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from deepmetric.losses.temperature import get_alpha, set_alpha
+from deepmetric.train.embed import place_for_search
 
 __all__ = [
     "read_log",
@@ -75,14 +76,6 @@ def _as_labels(y: Any, n: int, name: str = "labels") -> np.ndarray:
         else:
             raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
-
-
-def _searchable(x: np.ndarray, device: Any = None):
-    """``x`` for a k-NN search on ``device``: the array itself for the CPU (faiss; ``None`` is
-    the CPU), a tensor on a GPU (the torch backend of :mod:`deepmetric.evaluate`)."""
-    if device is None or torch.device(device).type == "cpu":
-        return x
-    return torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
 
 def _l2n(x: np.ndarray) -> np.ndarray:
@@ -552,7 +545,7 @@ def recall_curve(embeddings: Any, labels: Any, ks: Iterable[int] = (1, 2, 4, 8, 
         raise ValueError(f"ks must be positive integers, got {ks}")
     x = _as_2d_float(embeddings, "embeddings")
     y = _as_labels(labels, x.shape[0])
-    res = evaluate(_searchable(x, device), y, is_query=is_query, is_gallery=is_gallery, ks=tuple(ks),
+    res = evaluate(place_for_search(x, device), y, is_query=is_query, is_gallery=is_gallery, ks=tuple(ks),
                    metrics=["recall"])
     return {k: float(res[f"recall@{k}"]) for k in ks}
 
@@ -576,7 +569,7 @@ def _neighbours(x: np.ndarray, q_idx: np.ndarray, g_idx: np.ndarray, k: int, dev
     from deepmetric.evaluate import knn
 
     xn = _l2n(x.astype(np.float32))
-    q, g = _searchable(xn[q_idx], device), _searchable(xn[g_idx], device)
+    q, g = place_for_search(xn[q_idx], device), place_for_search(xn[g_idx], device)
     same = q_idx.shape == g_idx.shape and np.array_equal(q_idx, g_idx)
     if same:
         sims, idx = knn(q, None, k)
@@ -708,5 +701,5 @@ def _nearest(reference: np.ndarray, queries: np.ndarray, device: Any = None) -> 
     q = _l2n(queries.astype(np.float32))
     from deepmetric.evaluate import knn
 
-    _, idx = knn(_searchable(q, device), _searchable(ref, device), 1)  # exact, chunked (torch / faiss)
+    _, idx = knn(place_for_search(q, device), place_for_search(ref, device), 1)  # exact, chunked (torch / faiss)
     return np.asarray(idx)[:, 0].astype(np.int64)

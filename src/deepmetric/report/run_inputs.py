@@ -21,35 +21,7 @@ from deepmetric.train import rundir
 
 from .page import image_data_uri
 
-__all__ = ["check_run_dir", "find_checkpoint", "embed_run", "report_search_device",
-           "ImageSource", "image_source_for"]
-
-#: what ``deepmetric report --search-device`` takes
-REPORT_SEARCH_DEVICES = ("auto", "cpu")
-
-
-def check_search_device(search_device: str) -> None:
-    if search_device not in REPORT_SEARCH_DEVICES:
-        raise ValueError(f"--search-device {search_device!r}: expected one of {', '.join(REPORT_SEARCH_DEVICES)} "
-                         "(auto: where --device puts the model)")
-
-
-def report_search_device(device: str = "auto", search_device: str = "auto", *, nbytes: int = 0):
-    """Where the report's neighbour searches run (Recall@K, retrieval grids, per-class recall,
-    nearest training images): ``--search-device cpu`` -> faiss on the CPU; ``auto`` -> the
-    device of ``--device`` (the model's: auto | cpu | cuda[:i]), the GPU's torch backend when
-    that is CUDA and ``nbytes`` (the embeddings) fit in its free memory."""
-    import torch
-
-    from deepmetric.evaluate import choose_search_device
-    from deepmetric.train.distributed import resolve_device
-
-    check_search_device(search_device)
-    model_device = resolve_device(device, name="--device")  # checked even when the search is on the CPU
-    if search_device == "cpu":
-        return torch.device("cpu")
-    return choose_search_device("auto", default=model_device, nbytes=nbytes, flag="--search-device")
-
+__all__ = ["check_run_dir", "find_checkpoint", "embed_run", "ImageSource", "image_source_for"]
 
 def check_run_dir(run_dir: Path) -> None:
     if not run_dir.exists():

@@ -47,7 +47,9 @@ from . import page as pg
 from . import plots
 from deepmetric.train import rundir
 
-from .run_inputs import check_run_dir, embed_run, find_checkpoint, image_source_for, report_search_device
+from deepmetric.train.embed import command_search_device
+
+from .run_inputs import check_run_dir, embed_run, find_checkpoint, image_source_for
 
 __all__ = ["make_report", "load_embeddings_npz", "CONFIG_NAMES", "LOG_NAME"]
 
@@ -316,12 +318,12 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     on ``device``. ``out_dir`` defaults to ``RUN_DIR/report``. ``max_pairs`` bounds the
     pairs per histogram (exact below it). ``images``: show dataset images in the grids;
     ``n_queries`` random and ``n_queries`` worst queries with their ``top_k`` neighbours.
-    ``search_device``: where the neighbour searches run (:func:`report_search_device`:
+    ``search_device``: where the neighbour searches run (:func:`~deepmetric.train.embed.command_search_device`:
     ``auto`` = ``device``, ``cpu`` = faiss on the CPU).
     """
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
-    report_search_device(device, search_device)  # a bad --device / --search-device fails before any work
+    command_search_device(device, search_device)  # a bad --device / --search-device fails before any work
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     if embeddings is None and (run_dir / "embeddings.npz").is_file():
@@ -406,7 +408,7 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
                 cfg_obj = cfg_obj or cfg_from_ckpt
                 source = f"`{ckpt.name}` on the {split or 'test'} split"
     if data is not None:
-        where = report_search_device(device, search_device, nbytes=4 * int(np.asarray(data["embeddings"]).size))
+        where = command_search_device(device, search_device, nbytes=4 * int(np.asarray(data["embeddings"]).size))
         emb_md, emb_html = _embedding_sections(
             data, source, out, figures, max_pairs=max_pairs, seed=seed, ks=ks, cfg=cfg_obj, search_device=where,
             baselines=[b for b in baselines if b.get("split") in (None, "test", split or "test")],

@@ -45,8 +45,7 @@ from .query import (Preprocessing, approximate_search, as_query_list, embed_imag
 from .store import (IndexFilesError, carry_file, check_utf8, file_entries, file_sha256, index_transaction,
                     verify_files)
 
-__all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256", "IndexFilesError", "is_index_dir",
-           "index_search_device"]
+__all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256", "IndexFilesError", "is_index_dir"]
 
 INDEX_FORMAT = "deepmetric-index"
 INDEX_VERSION = 2  # 2: manifest.json lists every file's size and SHA-256 ("files")
@@ -129,28 +128,6 @@ def _npy_from_buffer(buf: bytearray, name: str) -> np.ndarray:
     count = int(np.prod(shape)) if shape else 1
     arr = np.frombuffer(buf, dtype=dtype, count=count, offset=f.tell())
     return arr.reshape(shape, order="F" if fortran else "C")
-
-
-#: what ``deepmetric index --search-device`` takes
-INDEX_SEARCH_DEVICES = ("auto", "cpu")
-
-
-def index_search_device(device: str = "auto", search_device: str = "auto", *, nbytes: int = 0):
-    """Where ``deepmetric index`` runs its exact searches: ``--search-device cpu`` -> faiss on
-    the CPU; ``auto`` -> the model's ``--device`` (auto | cpu | cuda[:i]): the GPU's torch
-    backend when that is CUDA and ``nbytes`` (the embeddings) fit in its free memory."""
-    import torch
-
-    from deepmetric.evaluate import choose_search_device
-    from deepmetric.train.distributed import resolve_device
-
-    if search_device not in INDEX_SEARCH_DEVICES:
-        raise ValueError(f"--search-device {search_device!r}: expected one of {', '.join(INDEX_SEARCH_DEVICES)} "
-                         "(auto: where --device puts the model)")
-    model_device = resolve_device(device, name="--device")  # checked even when the search is on the CPU
-    if search_device == "cpu":
-        return torch.device("cpu")
-    return choose_search_device("auto", default=model_device, nbytes=nbytes, flag="--search-device")
 
 
 def _normalised(x, name: str) -> np.ndarray:
@@ -246,13 +223,16 @@ class Index:
         transaction: any failure leaves what was in ``out`` byte-identical. An existing index
         in ``out`` is refused unless ``add`` or ``overwrite``; a non-empty folder that is not an
         index always is. The model runs on ``device``; the exact searches (an approximate
-        index's recall against exact search) where :func:`index_search_device` says.
+        index's recall against exact search) where
+        :func:`~deepmetric.train.embed.command_search_device` says.
         """
         if add and out is None:
             raise ValueError("add=True needs out=INDEX_DIR, the index to add to")
         if approximate not in (None, "exact", "ivf", "hnsw"):
             raise ValueError(f"approximate must be 'ivf' or 'hnsw' (or None for exact), got {approximate!r}")
-        index_search_device(device, search_device)  # bad values are refused before any work
+        from deepmetric.train.embed import command_search_device
+
+        command_search_device(device, search_device)  # bad values are refused before any work
         kw = dict(data=data, root=root, split=split, options=options, batch_size=batch_size, device=device,
                   num_workers=num_workers, progress=progress, search_device=search_device)
         if out is None:
@@ -288,7 +268,9 @@ class Index:
                                       batch_size=batch_size, device=device, num_workers=num_workers,
                                       progress=progress, skip_paths=skip, images_dir=images_dir,
                                       first_image_number=len(old) if old is not None else 0)
-        where = index_search_device(device, search_device, nbytes=got["embeddings"].nbytes)
+        from deepmetric.train.embed import command_search_device
+
+        where = command_search_device(device, search_device, nbytes=got["embeddings"].nbytes)
         if old is not None:
             old.search_device = where
             if len(got["paths"]):

@@ -27,9 +27,9 @@ from .builders import build_dataset, build_losses, build_model
 from .checkpoint import load_checkpoint
 from .config import config_from_dict
 
-__all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "split_metrics", "embed_checkpoint",
+__all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "evaluate_split", "embed_checkpoint",
            "load_model_from_checkpoint", "dataset_query_gallery_masks", "EMBEDDING_OUTPUTS", "eval_search_device",
-           "make_eval_loader"]
+           "make_eval_loader", "command_search_device", "place_for_search", "SEARCH_DEVICE_CHOICES"]
 
 # compute_embeddings(output=...): forward_head(fmap) and forward_head(fmap, pre_logits=True)
 EMBEDDING_OUTPUTS = ("embedding", "features")
@@ -185,9 +185,35 @@ def eval_search_device(cfg, device: torch.device | str, *, nbytes: int = 0) -> t
                                 flag="config key 'eval.device'")
 
 
-def place_for_search(x, device: torch.device):
-    """``x`` (numpy array or tensor) where a search on ``device`` wants it: a tensor on that
-    device (on the CPU, a CPU tensor goes to faiss), a numpy array as it is for the CPU."""
+#: what the ``--search-device`` flag of ``deepmetric report`` and ``deepmetric index`` takes
+#: (the GPU itself comes from their ``--device``)
+SEARCH_DEVICE_CHOICES = ("auto", "cpu")
+
+
+def command_search_device(device: str = "auto", search_device: str = "auto", *, nbytes: int = 0) -> torch.device:
+    """Where a command that runs a model and then searches (``deepmetric report``, ``deepmetric
+    index``) searches: ``--search-device cpu`` -> faiss on the CPU; ``auto`` -> the model's
+    ``--device`` (auto | cpu | cuda[:i]), the GPU's torch backend when that is CUDA and
+    ``nbytes`` (the embeddings) fit in its free memory
+    (:func:`deepmetric.evaluate.choose_search_device`).  Errors name the flags."""
+    from deepmetric.evaluate import choose_search_device
+
+    from .distributed import resolve_device
+
+    if search_device not in SEARCH_DEVICE_CHOICES:
+        raise ValueError(f"--search-device {search_device!r}: expected one of {', '.join(SEARCH_DEVICE_CHOICES)} "
+                         "(auto: where --device puts the model)")
+    model_device = resolve_device(device, name="--device")  # checked even when the search is on the CPU
+    if search_device == "cpu":
+        return torch.device("cpu")
+    return choose_search_device("auto", default=model_device, nbytes=nbytes, flag="--search-device")
+
+
+def place_for_search(x, device: torch.device | str | None):
+    """``x`` (numpy array or tensor) where a search on ``device`` (None: the CPU) wants it: a
+    tensor on that device (on the CPU, a CPU tensor goes to faiss), a numpy array as it is for
+    the CPU."""
+    device = torch.device("cpu" if device is None else device)
     if isinstance(x, torch.Tensor):
         return x.to(device)  # a GPU tensor bound for a CPU search comes to the host
     return x if device.type == "cpu" else torch.from_numpy(np.ascontiguousarray(x)).to(device)
@@ -277,14 +303,15 @@ def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, devi
     return metrics, embedded
 
 
-def split_metrics(model: nn.Module, sets: dict[str, Dataset], cfg, *, device: torch.device,
-                  losses: Sequence[nn.Module] = ()) -> dict[str, float]:
-    """The metrics one evaluation of ``sets`` gives during training: :func:`evaluate_model`'s and,
-    with ``eval.cross_domain``, :func:`cross_domain_metrics` (as the training loop's evaluator)."""
+def evaluate_split(model: nn.Module, sets: dict[str, Dataset], cfg, *, device: torch.device,
+                   losses: Sequence[nn.Module] = ()) -> tuple[dict[str, float], dict[str, Any]]:
+    """One evaluation of ``sets`` during training (the loop's evaluator, WiSE-FT's mixtures):
+    :func:`evaluate_model`'s metrics and, with ``eval.cross_domain``, :func:`cross_domain_metrics`;
+    returns ``(metrics, embedded)`` as :func:`evaluate_model` does."""
     metrics, embedded = evaluate_model(model, sets, cfg, device=device, losses=losses)
     if cfg.eval.cross_domain:
         metrics.update(cross_domain_metrics(embedded, sets["query"], cfg, device=device))
-    return metrics
+    return metrics, embedded
 
 
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu"):

@@ -62,7 +62,7 @@ from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, buil
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
                          restore, save_checkpoint)
 from .config import Config, config_diff, config_to_dict, save_config
-from .embed import cross_domain_metrics, evaluate_model, split_metrics, train_neighbour_metrics
+from .embed import evaluate_split, train_neighbour_metrics
 from .finetune import linear_probe, linear_probe_epoch, probed_backbone
 from .loss_stats import loss_step_stats
 from .module import PretrainedTeacher, TrainingModule, init_from_class_means, init_head_from_pca
@@ -174,10 +174,7 @@ class Evaluator:
             if splits is not None and split not in splits:
                 continue
             t0 = time.perf_counter()
-            metrics, embedded = evaluate_model(self.model, sets, self.cfg, device=self.device,
-                                               losses=self.losses)
-            if ec.cross_domain:
-                metrics.update(cross_domain_metrics(embedded, sets["query"], self.cfg, device=self.device))
+            metrics, embedded = evaluate_split(self.model, sets, self.cfg, device=self.device, losses=self.losses)
             if split == "test" and ec.train_neighbours and final:  # 1 pass over the training set
                 metrics.update(train_neighbour_metrics(self.model, embedded, self.cfg, device=self.device))
             rec = {"type": "eval", "split": split, "epoch": epoch, "step": iteration,
@@ -417,7 +414,7 @@ def _wise_ft(run: _Run) -> None:
     best = load_checkpoint(source, map_location=run.device)
 
     def evaluate(net: nn.Module, split: str) -> dict:
-        return split_metrics(net, run.eval_sets[split], cfg, device=run.device, losses=run.losses)
+        return evaluate_split(net, run.eval_sets[split], cfg, device=run.device, losses=run.losses)[0]
 
     res = run_wise_ft(run.model, run.pretrained_state, best["model"], cfg.eval.wise_ft, cfg.eval.wise_ft_params,
                       run.select_key, evaluate)

@@ -58,6 +58,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from deepmetric.search.store import file_sha256
 from deepmetric.train import rundir
 from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping
 
@@ -334,15 +335,9 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
 
 
 def _setup_record(setup: TuneSetup) -> dict:
-    return {"recipe": str(setup.recipe), "recipe_sha256": _sha256(setup.recipe), "space": setup.space.raw,
+    return {"recipe": str(setup.recipe), "recipe_sha256": file_sha256(setup.recipe), "space": setup.space.raw,
             "overrides": setup.cli_overrides, "trials": setup.trials, "study_name": setup.study_name,
             "storage": display_storage(setup.storage)}
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _same_recipe(old: dict, setup: TuneSetup) -> bool:
@@ -350,7 +345,7 @@ def _same_recipe(old: dict, setup: TuneSetup) -> bool:
     working directory, absolute, through a link); a record without a hash (older tunes): the
     same path, or one that resolves to the same file from here."""
     if old.get("recipe_sha256"):
-        return old["recipe_sha256"] == _sha256(setup.recipe)
+        return old["recipe_sha256"] == file_sha256(setup.recipe)
     before = old.get("recipe")
     return before == str(setup.recipe) or (before is not None and Path(before).resolve() == setup.recipe.resolve())
 
