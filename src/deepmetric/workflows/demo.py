@@ -84,15 +84,20 @@ def demo_config(out: str | Path | None = None, *, data: str = "emoji", quick: bo
 
 
 def _raw_pixels(ds, cfg) -> dict:
-    """Raw pixels as embeddings (cosine of the flattened uint8 images scaled to [0, 1]), and
-    with ``eval.cross_domain`` their cross-vendor metrics from the same rows.
+    """Raw pixels as embeddings: the cosine of the flattened test images as the network sees
+    them (the test transform, e.g. [-1, 1] for the EfficientNet-Lite weights), the same rows
+    as every run's raw-pixel baseline (:func:`deepmetric.train.preflight.pixel_rows`); with
+    ``eval.cross_domain`` also their cross-vendor metrics from the same rows.
 
     Retrieval metrics only: k-means (NMI, F1) on tens of thousands of pixel dimensions would
     take minutes of the demo's budget."""
     from deepmetric.evaluate import evaluate
     from deepmetric.train.embed import cross_domain_metrics
+    from deepmetric.train.preflight import pixel_rows
 
-    x = ds.images.reshape(len(ds), -1).astype(np.float32) / 255.0  # 0.6 GB at 96 px: made once
+    x, why = pixel_rows(ds)  # 0.6 GB at 96 px: made once
+    if x is None:
+        raise ValueError(f"the demo's raw-pixel baseline: {why}")
     out = evaluate(x, ds.labels, ks=tuple(cfg.eval.ks), metrics=("recall", "map@r"), seed=cfg.train.seed)
     if cfg.eval.cross_domain:
         out.update(cross_domain_metrics({"embeddings": x, "labels": np.asarray(ds.labels)}, ds, cfg))
