@@ -63,7 +63,7 @@ def main() -> None:
         if not path:
             raise SystemExit(f"expected NAME=RUN_DIR, got {item!r}")
         rows.append(row(name, Path(path)))
-        if args.copy is not None:
+        if args.copy is not None and (args.copy / name).resolve() != Path(path).resolve():  # a copied record
             dst = args.copy / name
             dst.mkdir(parents=True, exist_ok=True)
             for f in ("config.yaml", "metrics.json", "log.jsonl"):
