@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,23 @@ def study(names: list[str]):
     return load_study(path, out_dir=ROOT / "runs" / "studies" / "emoji_fair")
 
 
+def baselines_markdown(record: dict) -> str:
+    """The rows every table of the comparison carries: raw pixels and the untouched ImageNet
+    network at the study's input size, on the same test emoji (``bench/study_baselines.py``'s
+    ``baselines.json``)."""
+    keys = ("cross_domain_recall@1", "cross_domain_map@r", "recall@1", "map@r")
+    lines = ["", "## Baselines (the same test emoji, no training)", "",
+             f"From `{record.get('command', 'bench/study_baselines.py')}`; the numbers are deterministic, so "
+             "a variant's paired difference against them is its mean minus the value below.", "",
+             "| baseline | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for name in ("raw_pixels", "pretrained_features"):
+        entry = record.get(name)
+        if entry and entry.get("metrics"):
+            m = entry["metrics"]
+            lines.append(f"| {entry['label']} | " + " | ".join(f"{m[k]:.4f}" if k in m else "-" for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def copy_study(s) -> list[Path]:
     paths = write_results(s)
     COPY.mkdir(parents=True, exist_ok=True)
@@ -69,6 +87,10 @@ def copy_study(s) -> list[Path]:
     for p in paths.values():
         shutil.copy(p, COPY / p.name)
         out.append(COPY / p.name)
+    base = COPY / "baselines.json"  # python bench/study_baselines.py studies/emoji_fair.yaml
+    if base.is_file() and (COPY / "summary.md").is_file():
+        with open(COPY / "summary.md", "a") as f:
+            f.write(baselines_markdown(json.loads(base.read_text())))
     return out
 
 

@@ -61,3 +61,28 @@ def test_every_loss_of_the_comparison_trains_as_its_tune_would(tmp_path, name):
     assert val and 0.0 <= val[-1]["cross_domain_recall@1"] <= 1.0, name
     assert math.isfinite(read_log(tmp_path / "run", type="step")[-1]["loss"])
     assert "cross_domain_map@r" in result.metrics
+
+
+def test_the_driver_writes_the_baseline_rows_into_the_summary(tmp_path, monkeypatch):
+    """bench/emoji_fair.py appends raw pixels and the ImageNet features (baselines.json) to the
+    copied summary.md, the rows the issue asks every table to carry."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("emoji_fair_driver", ROOT / "bench" / "emoji_fair.py")
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    record = {"command": "python bench/study_baselines.py studies/emoji_fair.yaml",
+              "raw_pixels": {"label": "raw pixels (64x64x3 = 12288-d)",
+                             "metrics": {"recall@1": 0.27, "map@r": 0.13, "cross_domain_recall@1": 0.4946,
+                                         "cross_domain_map@r": 0.2139}},
+              "pretrained_features": {"label": "efficientnet_lite0 imagenet features (1280-d)",
+                                      "metrics": {"recall@1": 0.28, "map@r": 0.1366}}}  # no cross-domain keys
+    (tmp_path / "baselines.json").write_text(json.dumps(record))
+    (tmp_path / "summary.md").write_text("# Study emoji_fair\n")
+    monkeypatch.setattr(driver, "COPY", tmp_path)
+    monkeypatch.setattr(driver, "write_results", lambda s: {})
+    driver.copy_study(None)
+    text = (tmp_path / "summary.md").read_text()
+    assert text.startswith("# Study emoji_fair\n") and "## Baselines" in text
+    assert "| raw pixels (64x64x3 = 12288-d) | 0.4946 | 0.2139 | 0.2700 | 0.1300 |" in text
+    assert "| efficientnet_lite0 imagenet features (1280-d) | - | - | 0.2800 | 0.1366 |" in text
