@@ -263,6 +263,43 @@ def test_kill_9_halfway_then_the_same_command_finishes_exactly_n_trials(tmp_path
     assert len(glob.glob(str(out / "trials" / "trial_*"))) == len(dirs)  # a retry resumes its original's folder
 
 
+def test_storage_creation_retries_only_the_table_creation_race(tmp_path, monkeypatch):
+    """Two processes opening a new database at once: the second's CREATE TABLE fails ("table
+    ... already exists" on SQLite, optuna/optuna#1092; seen when a poller opened the tune.db a
+    starting tune was initialising). rdb_storage tries again; any other OperationalError is
+    raised at once."""
+    import sqlalchemy.exc
+
+    from deepmetric.workflows import engine
+
+    real = optuna.storages.RDBStorage
+    calls = []
+
+    def flaky(url, **kw):
+        calls.append(url)
+        if len(calls) == 1:
+            raise sqlalchemy.exc.OperationalError("CREATE TABLE study_directions", {},
+                                                  Exception("table study_directions already exists"))
+        return real(url, **kw)
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", flaky)
+    monkeypatch.setattr(engine.time, "sleep", lambda s: None)
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    storage = engine.rdb_storage(url, retry_stale=False)
+    assert len(calls) == 2 and isinstance(storage, real)
+
+    calls.clear()
+
+    def broken(url, **kw):
+        calls.append(url)
+        raise sqlalchemy.exc.OperationalError("connect", {}, Exception("unable to open database file"))
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", broken)
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="unable to open"):
+        engine.rdb_storage(url, retry_stale=False)
+    assert len(calls) == 1
+
+
 # --------------------------------------------------------------------------- PostgreSQL
 def _pg_bin() -> Path | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))

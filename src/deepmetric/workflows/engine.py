@@ -76,10 +76,14 @@ def rdb_storage(url: str, *, retry_stale: bool):
         try:
             return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
                                               grace_period=GRACE_S, heartbeat_stale_trial_callback=callback)
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
-            # two machines creating the tables of a new database at once: PostgreSQL refuses
-            # the second CREATE TYPE / TABLE; the first has made them, so try again
-            if attempt == 4:
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.OperationalError) as exc:
+            # two processes creating the tables of a new database at once (optuna/optuna#1092):
+            # PostgreSQL refuses the second CREATE TYPE / TABLE (IntegrityError, ProgrammingError),
+            # SQLite says "table ... already exists" (OperationalError); the first has made
+            # them, so try again.  Any other OperationalError (a wrong URL, a locked file after
+            # the 60 s timeout) is the user's to see at once.
+            race = not isinstance(exc, sqlalchemy.exc.OperationalError) or "already exists" in str(exc)
+            if not race or attempt == 4:
                 raise
             time.sleep(0.5 + attempt)
 
