@@ -60,7 +60,9 @@ def _each(study: str, pairs, metrics) -> tuple[Check, ...]:
 
 
 RETRIEVAL = ("final/recall@1", "final/map@r")
+CROSS_VENDOR = ("final/cross_domain_recall@1", "final/cross_domain_map@r")  # the emoji test as users search it
 G, E, F = "glyphs_cross_family", "emoji", "fashion_mnist_two_head"
+EF = "emoji_fair"  # every loss tuned the same way on validation (bench/emoji_fair.py)
 
 CLAIMS = (
     Claim("hbn_bn_sm_ln", "heated-up softmax, Tables 1-2",
@@ -107,6 +109,18 @@ CLAIMS = (
           "the triplet regulariser beats the centre-loss baseline in accuracy and embedding "
           "(centre loss: inferior, least stable; its spread over seeds is read in README.md)",
           _each(F, [("hard", "center"), ("semihard", "center")], ("final/top1", "final/recall@1", "final/map@r"))),
+    # the fair emoji comparison (issue 21 item 3): the same claims with every loss tuned on validation
+    Claim("fair_heated", "heated-up softmax, Tables 1-2",
+          "tuned: HBN > BN > SM and LN, and HLN > LN (emoji, every loss tuned on validation, cross-vendor)",
+          _each(EF, [("HBN", "BN"), ("BN", "SM"), ("BN", "LN"), ("HLN", "LN")], CROSS_VENDOR)),
+    Claim("fair_almn", "ALMN, Table 2",
+          "tuned: ALMN beta 3 > beta 0 > N-pair (emoji, every loss tuned on validation, cross-vendor)",
+          _each(EF, [("almn_beta3", "almn_beta0"), ("almn_beta0", "npair")], CROSS_VENDOR)),
+    Claim("fair_pml", "issue 21 (not a paper claim)",
+          "tuned: BN beats what a user would pick from pytorch-metric-learning (ProxyAnchor, "
+          "MultiSimilarity, NormalizedSoftmax, ArcFace; emoji, cross-vendor)",
+          _each(EF, [("BN", "pml_proxy_anchor"), ("BN", "pml_multi_similarity"), ("BN", "pml_normalized_softmax"),
+                     ("BN", "pml_arcface")], CROSS_VENDOR)),
 )
 
 

@@ -76,3 +76,17 @@ def test_reevaluated_metrics_join_their_runs(tmp_path):
     st = sc.paired(rows, "semihard", "softmax", "final/nmi[kmeans10]")
     assert st["n"] == 3 and st["mean"] == pytest.approx(0.02)  # d = 3, 3, 0 points
     assert "| fashion_mnist_two_head | semihard - softmax | final/nmi[kmeans10] | +2.00 [" in sc.render(tmp_path)
+
+
+def test_the_fair_comparison_claims_name_its_losses():
+    """Every emoji_fair check compares two losses of the fair comparison's table (a misspelt
+    variant would stay 'pending' for ever)."""
+    mod = _module()
+    spec = importlib.util.spec_from_file_location("emoji_fair_table", ROOT / "studies" / "emoji_fair.py")
+    fair = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fair)
+    checks = [ch for c in mod.CLAIMS for ch in c.checks if ch.study == mod.EF]
+    assert len(checks) == 2 * (4 + 2 + 4)
+    for ch in checks:
+        assert ch.a in fair.LOSSES and ch.b in fair.LOSSES, ch
+        assert ch.metric in ("final/cross_domain_recall@1", "final/cross_domain_map@r")
