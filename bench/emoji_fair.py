@@ -1,7 +1,8 @@
 """Run the fair emoji loss comparison (studies/emoji_fair.py): for each loss in order, its tune
 (the same budget for every loss, on the cross-vendor validation emoji), then its 3 seeds at the
-chosen settings; the result files are copied to bench/studies/emoji_fair/ and committed after
-each step.  Resumable: a rerun continues the unfinished tune or seeds.
+chosen settings; the result files are copied to bench/studies/emoji_fair/ (with the baseline rows
+of its baselines.json) and committed after each step, with bench/studies/CLAIMS.md rewritten
+(bench/study_claims.py).  Resumable: a rerun continues the unfinished tune or seeds.
 
     nohup python bench/emoji_fair.py > runs/emoji_fair.log 2>&1 &
     python bench/emoji_fair.py --only BN HBN SM        # some losses
@@ -95,8 +96,12 @@ def copy_study(s) -> list[Path]:
 
 
 def commit(message: str) -> None:
-    subprocess.run(["git", "add", "-f", str(COPY)], cwd=ROOT, check=False)
-    subprocess.run(["git", "commit", "-q", "-m", message, "--", str(COPY)], cwd=ROOT, check=False)
+    """Commit the copied results and the claims they settle (bench/studies/CLAIMS.md, rewritten)."""
+    claims = ROOT / "bench" / "studies" / "CLAIMS.md"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "study_claims.py"), "--out", str(claims)], cwd=ROOT,
+                   check=False)
+    subprocess.run(["git", "add", "-f", str(COPY), str(claims)], cwd=ROOT, check=False)
+    subprocess.run(["git", "commit", "-q", "-m", message, "--", str(COPY), str(claims)], cwd=ROOT, check=False)
 
 
 def main(argv=None) -> int:
