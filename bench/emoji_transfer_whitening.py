@@ -39,32 +39,34 @@ def l2n(x: np.ndarray) -> np.ndarray:
     return x / np.clip(np.linalg.norm(x, axis=1, keepdims=True), 1e-12, None)
 
 
-def features(model, cfg, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def features(model, cfg, split: str) -> tuple[np.ndarray, object]:
+    """The l2-normalised pooled features of ``split`` (the test transform) and its dataset."""
     import torch
 
     from deepmetric.train.builders import build_dataset
-    from deepmetric.train.embed import compute_embeddings, dataset_domains
+    from deepmetric.train.embed import compute_embeddings
 
     ds = build_dataset(cfg, split, train=False)
     with torch.no_grad():
         f = compute_embeddings(model, ds, batch_size=cfg.eval.batch_size, output="features")
-    return l2n(np.asarray(f["embeddings"], dtype=np.float64)), np.asarray(f["labels"]), dataset_domains(ds)[0]
+    return l2n(np.asarray(f["embeddings"], dtype=np.float64)), ds
 
 
-def cross_vendor(x: np.ndarray, y: np.ndarray, d: np.ndarray) -> tuple[float, float]:
-    from deepmetric.evaluate import evaluate_cross_domain
+def cross_vendor(x: np.ndarray, ds, cfg) -> tuple[float, float]:
+    """Cross-vendor Recall@1 and MAP@R in points, as the runs compute them."""
+    from deepmetric.train.embed import cross_domain_metrics
 
-    m = evaluate_cross_domain(x.astype(np.float32), y, d, ks=(1,), metrics=("recall", "map@r"), seed=0)["mean"]
-    return 100 * float(m["recall@1"]), 100 * float(m["map@r"])
+    m = cross_domain_metrics({"embeddings": x.astype(np.float32), "labels": np.asarray(ds.labels)}, ds, cfg)
+    return 100 * m["cross_domain_recall@1"], 100 * m["cross_domain_map@r"]
 
 
 def table(model, cfg) -> list[tuple[str, float, float]]:
-    xt, _, _ = features(model, cfg, "train")
-    xv, yv, dv = features(model, cfg, "val")
-    rows = [("none", *cross_vendor(xv, yv, dv))]
+    xt, _ = features(model, cfg, "train")
+    xv, val = features(model, cfg, "val")
+    rows = [("none", *cross_vendor(xv, val, cfg))]
     for s in SHRINKS:
         mean, w = whitening(xt, s)
-        rows.append((f"PCA whitening, shrinkage {s}", *cross_vendor(l2n((xv - mean) @ w), yv, dv)))
+        rows.append((f"PCA whitening, shrinkage {s}", *cross_vendor(l2n((xv - mean) @ w), val, cfg)))
     return rows
 
 
