@@ -210,6 +210,21 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     assert got == pytest.approx(want)
 
 
+def test_a_run_claimed_by_a_worker_killed_before_its_heartbeat_is_taken_up(tmp_path):
+    # a worker killed between claiming a run (ask) and its heartbeat's first beat left the run
+    # "running" for ever: every later worker waited on it (the tune's kill -9 test hung so in CI)
+    from deepmetric.workflows.study import _claim, open_trials
+
+    path = _study(tmp_path, seeds=[0], variants={"a16": []}, compare=[])
+    study = load_study(path)
+    assert _claim(open_trials(study), "a16/seed0") is not None  # RUNNING, no heartbeat, no process
+    env = dict(_env(), DEEPMETRIC_TUNE_HEARTBEAT="1")  # grace 4 s
+    r = subprocess.run([sys.executable, "-m", "deepmetric.cli", "study", str(path)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert study.runs[0].finished and "a16/seed0: training" in r.stdout
+
+
 @pytest.mark.slow
 def test_parallel_workers_give_the_same_rows(tmp_path):
     path = _study(tmp_path, variants={"a4": ["loss.0.options.alpha=4"]}, compare=[])

@@ -263,6 +263,38 @@ def test_kill_9_halfway_then_the_same_command_finishes_exactly_n_trials(tmp_path
     assert len(glob.glob(str(out / "trials" / "trial_*"))) == len(dirs)  # a retry resumes its original's folder
 
 
+def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_queued_again(tmp_path, monkeypatch):
+    # Optuna's fail_stale_trials skips a running trial that never recorded a heartbeat; a worker
+    # killed between creating its trial and the first beat left one RUNNING for ever and the
+    # rerun of the kill -9 test above waiting on it until CI's timeout
+    from deepmetric.workflows import engine
+
+    recipe, sp = _files(tmp_path)
+    study = open_study(prepare_tune(recipe, sp, trials=3, out=tmp_path / "out"))
+    dist = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
+    silent = study.ask({"optim.lr": dist})     # killed before its heartbeat thread ran
+    beating = study.ask({"optim.lr": dist})    # alive: its heartbeat is recorded
+    study._storage.record_heartbeat(beating._trial_id)
+    monkeypatch.setattr(engine, "GRACE_S", 3600)
+    optuna.storages.fail_stale_trials(study)
+    assert engine.fail_stale_trials(study) == []  # younger than the grace period: left alone
+    assert _states(study) == {"RUNNING": 2}
+    monkeypatch.setattr(engine, "GRACE_S", 0)
+    time.sleep(0.01)
+    young = study.ask({"optim.lr": dist})  # as old as the check's clock says now: not failed
+    start = [t for t in study.get_trials(deepcopy=False) if t.number == young.number][0].datetime_start
+    monkeypatch.setattr(engine, "_now", lambda: start)
+    assert engine.fail_stale_trials(study) == [silent._trial_id]
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert by_number[silent.number].state.name == "FAIL"
+    assert by_number[beating.number].state.name == "RUNNING"  # its heartbeat is within Optuna's grace
+    assert by_number[young.number].state.name == "RUNNING"
+    retry = [t for t in by_number.values() if t.state.name == "WAITING"]
+    assert len(retry) == 1 and retry[0].params == {"optim.lr": silent.params["optim.lr"]}
+    assert optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(retry[0]) == silent.number
+    assert engine.fail_stale_trials(study) == []  # failed once
+
+
 def test_storage_creation_retries_only_the_table_creation_race(tmp_path, monkeypatch):
     """Two processes opening a new database at once: the second's CREATE TABLE fails ("table
     ... already exists" on SQLite, optuna/optuna#1092; seen when a poller opened the tune.db a

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 __all__ = ["HEARTBEAT_S", "GRACE_S", "optuna_module", "sqlite_url", "display_storage", "rdb_storage",
-           "Heartbeat", "cores", "run_workers"]
+           "fail_stale_trials", "Heartbeat", "cores", "run_workers"]
 
 # DEEPMETRIC_TUNE_HEARTBEAT (seconds) shortens the heartbeat in tests
 HEARTBEAT_S = int(os.environ.get("DEEPMETRIC_TUNE_HEARTBEAT", "10"))
@@ -86,6 +86,63 @@ def rdb_storage(url: str, *, retry_stale: bool):
             if not race or attempt == 4:
                 raise
             time.sleep(0.5 + attempt)
+
+
+def _now():
+    from datetime import datetime
+
+    return datetime.now()  # the clock Optuna's RDB storage writes datetime_start with
+
+
+def _never_beat(study) -> set[int]:
+    """Storage ids of the study's running trials with no heartbeat recorded at all."""
+    import sqlalchemy.orm
+    from optuna.storages._rdb import models  # Optuna keeps no public reader of the heartbeat table
+
+    storage = getattr(study._storage, "_backend", study._storage)  # the RDB storage under Optuna's cache
+    with sqlalchemy.orm.Session(storage.engine) as session:
+        rows = (session.query(models.TrialModel.trial_id)
+                .filter(models.TrialModel.study_id == study._study_id)
+                .filter(models.TrialModel.state == models.TrialState.RUNNING)
+                .filter(~models.TrialModel.heartbeats.any()).all())
+    return {r[0] for r in rows}
+
+
+def fail_stale_trials(study) -> list[int]:
+    """``optuna.storages.fail_stale_trials``, and also the running trials that never recorded a
+    heartbeat and started more than :data:`GRACE_S` seconds ago.
+
+    Optuna skips a trial without a heartbeat (its storage only compares recorded ones), but a
+    process killed between creating its trial and its heartbeat thread's first beat leaves
+    exactly that: a trial RUNNING for ever, and every later worker waiting on it (a CI run of
+    the kill -9 test hung so).  Such a trial is failed here and handed to the storage's stale
+    callback (a tune queues its parameters again), as Optuna does with a stale one.  The age
+    is measured against ``datetime_start``, which the creating machine's clock wrote.  Returns
+    the storage ids failed here."""
+    import copy
+    from datetime import timedelta
+
+    optuna = optuna_module()
+    from optuna.trial import TrialState
+
+    storage = study._storage
+    failed = []
+    if getattr(storage, "get_heartbeat_interval", lambda: None)() is not None:
+        silent = _never_beat(study)
+        oldest = _now() - timedelta(seconds=GRACE_S)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t._trial_id in silent and t.datetime_start is not None and t.datetime_start < oldest:
+                try:
+                    if storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                        failed.append(t._trial_id)
+                except optuna.exceptions.UpdateFinishedTrialError:  # another worker failed it first
+                    pass
+        callback = storage.get_heartbeat_stale_trial_callback()
+        if callback is not None:
+            for tid in failed:
+                callback(study, copy.deepcopy(storage.get_trial(tid)))
+    optuna.storages.fail_stale_trials(study)
+    return failed
 
 
 class Heartbeat:

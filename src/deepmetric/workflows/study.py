@@ -79,7 +79,8 @@ from deepmetric.train import rundir
 from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping, save_config
 from deepmetric.train.rundir import write_text_atomic
 
-from .engine import HEARTBEAT_S, Heartbeat, display_storage, optuna_module, rdb_storage, run_workers, sqlite_url
+from .engine import (HEARTBEAT_S, Heartbeat, display_storage, fail_stale_trials, optuna_module, rdb_storage,
+                     run_workers, sqlite_url)
 
 __all__ = ["StudyRun", "Study", "load_study", "run_study", "collect_rows", "write_results", "run_row"]
 
@@ -538,7 +539,7 @@ def run_worker(study: Study, *, storage: str | None = None, only: Sequence[str] 
     """Train the study's unfinished runs (those under ``only``), one at a time, until every run
     is finished here or on another machine sharing the storage.  A run finished before the
     storage existed (its ``metrics.json``) is recorded as finished without training."""
-    optuna = optuna_module()
+    optuna_module()  # a clear error when Optuna is missing
     from optuna.trial import TrialState
 
     log = log or (lambda msg: print(f"[study {study.name}] {msg}", flush=True))
@@ -547,7 +548,7 @@ def run_worker(study: Study, *, storage: str | None = None, only: Sequence[str] 
     finished, failed, interrupted = [], [], False
     tried: set[str] = set()
     while True:
-        optuna.storages.fail_stale_trials(ostudy)  # a dead worker's run is free again (it resumes)
+        fail_stale_trials(ostudy)  # a dead worker's run is free again (it resumes)
         trials = ostudy.get_trials(deepcopy=False)
         states = _trial_states(trials)
         todo = [r for r in mine if states.get(r.key) is None and r.key not in tried]

@@ -62,8 +62,8 @@ from deepmetric.search.store import file_sha256
 from deepmetric.train import rundir
 from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping
 
-from .engine import (HEARTBEAT_S, display_storage, optuna_module, rdb_storage, run_workers, sqlite_url,
-                     worker_seed)
+from .engine import (HEARTBEAT_S, display_storage, fail_stale_trials, optuna_module, rdb_storage, run_workers,
+                     sqlite_url, worker_seed)
 
 __all__ = ["ParamSpec", "SearchSpace", "TuneSetup", "load_space", "prepare_tune", "run_tune", "run_worker",
            "write_outputs", "open_study", "trial_rows", "default_storage"]
@@ -517,12 +517,12 @@ def _fmt_value(v: Any) -> str:
 def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[str], None] | None = None) -> None:
     """Run trials until ``setup.trials`` of them have finished or been pruned (counting every
     worker of the study, on any machine)."""
-    optuna = _optuna()
+    _optuna()  # a clear error when Optuna is missing, before the storage is opened
     log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
     study = open_study(setup)
     objective = _objective(setup, study, threads=threads, log=log)
     while True:
-        optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, queued again
+        fail_stale_trials(study)  # a dead worker's trial: failed, queued again
         c = _counts(study)
         if c["done"] >= setup.trials:
             return
