@@ -263,6 +263,7 @@ def test_kill_9_halfway_then_the_same_command_finishes_exactly_n_trials(tmp_path
     assert len(glob.glob(str(out / "trials" / "trial_*"))) == len(dirs)  # a retry resumes its original's folder
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
 def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_queued_again(tmp_path, monkeypatch):
     # Optuna's fail_stale_trials skips a running trial that never recorded a heartbeat; a worker
     # killed between creating its trial and the first beat left one RUNNING for ever and the
