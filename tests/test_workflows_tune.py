@@ -181,6 +181,26 @@ def test_workers_with_a_seeded_sampler_draw_different_values(tmp_path):
     assert len(lrs) == 4 and len(set(lrs)) == 4, lrs
 
 
+def test_a_rerun_of_a_seeded_tune_draws_new_values(tmp_path):
+    """A tune stopped after some trials and run again must not draw the first run's values a
+    second time (seen: the fair ProxyAnchor tune's rerun repeated trials 0 and 2 exactly, a
+    freshly seeded sampler starting its sequence again), and the draws stay reproducible."""
+    from deepmetric.workflows.tune import run_tune
+
+    space = {**SPACE, "sampler": {"name": "random", "seed": 0}, "pruner": {"name": "none"}}
+    recipe, sp = _files(tmp_path, space=space, epochs=1)
+
+    def lrs(out, *trial_counts):
+        for n in trial_counts:  # one command per count: the later ones continue the study
+            run_tune(prepare_tune(recipe, sp, trials=n, out=out), log=lambda m: None)
+        return [t.params["optim.lr"] for t in open_study(prepare_tune(recipe, sp, trials=4, out=out),
+                                                         create=False).get_trials()]
+
+    stopped = lrs(tmp_path / "a", 2, 4)
+    assert len(stopped) == 4 and len(set(stopped)) == 4, stopped
+    assert lrs(tmp_path / "b", 4) == stopped  # the same seed, the same draws, stopped or not
+
+
 def test_a_retry_of_a_run_killed_after_its_last_evaluation_counts_the_logged_validations(tmp_path):
     """Seen on the glyph tune: a worker killed after the run's last epoch, before the trial was
     told; the retry resumed a checkpoint with no epoch left to train and failed with 'the run

@@ -372,17 +372,33 @@ def _optuna():
         raise TuneError(str(exc)) from None
 
 
+def make_sampler(space: SearchSpace, *, drawn: int):
+    """The space's sampler, seeded (when the space gives a seed) for this worker and for the
+    number of trials the storage holds before the next draw (``drawn``).
+
+    The worker's share (:func:`~deepmetric.workflows.engine.worker_seed`) keeps two workers of
+    one study from drawing the same values; ``drawn`` keeps a rerun of a killed tune from
+    drawing again, from a fresh generator, the values its first run drew.  Seen: the fair
+    emoji ProxyAnchor tune, rerun after a stop at 7 trials, repeated trials 0 and 2 exactly.
+    Optuna's samplers keep no state but their generator (TPE reads the trials from the
+    storage), so a sampler made before each trial draws as one made once would."""
+    import zlib
+
+    optuna = _optuna()
+    name = space.sampler.get("name", "tpe")
+    opts = {k: v for k, v in space.sampler.items() if k != "name"}
+    if opts.get("seed") is not None:
+        opts["seed"] = zlib.crc32(f"{worker_seed(opts['seed'])}:{drawn}".encode())
+    return optuna.samplers.TPESampler(**opts) if name == "tpe" else optuna.samplers.RandomSampler(**opts)
+
+
 def open_study(setup: TuneSetup, *, create: bool = True):
     """The study in ``setup.storage`` (created on first use), with the heartbeat that fails and
     retries the trials of dead processes."""
     optuna = _optuna()
     storage = rdb_storage(setup.storage, retry_stale=True)
     sp = setup.space
-    name = sp.sampler.get("name", "tpe")
-    opts = {k: v for k, v in sp.sampler.items() if k != "name"}
-    if "seed" in opts:  # the workers of a study must not draw the same values
-        opts["seed"] = worker_seed(opts["seed"])
-    sampler = (optuna.samplers.TPESampler(**opts) if name == "tpe" else optuna.samplers.RandomSampler(**opts))
+    sampler = make_sampler(sp, drawn=0)
     pname = sp.pruner.get("name", "median")
     popts = {k: v for k, v in sp.pruner.items() if k != "name"}
     if pname == "median":
@@ -529,6 +545,7 @@ def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[s
         if c["done"] + c["running"] >= setup.trials and not c["waiting"]:
             time.sleep(HEARTBEAT_S / 2)  # the last slots are running elsewhere (or were, until stale)
             continue
+        study.sampler = make_sampler(setup.space, drawn=len(study.get_trials(deepcopy=False)))
         study.optimize(objective, n_trials=1, catch=(_Surplus,), callbacks=[_log_finished(log)])
 
 
