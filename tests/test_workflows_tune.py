@@ -183,7 +183,7 @@ def test_workers_with_a_seeded_sampler_draw_different_values(tmp_path):
 
 def test_a_rerun_of_a_seeded_tune_draws_new_values(tmp_path):
     """A tune stopped after some trials and run again must not draw the first run's values a
-    second time (seen: the fair ProxyAnchor tune's rerun repeated trials 0 and 2 exactly, a
+    second time (seen: the fair ProxyAnchor tune's rerun repeated trials 0, 1 and 2 exactly, a
     freshly seeded sampler starting its sequence again), and the draws stay reproducible."""
     from deepmetric.workflows.tune import run_tune
 

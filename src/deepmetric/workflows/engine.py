@@ -198,8 +198,7 @@ def run_workers(command: Sequence[str], workers: int, log_dir: Path, *, poll: Ca
     procs = []
     for k in range(workers):
         f = open(log_dir / f"worker_{k}.log", "a", encoding="utf-8")
-        procs.append((subprocess.Popen(list(command), stdout=f, stderr=subprocess.STDOUT,
-                                       env={**env, "DEEPMETRIC_WORKER_INDEX": str(k)},
+        procs.append((subprocess.Popen(list(command), stdout=f, stderr=subprocess.STDOUT, env=env,
                                        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None),
                        f))
     log(f"{workers} workers x {threads} thread(s); their output: {log_dir}/worker_K.log")
@@ -219,19 +218,6 @@ def run_workers(command: Sequence[str], workers: int, log_dir: Path, *, poll: Ca
             f.close()
     poll()
     return [p.returncode for p, _ in procs]
-
-
-def worker_seed(seed: int | None) -> int | None:
-    """A sampler seed for this process: ``seed`` itself for a lone worker, else ``seed`` moved by
-    the worker's index and this machine's name, so that the workers of a study (here and on other
-    machines) do not draw the same values.  None stays None (each process seeds at random)."""
-    import socket
-    import zlib
-
-    index = os.environ.get("DEEPMETRIC_WORKER_INDEX")
-    if seed is None or index is None:
-        return seed
-    return int(seed) + 1 + int(index) + 1000 * (zlib.crc32(socket.gethostname().encode()) % 100_000)
 
 
 def worker_threads() -> int | None:

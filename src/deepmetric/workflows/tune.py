@@ -63,7 +63,7 @@ from deepmetric.train import rundir
 from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping
 
 from .engine import (HEARTBEAT_S, display_storage, fail_stale_trials, optuna_module, rdb_storage, run_workers,
-                     sqlite_url, worker_seed)
+                     sqlite_url)
 
 __all__ = ["ParamSpec", "SearchSpace", "TuneSetup", "load_space", "prepare_tune", "run_tune", "run_worker",
            "write_outputs", "open_study", "trial_rows", "default_storage"]
@@ -372,24 +372,61 @@ def _optuna():
         raise TuneError(str(exc)) from None
 
 
-def make_sampler(space: SearchSpace, *, drawn: int):
-    """The space's sampler, seeded (when the space gives a seed) for this worker and for the
-    number of trials the storage holds before the next draw (``drawn``).
+def make_sampler(space: SearchSpace):
+    """The space's sampler.  With a ``seed``, trial number ``n`` draws from a generator seeded
+    by the seed and ``n`` (:func:`_seeded_per_trial`).
 
-    The worker's share (:func:`~deepmetric.workflows.engine.worker_seed`) keeps two workers of
-    one study from drawing the same values; ``drawn`` keeps a rerun of a killed tune from
-    drawing again, from a fresh generator, the values its first run drew.  Seen: the fair
-    emoji ProxyAnchor tune, rerun after a stop at 7 trials, repeated trials 0 and 2 exactly.
-    Optuna's samplers keep no state but their generator (TPE reads the trials from the
-    storage), so a sampler made before each trial draws as one made once would."""
-    import zlib
-
+    One generator seeded once per process would draw again, after a rerun of a stopped tune,
+    the values its first run drew (seen: the fair emoji ProxyAnchor tune, rerun after a stop at
+    7 trials, repeated trials 0, 1 and 2 exactly), and two workers seeded alike would draw the
+    same values.  Trial numbers are unique in the storage, so per-number seeds avoid both, on
+    any number of workers and machines, and the same seed offers the same candidates to trial
+    ``n`` of every tune with the same ranges, stopped or not."""
     optuna = _optuna()
     name = space.sampler.get("name", "tpe")
     opts = {k: v for k, v in space.sampler.items() if k != "name"}
-    if opts.get("seed") is not None:
-        opts["seed"] = zlib.crc32(f"{worker_seed(opts['seed'])}:{drawn}".encode())
-    return optuna.samplers.TPESampler(**opts) if name == "tpe" else optuna.samplers.RandomSampler(**opts)
+
+    def build(seed):
+        cls = optuna.samplers.TPESampler if name == "tpe" else optuna.samplers.RandomSampler
+        return cls(**{**opts, "seed": seed})
+
+    if opts.get("seed") is None:
+        return build(None)
+    return _seeded_per_trial(build, int(opts["seed"]))
+
+
+def _seeded_per_trial(build: Callable[[int], Any], seed: int):
+    """A sampler that, before each trial, makes ``build(crc32("seed:number"))`` and lets it
+    sample that trial.  Optuna's samplers keep no state between trials but their generator (TPE
+    reads the finished trials from the storage), so this draws as one sampler would."""
+    import zlib
+
+    optuna = _optuna()
+
+    class SeededPerTrial(optuna.samplers.BaseSampler):
+        def __init__(self) -> None:
+            self.inner = build(seed)
+
+        def before_trial(self, study, trial) -> None:
+            self.inner = build(zlib.crc32(f"{seed}:{trial.number}".encode()))
+            self.inner.before_trial(study, trial)
+
+        def infer_relative_search_space(self, study, trial):
+            return self.inner.infer_relative_search_space(study, trial)
+
+        def sample_relative(self, study, trial, search_space):
+            return self.inner.sample_relative(study, trial, search_space)
+
+        def sample_independent(self, study, trial, param_name, param_distribution):
+            return self.inner.sample_independent(study, trial, param_name, param_distribution)
+
+        def after_trial(self, study, trial, state, values) -> None:
+            self.inner.after_trial(study, trial, state, values)
+
+        def reseed_rng(self) -> None:
+            self.inner.reseed_rng()
+
+    return SeededPerTrial()
 
 
 def open_study(setup: TuneSetup, *, create: bool = True):
@@ -398,7 +435,7 @@ def open_study(setup: TuneSetup, *, create: bool = True):
     optuna = _optuna()
     storage = rdb_storage(setup.storage, retry_stale=True)
     sp = setup.space
-    sampler = make_sampler(sp, drawn=0)
+    sampler = make_sampler(sp)
     pname = sp.pruner.get("name", "median")
     popts = {k: v for k, v in sp.pruner.items() if k != "name"}
     if pname == "median":
@@ -545,7 +582,6 @@ def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[s
         if c["done"] + c["running"] >= setup.trials and not c["waiting"]:
             time.sleep(HEARTBEAT_S / 2)  # the last slots are running elsewhere (or were, until stale)
             continue
-        study.sampler = make_sampler(setup.space, drawn=len(study.get_trials(deepcopy=False)))
         study.optimize(objective, n_trials=1, catch=(_Surplus,), callbacks=[_log_finished(log)])
 
 
