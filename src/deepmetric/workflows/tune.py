@@ -668,7 +668,7 @@ def trial_rows(setup: TuneSetup, study) -> list[dict]:
         for k, v in (t.user_attrs.get("test") or {}).items():
             row[f"test/{k}"] = v
         row["run_dir"] = t.user_attrs.get("run_dir")
-        if t.user_attrs.get("note"):  # set by hand on a repaired study (bench/studies/emoji_fair/README.md)
+        if t.user_attrs.get("note"):  # set by hand on a repaired study (bench/studies/README.md, the fair emoji tunes)
             row["note"] = t.user_attrs["note"]
         rows.append(row)
     return rows
