@@ -90,3 +90,15 @@ def test_the_fair_comparison_claims_name_its_losses():
     for ch in checks:
         assert ch.a in fair.LOSSES and ch.b in fair.LOSSES, ch
         assert ch.metric in ("final/cross_domain_recall@1", "final/cross_domain_map@r")
+
+
+def test_a_claims_caveat_is_printed_under_its_verdict_only(tmp_path, monkeypatch):
+    mod = _module()
+    _write(tmp_path, "s", {"A": [0.5, 0.6, 0.7], "B": [0.4, 0.45, 0.5]})
+    checks = mod._each("s", [("A", "B")], ("final/recall@1",))
+    monkeypatch.setattr(mod, "CLAIMS", (mod.Claim("k1", "paper 1", "A > B", checks, caveat="B was not tuned"),
+                                        mod.Claim("k2", "paper 2", "A > B again", checks)))
+    text = mod.render(tmp_path)
+    first, second = text.split("## A > B again")
+    assert first.rstrip().endswith("**Verdict: holds.**\n\nCaveat: B was not tuned")
+    assert "Caveat" not in second
