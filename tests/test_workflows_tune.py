@@ -283,6 +283,31 @@ def test_kill_9_halfway_then_the_same_command_finishes_exactly_n_trials(tmp_path
     assert len(glob.glob(str(out / "trials" / "trial_*"))) == len(dirs)  # a retry resumes its original's folder
 
 
+def test_a_failed_trial_queued_twice_runs_once(tmp_path):
+    """Two workers failing the same stale trial at once can queue it twice (seen in CI after the
+    kill -9 rerun); the second copy stands down and does not count."""
+    from optuna.trial import TrialState
+
+    from deepmetric.workflows.tune import run_tune
+
+    space = {**SPACE, "pruner": {"name": "none"}}
+    recipe, sp = _files(tmp_path, space=space, epochs=1)
+    setup = prepare_tune(recipe, sp, trials=2, out=tmp_path / "out")
+    study = open_study(setup)
+    params = {"optim.lr": 0.05, "loss.0.options.alpha": 16.0}
+    dists = {"optim.lr": optuna.distributions.FloatDistribution(1e-4, 0.1, log=True),
+             "loss.0.options.alpha": optuna.distributions.CategoricalDistribution([8.0, 16.0, 32.0])}
+    study.add_trial(optuna.create_trial(state=TrialState.FAIL, params=params, distributions=dists))
+    for _ in range(2):  # what RetryHeartbeatStaleTrialCallback adds, twice
+        study.add_trial(optuna.create_trial(state=TrialState.WAITING, params=params, distributions=dists,
+                                            system_attrs={"failed_trial": 0, "retry_history": [0]}))
+    run_tune(setup, log=lambda m: None)
+    trials = open_study(setup, create=False).get_trials()
+    assert [t.state.name for t in trials[:3]] == ["FAIL", "COMPLETE", "FAIL"]
+    assert trials[2].user_attrs.get("surplus") and trials[3].state.name == "COMPLETE"
+    assert trials[3].params != params and len(trials) == 4
+
+
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
 def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_queued_again(tmp_path, monkeypatch):
     # Optuna's fail_stale_trials skips a running trial that never recorded a heartbeat; a worker

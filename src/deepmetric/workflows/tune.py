@@ -483,6 +483,22 @@ def _counts(study) -> dict[str, int]:
     return out
 
 
+def _repeats_a_retry(study, trial) -> bool:
+    """Whether an earlier live or finished trial already retries the failed trial this one
+    retries.  Two workers that find the same stale trial at once can both fail it and queue it
+    (SQLite gives no row lock; seen once in CI: a killed trial run twice after the rerun)."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    me = next(t for t in trials if t.number == trial.number)
+    history = me.system_attrs.get("retry_history") or []
+    if not history:
+        return False
+    live = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+    return any(t.number < trial.number and t.state in live and (t.system_attrs.get("retry_history") or [])[-1:]
+               == history[-1:] for t in trials)
+
+
 def _holds_a_slot(study, trial, target: int) -> bool:
     """Trial numbers are given out in order by the storage: a trial runs when fewer than
     ``target`` trials that are finished, pruned, running or waiting come before it."""
@@ -498,7 +514,7 @@ def _objective(setup: TuneSetup, study, *, threads: int | None, log: Callable[[s
     from deepmetric.train.loop import NonFiniteLossError, train
 
     def objective(trial) -> float:
-        if not _holds_a_slot(study, trial, setup.trials):
+        if not _holds_a_slot(study, trial, setup.trials) or _repeats_a_retry(study, trial):
             trial.set_user_attr("surplus", True)
             raise _Surplus()
         values = {p.name: p.suggest(trial) for p in setup.space.params}
