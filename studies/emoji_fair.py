@@ -9,8 +9,9 @@ indexed embedding is the backbone's pooled features through a shift-only BN, and
 128-d projection head on it), gets the same tuning budget (``TRIALS`` trials finished or pruned,
 TPE sampler, median pruner at every epoch) on the same objective (cross-vendor Recall@1 of the
 validation emoji: the last 10 % of the training emoji, 96 of the 105 of the category Travel &
-Places, a category training hardly sees, as most of the test's are new), over at least its learning rate, its weight decay and its own main option.  The
-projection's normalisation and the batch sampler are each loss's usual ones (the papers').
+Places, a category training hardly sees, as most of the test's are new), over at least its
+learning rate, its weight decay and its own main option.  The projection's normalisation and
+the batch sampler are each loss's usual ones (the papers').
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ PAIRS = ["train.sampler=class_balanced", "train.m=16", "train.n=4"]
 # The first range, 1e-3 to 1, left most candidates with centres that never grew (2026-11-24:
 # two complete trials at lr x mult ~ 5e-5 and 1e-5 kept the loss constant, 4.111, for 468 steps, rho
 # 0.001: an untrained network); 0.1 to 100 puts about 43 % of the (lr, mult) square in the band
-# lr x mult = 0.003-0.1 where the centres reach a useful length, against 12 % before.
+# lr x mult = 0.003-0.1 where the centres reach a useful length, against 12 % before.  That
+# alone did not make ALMN train: its embeddings are about 1 long or less, and its logits x . c
+# have no temperature (bench/studies/README.md, the ALMN paragraphs); ALMN is not run until fixed.
 CENTRE_LR = {"optim.loss_lr_mult": {"type": "float", "low": 0.1, "high": 100.0, "log": True}}
 
 
