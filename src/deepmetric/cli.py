@@ -606,8 +606,8 @@ def _add_tune_parser(sub) -> None:
             "Train RECIPE once per trial with values from SPACE.yaml and keep the best on a VALIDATION "
             "metric (the recipe needs data.val_classes); the pruner stops hopeless trials at their "
             "evaluations. The study lives in OUT/tune.db (SQLite) or --storage: rerunning the same "
-            "command continues it (a trial killed mid-way is failed and retried) until N trials have "
-            "finished or been pruned; the same command with --storage postgresql://... on several machines "
+            "command continues it (a trial killed mid-way is failed and retried once, and a seeded sampler "
+            "draws new values, never the first run's again) until N trials have finished or been pruned; the same command with --storage postgresql://... on several machines "
             "shares one study. Writes OUT/best.yaml (a runnable recipe), trials.csv / trials.md, "
             "optimization_history.png, param_importances.png and report.html. Space format: docs/tuning.md."),
         epilog=(
