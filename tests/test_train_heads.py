@@ -209,6 +209,37 @@ def test_projection_head_output_gradient_and_what_is_indexed():
     np.testing.assert_allclose(compute_embeddings(model, ds)["embeddings"], emb.numpy(), atol=1e-6)
 
 
+def test_projection_bn_without_the_sqrt_k_division_keeps_unit_variance_per_dimension():
+    """``bn_divide_sqrt_k: false`` on the projection: each of its dims is BN^'s (x - mean) / std
+    (batch statistics in training), so the rows are about sqrt(dim) long (less where a dim's
+    variance is near BN's eps); the default divides by sqrt(dim).  Reference: the standardisation computed by hand from the linear layer."""
+    torch.manual_seed(0)
+    dim = 24
+    long_ = create_model("glyph_resnet", embedding_dim=16, norm="bn",
+                         projection={"dim": dim, "norm": "bn", "bn_divide_sqrt_k": False}, **GLYPH)
+    torch.manual_seed(0)
+    short = create_model("glyph_resnet", embedding_dim=16, norm="bn", projection={"dim": dim, "norm": "bn"}, **GLYPH)
+    assert not long_.projection.out.bn_divide_sqrt_k and short.projection.out.bn_divide_sqrt_k
+    assert long_.head.bn_divide_sqrt_k  # the embedding head keeps its own default
+    x = torch.randn(64, 1, 28, 28)
+    out_long, out_short = long_(x), short(x)
+    linear = long_.projection.out.proj(out_long["embedding"]).detach()
+    expected = (linear - linear.mean(0)) / (linear.var(0, unbiased=False) + long_.projection.out.bn.eps).sqrt()
+    torch.testing.assert_close(out_long["projection"].detach(), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out_short["projection"], out_long["projection"] / dim ** 0.5)
+
+
+@pytest.mark.parametrize("projection, message", [
+    ({"dim": 8, "norm": "bn", "bn_divide_sqrt_k": "no"}, "'bn_divide_sqrt_k' must be true or false, got 'no'"),
+    ({"dim": 8, "norm": "l2", "bn_divide_sqrt_k": False}, "applies to norm 'bn' only, got norm 'l2'"),
+    ({"dim": 8, "scale": 3}, "unknown key(s) ['scale']"),
+])
+def test_projection_options_are_checked(projection, message):
+    with pytest.raises(ValueError) as info:
+        create_model("glyph_resnet", embedding_dim=16, norm="bn", projection=projection, **GLYPH)
+    assert message in str(info.value)
+
+
 def test_projection_config_trains_and_exports_the_embedding(digits, pretrained, tmp_path):
     run = tmp_path / "proj"
     raw = _raw(digits, pretrained, run, options={"projection": {"dim": 5, "norm": "bn"}},

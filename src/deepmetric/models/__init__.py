@@ -198,7 +198,7 @@ def create_model(
 
     Extra keyword arguments: ``pool`` ("avg" | "max"); head options ``bn_momentum`` (0.05),
     ``bn_eps`` (1e-3), ``bn_divide_sqrt_k`` (True), ``init``, ``bias``; ``projection``
-    (``{dim, norm, hidden}``: a SimCLR projection head adding ``"projection"``), ``freeze_bn``
+    (``{dim, norm, hidden, bn_divide_sqrt_k}``: a SimCLR projection head adding ``"projection"``), ``freeze_bn``
     (False, True / "stats", "all"; also ``two_head``), ``head_init`` (None, "pca",
     "pca_whiten": applied by the trainer before the first step); backbone options
     (``transform_input``, ``widths``, ``depths``, ``hidden``, ``freeze_stages``,

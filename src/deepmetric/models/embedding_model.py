@@ -49,17 +49,31 @@ def freeze_batchnorm_parameters(module: nn.Module) -> None:
 
 def build_projection(in_features: int, projection, **bn_options) -> ProjectionHead | None:
     """The ``projection`` option: None, or ``{"dim": int, "norm": "none"|"l2"|"bn" (default
-    "l2"), "hidden": int (optional)}`` -> :class:`ProjectionHead`."""
+    "l2"), "hidden": int (optional), "bn_divide_sqrt_k": bool (optional)}`` ->
+    :class:`ProjectionHead`.
+
+    ``bn_divide_sqrt_k`` (default: the embedding head's, True) applies to ``norm: bn``: False
+    keeps BN^'s unit variance per dimension, so the projection is about sqrt(dim) long instead
+    of about 1.  Losses whose logits are plain inner products without a temperature (N-pair,
+    ALMN) need that length: their papers feed them raw, long GoogLeNet embeddings."""
     if projection is None:
         return None
     if not isinstance(projection, dict):
-        raise ValueError(f"projection must be a mapping {{dim, norm, hidden}}, got {projection!r}")
-    unknown = sorted(set(projection) - {"dim", "norm", "hidden"})
+        raise ValueError(f"projection must be a mapping {{dim, norm, hidden, bn_divide_sqrt_k}}, got {projection!r}")
+    unknown = sorted(set(projection) - {"dim", "norm", "hidden", "bn_divide_sqrt_k"})
     if unknown:
-        raise ValueError(f"projection: unknown key(s) {unknown}; expected dim, norm, hidden")
+        raise ValueError(f"projection: unknown key(s) {unknown}; expected dim, norm, hidden, bn_divide_sqrt_k")
     dim = projection.get("dim")
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
         raise ValueError(f"projection needs 'dim', a positive int, got {dim!r}")
+    if "bn_divide_sqrt_k" in projection:
+        divide = projection["bn_divide_sqrt_k"]
+        if not isinstance(divide, bool):
+            raise ValueError(f"projection: 'bn_divide_sqrt_k' must be true or false, got {divide!r}")
+        if projection.get("norm", "l2") != "bn":
+            raise ValueError(f"projection: 'bn_divide_sqrt_k' applies to norm 'bn' only, "
+                             f"got norm {projection.get('norm', 'l2')!r}")
+        bn_options = {**bn_options, "bn_divide_sqrt_k": divide}
     return ProjectionHead(in_features, dim, norm=projection.get("norm", "l2"), hidden=projection.get("hidden"),
                           **bn_options)
 
@@ -91,7 +105,7 @@ class EmbeddingModel(nn.Module):
             (softmax baseline trained with plain cross-entropy on the model's own logits).
             The heated-up / NormFace classifier with its temperature lives in the loss instead.
         pool: ``"avg"`` (all three papers) or ``"max"``.
-        projection: None, or ``{dim, norm, hidden}``: a SimCLR projection head on the embedding
+        projection: None, or ``{dim, norm, hidden, bn_divide_sqrt_k}``: a SimCLR projection head on the embedding
             adds ``"projection"`` to ``forward``'s dict (what ``loss.N.input: projection``
             reads); ``forward_head`` and everything that indexes still give the embedding.
         freeze_bn: False, True / ``"stats"`` (the backbone's batch norms stay in eval mode:
