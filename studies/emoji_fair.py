@@ -29,15 +29,22 @@ PAIRS = ["train.sampler=class_balanced", "train.m=16", "train.n=4"]
 # The first range, 1e-3 to 1, left most candidates with centres that never grew (2026-11-24:
 # two complete trials at lr x mult ~ 5e-5 and 1e-5 kept the loss constant, 4.111, for 468 steps, rho
 # 0.001: an untrained network); 0.1 to 100 puts about 43 % of the (lr, mult) square in the band
-# lr x mult = 0.003-0.1 where the centres reach a useful length, against 12 % before.  That
-# alone did not make ALMN train: its embeddings are about 1 long or less, and its logits x . c
-# have no temperature (bench/studies/README.md, the ALMN paragraphs); ALMN is not run until fixed.
+# lr x mult = 0.003-0.1 where the centres reach a useful length.  That alone did not make ALMN
+# train: its logits x . c have no temperature, and the unnormalised projection (about 0.3 long)
+# or the bn one (BN^ / sqrt(128), about 1 long) kept them near 0.  ALMN therefore reads LONG, the
+# bn projection without the 1 / sqrt(dim) (each dim unit variance, about 11 long, no learned
+# scale), the analogue of the raw GoogLeNet embedding its paper trains: a 2-epoch check at the
+# first trial's values took the loss from 4.11 to 3.45 for beta 3 and beta 0 alike
+# (bench/studies/README.md, the ALMN paragraphs).
+LONG = {"dim": 128, "norm": "bn", "bn_divide_sqrt_k": False}
 CENTRE_LR = {"optim.loss_lr_mult": {"type": "float", "low": 0.1, "high": 100.0, "log": True}}
 
 
-def _loss(name: str, proj_norm: str, **options) -> list[str]:
+def _loss(name: str, proj_norm: str | dict, **options) -> list[str]:
+    """``proj_norm``: the 128-d projection's norm, or the whole projection mapping (LONG)."""
     term = {"name": name, "input": "projection", "options": options}
-    return [f"loss={json.dumps([term])}", f"model.options.projection={json.dumps({'dim': 128, 'norm': proj_norm})}"]
+    projection = proj_norm if isinstance(proj_norm, dict) else {"dim": 128, "norm": proj_norm}
+    return [f"loss={json.dumps([term])}", f"model.options.projection={json.dumps(projection)}"]
 
 
 def _pml(loss: str, proj_norm: str = "none", **options) -> list[str]:
@@ -55,14 +62,18 @@ LOSSES: dict[str, tuple[list[str], dict]] = {
                          {"loss.0.options.margin": {"type": "float", "low": 0.05, "high": 0.5}}),
     "pml_proxy_anchor": (_pml("ProxyAnchorLoss", margin=0.1, alpha=32),
                          {"loss.0.options.margin": {"type": "float", "low": 0.0, "high": 0.3}}),
-    "almn_beta3": (_loss("almn", "none", beta=3.0, centre_mode="solver") + PAIRS, CENTRE_LR),
-    "almn_beta0": (_loss("almn", "none", beta=0.0, centre_mode="solver") + PAIRS, CENTRE_LR),
+    "almn_beta3": (_loss("almn", LONG, beta=3.0, centre_mode="solver") + PAIRS, CENTRE_LR),
+    "almn_beta0": (_loss("almn", LONG, beta=0.0, centre_mode="solver") + PAIRS, CENTRE_LR),
     "LN": (_loss("heated_softmax", "l2", alpha=16.0),
            {"loss.0.options.alpha": {"type": "categorical", "choices": [8.0, 16.0, 32.0]}}),
     "HLN": (_loss("heated_softmax", "l2", alpha=16.0) + [HEAT],
             {"loss.0.options.alpha": {"type": "categorical", "choices": [8.0, 16.0, 32.0]}}),
-    "npair": (_loss("npair", "l2", l2_reg=0.002) + ["train.sampler=class_balanced", "train.m=32", "train.n=2"],
-              {"loss.0.options.l2_reg": {"type": "float", "low": 1.0e-4, "high": 0.1, "log": True}}),
+    # N-pair reads the l2 projection (as the Reality Check runs every loss), not its paper's
+    # unnormalised embedding: 2-epoch checks at lr 0.0085 (2026-11-24) kept the loss at log 32 on the
+    # unnormalised projection (about 0.3 long) and diverged on LONG (loss 25-50, validation 2.5 %),
+    # while l2 trained (3.47 -> 2.92, validation 42.3).  On unit vectors its l2 regulariser is a
+    # constant, so it is off and N-pair, like SM, tunes only lr and weight decay.
+    "npair": (_loss("npair", "l2", l2_reg=0.0) + ["train.sampler=class_balanced", "train.m=32", "train.n=2"], {}),
     "proxy_nca": (_loss("proxy_nca", "none"),
                   {"loss.0.options.scale_x": {"type": "float", "low": 1.0, "high": 32.0, "log": True}}),
     "pml_multi_similarity": (_pml("MultiSimilarityLoss") + PAIRS,
