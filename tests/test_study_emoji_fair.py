@@ -42,6 +42,44 @@ def test_committed_spaces_and_study_are_the_generators(tmp_path, monkeypatch):
     assert list(study["variants"]) == list(fair.LOSSES) and study["seeds"] == [0, 1, 2]
 
 
+def _own_loss_options(name):
+    return {k: v for k, v in fair.space(name)["params"].items() if k.startswith("loss.0.options.")}
+
+
+@pytest.mark.parametrize("name", [n for n in fair.LOSSES if _own_loss_options(n)])
+def test_every_tuned_loss_option_changes_the_loss(tmp_path, name):
+    """A tuned loss option must matter to training: the gradient that reaches the projection's
+    weights from one batch differs between the two ends of its range (the first N-pair space
+    tuned an l2 regulariser on unit vectors: a constant, which shifts the loss and not its
+    gradient).  Same network, same batch, same initial loss parameters at both ends."""
+    import torch
+
+    from deepmetric.train.builders import build_losses, build_model
+    from deepmetric.workflows.tune import prepare_tune
+
+    setup = prepare_tune(ROOT / "recipes" / "emoji_fair.yaml", ROOT / "spaces" / "emoji_fair" / f"{name}.yaml",
+                         trials=1, out=tmp_path / "tune", overrides=["model.options.pretrained=null"])
+    base = {}
+    for key, spec in fair.space(name)["params"].items():
+        base[key] = spec["choices"][0] if spec["type"] == "categorical" else spec["low"]
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 4
+    for key, spec in _own_loss_options(name).items():
+        ends = spec["choices"][:2] if spec["type"] == "categorical" else [spec["low"], spec["high"]]
+        values = []
+        for end in ends:
+            cfg = setup.trial_config({**base, key: end}, tmp_path / "run", threads=1)
+            torch.manual_seed(0)
+            model = build_model(cfg)
+            torch.manual_seed(1)
+            loss = build_losses(cfg, num_classes=4, projection_dim=model.projection_dim)[0]
+            loss(model(x)["projection"], y).backward()
+            values.append(model.projection.out.proj.weight.grad.clone())
+        assert all(torch.isfinite(v).all() for v in values), (name, key)
+        change = (values[0] - values[1]).norm() / values[0].norm().clamp_min(1e-12)
+        assert change > 1e-3, (name, key, ends, float(change))
+
+
 @pytest.mark.parametrize("name", list(fair.LOSSES))
 def test_every_loss_of_the_comparison_trains_as_its_tune_would(tmp_path, name):
     if not _emoji_installed():
