@@ -336,3 +336,28 @@ def test_every_recipe_passes_the_config_checks():
     assert len(recipes) > 100
     for p in recipes:
         check_config(load_config(p))
+
+
+@pytest.mark.parametrize("options, input_, warned", [
+    ({"norm": "l2"}, "embedding", "l2-normalised"),
+    ({"norm": "bn"}, "embedding", "BN^ / sqrt(k)"),
+    ({"norm": "none"}, "embedding", None),
+    ({"norm": "bn", "bn_divide_sqrt_k": False}, "embedding", None),
+    ({"norm": "none", "projection": {"dim": 8, "norm": "bn"}}, "projection", "BN^ / sqrt(k)"),
+    ({"norm": "none", "projection": {"dim": 8, "norm": "bn", "bn_divide_sqrt_k": False}}, "projection", None),
+])
+def test_almn_on_a_unit_length_input_is_warned(options, input_, warned):
+    """ALMN's logits have no temperature: a warning names the term and the fix when its input is
+    about 1 long; the heated softmax on the same input (it has alpha) is not warned."""
+    from deepmetric.models import create_model
+
+    model = create_model("glyph_resnet", embedding_dim=16, in_chans=1, widths=[8, 32], depths=[1, 1], **options)
+    for name, expect in (("almn", warned), ("heated_softmax", None)):
+        cfg = _cfg(loss=[{"name": name, "input": input_}], model={"name": "glyph_resnet", "options": options})
+        w = P.short_input_warnings(cfg, model)
+        if expect is None:
+            assert w == [], (name, options)
+        else:
+            assert len(w) == 1 and w[0].startswith(f"loss.0 (almn) reads '{input_}', which is {expect}"), w
+            fix = "bn_divide_sqrt_k: false" if input_ == "projection" else "model.options.norm: none"
+            assert fix in w[0]

@@ -44,6 +44,7 @@ __all__ = [
     "check_loss_inputs",
     "size_warnings",
     "few_classes_warning",
+    "short_input_warnings",
     "pixel_rows",
     "backbone_features_baseline",
     "raw_pixel_baseline",
@@ -366,6 +367,37 @@ def size_warnings(cfg: Config, dataset, sample_shape: tuple[int, ...]) -> list[s
     return out
 
 
+#: Losses whose logits are plain inner products, with no temperature: on inputs about 1 long
+#: their softmax is nearly flat and they barely train (ALMN, Eq. 8: x_g . c against x_j . c).
+NO_TEMPERATURE_LOSSES = ("almn",)
+
+
+def short_input_warnings(cfg: Config, model: nn.Module) -> list[str]:
+    """A warning per loss term of :data:`NO_TEMPERATURE_LOSSES` that reads an input the model
+    normalises to about unit length (norm ``l2``, or ``bn`` with ``bn_divide_sqrt_k``).
+
+    On the emoji (2026-11-24) ALMN's loss stayed at log(batch) = 4.111 for 468 steps on such a
+    projection and trained on the same projection without the 1 / sqrt(dim) (about 11 long)."""
+    warns = []
+    for i, term in enumerate(cfg.loss):
+        if term.name not in NO_TEMPERATURE_LOSSES:
+            continue
+        head = getattr(model, "head", None) if term.input == "embedding" else (
+            getattr(getattr(model, "projection", None), "out", None) if term.input == "projection" else None)
+        norm = getattr(head, "norm", None)
+        short = norm == "l2" or (norm == "bn" and getattr(head, "bn_divide_sqrt_k", False))
+        if not short:
+            continue
+        how = "l2-normalised" if norm == "l2" else "BN^ / sqrt(k)"
+        fix = ("model.options.projection: {dim: ..., norm: bn, bn_divide_sqrt_k: false}" if term.input == "projection"
+               else "model.options.norm: none (its paper's unnormalised embedding), or norm: bn with "
+                    "bn_divide_sqrt_k: false")
+        warns.append(f"loss.{i} ({term.name}) reads '{term.input}', which is {how}, about 1 long: its logits "
+                     f"are inner products without a temperature, so its softmax stays nearly flat and the loss "
+                     f"can sit at log(batch size) without training; give it a longer input ({fix})")
+    return warns
+
+
 def few_classes_warning(num_classes: int, threshold: int = FEW_CLASSES) -> str | None:
     """A warning when the training split has fewer than ``threshold`` classes."""
     if num_classes >= threshold:
@@ -610,7 +642,7 @@ def check_run(cfg: Config, model: nn.Module, train_set, eval_sets: dict[str, Any
                              f"at least 2 classes; {how} (training has not started)")
     with rng_preserved():
         shape = check_model_input(model, train_set, cfg)
-    warns = size_warnings(cfg, train_set, shape)
+    warns = size_warnings(cfg, train_set, shape) + short_input_warnings(cfg, model)
     n = getattr(train_set, "num_classes", None)
     if n is None:
         n = len(np.unique(np.asarray(train_set.labels)))
