@@ -126,6 +126,13 @@ CLAIMS = (
                  "long: ALMN's logits have no temperature and it did not train on the short ones); N-pair "
                  "reads the l2 projection with its regulariser off (its unnormalised form did not train "
                  "here), so beta 0 - N-pair compares two losses on different projections (README.md)."),
+    Claim("almn_margin_acting", "ALMN, Table 2 / Proposition 1",
+          "where the centres grow (rho about 0.5) and the virtual point acts, beta 3 > beta 0 (emoji, cross-vendor)",
+          _each("emoji_almn_margin", [("almn_beta3_rho", "almn_beta0_rho")], CROSS_VENDOR),
+          caveat="a mechanism check, not a tuned row: both run the fair ALMN tune's trial 4 (lr 0.00105, "
+                 "centre lr multiplier 73.6), picked because its centres grow, not because it won (its one-seed "
+                 "validation, 50.3 for beta 3, is below the chosen trial 0's 53.1); at trial 0's settings the "
+                 "centres stay short and beta 3 and beta 0 are level (fair_almn above)."),
     Claim("fair_pml", "issue 21 (not a paper claim)",
           "tuned: BN beats what a user would pick from pytorch-metric-learning (ProxyAnchor, "
           "MultiSimilarity, NormalizedSoftmax, ArcFace; emoji, cross-vendor)",
