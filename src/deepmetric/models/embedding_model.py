@@ -54,8 +54,9 @@ def build_projection(in_features: int, projection, **bn_options) -> ProjectionHe
 
     ``bn_divide_sqrt_k`` (default: the embedding head's, True) applies to ``norm: bn``: False
     keeps BN^'s unit variance per dimension, so the projection is about sqrt(dim) long instead
-    of about 1.  Losses whose logits are plain inner products without a temperature (N-pair,
-    ALMN) need that length: their papers feed them raw, long GoogLeNet embeddings."""
+    of about 1.  ALMN, whose logits are plain inner products without a temperature, needs that
+    length (its paper feeds it raw, long GoogLeNet embeddings); N-pair, the other such loss,
+    diverged on it in the emoji checks and trains on ``l2`` (bench/studies/README.md)."""
     if projection is None:
         return None
     if not isinstance(projection, dict):
@@ -66,16 +67,15 @@ def build_projection(in_features: int, projection, **bn_options) -> ProjectionHe
     dim = projection.get("dim")
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
         raise ValueError(f"projection needs 'dim', a positive int, got {dim!r}")
+    norm = projection.get("norm", "l2")
     if "bn_divide_sqrt_k" in projection:
         divide = projection["bn_divide_sqrt_k"]
         if not isinstance(divide, bool):
             raise ValueError(f"projection: 'bn_divide_sqrt_k' must be true or false, got {divide!r}")
-        if projection.get("norm", "l2") != "bn":
-            raise ValueError(f"projection: 'bn_divide_sqrt_k' applies to norm 'bn' only, "
-                             f"got norm {projection.get('norm', 'l2')!r}")
+        if norm != "bn":
+            raise ValueError(f"projection: 'bn_divide_sqrt_k' applies to norm 'bn' only, got norm {norm!r}")
         bn_options = {**bn_options, "bn_divide_sqrt_k": divide}
-    return ProjectionHead(in_features, dim, norm=projection.get("norm", "l2"), hidden=projection.get("hidden"),
-                          **bn_options)
+    return ProjectionHead(in_features, dim, norm=norm, hidden=projection.get("hidden"), **bn_options)
 
 
 def global_pool(fmap: torch.Tensor, pool: str) -> torch.Tensor:

@@ -378,12 +378,14 @@ def short_input_warnings(cfg: Config, model: nn.Module) -> list[str]:
 
     On the emoji (2026-11-24) ALMN's loss stayed at log(batch) = 4.111 for 468 steps on such a
     projection and trained on the same projection without the 1 / sqrt(dim) (about 11 long)."""
+    # the EmbeddingHead that normalises each input a loss term can read (None: not normalised here)
+    heads = {"embedding": getattr(model, "head", None),
+             "projection": getattr(getattr(model, "projection", None), "out", None)}
     warns = []
     for i, term in enumerate(cfg.loss):
         if term.name not in NO_TEMPERATURE_LOSSES:
             continue
-        head = getattr(model, "head", None) if term.input == "embedding" else (
-            getattr(getattr(model, "projection", None), "out", None) if term.input == "projection" else None)
+        head = heads.get(term.input)
         norm = getattr(head, "norm", None)
         short = norm == "l2" or (norm == "bn" and getattr(head, "bn_divide_sqrt_k", False))
         if not short:
