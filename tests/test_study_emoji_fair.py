@@ -126,3 +126,34 @@ def test_the_driver_writes_the_baseline_rows_into_the_summary(tmp_path, monkeypa
     assert text.startswith("# Study emoji_fair\n") and "## Baselines" in text
     assert "| raw pixels (64x64x3 = 12288-d) | 0.4946 | 0.2139 | 0.2700 | 0.1300 |" in text
     assert "| efficientnet_lite0 imagenet features (1280-d) | - | - | 0.2800 | 0.1366 |" in text
+
+
+def test_the_proxy_lr_diagnostic_differs_from_the_fair_proxy_anchor_tune_only_in_its_third_option(tmp_path):
+    """spaces/emoji_proxy_lr/pml_proxy_anchor.yaml (bench/studies/README.md) asks one question of
+    the fair ProxyAnchor tune: the same objective, sampler, pruner, lr and weight-decay ranges and
+    loss, with the proxies' lr multiplier in place of the margin; and the multiplier reaches the
+    optimiser as the proxies' learning rate."""
+    import yaml
+
+    from deepmetric.train.loop import build_losses, build_model
+    from deepmetric.train.optim import build_optimizer
+    from deepmetric.workflows.tune import prepare_tune
+
+    diag = yaml.safe_load((ROOT / "spaces" / "emoji_proxy_lr" / "pml_proxy_anchor.yaml").read_text())
+    fair_space = fair.space("pml_proxy_anchor")
+    assert {k: v for k, v in diag.items() if k != "params"} == {k: v for k, v in fair_space.items() if k != "params"}
+    own = {"optim.lr", "optim.weight_decay"}
+    assert {k: diag["params"][k] for k in own} == {k: fair_space["params"][k] for k in own}
+    assert set(diag["params"]) - own == {"optim.loss_lr_mult"}
+    assert set(fair_space["params"]) - own == {"loss.0.options.margin"}
+
+    setup = prepare_tune(ROOT / "recipes" / "emoji_fair.yaml", ROOT / "spaces" / "emoji_proxy_lr" / "pml_proxy_anchor.yaml",
+                         trials=1, out=tmp_path / "tune", overrides=TINY)
+    cfg = setup.trial_config({"optim.lr": 0.002, "optim.weight_decay": 1e-5, "optim.loss_lr_mult": 100.0},
+                             tmp_path / "run", threads=1)
+    model = build_model(cfg, num_classes=40)
+    losses = build_losses(cfg, num_classes=40, embedding_dim=1280, projection_dim=128)
+    opt = build_optimizer(model, losses, cfg.optim)
+    proxies = [g for g in opt.param_groups if any("proxies" in n for n in g["param_names"])]
+    assert len(proxies) == 1 and proxies[0]["lr_mult"] == 100.0
+    assert all(g["lr_mult"] != 100.0 for g in opt.param_groups if g is not proxies[0])

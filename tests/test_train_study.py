@@ -265,7 +265,8 @@ def test_only_matches_whole_key_parts_and_rejects_a_key_that_matches_nothing(tmp
     assert not (tmp_path / "out" / "a16" / "seed0" / "metrics.json").exists()  # nothing trained
 
 
-@pytest.mark.parametrize("name", ["emoji", "glyphs_cross_family", "fashion_mnist_two_head", "emoji_almn_margin"])
+@pytest.mark.parametrize("name", ["emoji", "glyphs_cross_family", "fashion_mnist_two_head", "emoji_almn_margin",
+                                  "emoji_proxy_lr"])
 def test_repository_study_files_are_valid(name):
     """Every run of the studies/ files validates, and names a dataset, transform, model and
     losses that exist (PML class names included)."""
