@@ -266,7 +266,7 @@ def test_only_matches_whole_key_parts_and_rejects_a_key_that_matches_nothing(tmp
 
 
 @pytest.mark.parametrize("name", ["emoji", "glyphs_cross_family", "fashion_mnist_two_head", "emoji_almn_margin",
-                                  "emoji_proxy_lr"])
+                                  "emoji_proxy_lr", "emoji_proxy_anchor_adamw"])
 def test_repository_study_files_are_valid(name):
     """Every run of the studies/ files validates, and names a dataset, transform, model and
     losses that exist (PML class names included)."""
@@ -311,3 +311,23 @@ def test_git_commit_of_results_commits_only_those_files(tmp_path):
     assert not messages
     assert sorted(git("show", "--name-only", "--format=", "HEAD").split()) == ["runs/s/results.csv", "runs/s/summary.md"]
     assert "other.txt" in git("diff", "--cached", "--name-only")  # still staged, not committed
+
+
+def test_summary_cell_over_fewer_runs_than_its_row_says_how_many():
+    """A ``selected/`` test metric measured in 1 of 3 runs (``eval.test_every: 0``, best epoch not
+    the last in two) must not read as the variant's mean over seeds."""
+    from types import SimpleNamespace
+
+    from deepmetric.report.study_tables import summarize, summary_markdown
+
+    rows = [{"benchmark": "", "variant": "v", "seed": s, "final/recall@1": f} for s, f in enumerate((0.5, 0.6, 0.7))]
+    rows[1]["selected/recall@1"] = 0.65
+    groups = summarize(rows, ["final/recall@1", "selected/recall@1"])
+    study = SimpleNamespace(name="s", description="", confidence=0.95, variants={"v": []}, seeds=[0, 1, 2],
+                            benchmarks=[None], runs=[SimpleNamespace(finished=True)] * 3)
+    md = summary_markdown(study, rows, ["final/recall@1", "selected/recall@1"], groups, [], None)
+    line = next(ln for ln in md.splitlines() if ln.startswith("| v |"))
+    final, selected = [c.strip() for c in line.split("|")[3:5]]
+    # the complete column: mean 0.6, sample sd 0.1, t(0.975, 2) = 4.303 -> half-width 0.2484
+    assert final == "0.6000 ± 0.1000 [0.3516, 0.8484]"
+    assert selected == "0.6500 (1 of 3 runs)"

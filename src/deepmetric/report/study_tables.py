@@ -96,12 +96,17 @@ def format_number(x: float | None, digits: int = 4) -> str:
     return f"{x:.{digits}f}"
 
 
-def _cell(st: dict) -> str:
+def _cell(st: dict, runs: int | None = None) -> str:
+    """``mean ± sd [CI]`` of one metric; when only some of the variant's ``runs`` have the metric
+    (e.g. ``selected/`` test metrics, measured only where the best validation epoch was also
+    tested), the cell says over how many, so that one seed's value never reads as the mean."""
     if st["n"] == 0:
         return "-"
+    some = f" ({st['n']} of {runs} runs)" if runs is not None and st["n"] < runs else ""
     if st["n"] == 1:
-        return format_number(st["mean"])
-    return f"{format_number(st['mean'])} ± {format_number(st['std'])} [{format_number(st['ci_low'])}, {format_number(st['ci_high'])}]"
+        return format_number(st["mean"]) + some
+    return (f"{format_number(st['mean'])} ± {format_number(st['std'])} "
+            f"[{format_number(st['ci_low'])}, {format_number(st['ci_high'])}]{some}")
 
 
 def summary_markdown(study, rows: list[dict], metrics: list[str], groups: list[dict],
@@ -120,7 +125,9 @@ def summary_markdown(study, rows: list[dict], metrics: list[str], groups: list[d
               + (f" x {len(study.benchmarks)} benchmarks" if study.benchmarks != [None] else "") + "). "
               f"Cells: mean ± sample standard deviation [{pct} % Student-t confidence interval] over seeds; "
               "`final/` = the model at the end of training, `selected/` = the model selected on "
-              "validation classes; both evaluated on the test classes.", ""]
+              "validation classes; both evaluated on the test classes (`selected/` only where the "
+              "selected epoch's test split was evaluated: with `eval.test_every: 0`, when it was the "
+              "last epoch; a cell over fewer runs than its row says so).", ""]
     for bench in study.benchmarks:
         bname = bench or ""
         gs = [g for g in groups if g["benchmark"] == bname]
@@ -133,7 +140,7 @@ def summary_markdown(study, rows: list[dict], metrics: list[str], groups: list[d
         lines.append("|---|---|" + "---|" * len(metrics))
         for g in gs:
             lines.append(f"| {g['variant']} | {g['n_runs']} | "
-                         + " | ".join(_cell(g["stats"][m]) for m in metrics) + " |")
+                         + " | ".join(_cell(g["stats"][m], g["n_runs"]) for m in metrics) + " |")
         lines.append("")
         bp = [p for p in pairs if p["benchmark"] == bname]
         if bp:
