@@ -54,7 +54,8 @@ def study(names: list[str]):
     raw = yaml.safe_load((ROOT / "studies" / "emoji_fair.yaml").read_text())
     raw = copy.deepcopy(raw)
     raw["base"] = str(ROOT / "recipes" / "emoji_fair.yaml")
-    raw["variants"] = {n: [{"from_tune": str(TUNES / n)}, *spec.LOSSES[n][0]] for n in names}
+    # the tuned values last: the loss's own overrides (loss=[...]) would replace the tuned option
+    raw["variants"] = {n: [*spec.LOSSES[n][0], {"from_tune": str(TUNES / n)}] for n in names}
     raw["compare"] = [p for p in raw["compare"] if p[0] in names and p[1] in names]
     # written to a file: the study's worker processes (--workers > 1) load it from there
     path = ROOT / "runs" / "studies" / "emoji_fair.tuned.yaml"

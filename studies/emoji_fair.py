@@ -110,7 +110,9 @@ def main() -> None:
                         "at the chosen settings; EfficientNet-Lite0, 64 px, pooled-feature embedding, 128-d "
                         "projection head, style augmentation, WiSE-FT chosen on validation."),
         "base": "../recipes/emoji_fair.yaml",
-        "variants": {name: [{"from_tune": f"../runs/tune/emoji_fair/{name}"}] + LOSSES[name][0] for name in LOSSES},
+        # from_tune last: the loss's own overrides set whole mappings (loss=[...]), which would
+        # replace the tuned loss option if they came after it
+        "variants": {name: LOSSES[name][0] + [{"from_tune": f"../runs/tune/emoji_fair/{name}"}] for name in LOSSES},
         "seeds": [0, 1, 2],
         "out_dir": "runs/studies/emoji_fair",
         "workers": 2,
