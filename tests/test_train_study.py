@@ -331,3 +331,25 @@ def test_summary_cell_over_fewer_runs_than_its_row_says_how_many():
     # the complete column: mean 0.6, sample sd 0.1, t(0.975, 2) = 4.303 -> half-width 0.2484
     assert final == "0.6000 ± 0.1000 [0.3516, 0.8484]"
     assert selected == "0.6500 (1 of 3 runs)"
+
+
+def test_from_tune_values_survive_the_variants_own_overrides(tmp_path):
+    """A variant's ``from_tune`` gives the tune's best values; a later ``loss=[...]`` (a whole
+    list) would silently drop the tuned ``loss.0.options.alpha`` (the defect of the fair emoji
+    comparison's first seeded runs), so it is refused with the keys named; ``from_tune`` after
+    it keeps them; a later override of the tuned key itself wins."""
+    tune = tmp_path / "tune"
+    tune.mkdir()
+    (tune / "best_overrides.json").write_text(json.dumps(
+        {"trial": 3, "value": 0.5, "metric": "recall@1",
+         "overrides": ["optim.lr=0.0123", "loss.0.options.alpha=8.0"]}))
+    whole = 'loss=[{"name": "heated_softmax", "options": {"alpha": 16.0}}]'
+    path = _study(tmp_path, variants={"a": [{"from_tune": str(tune)}, whole]}, compare=[])
+    with pytest.raises(ConfigError, match=r"variants\.a\.1: 'loss=\.\.\.' replaces loss\.0\.options\.alpha, "
+                                          r"which the from_tune of item 0 set.*Put from_tune after"):
+        load_study(path)
+    path = _study(tmp_path, variants={"a": [whole, {"from_tune": str(tune)}],
+                                      "b": [{"from_tune": str(tune)}, "optim.lr=0.5"]}, compare=[])
+    runs = {r.key: r.raw for r in load_study(path).runs}
+    assert runs["a/seed0"]["loss"][0]["options"]["alpha"] == 8.0 and runs["a/seed0"]["optim"]["lr"] == 0.0123
+    assert runs["b/seed0"]["optim"]["lr"] == 0.5 and runs["b/seed0"]["loss"][0]["options"]["alpha"] == 8.0

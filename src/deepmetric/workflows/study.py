@@ -50,9 +50,10 @@ with the wall time of each attempt, ``error.txt`` of a failed attempt) are in
 ``OUT/.study/<run key>/``, so run directories hold only what ``train`` writes; the workers'
 output is in ``OUT/.study/workers/``.
 
-A variant can take its settings from a finished tune: ``VARIANT: [{from_tune: DIR}, ...]``
+A variant can take its settings from a finished tune: ``VARIANT: [..., {from_tune: DIR}]``
 applies the best trial's values of the tune in ``DIR`` (``DIR/best_overrides.json``, written
-by ``deepmetric tune``).
+by ``deepmetric tune``) where it stands; a later override that replaces a whole mapping or list
+holding a tuned key (``loss=[...]`` after a tuned ``loss.0.options.margin``) is refused.
 
 Statistics (``mean_ci``): for values ``x_1..x_n``, ``mean = sum x_i / n``, ``sd`` with
 ``n - 1`` in the denominator, and ``mean +- t_{0.975, n-1} sd / sqrt(n)``.  Paired
@@ -185,18 +186,34 @@ def _override_strings(items: Any, where: str, study_dir: Path = Path(".")) -> li
     if not isinstance(items, list):
         raise _err(where, f"expected a list of overrides, got {type(items).__name__} {items!r}")
     out = []
+    tuned: dict[str, str] = {}  # key set by a from_tune -> "item N", the from_tune that set it
     for i, item in enumerate(items):
         if isinstance(item, str):
             if "=" not in item:
                 raise _err(f"{where}.{i}", f"expected KEY=VALUE, got {item!r}")
+            _keep_tuned(item.split("=", 1)[0].strip(), tuned, f"{where}.{i}")
             out.append(item)
         elif isinstance(item, dict) and list(item) == ["from_tune"]:
-            out.extend(_tune_overrides(item["from_tune"], study_dir, f"{where}.{i}"))
+            overrides = _tune_overrides(item["from_tune"], study_dir, f"{where}.{i}")
+            tuned.update({o.split("=", 1)[0].strip(): f"item {i}" for o in overrides})
+            out.extend(overrides)
         elif isinstance(item, dict) and item:
+            for k in item:
+                _keep_tuned(str(k), tuned, f"{where}.{i}")
             out.extend(f"{k}={json.dumps(v)}" for k, v in item.items())
         else:
             raise _err(f"{where}.{i}", f"expected 'key=value' or {{key: value}}, got {item!r}")
     return out
+
+
+def _keep_tuned(key: str, tuned: dict[str, str], where: str) -> None:
+    """An override that sets a whole mapping or list (``loss=[...]``, ``optim={...}``) after a
+    ``from_tune`` would silently replace the tuned values under it (``loss.0.options.margin``):
+    refuse, and say how to order them.  Setting a tuned key itself (``optim.lr=...``) is allowed."""
+    lost = sorted(t for t in tuned if t.startswith(key + "."))
+    if lost:
+        raise _err(where, f"'{key}=...' replaces {', '.join(lost)}, which the from_tune of {tuned[lost[0]]} "
+                          f"set: the tuned values would be lost. Put from_tune after this override")
 
 
 def load_study(path: str | os.PathLike | None = None, *, raw: dict | None = None,
