@@ -142,7 +142,7 @@ CLAIMS = (
                  "lr; ProxyAnchor's paper uses AdamW and a 100x proxy lr, so its row is ProxyAnchor under "
                  "this protocol, not at its best. With its paper's AdamW (emoji_proxy_anchor_adamw, lr chosen "
                  "on validation between the paper's two, 3 seeds) ProxyAnchor reaches 44.3 cross-vendor "
-                 "Recall@1, +14.3 [+11.5, +17.2] over its row here, and BN still leads it by +13.2 [+11.3, "
+                 "Recall@1, +14.3 [+11.5, +17.2] over SGD at the same margin 0.1, and BN still leads it by +13.2 [+11.3, "
                  "+15.1]; a faster proxy alone under SGD did not help (README.md). The other PML rows were not "
                  "tried with AdamW. ArcFace's tune finished 2 of its 10 "
                  "candidates (7 pruned after epoch 1, six of them at validation 38.8-41.0, one after epoch 3), "
