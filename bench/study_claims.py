@@ -117,7 +117,7 @@ CLAIMS = (
           caveat="LN's tune evaluated only 2 of its 10 candidates to the end: the median pruner "
                  "stopped the other 8 after epoch 1, where LN is still at the untrained network's level, "
                  "and the chosen settings train unstably (the loss doubled in epoch 1). BN - LN here says "
-                 "that LN loses under this protocol, not that a well-tuned LN is 26 points behind; the "
+                 "that LN loses under this protocol, not that a well-tuned LN is 28 points behind; the "
                  "untuned study had them level (README.md)."),
     Claim("fair_almn", "ALMN, Table 2",
           "tuned: ALMN beta 3 > beta 0 > N-pair (emoji, every loss tuned on validation, cross-vendor)",
@@ -142,7 +142,8 @@ CLAIMS = (
                  "lr; ProxyAnchor's paper uses AdamW and a 100x proxy lr, so its row is ProxyAnchor under "
                  "this protocol, not at its best. With its paper's AdamW (emoji_proxy_anchor_adamw, lr chosen "
                  "on validation between the paper's two, 3 seeds) ProxyAnchor reaches 44.3 cross-vendor "
-                 "Recall@1, +14.3 [+11.5, +17.2] over SGD at the same margin 0.1, and BN still leads it by +13.2 [+11.3, "
+                 "Recall@1, +14.3 [+11.5, +17.2] over SGD at the same margin 0.1 (the first seeded set's row; +14.9 "
+                 "[+11.0, +18.8] over the corrected row at its tuned margin 0.24), and BN still leads it by +13.2 [+11.3, "
                  "+15.1]; a faster proxy alone under SGD did not help (README.md). The other PML rows were not "
                  "tried with AdamW. ArcFace's tune finished 2 of its 10 "
                  "candidates (7 pruned after epoch 1, six of them at validation 38.8-41.0, one after epoch 3), "
