@@ -229,3 +229,54 @@ def test_compute_embeddings_outputs_are_the_models_forward_outputs(name):
     assert "logits" not in emb and emb["labels"].tolist() == (torch.arange(10) % 3).tolist()
     with pytest.raises(ValueError, match=r"output must be one of \('embedding', 'features'\), got 'logits'"):
         compute_embeddings(model, ds, output="logits")
+
+
+@pytest.mark.filterwarnings("ignore:.*no same-label reference")
+def test_best_pt_is_evaluated_on_test_when_its_epoch_was_not(tmp_path):
+    """With ``eval.test_every: 0`` the test split is evaluated at the end only; when validation
+    chose an earlier epoch, ``best.pt`` is evaluated on test after training (``eval.test_selected``),
+    and metrics.json's ``selected.test`` is that model's cross-vendor search, by brute force."""
+    from test_data_emoji import make_tree
+
+    from deepmetric.evaluate import evaluate_cross_domain
+    from deepmetric.train.rundir import read_log
+
+    make_tree(tmp_path / "tree")
+    raw = {
+        "data": {"name": "emoji", "root": str(tmp_path / "tree"), "options": {"size": 32},
+                 "transform": "emoji", "transform_options": {"normalize": "minus_one_one"}, "val_classes": 3},
+        "model": {"name": "glyph_resnet", "options": {"in_chans": 3, "embedding_dim": 8, "widths": [8], "depths": [1],
+                                                      "norm": "l2"}},
+        "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+        # an lr this small leaves the weights as they are: the validation metric ties, and a tie
+        # keeps the first epoch, so best.pt is epoch 1 of 3 and its test split was never evaluated
+        "optim": {"lr": 1e-12, "weight_decay": 0.0},
+        "train": {"epochs": 3, "batch_size": 4, "seed": 0, "out_dir": str(tmp_path / "run"), "progress": False},
+        "eval": {"every": 1, "test_every": 0, "ks": [1, 2], "metrics": ["recall", "map@r"], "cross_domain": True,
+                 "best_metric": "cross_domain_map@r", "baselines": False},
+    }
+    train(config_from_dict(raw))
+    summary = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    selected = summary["selected"]
+    assert selected["epoch"] == 1
+    assert [(r["split"], r["epoch"]) for r in read_log(tmp_path / "run", type="eval")] == [
+        ("val", 1), ("val", 2), ("val", 3), ("test", 3)]
+    [record] = read_log(tmp_path / "run", type="selected_eval")
+    assert record["epoch"] == 1 and record["split"] == "test"
+    model, _, cfg, _ = load_model_from_checkpoint(tmp_path / "run" / "best.pt")
+    test_set = build_dataset(cfg, "test", train=False)
+    emb = compute_embeddings(model, test_set)
+    ref = evaluate_cross_domain(emb["embeddings"], emb["labels"], test_set.vendor_ids, ks=(1, 2),
+                                metrics=("recall", "map@r"))["mean"]
+    for k in ("recall@1", "recall@2", "map@r"):
+        assert selected["test"][f"cross_domain_{k}"] == pytest.approx(ref[k], abs=1e-6)
+        assert record[f"cross_domain_{k}"] == selected["test"][f"cross_domain_{k}"]
+    assert summary["final"]["test"]  # the final model's own test evaluation stays
+
+    # off: nothing evaluated after training, selected.test stays unknown
+    raw["train"]["out_dir"] = str(tmp_path / "off")
+    raw["eval"]["test_selected"] = False
+    train(config_from_dict(raw))
+    off = json.loads((tmp_path / "off" / "metrics.json").read_text())["selected"]
+    assert off["epoch"] == 1 and off["test"] is None
+    assert read_log(tmp_path / "off", type="selected_eval") == []

@@ -304,6 +304,14 @@ def test_run_summary_names_split_model_loss_device_and_output(tmp_path):
     assert f"glyph_resnet: {n_params / 1e3:.1f} k parameters, 4-d embedding, input [1, 12, 10]" in text
     assert "1 x heated_softmax(alpha=16)" in text and "5 steps/epoch x 3 epochs = 15 steps" in text
     assert "device   cpu, 2 threads, 0 loader workers" in text
+    assert "optim    sgd, lr 0.01, weight decay 0" in text and " x" not in text.split("optim")[1].split("\n")[0]
+    tuned = _cfg(optim={"name": "adamw", "lr": 6e-4, "weight_decay": 1e-4, "new_layer_lr_mult": 10.0,
+                        "loss_lr_mult": 100.0, "layer_decay": 0.7})
+    line = [x for x in format_run_summary(tuned, train_set=tr, eval_sets={"query": te}, model=model, embedding_dim=4,
+                                          input_shape=(1, 12, 10), device="cpu").splitlines() if "optim" in x][0]
+    # every factor of a parameter group's lr is in the banner (the proxy-lr runs differed only there)
+    assert line.strip() == ("optim    adamw, lr 0.0006, weight decay 0.0001, new layers x10, loss parameters x100, "
+                            "layer decay 0.7")
     assert "warning" not in format_run_end(metrics={"recall@1": 0.9}, best={"metric": "recall@1", "value": 0.9, "epoch": 1},
                                            seconds=1, epochs=1, steps=1, out_dir=tmp_path,
                                            baselines={"epoch0": {"label": "epoch 0", "metrics": {"recall@1": 0.5}}})
@@ -319,6 +327,10 @@ def test_run_end_lists_metrics_time_paths_and_baselines(tmp_path):
     assert "done: 5 epochs, 75 steps in 12.3 s" in text
     assert "final    recall@1 85.5%, nmi 0.500" in text
     assert "best     validation recall@1 86.0% at epoch 4 (best.pt)" in text
+    assert "(test, best.pt)" not in text  # best.pt's test metrics unknown: no line
+    with_test = format_run_end(metrics={"recall@1": 0.855}, seconds=1, epochs=5, steps=75, out_dir=tmp_path,
+                               best={"metric": "recall@1", "value": 0.86, "epoch": 4, "test": {"recall@1": 0.84}})
+    assert "best     recall@1 84.0% (test, best.pt)" in with_test
     assert "baseline raw pixels: recall@1 96.0%" in text
     assert "warning: the trained embedding (recall@1 85.5%) is below the baseline of raw pixels" in text
     assert f"checkpoint {tmp_path / 'last.pt'}" in text and f"log       {tmp_path / 'log.jsonl'}" in text

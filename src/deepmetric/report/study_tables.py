@@ -125,9 +125,9 @@ def summary_markdown(study, rows: list[dict], metrics: list[str], groups: list[d
               + (f" x {len(study.benchmarks)} benchmarks" if study.benchmarks != [None] else "") + "). "
               f"Cells: mean ± sample standard deviation [{pct} % Student-t confidence interval] over seeds; "
               "`final/` = the model at the end of training, `selected/` = the model selected on "
-              "validation classes; both evaluated on the test classes (`selected/` only where the "
-              "selected epoch's test split was evaluated: with `eval.test_every: 0`, when it was the "
-              "last epoch; a cell over fewer runs than its row says so).", ""]
+              "validation classes; both evaluated on the test classes (`selected/` missing where the "
+              "selected epoch's test split was not evaluated: runs made before `eval.test_selected`, "
+              "with `eval.test_every: 0`; a cell over fewer runs than its row says so).", ""]
     for bench in study.benchmarks:
         bname = bench or ""
         gs = [g for g in groups if g["benchmark"] == bname]

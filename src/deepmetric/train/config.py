@@ -364,6 +364,10 @@ class EvalConfig:
     #: epochs between test-split evaluations (``null`` = ``every``; 0 = only the final
     #: evaluation): tuning trials select on validation and need the test split once at most
     test_every: Optional[int] = None
+    #: after training, evaluate ``best.pt`` on the test split when its epoch's test split was
+    #: not evaluated (``test_every``), so that metrics.json's ``selected.test`` is always the
+    #: test score of the model validation chose (one more test evaluation; off in tuning trials)
+    test_selected: bool = True
     at_start: bool = False
     split: str = "test"
     gallery_split: Optional[str] = None

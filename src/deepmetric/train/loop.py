@@ -431,6 +431,32 @@ def _wise_ft(run: _Run) -> None:
     run.wise_ft = res
 
 
+def _test_selected(run: _Run) -> None:
+    """After training (rank 0), with ``eval.test_selected``: the test metrics of ``best.pt``
+    when its epoch's test split was not evaluated (``eval.test_every``), so that ``selected``
+    in metrics.json (a study's ``selected/`` columns) always holds the test metrics of the model
+    validation chose.  Evaluated on copies: the final model and its loss terms are untouched."""
+    import copy
+
+    state, path = run.state, run.out_dir / R.BEST
+    if (not run.main or not run.has_val or not run.cfg.eval.test_selected or state.best.get("value") is None
+            or state.best.get("test") is not None or not path.is_file()):
+        return
+    ckpt = load_checkpoint(path, map_location=run.device)
+    model, losses = copy.deepcopy(run.model), copy.deepcopy(run.losses)
+    model.load_state_dict(ckpt["model"])
+    for loss, saved in zip(losses, ckpt.get("loss", [])):
+        loss.load_state_dict(saved)
+    t0 = time.perf_counter()
+    metrics = evaluate_split(model, run.eval_sets["test"], run.cfg, device=run.device, losses=losses)[0]
+    state.best["test"] = metrics
+    # its own record type: an "eval" record of an earlier epoch would read as that epoch's evaluation
+    run.log.write({"type": "selected_eval", "split": "test", "epoch": state.best["epoch"], "step": state.iteration,
+                   "eval_seconds": round(time.perf_counter() - t0, 3), **metrics})
+    print(f"[deepmetric] best.pt (epoch {state.best['epoch']}, chosen on validation) test: "
+          + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
+
+
 def _plain_summary(info: dict) -> dict:
     """The ``wise_ft`` summary as plain floats / strings (a checkpoint entry)."""
     return {k: ([{kk: float(vv) for kk, vv in r.items()} for r in v] if k == "val" else
@@ -738,6 +764,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                     break
                 finished = _end_of_epoch(run, run.state.epoch + 1, finished=outcome == "finished")
         if not interrupted:
+            _test_selected(run)
             _wise_ft(run)
             D.barrier()
         result = _finish(run, interrupted)

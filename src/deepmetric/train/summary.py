@@ -149,7 +149,16 @@ def format_run_summary(cfg: Config, *, train_set, eval_sets: dict[str, Any], mod
         if total_steps is not None:
             batch += f" = {total_steps} steps"
     lines.append(f"  batches  {batch}")
-    lines.append(f"  optim    {cfg.optim.name}, lr {cfg.optim.lr:g}"
+    o = cfg.optim
+    # every factor that sets a parameter group's lr: a run is read from its banner
+    lrs = f", lr {o.lr:g}, weight decay {o.weight_decay:g}"
+    if o.new_layer_lr_mult != 1.0:
+        lrs += f", new layers x{o.new_layer_lr_mult:g}"
+    if o.loss_lr_mult is not None:
+        lrs += f", loss parameters x{o.loss_lr_mult:g}"
+    if o.layer_decay is not None:
+        lrs += f", layer decay {o.layer_decay:g}"
+    lines.append(f"  optim    {o.name}{lrs}"
                  + (f", temperature schedule {cfg.schedule.temperature.name}"
                     if cfg.schedule.temperature.name != "none" else ""))
     dev = f"{device}"
@@ -201,6 +210,8 @@ def format_run_end(*, metrics: dict[str, float], best: dict[str, Any], seconds: 
     if best.get("value") is not None:
         lines.append(f"  best     validation {best['metric']} {100 * best['value']:.1f}% at epoch {best['epoch']}"
                      " (best.pt)")
+        if best.get("test"):
+            lines.append(f"  best     {format_metrics(best['test'])} (test, best.pt)")
     key = key or best.get("metric") or "recall@1"
     beaten_by = []
     for name, b in (baselines or {}).items():

@@ -267,6 +267,7 @@ class TuneSetup:
             e["best_metric"] = self.space.metric  # best.pt = the model the objective scores
         if e.get("test_every") is None:
             e["test_every"] = 0                   # test once, at the end (recorded, never used)
+        e.setdefault("test_selected", False)      # and not best.pt again: a trial's cost is the budget
         e["baselines"] = False                    # the same for every trial: not a trial's business
         return config_from_dict(raw)
 
