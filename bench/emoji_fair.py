@@ -7,6 +7,8 @@ of its baselines.json) and committed after each step, with bench/studies/CLAIMS.
     nohup python bench/emoji_fair.py > runs/emoji_fair.log 2>&1 &
     python bench/emoji_fair.py --only BN HBN SM        # some losses
     python bench/emoji_fair.py --summary                # rewrite the tables from what finished
+    python bench/emoji_fair.py --tunes bench/studies/emoji_fair/tunes   # the seeds only, at the
+                                                        # committed tuned settings (no tuning)
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ import emoji_fair as spec  # noqa: E402
 
 from deepmetric.workflows.study import load_study, run_study, write_results  # noqa: E402
 
-TUNES = ROOT / "runs" / "tune" / "emoji_fair"
+RUNS = ROOT / "runs"
+TUNES = RUNS / "tune" / "emoji_fair"
 COPY = ROOT / "bench" / "studies" / "emoji_fair"
 TUNE_FILES = ("trials.md", "trials.csv", "best.yaml", "best_overrides.json", "optimization_history.png",
               "param_importances.png")
@@ -49,20 +52,21 @@ def tune(name: str, workers: int) -> bool:
     return ok and (out / "best_overrides.json").is_file()
 
 
-def study(names: list[str]):
-    """The study restricted to the losses whose tune has finished (from_tune needs it)."""
+def study(names: list[str], tunes: Path = TUNES):
+    """The study restricted to the losses whose tune has finished (from_tune needs it), their
+    tuned values read from ``tunes/<loss>/best_overrides.json``."""
     raw = yaml.safe_load((ROOT / "studies" / "emoji_fair.yaml").read_text())
     raw = copy.deepcopy(raw)
     raw["base"] = str(ROOT / "recipes" / "emoji_fair.yaml")
     # the tuned values last: the loss's own overrides (loss=[...]) would replace the tuned option
-    raw["variants"] = {n: [*spec.LOSSES[n][0], {"from_tune": str(TUNES / n)}] for n in names}
+    raw["variants"] = {n: [*spec.LOSSES[n][0], {"from_tune": str(Path(tunes).resolve() / n)}] for n in names}
     raw["compare"] = [p for p in raw["compare"] if p[0] in names and p[1] in names]
     # written to a file: the study's worker processes (--workers > 1) load it from there
-    path = ROOT / "runs" / "studies" / "emoji_fair.tuned.yaml"
+    path = RUNS / "studies" / "emoji_fair.tuned.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# bench/emoji_fair.py: studies/emoji_fair.yaml restricted to the tuned losses\n"
                     + yaml.safe_dump(raw, sort_keys=False, width=120))
-    return load_study(path, out_dir=ROOT / "runs" / "studies" / "emoji_fair")
+    return load_study(path, out_dir=RUNS / "studies" / "emoji_fair")
 
 
 def baselines_markdown(record: dict) -> str:
@@ -110,15 +114,28 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="these losses (default: all, in the table's order)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--summary", action="store_true", help="train nothing: rewrite the tables")
+    ap.add_argument("--tunes", type=Path, default=None,
+                    help="tune nothing: run the seeds at the tuned settings in TUNES/<loss>/best_overrides.json "
+                         "(e.g. bench/studies/emoji_fair/tunes, the committed ones; a fresh clone has no runs/tune)")
     args = ap.parse_args(argv)
     names = args.only or list(spec.LOSSES)
     unknown = [n for n in names if n not in spec.LOSSES]
     if unknown:
         raise SystemExit(f"unknown loss(es) {unknown}; the table has {list(spec.LOSSES)}")
-    done = [n for n in spec.LOSSES if (TUNES / n / "best_overrides.json").is_file()]
+    tunes = args.tunes if args.tunes is not None else TUNES
+    done = [n for n in spec.LOSSES if (tunes / n / "best_overrides.json").is_file()]
     if args.summary:
-        copy_study(study(done))
+        copy_study(study(done, tunes))
         return 0
+    if args.tunes is not None:
+        missing = [str(tunes / n / "best_overrides.json") for n in names if n not in done]
+        if missing:
+            raise SystemExit(f"--tunes {tunes}: no tuned settings for {len(missing)} loss(es): {', '.join(missing)}")
+        s = study(done, tunes)
+        result = run_study(s, workers=args.workers, only=names)
+        copy_study(s)
+        commit(f"bench/studies/emoji_fair: 3 seeds of {', '.join(names)} at the tuned settings of {tunes}")
+        return 130 if result["interrupted"] else 0
     for name in names:
         if not tune(name, args.workers):
             print(f"[emoji_fair] {name}: the tune did not finish; rerun to continue", flush=True)

@@ -157,3 +157,37 @@ def test_the_proxy_lr_diagnostic_differs_from_the_fair_proxy_anchor_tune_only_in
     proxies = [g for g in opt.param_groups if any("proxies" in n for n in g["param_names"])]
     assert len(proxies) == 1 and proxies[0]["lr_mult"] == 100.0
     assert all(g["lr_mult"] != 100.0 for g in opt.param_groups if g is not proxies[0])
+
+
+def test_the_driver_runs_the_seeds_at_the_committed_tuned_settings(tmp_path, monkeypatch):
+    """``bench/emoji_fair.py --tunes bench/studies/emoji_fair/tunes`` (a fresh clone has no
+    runs/tune): every seeded run carries its loss's committed best_overrides.json values, the
+    loss's own option included (the defect of the first seeded set), and nothing is tuned."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("emoji_fair_driver2", ROOT / "bench" / "emoji_fair.py")
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    monkeypatch.setattr(driver, "RUNS", tmp_path)
+    committed = ROOT / "bench" / "studies" / "emoji_fair" / "tunes"
+    s = driver.study(list(fair.LOSSES), committed)
+    assert {r.variant for r in s.runs} == set(fair.LOSSES) and len(s.runs) == 3 * len(fair.LOSSES)
+    checked = 0
+    for run in s.runs:
+        tuned = json.loads((committed / run.variant / "best_overrides.json").read_text())["overrides"]
+        for item in tuned:
+            key, value = item.split("=", 1)
+            node = run.raw
+            for part in key.split("."):
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            assert node == pytest.approx(float(value)), (run.key, key)
+            checked += 1
+    assert checked >= 3 * 2 * len(fair.LOSSES)  # at least lr and weight decay of every run
+    assert s.out_dir == tmp_path / "studies" / "emoji_fair"
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("--tunes must not tune")
+
+    monkeypatch.setattr(driver, "tune", no_tuning)
+    with pytest.raises(SystemExit, match=r"--tunes .*no tuned settings for 1 loss\(es\): .*BN/best_overrides.json"):
+        driver.main(["--tunes", str(tmp_path / "empty"), "--only", "BN"])
