@@ -280,3 +280,20 @@ def test_best_pt_is_evaluated_on_test_when_its_epoch_was_not(tmp_path):
     off = json.loads((tmp_path / "off" / "metrics.json").read_text())["selected"]
     assert off["epoch"] == 1 and off["test"] is None
     assert read_log(tmp_path / "off", type="selected_eval") == []
+
+    # bench/study_selected.py fills it in afterwards (runs made before eval.test_selected) with
+    # what the loop would have written: the same seed trains the same best.pt
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("study_selected",
+                                                  Path(__file__).resolve().parents[1] / "bench" / "study_selected.py")
+    filler = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(filler)
+    assert filler.pending_runs(tmp_path) == [tmp_path / "off"]
+    filler.main([str(tmp_path)])
+    filled = json.loads((tmp_path / "off" / "metrics.json").read_text())["selected"]
+    assert filled["test_filled_by"] == "bench/study_selected.py" and filled["epoch"] == 1
+    for k, v in selected["test"].items():
+        assert filled["test"][k] == pytest.approx(v, abs=1e-6), k
+    assert filler.pending_runs(tmp_path) == []  # a rerun has nothing left to do
