@@ -132,7 +132,9 @@ CLAIMS = (
           caveat="a mechanism check, not a tuned row: both run the fair ALMN tune's trial 4 (lr 0.00105, "
                  "centre lr multiplier 73.6), picked because its centres grow, not because it won (its one-seed "
                  "validation, 50.3 for beta 3, is below the chosen trial 0's 53.1); at trial 0's settings the "
-                 "centres stay short and beta 3 and beta 0 are level (fair_almn above)."),
+                 "centres stay short and beta 3 and beta 0 are level (fair_almn above). Read on the model each "
+                 "run's validation chose (best.pt) instead of the final one, beta 3 - beta 0 is +1.9 [-0.2, +4.1] "
+                 "Recall@1: not resolved."),
     Claim("fair_pml", "issue 21 (not a paper claim)",
           "tuned: BN beats what a user would pick from pytorch-metric-learning (ProxyAnchor, "
           "MultiSimilarity, NormalizedSoftmax, ArcFace; emoji, cross-vendor)",
