@@ -42,7 +42,7 @@ def _with_cross_domain(metrics: dict, embeddings, dataset, cfg) -> dict:
 def main() -> None:
     import torch
 
-    from deepmetric.train.builders import build_dataset
+    from deepmetric.train.builders import build_test_sets
     from deepmetric.train.config import config_from_dict
     from deepmetric.train.preflight import backbone_features_baseline, pixel_rows, raw_pixel_baseline
     from deepmetric.workflows.study import load_study
@@ -55,9 +55,7 @@ def main() -> None:
     args = ap.parse_args()
     study = load_study(args.study)
     cfg = config_from_dict(study.runs[0].raw)
-    sets = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
-    if cfg.eval.gallery_split is not None:
-        sets["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
+    sets = build_test_sets(cfg)
     t0 = time.perf_counter()
     metrics, desc = raw_pixel_baseline(sets, cfg, max_work=float("inf"), max_bytes=float("inf"))
     if metrics is not None and cfg.eval.cross_domain:

@@ -27,7 +27,7 @@ def reevaluate_run(run_dir: Path, overrides: list[str], metrics: list[str]) -> d
     """``final/<metric>`` of the run's ``last.pt`` on its test split with ``eval`` overrides."""
     import torch
 
-    from deepmetric.train.builders import build_dataset
+    from deepmetric.train.builders import build_test_sets
     from deepmetric.train.config import apply_overrides, config_from_dict, config_to_dict
     from deepmetric.train.embed import evaluate_model, load_model_from_checkpoint
 
@@ -39,9 +39,7 @@ def reevaluate_run(run_dir: Path, overrides: list[str], metrics: list[str]) -> d
     apply_overrides(raw, list(overrides) + [f"eval.metrics=[{', '.join(metrics)}]", "eval.classification=false",
                                             "eval.train_neighbours=false", "eval.cross_domain=false"])
     cfg = config_from_dict(raw)
-    sets = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
-    if cfg.eval.gallery_split is not None:
-        sets["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
+    sets = build_test_sets(cfg)
     with torch.no_grad():
         res, _ = evaluate_model(model, sets, cfg, device=torch.device("cpu"), losses=losses)
     return {f"final/{k}": float(v) for k, v in res.items()}

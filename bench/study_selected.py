@@ -47,7 +47,7 @@ def fill_selected_test(run: Path, device: str = "cpu") -> dict[str, float]:
     import torch
 
     from deepmetric.train import rundir as R
-    from deepmetric.train.builders import build_dataset
+    from deepmetric.train.builders import build_test_sets
     from deepmetric.train.embed import evaluate_split, load_model_from_checkpoint
 
     model, losses, cfg, state = load_model_from_checkpoint(run / R.BEST, device)
@@ -55,9 +55,7 @@ def fill_selected_test(run: Path, device: str = "cpu") -> dict[str, float]:
     if state.get("epoch") is not None and int(state["epoch"]) != int(summary["selected"]["epoch"]):
         raise SystemExit(f"{run / R.BEST}: epoch {state['epoch']}, but {run / R.METRICS} says validation chose "
                          f"epoch {summary['selected']['epoch']}; not filling it")
-    sets = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
-    if cfg.eval.gallery_split:
-        sets["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
+    sets = build_test_sets(cfg)
     with torch.no_grad():
         metrics = evaluate_split(model, sets, cfg, device=torch.device(device), losses=losses)[0]
     summary["selected"]["test"] = metrics

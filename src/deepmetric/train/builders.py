@@ -91,6 +91,15 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
     return sub
 
 
+def build_test_sets(cfg: Config) -> dict:
+    """The sets a test evaluation searches: ``query`` (``eval.split``) and, with
+    ``eval.gallery_split`` (In-shop), ``gallery``; the test transform."""
+    sets = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
+    if cfg.eval.gallery_split is not None:
+        sets["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
+    return sets
+
+
 def held_out_family_mask(dataset, families, name: str = "dataset") -> np.ndarray:
     """Boolean mask of the images of ``dataset`` drawn in one of ``families``
     (``data.val_query_families``; the dataset needs a per-image ``families`` array, as the

@@ -57,7 +57,7 @@ from . import rundir as R
 from . import tracking as T
 from .amp import autocast_context, check_amp
 from .batches import make_train_loader
-from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler,
+from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler, build_test_sets,
                        embedding_dim_of, seed_everything)
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
                          restore, save_checkpoint)
@@ -300,9 +300,7 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     if main:  # rank 0 evaluates
         if select_key is not None:
             eval_sets["val"] = {"query": build_dataset(cfg, VAL_SPLIT, train=False)}
-        eval_sets["test"] = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
-        if cfg.eval.gallery_split is not None:
-            eval_sets["test"]["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
+        eval_sets["test"] = build_test_sets(cfg)
 
     # 3. model and loss terms ------------------------------------------------------------
     model = build_model(cfg, num_classes=num_classes)
