@@ -528,7 +528,10 @@ def _check_contract(model, x, modes=("train", "eval")):
         assert pre.shape == (x.shape[0], model.num_features)
         if fmap.dim() == 4:  # conv models: the map before pooling
             assert fmap.shape[:2] == (x.shape[0], model.num_features)
-            pooled = fmap.amax(dim=(2, 3)) if model.pool == "max" else fmap.mean(dim=(2, 3))
+            if model.pool == "gem":  # (mean x^3)^(1/3), x clamped at 1e-6 (Radenović et al., Eq. 3)
+                pooled = fmap.clamp_min(1e-6).pow(3).mean(dim=(2, 3)).pow(1 / 3)
+            else:
+                pooled = fmap.amax(dim=(2, 3)) if model.pool == "max" else fmap.mean(dim=(2, 3))
             torch.testing.assert_close(pre, pooled)
         embeddings[mode] = emb
     if len(modes) == 2:  # BN / dropout really acted differently, so both modes were tested
@@ -549,7 +552,7 @@ def test_forward_is_forward_head_of_forward_features(name):
     torch.testing.assert_close(out["logits"], model.classifier(out["embedding"]))
 
 
-@pytest.mark.parametrize("options", [dict(norm="l2", pool="max"), dict(norm="none")])
+@pytest.mark.parametrize("options", [dict(norm="l2", pool="max"), dict(norm="none"), dict(norm="bn", pool="gem")])
 def test_embedding_model_contract_other_heads(options):
     torch.manual_seed(0)
     model = create_model("glyph_resnet", embedding_dim=8, **options)
@@ -599,3 +602,38 @@ def test_synthetic_mlp_contract(normalization):
     e = h @ model.head.weight.T + model.head.bias
     torch.testing.assert_close(out["embedding"], F.normalize(e, dim=1) if normalization == "l2" else e)
     assert model.num_features == 32 and set(out) == {"embedding", "features", "logits"}
+
+
+def test_gem_pool_matches_brute_force_and_closed_form_gradient():
+    """GeM (Radenović et al., Eq. 3), f_c = (1/N sum_i x_i^p)^(1/p), p = 3, checked element by
+    element in float64 against a Python loop, its gradient against the closed form
+    df_c/dx_i = x_i^(p-1) / N * f_c^(1-p), and its limits: p = 3 lies between the average and
+    the maximum; a negative or zero activation is clamped (no NaN from the cube root)."""
+    from deepmetric.models.embedding_model import GEM_P, global_pool
+
+    torch.manual_seed(0)
+    x = torch.rand(2, 3, 4, 5, dtype=torch.float64) * 6 + 0.01
+    x.requires_grad_(True)
+    f = global_pool(x, "gem")
+    assert f.dtype == torch.float32 and f.shape == (2, 3)
+    for b in range(2):
+        for c in range(3):
+            vals = [float(v) for v in x[b, c].detach().flatten()]
+            want = (sum(v ** GEM_P for v in vals) / len(vals)) ** (1 / GEM_P)
+            assert abs(float(f[b, c]) - want) < 1e-5 * want
+    x64 = x.detach().clone().requires_grad_(True)
+    f64 = x64.clamp_min(1e-6).pow(GEM_P).mean(dim=(2, 3)).pow(1 / GEM_P)  # float64 path for the gradient
+    f64.sum().backward()
+    n = 4 * 5
+    closed = x64.detach().pow(GEM_P - 1) / n * f64.detach().pow(1 - GEM_P)[:, :, None, None]
+    torch.testing.assert_close(x64.grad, closed)
+    f.sum().backward()  # the float32 path's gradient agrees with the closed form to float precision
+    torch.testing.assert_close(x.grad, closed, rtol=1e-4, atol=1e-7)
+    xd = x.detach()
+    assert torch.all(global_pool(xd, "avg") < f.detach().double() + 1e-6)
+    assert torch.all(f.detach().double() < global_pool(xd, "max") + 1e-6)
+    neg = torch.tensor([[[[-1.0, 0.0], [2.0, 0.0]]]], requires_grad=True)
+    g = global_pool(neg, "gem")
+    assert torch.isfinite(g).all() and abs(float(g) - (8 / 4) ** (1 / 3)) < 1e-5
+    g.sum().backward()
+    assert torch.isfinite(neg.grad).all() and float(neg.grad[0, 0, 0, 0]) == 0.0  # clamped: no gradient

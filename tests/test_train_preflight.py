@@ -302,6 +302,10 @@ def test_run_summary_names_split_model_loss_device_and_output(tmp_path):
     assert "train  3 classes, 6 images: eight, five, four" in text
     assert "test   3 classes, 6 images: nine, one, seven" in text
     assert f"glyph_resnet: {n_params / 1e3:.1f} k parameters, 4-d embedding, input [1, 12, 10]" in text
+    gem = create_model("glyph_resnet", widths=(8,), depths=(1,), embedding_dim=4, pool="gem")
+    assert "4-d embedding, gem pooling, input [1, 12, 10]" in format_run_summary(
+        cfg, train_set=tr, eval_sets={"query": te}, model=gem, embedding_dim=4, input_shape=(1, 12, 10), device="cpu",
+        threads=2, steps_per_epoch=5, total_epochs=3, total_steps=15, out_dir=tmp_path / "run")
     assert "1 x heated_softmax(alpha=16)" in text and "5 steps/epoch x 3 epochs = 15 steps" in text
     assert "device   cpu, 2 threads, 0 loader workers" in text
     assert "optim    sgd, lr 0.01, weight decay 0" in text and " x" not in text.split("optim")[1].split("\n")[0]

@@ -11,10 +11,15 @@ from torch import nn
 
 from .heads import HEAD_INITS, EmbeddingHead, ProjectionHead
 
-__all__ = ["EmbeddingModel", "global_pool", "POOLS", "FREEZE_BN", "batchnorm_layers", "check_freeze_bn",
+__all__ = ["EmbeddingModel", "global_pool", "POOLS", "GEM_P", "FREEZE_BN", "batchnorm_layers", "check_freeze_bn",
            "freeze_batchnorm_parameters", "build_projection"]
 
-POOLS = ("avg", "max")
+POOLS = ("avg", "max", "gem")
+#: GeM's exponent (Radenović et al., TPAMI 2019, "Fine-tuning CNN Image Retrieval with No Human
+#: Annotation", Eq. 3): 3 is the paper's starting value and its usual fixed choice; p = 1 is the
+#: average, p -> infinity the maximum.
+GEM_P = 3.0
+_GEM_EPS = 1e-6
 #: ``freeze_bn`` values: False (BN layers train as usual), ``"stats"`` (True means the same: the
 #: backbone's BN layers stay in eval mode, running statistics frozen, affine weight and bias
 #: still trained) and ``"all"`` (statistics and affine parameters frozen).
@@ -79,11 +84,18 @@ def build_projection(in_features: int, projection, **bn_options) -> ProjectionHe
 
 
 def global_pool(fmap: torch.Tensor, pool: str) -> torch.Tensor:
-    """[B, C, H, W] -> [B, C] by global average or max pooling."""
+    """[B, C, H, W] -> [B, C] by global average, max or generalised-mean (GeM) pooling.
+
+    ``"gem"``: f_c = (mean_{h,w} max(x_chw, eps)^p)^(1/p) with p = :data:`GEM_P` (Radenović et
+    al., Eq. 3), computed in float32 (x^3 of a half-precision map loses digits).  The clamp
+    keeps the root real for maps that are not post-ReLU; the networks here end in a ReLU /
+    ReLU6, so it changes nothing but exact zeros."""
     if pool == "avg":
         return fmap.mean(dim=(2, 3))
     if pool == "max":
         return fmap.amax(dim=(2, 3))
+    if pool == "gem":
+        return fmap.float().clamp_min(_GEM_EPS).pow(GEM_P).mean(dim=(2, 3)).pow(1.0 / GEM_P)
     raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
 
 
@@ -104,7 +116,8 @@ class EmbeddingModel(nn.Module):
         num_classes: if given, a plain linear classifier on the embedding adds ``"logits"``
             (softmax baseline trained with plain cross-entropy on the model's own logits).
             The heated-up / NormFace classifier with its temperature lives in the loss instead.
-        pool: ``"avg"`` (all three papers) or ``"max"``.
+        pool: ``"avg"`` (all three papers), ``"max"`` or ``"gem"`` (generalised mean, p = 3:
+            :func:`global_pool`).
         projection: None, or ``{dim, norm, hidden, bn_divide_sqrt_k}``: a SimCLR projection head on the embedding
             adds ``"projection"`` to ``forward``'s dict (what ``loss.N.input: projection``
             reads); ``forward_head`` and everything that indexes still give the embedding.
