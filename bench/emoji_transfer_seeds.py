@@ -12,12 +12,16 @@ Per run:
   ``wise.pt`` (the WiSE-FT mixture chosen on cross-vendor validation; a = 1 is the fine-tuned
   ``best.pt``), its test metrics as the run recorded them (``metrics.json`` ``wise_ft.test``);
 * **its own backbone's pooled features**: the same checkpoint's pooled 1,280-d features before
-  the embedding head (``output="features"``), computed here;
+  the embedding head (``output="features"``), computed here; when the model pools by other than
+  the average (``model.options.pool: gem``), also the same checkpoint's **average**-pooled
+  features, the issue's "pooled backbone features before the head";
 * the fine-tuned model at the last epoch (``final``), for reading only.
 
 Once (they do not depend on the seed): **raw pixels** and the **untouched ImageNet network's
 pooled features** at the run's input size, and the ImageNet features at 128 px as a reference
-(what a user who indexes ImageNet features at a larger size gets). Every number is the
+(what a user who indexes ImageNet features at a larger size gets).  When the model pools by
+other than the average, the ImageNet features are computed with both poolings, and the bar must
+hold against each (a pooling that helps the untouched network too earns the recipe nothing). Every number is the
 cross-vendor search (each vendor's images as queries against the other vendors' images, the mean
 over vendors), as in the runs.
 
@@ -54,13 +58,29 @@ def _test_set(cfg):
     return build_dataset(cfg, cfg.eval.split, train=False)
 
 
+def _pools(cfg) -> list[str]:
+    """The average (the issue's baseline) and, if different, the recipe's own pooling."""
+    pool = cfg.model.options.get("pool", "avg")
+    return ["avg"] if pool == "avg" else ["avg", pool]
+
+
+def _pool_name(pool: str) -> str:
+    return "" if pool == "avg" else f", {pool.upper() if pool == 'gem' else pool} pooling"
+
+
 def baselines(cfg, threads: int) -> dict:
-    """Raw pixels and ImageNet features at the run's size, ImageNet features at 128 px."""
+    """Raw pixels and ImageNet features at the run's size, ImageNet features at 128 px; the
+    ImageNet features with average pooling and, if the recipe pools otherwise, with its pooling."""
     import torch
 
     from deepmetric.train.config import apply_overrides, config_from_dict, config_to_dict
     from deepmetric.train.embed import cross_domain_metrics
     from deepmetric.train.preflight import backbone_features_baseline, pixel_rows
+
+    def changed(*overrides):
+        raw = config_to_dict(cfg)
+        apply_overrides(raw, list(overrides))
+        return config_from_dict(raw)
 
     torch.set_num_threads(threads)
     out = {}
@@ -69,16 +89,18 @@ def baselines(cfg, threads: int) -> dict:
     x, _ = pixel_rows(test, max_side=10**9)
     out[f"raw pixels ({size} px)"] = _xv(cross_domain_metrics({"embeddings": x, "labels": np.asarray(test.labels)},
                                                               test, cfg))
-    _, label, f = backbone_features_baseline(cfg, test)
-    out[f"ImageNet features ({size} px, {f['embeddings'].shape[1]}-d)"] = _xv(cross_domain_metrics(f, test, cfg))
+    for pool in _pools(cfg):
+        c = changed(f"model.options.pool={pool}")
+        _, label, f = backbone_features_baseline(c, test)
+        out[f"ImageNet features ({size} px, {f['embeddings'].shape[1]}-d{_pool_name(pool)})"] = _xv(
+            cross_domain_metrics(f, test, c))
     if size != 128:
-        raw = config_to_dict(cfg)
-        apply_overrides(raw, ["data.options.size=128"])
-        cfg128 = config_from_dict(raw)
-        t128 = _test_set(cfg128)
-        _, _, f = backbone_features_baseline(cfg128, t128)
-        out[f"ImageNet features (128 px, {f['embeddings'].shape[1]}-d), reference"] = _xv(
-            cross_domain_metrics(f, t128, cfg128))
+        t128 = _test_set(changed("data.options.size=128"))
+        for pool in _pools(cfg):
+            c = changed("data.options.size=128", f"model.options.pool={pool}")
+            _, _, f = backbone_features_baseline(c, t128)
+            out[f"ImageNet features (128 px, {f['embeddings'].shape[1]}-d{_pool_name(pool)}), reference"] = _xv(
+                cross_domain_metrics(f, t128, c))
     return out
 
 
@@ -98,9 +120,15 @@ def run_numbers(run: Path, threads: int) -> dict:
     with torch.no_grad():
         f = compute_embeddings(model, test, batch_size=cfg.eval.batch_size, output="features")
     own = _xv(cross_domain_metrics(f, test, cfg))
+    own_avg = None
+    if model.pool != "avg":  # the same checkpoint's average-pooled features: the issue's baseline
+        model.pool = "avg"
+        with torch.no_grad():
+            f = compute_embeddings(model, test, batch_size=cfg.eval.batch_size, output="features")
+        own_avg = _xv(cross_domain_metrics(f, test, cfg))
     return {"run": str(run), "seed": int(cfg.train.seed), "checkpoint": ckpt.name,
             "wise_alpha": m.get("wise_ft", {}).get("alpha"),
-            "recipe": _xv(recipe), "own_backbone_features": own,
+            "recipe": _xv(recipe), "own_backbone_features": own, "own_backbone_avg_features": own_avg,
             # best.pt's own test metrics exist only when it is the last epoch (tests run at the end);
             # with WiSE a = 1 chosen, the recipe row is best.pt's
             "selected": _xv(m["selected"]["test"]) if (m.get("selected") or {}).get("test") else None,
@@ -110,15 +138,20 @@ def run_numbers(run: Path, threads: int) -> dict:
 def compare(runs: list[dict], base: dict) -> dict:
     from deepmetric.report.study_tables import mean_ci
 
+    own_avg = all(r.get("own_backbone_avg_features") for r in runs)
     rows = {}
-    for name in ("recipe", "own_backbone_features", "final"):
+    for name in ("recipe", "own_backbone_features") + (("own_backbone_avg_features",) if own_avg else ()) + ("final",):
         rows[name] = {k: mean_ci([r[name][k] for r in runs if r.get(name)]) for k in METRICS}
     diffs = {}
-    refs = {**base, "its own backbone's pooled features": None}
+    # per-seed references: (name, the run's key)
+    own = {"its own backbone's pooled features": "own_backbone_features"}
+    if own_avg:
+        own["its own backbone's average-pooled features"] = "own_backbone_avg_features"
+    refs = {**base, **{name: None for name in own}}
     for ref, vals in refs.items():
         diffs[ref] = {}
         for k in METRICS:
-            d = [r["recipe"][k] - (vals[k] if vals is not None else r["own_backbone_features"][k]) for r in runs]
+            d = [r["recipe"][k] - (vals[k] if vals is not None else r[own[ref]][k]) for r in runs]
             ci = mean_ci(d)
             margin = MARGINS[k] if vals is not None and not ref.endswith("reference") else 0.0
             diffs[ref][k] = {**ci, "per_seed": d, "margin": margin,
@@ -134,14 +167,20 @@ def markdown(runs: list[dict], base: dict, cmp: dict, seconds: float) -> str:
         lines.append(f"| {name} | " + " | ".join(pct(vals[k]) for k in METRICS) + " |")
     label = {"recipe": f"**the recipe's embedding** (wise.pt), mean ± sd over {len(runs)} seeds",
              "own_backbone_features": "its own backbone's pooled features (same checkpoint)",
+             "own_backbone_avg_features": "its own backbone's average-pooled features (same checkpoint)",
              "final": "fine-tuned, last epoch (for reading: not what validation chose)"}
     for name, text in label.items():
+        if name not in cmp["rows"]:
+            continue
         r = cmp["rows"][name]
         lines.append(f"| {text} | " + " | ".join(f"{pct(r[k]['mean'])} ± {pct(r[k]['std'])}" for k in METRICS) + " |")
-    lines += ["", "Per seed (recipe's embedding / own backbone features):", ""]
+    avg = "own_backbone_avg_features" in cmp["rows"]
+    lines += ["", "Per seed (recipe's embedding / own backbone features"
+              + (" / own backbone features, average-pooled" if avg else "") + "):", ""]
     for r in runs:
         lines.append(f"- seed {r['seed']} ({r['checkpoint']}, WiSE a = {r['wise_alpha']}): "
                      + ", ".join(f"{SHORT[k]} {pct(r['recipe'][k])} / {pct(r['own_backbone_features'][k])}"
+                                 + (f" / {pct(r['own_backbone_avg_features'][k])}" if avg else "")
                                  for k in METRICS))
     lines += ["", "| the recipe minus ... | metric | bar | mean | 95 % CI | per seed | holds |", "|---|---|---|---|---|---|---|"]
     for ref, d in cmp["differences"].items():

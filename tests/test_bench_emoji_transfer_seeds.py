@@ -47,6 +47,31 @@ def test_paired_differences_and_the_bar():
     assert "| raw pixels (96 px) | xv R@1 | +10.00 | +12.00 |" in text and "**no**" not in text
 
 
+def test_average_pooled_own_features_when_the_recipe_pools_otherwise():
+    """A GeM recipe: its own (GeM-)pooled features and, separately, the same checkpoint's
+    average-pooled ones (the issue's baseline) are each paired by seed; a recipe pooling by the
+    average has no such row."""
+    runs = []
+    for seed, (r1, avg_r1) in enumerate([(0.62, 0.59), (0.63, 0.59), (0.61, 0.58)]):
+        run = _run(seed, r1, 0.33, own_r1=r1, own_map=0.33)
+        run["own_backbone_avg_features"] = {"cross_domain_recall@1": avg_r1, "cross_domain_map@r": 0.32}
+        runs.append(run)
+    base = {"raw pixels (96 px)": {"cross_domain_recall@1": 0.50, "cross_domain_map@r": 0.22}}
+    cmp = seeds.compare(runs, base)
+    avg = cmp["differences"]["its own backbone's average-pooled features"]["cross_domain_recall@1"]
+    assert avg["per_seed"] == pytest.approx([0.03, 0.04, 0.03]) and avg["margin"] == 0.0
+    half = 4.302652729911275 * (0.01 / math.sqrt(3)) / math.sqrt(3)  # sd of (3, 4, 3) points is 1 / sqrt(3)
+    assert avg["mean"] == pytest.approx(0.1 / 3) and avg["ci_low"] == pytest.approx(0.1 / 3 - half) and avg["holds"]
+    same = cmp["differences"]["its own backbone's pooled features"]["cross_domain_recall@1"]
+    assert same["per_seed"] == pytest.approx([0, 0, 0]) and not same["holds"]
+    text = seeds.markdown(runs, base, cmp, 1.0)
+    assert "| its own backbone's average-pooled features (same checkpoint) | 58.67 ± 0.58 | 32.00 ± 0.00 |" in text
+    assert "xv R@1 62.00 / 62.00 / 59.00" in text
+    plain = seeds.compare([_run(0, 0.62, 0.33), _run(1, 0.63, 0.34)], base)
+    assert "its own backbone's average-pooled features" not in plain["differences"]
+    assert "average-pooled" not in seeds.markdown([_run(0, 0.62, 0.33), _run(1, 0.63, 0.34)], base, plain, 1.0)
+
+
 def test_ablation_rows_read_validation_only(tmp_path):
     """bench/emoji_transfer_ablations.py: best epoch = highest validation cross-vendor Recall@1
     (the earliest on ties, as best.pt), test records ignored, the WiSE row is the chosen a."""
