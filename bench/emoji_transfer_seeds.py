@@ -65,7 +65,7 @@ def _pools(cfg) -> list[str]:
 
 
 def _pool_name(pool: str) -> str:
-    return "" if pool == "avg" else f", {pool.upper() if pool == 'gem' else pool} pooling"
+    return "" if pool == "avg" else f", {'GeM' if pool == 'gem' else pool} pooling"
 
 
 def baselines(cfg, threads: int) -> dict:

@@ -63,7 +63,7 @@ def test_demo_emoji_quick(tmp_path, capsys):
     printed = capsys.readouterr().out
     summary = _check_summary(out, printed, ("retrieval_grid.png", "training_curves.png"), heated=False)
     names = [r["name"] for r in summary["rows"]]
-    assert names[:2] == ["raw pixels (32x32)", "ImageNet features (1280-d)"]
+    assert names[:2] == ["raw pixels (32x32)", "ImageNet features (1280-d, gem)"]  # pooled as the recipe pools
     # the fine-tuned embedding is measured on the same test images as the baselines
     assert summary["rows"][1]["nmi"] is not None and summary["rows"][0]["nmi"] is None
     # cross-vendor columns for every row, the baselines' computed here independently

