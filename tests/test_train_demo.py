@@ -35,6 +35,11 @@ def _check_summary(out, printed, pictures, *, heated):
     for r in summary["rows"]:
         line = next(l for l in printed.splitlines() if l.strip().startswith(r["name"]))
         assert f"{100 * r['recall@1']:.2f}" in line
+    # every row ends where the heading does, however long its name (numbers under their column)
+    lines = printed.splitlines()
+    header = next(l for l in lines if l.split()[:2] == ["recall@1", "recall@2"])
+    rows = [next(l for l in lines if l.strip().startswith(r["name"])) for r in summary["rows"]]
+    assert {len(l) for l in rows} == {len(header)}
     # the last row is the final evaluation of the run's own log
     test = [r for r in read_log(out, type="eval") if r["split"] == "test"]
     assert summary["rows"][-1]["recall@1"] == pytest.approx(test[-1]["recall@1"])

@@ -248,9 +248,10 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
     print(f"\n[demo] zero-shot retrieval on {test_ds.num_classes} {what} ({len(test_ds)} images), %:")
     if cross:
         print("  (xv: cross-vendor, each vendor's images searched among the other vendors' only)")
-    print("  " + " " * 28 + "".join(f"{short.get(k, k):>10}" for k in keys))
+    width = max([28] + [len(r["name"]) + 1 for r in summary["rows"]])  # the numbers stay under their heading
+    print("  " + " " * width + "".join(f"{short.get(k, k):>10}" for k in keys))
     for r in summary["rows"]:
-        print(f"  {r['name']:<28}" + "".join(f"{100 * r[k]:>10.2f}" if r[k] is not None else f"{'-':>10}"
+        print(f"  {r['name']:<{width}}" + "".join(f"{100 * r[k]:>10.2f}" if r[k] is not None else f"{'-':>10}"
                                               for k in keys))
     print(f"\n[demo] total {summary['seconds']['total']:.0f} s (data {t_data:.0f} s, baselines {t_base:.0f} s, "
           f"training+evaluation {t_train:.0f} s, pictures {t_pics:.0f} s)")
