@@ -195,6 +195,28 @@ def test_few_classes_warning_only_for_unseen_test_classes(tmp_path):
     assert not any("training classes" in w for w in classification)
 
 
+def test_backbone_features_baseline_pools_as_the_recipe_and_says_so(tmp_path):
+    """The untrained / pretrained network's features are pooled as the config pools (the same
+    pooling as the trained embedding); the label names a pooling other than the average."""
+    from deepmetric.models import create_model
+
+    root = _digits(tmp_path / "d", size=(28, 28))
+    ds = build_dataset("folder", root, split="all", transform=build_transform("mnist", train=False))
+    options = {"widths": [8], "depths": [1], "embedding_dim": 4}
+    for pool, label in (("avg", "glyph_resnet untrained features (8-d)"),
+                        ("gem", "glyph_resnet untrained features (8-d, gem pooling)")):
+        cfg = _cfg(data={"name": "folder", "root": str(root), "transform": "mnist"},
+                   model={"name": "glyph_resnet", "options": {**options, "pool": pool}})
+        _, desc, f = P.backbone_features_baseline(cfg, ds)
+        assert desc == label
+        torch.manual_seed(cfg.train.seed)  # the baseline builds its network from this seed
+        net = create_model("glyph_resnet", **options, pool=pool).eval()
+        with torch.no_grad():
+            fmap = net.forward_features(torch.stack([ds[i][0] for i in range(len(ds))]))
+        want = fmap.mean(dim=(2, 3)) if pool == "avg" else fmap.clamp_min(1e-6).pow(3).mean(dim=(2, 3)).pow(1 / 3)
+        np.testing.assert_allclose(f["embeddings"], want.numpy(), rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- raw pixels
 def test_raw_pixel_baseline_equals_evaluate_on_flattened_pixels(tmp_path):
     root = _digits(tmp_path / "d", classes=("a", "b", "c", "d"), n=4, size=(9, 7), mode="RGB")

@@ -30,7 +30,7 @@ from .backbones import (
     read_backbone_weights,
     register_backbone,
 )
-from .embedding_model import FREEZE_BN, EmbeddingModel, batchnorm_layers, global_pool
+from .embedding_model import FREEZE_BN, EmbeddingModel, batchnorm_layers, global_pool, pooling_note
 from .heads import HEAD_INITS, NORMS, EmbeddingHead, ProjectionHead, ShiftOnlyBatchNorm1d, pca_directions
 from .pretrained import LoadReport, clean_state_dict, load_pretrained, read_state_dict
 from .registry import _MODELS, _NEEDS_NUM_CLASSES, _unknown_model, list_models, register_model
@@ -68,6 +68,7 @@ __all__ = [
     "clean_state_dict",
     "feature_map_shape",
     "global_pool",
+    "pooling_note",
     "NORMS",
     "HEAD_INITS",
     "FREEZE_BN",

@@ -11,7 +11,7 @@ from torch import nn
 
 from .heads import HEAD_INITS, EmbeddingHead, ProjectionHead
 
-__all__ = ["EmbeddingModel", "global_pool", "POOLS", "GEM_P", "FREEZE_BN", "batchnorm_layers", "check_freeze_bn",
+__all__ = ["EmbeddingModel", "global_pool", "pooling_note", "POOLS", "GEM_P", "FREEZE_BN", "batchnorm_layers", "check_freeze_bn",
            "freeze_batchnorm_parameters", "build_projection"]
 
 POOLS = ("avg", "max", "gem")
@@ -97,6 +97,12 @@ def global_pool(fmap: torch.Tensor, pool: str) -> torch.Tensor:
     if pool == "gem":
         return fmap.float().clamp_min(_GEM_EPS).pow(GEM_P).mean(dim=(2, 3)).pow(1.0 / GEM_P)
     raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+
+
+def pooling_note(pool: str) -> str:
+    """``", <pool> pooling"`` for a pooling other than the average (every paper's), else ``""``:
+    what run banners and baseline labels append, so that a non-average pooling is never silent."""
+    return "" if pool == "avg" else f", {pool} pooling"
 
 
 class EmbeddingModel(nn.Module):

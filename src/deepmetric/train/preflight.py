@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..models import pooling_note
 from .config import Config, ConfigError
 
 __all__ = [
@@ -584,8 +585,8 @@ def backbone_features_baseline(cfg: Config, dataset, *, num_classes: int | None 
                  seed=cfg.train.seed, kmeans_restarts=cfg.eval.kmeans_restarts, **dataset_query_gallery_masks(dataset))
     f["embeddings"] = x.cpu().numpy()
     weights = cfg.model.options.get("pretrained") or "untrained"
-    pool = cfg.model.options.get("pool", "avg")
-    desc = f"{cfg.model.name} {weights} features ({f['embeddings'].shape[1]}-d{'' if pool == 'avg' else f', {pool} pooling'})"
+    desc = (f"{cfg.model.name} {weights} features ({f['embeddings'].shape[1]}-d"
+            f"{pooling_note(cfg.model.options.get('pool', 'avg'))})")
     return {k: float(v) for k, v in m.items()}, desc, f
 
 

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from ..models import pooling_note
 from . import rundir as R
 from .config import Config
 
@@ -132,9 +133,7 @@ def format_run_summary(cfg: Config, *, train_set, eval_sets: dict[str, Any], mod
         model_line += f" (+ {_human(extra)} in the loss)"
     if embedding_dim is not None:
         model_line += f", {embedding_dim}-d embedding"
-    pool = getattr(model, "pool", "avg")
-    if pool != "avg":  # every paper pools by the average: say so when a run does not
-        model_line += f", {pool} pooling"
+    model_line += pooling_note(getattr(model, "pool", "avg"))
     if input_shape is not None:
         model_line += f", input {list(input_shape)}"
     pre = cfg.model.options.get("pretrained")
