@@ -31,7 +31,9 @@ def test_index_files_provenance_and_new_queries_find_their_class(shapes):
     assert manifest["checkpoint"]["sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()
     assert manifest["checkpoint"]["config"]["model"]["name"] == "glyph_resnet"
     assert (manifest["kind"], manifest["count"], manifest["dim"]) == ("exact", 32, 16)
-    assert json.loads((d / "class_names.json").read_text()) == sorted(SHAPES)
+    import pyarrow as pa
+    names = pa.ipc.open_file(pa.memory_map(str(d / "class_names.arrow"))).read_all()
+    assert names.column("name").to_pylist() == sorted(SHAPES)
     index = Index.load(d)
     # labels, class names and paths agree: every image sits in its class's folder
     for p, lab in zip(index.paths, index.labels):

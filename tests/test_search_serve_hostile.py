@@ -142,7 +142,7 @@ def test_replaced_files_change_nothing_until_a_reload(shapes, tmp_path):
         with open(emb, "r+b") as f:
             f.seek(len(raw) - 2048)
             f.write(bytes(reversed(raw[-2048:])))
-        with open(d / "labels.npy", "r+b") as f:
+        with open(d / "metadata.arrow", "r+b") as f:
             f.truncate(10)
         for _ in range(3):
             status, _, again = _search(url, query)
@@ -154,7 +154,7 @@ def test_replaced_files_change_nothing_until_a_reload(shapes, tmp_path):
             time.sleep(0.2)
         status, _, body = request(url, "POST", "/api/reload")
         assert status == 409 and "reload refused, still serving the previous index" in json.loads(body)["error"]
-        assert "labels.npy" in json.loads(body)["error"]
+        assert "metadata.arrow" in json.loads(body)["error"]
         assert _search(url, query)[2] == first
         # a proper rebuild with more images: served only after the reload
         gallery = tmp_path / "gallery"

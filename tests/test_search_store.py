@@ -62,7 +62,7 @@ def _still_the_old_index(out, before, query):
 def test_manifest_lists_every_file_with_its_sha256(built):
     out, before, _, _ = built
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["version"] == 2
+    assert manifest["version"] == 3
     listed = manifest["files"]
     assert sorted(listed) == sorted(k for k in before if k != "manifest.json")
     for rel, entry in listed.items():
@@ -134,17 +134,18 @@ def test_out_existing_needs_add_or_overwrite(shapes, built, tmp_path, capsys):
 
 def test_load_checks_sizes_always_and_hashes_on_request(built):
     out, _, _, _ = built
-    p = out / "paths.json"
-    text = p.read_text()
-    p.write_text(text.replace("red_disc_00", "red_disc_99"))  # same size, other content
+    p = out / "metadata.arrow"
+    data = p.read_bytes()
+    assert b"red_disc_00" in data
+    p.write_bytes(data.replace(b"red_disc_00", b"red_disc_99"))  # same size, other content
     Index.load(out)  # sizes agree
-    with pytest.raises(IndexFilesError, match=r"paths\.json: SHA-256 differs from the manifest's"):
+    with pytest.raises(IndexFilesError, match=r"metadata\.arrow: SHA-256 differs from the manifest's"):
         Index.load(out, verify_hashes=True)
-    p.write_text(text + " ")
-    with pytest.raises(IndexFilesError, match=r"paths\.json: \d+ bytes, the manifest says \d+.*--overwrite"):
+    p.write_bytes(data + b" ")
+    with pytest.raises(IndexFilesError, match=r"metadata\.arrow: \d+ bytes, the manifest says \d+.*--overwrite"):
         Index.load(out)
-    (out / "labels.npy").unlink()
-    with pytest.raises(FileNotFoundError, match="missing labels.npy"):
+    p.unlink()
+    with pytest.raises(FileNotFoundError, match="missing metadata.arrow"):
         Index.load(out)
 
 
@@ -161,7 +162,7 @@ def test_old_index_without_file_list_loads_with_a_warning_and_add_upgrades_it(sh
     with pytest.warns(UserWarning, match="older deepmetric"):
         assert _index(shapes["checkpoint"], more, out, "--add") == 0
     m = json.loads((out / "manifest.json").read_text())
-    assert m["version"] == 2 and len(m["files"]) == 5 and len(Index.load(out)) == 18
+    assert m["version"] == 3 and len(m["files"]) == 4 and len(Index.load(out)) == 18
 
 
 def test_owned_images_are_carried_as_hard_links(tmp_path, rng):
@@ -178,7 +179,9 @@ def test_owned_images_are_carried_as_hard_links(tmp_path, rng):
     index.directory = a  # as if loaded from a
     b = tmp_path / "b"
     index.save(b)
-    assert json.loads((b / "paths.json").read_text()) == [f"images/{i:06d}.png" for i in range(3)]
+    import pyarrow as pa
+    table = pa.ipc.open_file(pa.memory_map(str(b / "metadata.arrow"))).read_all()
+    assert table.column("path").to_pylist() == [f"images/{i:06d}.png" for i in range(3)]
     assert os.path.samefile(b / "images" / "000001.png", a / "images" / "000001.png")
     loaded = Index.load(b, verify_hashes=True)
     assert loaded.paths == [str(b.resolve() / "images" / f"{i:06d}.png") for i in range(3)]

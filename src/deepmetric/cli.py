@@ -378,16 +378,25 @@ def _add_index_parser(sub) -> None:
                 "--device cuda --search-device cpu   # embed on the GPU, exact search with faiss\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root photos/ --out photos.index\n"
                 "  deepmetric index runs/mine/best.pt --data folder --root more_photos/ --out photos.index --add"))
-    p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train' (best.pt / last.pt)")
+    p.add_argument("checkpoint", nargs="?", default=None,
+                   help="checkpoint written by 'deepmetric train' (best.pt / last.pt); not with --embeddings")
+    p.add_argument("--embeddings", default=None, metavar="FILE",
+                   help="index vectors you already have instead of embedding images: an .npz with 'embeddings' "
+                        "(optional 'labels', 'class_names', 'paths'), an .npy, or a parquet file of 'index export'")
     p.add_argument("--data", default=None,
                    help="dataset name: folder, csv, glyphs, cub, ... (default: the checkpoint's training data)")
     p.add_argument("--root", default=None, help="dataset root: the folder (folder), the .csv file (csv), ...")
     p.add_argument("--split", default=None,
                    help="split to index (default: all for folder/csv, test otherwise)")
     p.add_argument("--out", required=True, metavar="INDEX_DIR", help="index folder to write (or add to)")
-    p.add_argument("--approximate", default=None, choices=["ivf", "hnsw"],
+    p.add_argument("--approximate", default=None, choices=["ivf", "hnsw", "ivfpq"],
                    help="build an approximate faiss index (large galleries); its recall@10 against exact "
-                        "search is measured and stored in manifest.json")
+                        "search is measured and stored in manifest.json. ivfpq: OPQ + IVF + PQ codes in memory, "
+                        "candidates re-ranked with float16 vectors read from disk (docs/search.md)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help="ivfpq: resident memory the index may take; chooses the lists, PQ bytes and refinement")
+    p.add_argument("--reduce-dim", type=int, default=None, metavar="D",
+                   help="ivfpq: PCA to D dimensions before the PQ codes (re-ranking keeps every dimension)")
     p.add_argument("--add", action="store_true",
                    help="add the images to the existing index in --out (same checkpoint; already indexed "
                         "paths are skipped)")
@@ -404,9 +413,23 @@ def _add_index_parser(sub) -> None:
 def _run_index(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
 
+    if (args.checkpoint is None) == (args.embeddings is None):
+        raise ValueError("give either CHECKPOINT (embed images) or --embeddings FILE (vectors you have)")
+    options = {k: v for k, v in (("memory_gb", args.memory_budget), ("reduce_dim", args.reduce_dim)) if v}
+    if options and args.approximate != "ivfpq":
+        raise ValueError("--memory-budget / --reduce-dim apply to --approximate ivfpq")
+    if args.embeddings is not None:
+        from deepmetric.search.index import index_from_file
+
+        index = index_from_file(args.embeddings, args.out, approximate=args.approximate, add=args.add,
+                                overwrite=args.overwrite, options=options)
+        print(f"{'added' if args.add else 'indexed'} {args.embeddings} -> {args.out}: {len(index)} vectors, "
+              f"{len(index.class_names)} classes, d={index.dim}, {index.kind}")
+        _print_recall(index)
+        return 0
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
                         approximate=args.approximate, add=args.add, overwrite=args.overwrite,
-                        batch_size=args.batch_size, search_device=args.search_device,
+                        index_options=options, batch_size=args.batch_size, search_device=args.search_device,
                         device=args.device, num_workers=args.num_workers, progress=not args.no_progress)
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
     what = "added" if args.add else "indexed"
@@ -414,8 +437,71 @@ def _run_index(args: argparse.Namespace) -> int:
           f"{len(index)} images, {len(index.class_names)} classes, d={index.dim}, {index.kind}")
     if index.meta.get("skipped_already_indexed"):
         print(f"skipped {index.meta['skipped_already_indexed']} images already in the index")
+    _print_recall(index)
+    return 0
+
+
+def _print_recall(index) -> None:
     if index.kind != "exact":
-        print(f"recall@10 against exact search: {index.meta['approximate']['recall@10_vs_exact']:.4f}")
+        a = index.meta["approximate"]
+        extra = f" ({a['factory']}, nprobe {a['nprobe']}, {a['k_factor']}x candidates re-ranked)" \
+            if index.kind == "ivfpq" else ""
+        print(f"recall@10 against exact search: {a['recall@10_vs_exact']:.4f}{extra}")
+
+
+def _add_index_tools_parsers(sub) -> None:
+    p = sub.add_parser(
+        "index-export", help="'deepmetric index export INDEX --to ...': an index's vectors and payload "
+                             "to parquet or Qdrant",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=("Write every indexed vector (l2-normalised float32) with its path, label and class name, "
+                     "and the manifest (checkpoint, preprocessing) a query needs: parquet:FILE (one row per "
+                     "image; 'deepmetric index --embeddings FILE.parquet' reads it back) or qdrant:PATH_OR_URL "
+                     "(a collection with cosine distance through qdrant-client: a folder runs Qdrant embedded, "
+                     "http://HOST:6333 a server or cluster; needs the 'qdrant' extra). Written as "
+                     "'deepmetric index export'."),
+        epilog=("example:\n  deepmetric index export runs/demo/index --to parquet:demo.parquet\n"
+                "  deepmetric index export runs/demo/index --to qdrant:demo.qdrant\n"
+                "  deepmetric index export photos.index --to qdrant:http://localhost:6333 --collection photos"))
+    p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
+    p.add_argument("--to", required=True, metavar="parquet:FILE|qdrant:PATH_OR_URL", help="where to write")
+    p.add_argument("--collection", default="deepmetric", help="Qdrant collection (re-created; default deepmetric)")
+    p.set_defaults(func=_run_index_export)
+    m = sub.add_parser(
+        "index-migrate", help="'deepmetric index migrate INDEX': rewrite an older index in the current format",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=("Rewrite INDEX_DIR (atomically) in the current format: paths, labels and class names in "
+                     "Arrow files read lazily instead of JSON, and every file's SHA-256 in the manifest. An "
+                     "'index --add' migrates too. Written as 'deepmetric index migrate'."),
+        epilog="example:\n  deepmetric index migrate runs/demo/index")
+    m.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
+    m.set_defaults(func=_run_index_migrate)
+
+
+def _run_index_export(args: argparse.Namespace) -> int:
+    from deepmetric.search import Index
+    from deepmetric.search.interchange import export_parquet, export_qdrant, parse_target
+
+    scheme, where = parse_target(args.to)
+    index = Index.load(args.index_dir, mmap=True)
+    if scheme == "parquet":
+        export_parquet(index, where)
+    else:
+        export_qdrant(index, where, collection=args.collection)
+    print(f"exported {len(index)} vectors (d={index.dim}) of {args.index_dir} -> {args.to}")
+    return 0
+
+
+def _run_index_migrate(args: argparse.Namespace) -> int:
+    import warnings
+
+    from deepmetric.search import Index
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the "written by an older deepmetric" warning: that is the point
+        index = Index.load(args.index_dir)
+    index.save(args.index_dir)
+    print(f"rewrote {args.index_dir} in the current format ({len(index)} images)")
     return 0
 
 
@@ -683,6 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(sub)
     _add_emoji_parser(sub)
     _add_index_parser(sub)
+    _add_index_tools_parsers(sub)
     _add_search_parser(sub)
     _add_export_parser(sub)
     _add_serve_parser(sub)
@@ -693,6 +780,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["index"] and argv[1:2] in (["export"], ["migrate"]):
+        argv = [f"index-{argv[1]}"] + argv[2:]  # 'deepmetric index export ...'
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -29,28 +29,25 @@ recall@10 against exact search is measured when they are built and stored in the
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from .compressed import VECTORS_FILE, RefinedIndex
+from .metadata import CLASS_NAMES_FILE, METADATA_FILE, write_metadata
+from .reading import INDEX_FORMAT, INDEX_VERSION, KINDS, Folder, check_files, exists, read_manifest, read_parts
 from .query import (Preprocessing, approximate_search, as_query_list, embed_images, exact_search,
                     recall_against_exact)
-from .store import (IndexFilesError, carry_file, check_utf8, file_entries, file_sha256, index_transaction,
-                    verify_files)
+from .store import (IndexFilesError, carry_file, check_utf8, file_entries, file_sha256, index_transaction)
 
 __all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256", "IndexFilesError", "is_index_dir"]
 
-INDEX_FORMAT = "deepmetric-index"
-INDEX_VERSION = 2  # 2: manifest.json lists every file's size and SHA-256 ("files")
-KINDS = ("exact", "ivf", "hnsw")
-_FILES = ("manifest.json", "embeddings.npy", "labels.npy", "class_names.json", "paths.json")
+_FILES = ("manifest.json", "embeddings.npy", "labels.npy", "class_names.json", "paths.json")  # version 2
+_FILES_V3 = ("manifest.json", METADATA_FILE, CLASS_NAMES_FILE)  # + embeddings.npy or vectors.f16.npy
 _MANIFEST_OWN = ("format", "version", "kind", "count", "dim", "classes", "files")
 
 
@@ -85,49 +82,19 @@ def check_out_dir(out: str | Path, *, overwrite: bool) -> None:
                               "--add, replace it with --overwrite, or choose another --out")
 
 
-class _Folder:
-    """Reads the files of one index folder through a descriptor of the folder, so that a
-    folder swapped in by a writer meanwhile is never mixed with the old one."""
-
-    def __init__(self, d: Path):
-        self.d = d
-        self.fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-
-    def close(self):
-        os.close(self.fd)
-
-    def open(self, rel: str):
-        return open(rel, "rb", opener=lambda p, flags: os.open(p, flags, dir_fd=self.fd))
-
-    def read(self, rel: str) -> bytearray:
-        with self.open(rel) as f:
-            size = os.fstat(f.fileno()).st_size
-            buf = bytearray(size)
-            view, got = memoryview(buf), 0
-            while got < size:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise IndexFilesError(f"{self.d / rel}: file shrank while it was read")
-                got += n
-        return buf
-
-    def size(self, rel: str) -> int:
-        return os.stat(rel, dir_fd=self.fd).st_size
-
-
-def _npy_from_buffer(buf: bytearray, name: str) -> np.ndarray:
-    """A ``.npy`` array viewing ``buf`` (no copy, no pickles)."""
-    f = io.BytesIO(buf)
-    version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-    else:
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    if dtype.hasobject:
-        raise ValueError(f"{name}: holds Python objects; an index stores plain numbers")
-    count = int(np.prod(shape)) if shape else 1
-    arr = np.frombuffer(buf, dtype=dtype, count=count, offset=f.tell())
-    return arr.reshape(shape, order="F" if fortran else "C")
+def normalised_f16(x, name: str, chunk_rows: int = 1 << 18) -> np.ndarray:
+    """l2-normalised float16 copy of ``x`` (array, memmap or tensor), checked and converted in
+    chunks of ``chunk_rows`` so that at most one chunk is float32 at a time."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    if getattr(x, "ndim", 2) == 1:
+        x = np.asarray(x)[None, :]
+    n = x.shape[0]
+    out = np.empty((n, x.shape[1] if x.ndim == 2 else 0), np.float16)
+    for a in range(0, max(n, 1), chunk_rows):
+        part = _normalised(np.asarray(x[a:a + chunk_rows]), f"{name} (rows from {a})")
+        out[a:a + len(part)] = part
+    return out
 
 
 def _normalised(x, name: str) -> np.ndarray:
@@ -151,10 +118,13 @@ class Index:
 
     def __init__(self, embeddings, labels=None, paths: Sequence[str] | None = None,
                  class_names: Sequence[str] | None = None, *, kind: str = "exact",
-                 meta: dict | None = None, directory: str | Path | None = None, search_device=None):
+                 meta: dict | None = None, directory: str | Path | None = None, search_device=None,
+                 options: dict | None = None):
         if kind not in KINDS:
             raise ValueError(f"index kind must be one of {KINDS}, got {kind!r}")
-        self.embeddings = _normalised(embeddings, "index embeddings")
+        # ivfpq keeps float16 vectors (normalised in chunks: never all of them in float32)
+        self.embeddings = (normalised_f16(embeddings, "index embeddings") if kind == "ivfpq"
+                           else _normalised(embeddings, "index embeddings"))
         n = self.embeddings.shape[0]
         self.labels = (np.zeros(n, np.int64) if labels is None
                        else np.asarray(labels, dtype=np.int64).reshape(-1))
@@ -175,8 +145,9 @@ class Index:
         self.manifest_files = None  # {relative path: {bytes, sha256}} of a loaded index
         self._model = None
         self.search_device = search_device or "cpu"
+        self.refined = None  # ivfpq: the PQ index + float16 vectors it re-ranks with
         if kind != "exact":
-            self._build_approximate()
+            self._build_approximate(options or {})
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
@@ -190,9 +161,15 @@ class Index:
         return (f"Index(kind={self.kind!r}, n={len(self)}, dim={self.dim}, classes={len(self.class_names)}, "
                 f"directory={str(self.directory) if self.directory else None!r})")
 
-    def _build_approximate(self) -> None:
+    def _build_approximate(self, options: dict) -> None:
         from deepmetric.evaluate.knn import build_approximate_index
 
+        if self.kind == "ivfpq":
+            from .compressed import build_refined
+
+            self.refined, self.meta["approximate"] = build_refined(self.embeddings, **options)
+            self.faiss_index = self.refined.index
+            return
         t = time.perf_counter()
         self.faiss_index = build_approximate_index(self.embeddings, f"faiss-{self.kind}", k=10)
         self.meta["approximate"] = {
@@ -205,14 +182,18 @@ class Index:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_embeddings(cls, embeddings, labels=None, paths=None, class_names=None, *,
-                        approximate: str | None = None, meta: dict | None = None) -> "Index":
-        return cls(embeddings, labels, paths, class_names, kind=approximate or "exact", meta=meta)
+                        approximate: str | None = None, meta: dict | None = None,
+                        options: dict | None = None) -> "Index":
+        """An index of vectors a user already has (``options``: ivfpq's ``memory_gb`` /
+        ``reduce_dim``, see :func:`deepmetric.search.compressed.build_refined`)."""
+        return cls(embeddings, labels, paths, class_names, kind=approximate or "exact", meta=meta,
+                   options=options)
 
     @classmethod
     def build(cls, checkpoint: str | Path, *, data: str | None = None, root: str | None = None,
               split: str | None = None, out: str | Path | None = None, approximate: str | None = None,
               add: bool = False, overwrite: bool = False, options: dict | None = None,
-              batch_size: int = 256, device: str = "auto", num_workers: int = 0,
+              index_options: dict | None = None, batch_size: int = 256, device: str = "auto", num_workers: int = 0,
               progress: bool = True, search_device: str = "auto") -> "Index":
         """Embed a dataset split with ``checkpoint`` (its test transform) and index it.
 
@@ -228,12 +209,13 @@ class Index:
         """
         if add and out is None:
             raise ValueError("add=True needs out=INDEX_DIR, the index to add to")
-        if approximate not in (None, "exact", "ivf", "hnsw"):
-            raise ValueError(f"approximate must be 'ivf' or 'hnsw' (or None for exact), got {approximate!r}")
+        if approximate not in (None,) + KINDS:
+            raise ValueError(f"approximate must be 'ivf', 'hnsw' or 'ivfpq' (or None for exact), got {approximate!r}")
         from deepmetric.train.embed import command_search_device
 
         command_search_device(device, search_device)  # bad values are refused before any work
-        kw = dict(data=data, root=root, split=split, options=options, batch_size=batch_size, device=device,
+        kw = dict(data=data, root=root, split=split, options=options, index_options=index_options,
+                  batch_size=batch_size, device=device,
                   num_workers=num_workers, progress=progress, search_device=search_device)
         if out is None:
             return cls._build(checkpoint, None, None, approximate=approximate, add=False, **kw)
@@ -247,7 +229,7 @@ class Index:
         return index
 
     @classmethod
-    def _build(cls, checkpoint, out: Path | None, tmp: Path | None, *, data, root, split, options,
+    def _build(cls, checkpoint, out: Path | None, tmp: Path | None, *, data, root, split, options, index_options,
                approximate, add, batch_size, device, num_workers, progress, search_device) -> "Index":
         from .build import embed_dataset_for_index
 
@@ -282,7 +264,7 @@ class Index:
                                    "config": got["config"]},
                     "preprocessing": got["preprocessing"], "data": got["data"]}
             index = cls(got["embeddings"], got["labels"], got["paths"], got["class_names"],
-                        kind=approximate or "exact", meta=meta, search_device=where)
+                        kind=approximate or "exact", meta=meta, search_device=where, options=index_options)
         index.meta["skipped_already_indexed"] = got["skipped"]
         return index
 
@@ -312,10 +294,16 @@ class Index:
         new_paths = [str(p) for p in paths] if paths is not None else [""] * n
         if len(new_paths) != n:
             raise ValueError(f"{len(new_paths)} paths for {n} added embeddings")
+        if self.kind == "ivfpq":
+            e = e.astype(np.float16)
         self.embeddings = np.ascontiguousarray(np.concatenate([self.embeddings, e]))
         self.labels = np.concatenate([self.labels, lab])
-        self.paths += new_paths
-        if self.faiss_index is not None:
+        self.paths = list(self.paths) + new_paths
+        if self.refined is not None:
+            from .compressed import add_refined
+
+            add_refined(self.refined, e, self.embeddings, self.meta["approximate"])
+        elif self.faiss_index is not None:
             self.faiss_index.add(e)
             self.meta["approximate"]["recall@10_vs_exact"] = recall_against_exact(
                 self.embeddings, self.faiss_index, k=10, device=self.search_device)
@@ -366,6 +354,8 @@ class Index:
         k = int(k)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+        if self.refined is not None:
+            return self.refined.search(q, k)
         if self.faiss_index is not None:
             return approximate_search(self.faiss_index, q, k)
         return exact_search(self.embeddings, q, k, memory_mb=memory_mb, device=self.search_device)
@@ -425,19 +415,17 @@ class Index:
         if index is None:
             index = faiss.IndexFlatIP(self.dim)
             index.add(np.ascontiguousarray(self.embeddings, dtype=np.float32))
-        with open(tmp / "embeddings.npy", "wb") as f:
+        vectors = VECTORS_FILE if self.kind == "ivfpq" else "embeddings.npy"
+        with open(tmp / vectors, "wb") as f:
             np.save(f, np.ascontiguousarray(self.embeddings), allow_pickle=False)
-        with open(tmp / "labels.npy", "wb") as f:
-            np.save(f, np.asarray(self.labels, np.int64), allow_pickle=False)
-        (tmp / "class_names.json").write_text(json.dumps(self.class_names, ensure_ascii=False), encoding="utf-8")
-        (tmp / "paths.json").write_text(json.dumps(stored, ensure_ascii=False), encoding="utf-8")
+        write_metadata(tmp, stored, self.labels, self.class_names)
         faiss.write_index(index, str(tmp / "index.faiss"))
         manifest = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "kind": self.kind,
                     "count": len(self), "dim": self.dim, "classes": len(self.class_names),
                     **{k: v for k, v in self.meta.items() if k not in _MANIFEST_OWN},
                     "files": file_entries(tmp)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
-        for name in _FILES + ("index.faiss",):  # on disk before the swap makes them the index
+        for name in _FILES_V3 + (vectors, "index.faiss"):  # on disk before the swap makes them the index
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         return stored
@@ -454,67 +442,37 @@ class Index:
         (``verify_hashes=True`` also compares SHA-256s); IndexFilesError names the files that
         differ. ``mmap=True`` maps ``embeddings.npy`` instead of reading it; without it every
         file is read into memory through one descriptor of the folder, so replacing the folder
-        or its files later cannot change or break the loaded index."""
-        import faiss
-
+        or its files later cannot change or break the loaded index. An ``ivfpq`` index always
+        maps ``vectors.f16.npy`` (only re-ranked candidates are read). Version-3 metadata
+        (``metadata.arrow``) is decoded per row shown, from memory or (``mmap``) the mapped file."""
         d = Path(directory)
         if not d.is_dir():
             raise FileNotFoundError(f"index folder {d} does not exist (make one with 'deepmetric index')")
-        folder = _Folder(d)
+        folder = Folder(d)
         try:
-            missing = [f for f in _FILES if not _exists(folder, f)]
+            manifest, raw = read_manifest(folder, d)
+            kind, files = manifest["kind"], manifest.get("files")
+            # version 3 (or a folder with its files): Arrow metadata; else paths.json / labels.npy / ...
+            v3 = manifest.get("version", 0) >= 3 or exists(folder, METADATA_FILE)
+            vectors = VECTORS_FILE if kind == "ivfpq" else "embeddings.npy"
+            mapped = mmap or kind == "ivfpq"
+            needed = (_FILES_V3 if v3 else _FILES) + (vectors,) + (("index.faiss",) if kind != "exact" else ())
+            missing = [f for f in dict.fromkeys(needed) if not exists(folder, f)]
             if missing:
                 raise FileNotFoundError(f"{d} is not a deepmetric index: missing {', '.join(missing)}")
-            raw = {"manifest.json": folder.read("manifest.json")}
-            try:
-                manifest = json.loads(bytes(raw["manifest.json"]).decode("utf-8"))
-            except ValueError as exc:
-                raise ValueError(f"{d / 'manifest.json'}: not valid JSON ({exc})") from None
-            if not isinstance(manifest, dict) or manifest.get("format") != INDEX_FORMAT:
-                raise ValueError(f"{d / 'manifest.json'}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-                                 f"expected {INDEX_FORMAT!r}")
-            if manifest.get("version", 0) > INDEX_VERSION:
-                raise ValueError(f"{d}: index version {manifest['version']} is newer than this deepmetric "
-                                 f"reads ({INDEX_VERSION}); upgrade deepmetric")
-            files = manifest.get("files")
-            kind = manifest["kind"]
-            names = ["labels.npy", "class_names.json", "paths.json"] + (["index.faiss"] if kind != "exact" else [])
-            if not mmap:
-                names.append("embeddings.npy")
+            names = ([] if mmap else [METADATA_FILE, CLASS_NAMES_FILE]) if v3 else \
+                ["labels.npy", "class_names.json", "paths.json"]
+            names += (["index.faiss"] if kind != "exact" else []) + ([] if mapped else [vectors])
             for name in names:
                 raw[name] = folder.read(name)
-            if files is None:
-                warnings.warn(f"{d}: index written by an older deepmetric (version {manifest.get('version', 1)}) "
-                              "without file sizes and SHA-256s, so it cannot be checked; rebuild it with "
-                              f"'deepmetric index CHECKPOINT ... --out {d} --overwrite' (an --add also "
-                              "rewrites it with them)", stacklevel=2)
-            else:
-                bad = []
-                for rel, entry in files.items():
-                    if rel in raw:
-                        if len(raw[rel]) != entry["bytes"]:
-                            bad.append(f"{rel}: {len(raw[rel])} bytes, the manifest says {entry['bytes']}")
-                        elif verify_hashes and hashlib.sha256(raw[rel]).hexdigest() != entry["sha256"]:
-                            bad.append(f"{rel}: SHA-256 differs from the manifest's")
-                if bad:
-                    raise IndexFilesError(f"{d}: files changed since the index was written: {'; '.join(bad)}. "
-                                          "Rebuild it with 'deepmetric index ... --overwrite'")
-                verify_files(d, {k: v for k, v in files.items() if k not in raw}, hashes=verify_hashes)
-            emb = (np.load(d / "embeddings.npy", mmap_mode="r", allow_pickle=False) if mmap
-                   else _npy_from_buffer(raw["embeddings.npy"], str(d / "embeddings.npy")))
-            labels = _npy_from_buffer(raw["labels.npy"], str(d / "labels.npy"))
-            names_ = json.loads(bytes(raw["class_names.json"]).decode("utf-8"))
-            rel = json.loads(bytes(raw["paths.json"]).decode("utf-8"))
-            faiss_index = (faiss.deserialize_index(np.frombuffer(raw["index.faiss"], dtype=np.uint8))
-                           if kind != "exact" else None)
+            check_files(d, files, raw, manifest, verify_hashes)
+            emb, labels, names_, paths, faiss_index = read_parts(d, raw, kind, v3, mapped)
         finally:
             folder.close()
         if emb.shape != (manifest["count"], manifest["dim"]) or labels.shape != (manifest["count"],) \
-                or len(rel) != manifest["count"]:
+                or len(paths) != manifest["count"]:
             raise ValueError(f"{d}: files disagree with manifest.json (count {manifest['count']}, dim "
-                             f"{manifest['dim']}; embeddings {emb.shape}, labels {labels.shape}, {len(rel)} paths)")
-        root = d.resolve()
-        paths = [p if (not p or os.path.isabs(p)) else str(root / p) for p in rel]
+                             f"{manifest['dim']}; embeddings {emb.shape}, labels {labels.shape}, {len(paths)} paths)")
         meta = {k: v for k, v in manifest.items() if k not in _MANIFEST_OWN}
         obj = cls.__new__(cls)
         obj.embeddings, obj.labels, obj.paths, obj.class_names = emb, labels, paths, names_
@@ -522,15 +480,40 @@ class Index:
         obj.manifest_files = files
         obj.search_device = "cpu"  # a loaded index answers a few queries at a time: faiss
         obj.faiss_index = faiss_index
+        obj.refined = None
+        if kind == "ivfpq":
+            a = meta.get("approximate", {})
+            obj.refined = RefinedIndex(faiss_index, d / VECTORS_FILE, k_factor=a.get("k_factor", 8),
+                                       nprobe=a.get("nprobe"))
+            obj.embeddings = obj.refined.vectors
         return obj
 
 
-def _exists(folder: _Folder, rel: str) -> bool:
-    try:
-        folder.size(rel)
-        return True
-    except FileNotFoundError:
-        return False
+def index_from_file(path: str | Path, out: str | Path, *, approximate: str | None = None, add: bool = False,
+                    overwrite: bool = False, options: dict | None = None) -> Index:
+    """``deepmetric index --embeddings FILE``: an index of the vectors in ``path``
+    (:func:`deepmetric.search.interchange.read_embeddings_file`), written to ``out`` as a
+    transaction; ``add=True`` appends them to the index there (its kind and settings)."""
+    from .interchange import read_embeddings_file
+
+    got = read_embeddings_file(path)
+    source = {"embeddings": str(Path(path).resolve()), "images": int(got["embeddings"].shape[0])}
+    out = Path(out)
+    if not add:
+        check_out_dir(out, overwrite=overwrite)
+        index = Index(got["embeddings"], got["labels"], got["paths"], got["class_names"],
+                      kind=approximate or "exact", meta={"data": source}, options=options)
+        index.save(out)
+        return index
+    if approximate not in (None, "exact") or options:
+        raise ValueError("--add keeps the index's kind and settings; leave out --approximate / --memory-budget")
+    with index_transaction(out) as tmp:
+        index = Index.load(out)
+        index.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
+        index.meta.setdefault("added", []).append(source)
+        rel_paths = index._write(tmp, out)
+    index._settle(out, rel_paths)
+    return index
 
 
 EmbeddingIndex = Index

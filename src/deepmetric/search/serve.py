@@ -169,7 +169,8 @@ class _Slots:
             self.used -= 1
 
 
-_WATCHED = ("manifest.json", "embeddings.npy", "labels.npy", "class_names.json", "paths.json", "index.faiss")
+_WATCHED = ("manifest.json", "embeddings.npy", "vectors.f16.npy", "metadata.arrow", "class_names.arrow", "labels.npy",
+            "class_names.json", "paths.json", "index.faiss")
 
 
 def _lower_priority() -> None:

@@ -1,0 +1,170 @@
+"""Vectors in and out of an index: ``deepmetric index --embeddings FILE`` and
+``deepmetric index export INDEX --to parquet:FILE | qdrant:PATH_OR_URL``.
+
+Input files (:func:`read_embeddings_file`):
+
+- ``.npz`` (``numpy.savez`` / ``deepmetric embed``): ``embeddings`` [N, d], optional ``labels``
+  (integers, or strings that become the class names), ``class_names``, ``paths``;
+- ``.npy``: the embeddings alone, memory-mapped (a file larger than memory is read in chunks);
+- ``.parquet`` written by ``index export --to parquet`` (so an export round-trips).
+
+Parquet export (:func:`export_parquet`): one row per indexed image with ``id`` (row), ``path``,
+``label``, ``class_name`` and ``vector`` (``fixed_size_list<float32>[d]``, l2-normalised, so
+cosine = dot product); the file's key-value metadata ``deepmetric`` holds the index manifest
+(checkpoint, preprocessing, kind) that a query needs. Written in row groups of 65,536 rows.
+
+Qdrant export (:func:`export_qdrant`, the ``qdrant`` extra): a collection (default
+``deepmetric``) with cosine distance, point id = row, payload ``path`` / ``label`` /
+``class_name``; ``qdrant:PATH`` runs Qdrant embedded in this process (``QdrantClient(path=...)``),
+``qdrant:http://HOST:6333`` talks to a server or cluster with the same code. The manifest is
+stored as the payload of no point but in ``PATH/deepmetric_manifest.json`` (embedded) and is
+returned for a server.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["read_embeddings_file", "export_parquet", "export_qdrant", "parse_target", "ROW_GROUP"]
+
+ROW_GROUP = 65536
+
+
+def _labels_and_names(labels, class_names):
+    if labels is None:
+        return None, None if class_names is None else [str(c) for c in class_names]
+    labels = np.asarray(labels)
+    if labels.dtype.kind in "US":  # string labels: their sorted distinct values are the classes
+        names, codes = np.unique(labels.astype(str), return_inverse=True)
+        return codes.astype(np.int64), [str(c) for c in names]
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"labels must be integers or strings, got dtype {labels.dtype}")
+    return labels.astype(np.int64), None if class_names is None else [str(c) for c in class_names]
+
+
+def read_embeddings_file(path: str | Path) -> dict:
+    """``{"embeddings", "labels", "paths", "class_names"}`` from an ``.npz``, ``.npy`` or exported
+    ``.parquet`` file (missing parts are ``None``); errors name the file and what was expected."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--embeddings {p} not found (an .npz with 'embeddings', an .npy, or a "
+                                "parquet file of 'deepmetric index export')")
+    if p.suffix == ".npy":
+        emb = np.load(p, mmap_mode="r", allow_pickle=False)
+        return {"embeddings": emb, "labels": None, "paths": None, "class_names": None}
+    if p.suffix == ".parquet":
+        return _read_parquet(p)
+    try:
+        z = np.load(p, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--embeddings {p}: not a readable .npz / .npy ({exc})") from None
+    with z:
+        if "embeddings" not in z.files:
+            raise KeyError(f"--embeddings {p} has no array 'embeddings' (it has {', '.join(z.files) or 'none'})")
+        labels, names = _labels_and_names(z["labels"] if "labels" in z.files else None,
+                                          z["class_names"] if "class_names" in z.files else None)
+        paths = [str(s) for s in z["paths"]] if "paths" in z.files else None
+        return {"embeddings": z["embeddings"], "labels": labels, "paths": paths, "class_names": names}
+
+
+def _read_parquet(p: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(p)
+    need = {"vector", "label", "class_name", "path"}
+    if not need <= set(table.schema.names):
+        raise KeyError(f"--embeddings {p}: a parquet file needs the columns {sorted(need)} "
+                       f"('deepmetric index export --to parquet:FILE'); it has {table.schema.names}")
+    vec = table.column("vector").combine_chunks()
+    d = vec.type.list_size
+    emb = vec.values.to_numpy(zero_copy_only=False).reshape(-1, d)
+    labels = table.column("label").to_numpy()
+    names = {}
+    for lab, name in zip(labels.tolist(), table.column("class_name").to_pylist()):
+        names.setdefault(int(lab), name)
+    class_names = [names.get(i, str(i)) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
+    return {"embeddings": emb, "labels": labels.astype(np.int64), "paths": table.column("path").to_pylist(),
+            "class_names": class_names}
+
+
+def parse_target(target: str) -> tuple[str, str]:
+    """``parquet:FILE`` / ``qdrant:PATH_OR_URL`` -> (scheme, rest)."""
+    scheme, sep, rest = target.partition(":")
+    if not sep or scheme not in ("parquet", "qdrant") or not rest:
+        raise ValueError(f"--to {target!r}: expected parquet:FILE or qdrant:PATH_OR_URL")
+    return scheme, rest
+
+
+def _manifest(index) -> dict:
+    return {"kind": index.kind, "count": len(index), "dim": index.dim, **index.meta}
+
+
+def _batches(index, rows: int):
+    n = len(index)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        vec = np.asarray(index.embeddings[a:b], dtype=np.float32)
+        yield a, b, vec, np.asarray(index.labels[a:b]), list(index.paths[a:b])
+
+
+def export_parquet(index, out: str | Path) -> Path:
+    """Write every row of ``index`` to a parquet file (atomically: a temporary file renamed)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([("id", pa.int64()), ("path", pa.string()), ("label", pa.int64()),
+                        ("class_name", pa.string()), ("vector", pa.list_(pa.float32(), index.dim))],
+                       metadata={"deepmetric": json.dumps(_manifest(index), ensure_ascii=False)})
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        with pq.ParquetWriter(str(tmp), schema) as w:
+            for a, b, vec, lab, paths in _batches(index, ROW_GROUP):
+                flat = pa.array(vec.reshape(-1), type=pa.float32())
+                w.write_table(pa.table([pa.array(np.arange(a, b)), pa.array(paths, pa.string()), pa.array(lab),
+                                        pa.array([index.class_names[i] for i in lab], pa.string()),
+                                        pa.FixedSizeListArray.from_arrays(flat, index.dim)], schema=schema))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def qdrant_client_for(where: str):
+    """A ``QdrantClient``: ``http(s)://`` -> a server, anything else -> embedded at that folder."""
+    try:
+        from qdrant_client import QdrantClient
+    except ImportError:
+        raise ImportError("exporting to Qdrant needs qdrant-client: pip install 'deepmetric[qdrant]'") from None
+    if where.startswith(("http://", "https://")):
+        return QdrantClient(url=where)
+    return QdrantClient(path=where)
+
+
+def export_qdrant(index, where: str, *, collection: str = "deepmetric", batch: int = 1024) -> dict:
+    """Upload every row of ``index`` as a point (id = row, cosine distance, payload path / label /
+    class_name) into ``collection`` (re-created). Returns the manifest stored with it."""
+    from qdrant_client import models
+
+    client = qdrant_client_for(where)
+    try:
+        if client.collection_exists(collection):
+            client.delete_collection(collection)
+        client.create_collection(collection, vectors_config=models.VectorParams(
+            size=index.dim, distance=models.Distance.COSINE))
+        for a, b, vec, lab, paths in _batches(index, batch):
+            client.upsert(collection, points=models.Batch(
+                ids=list(range(a, b)), vectors=vec.tolist(),
+                payloads=[{"path": p, "label": int(lb), "class_name": index.class_names[lb]}
+                          for p, lb in zip(paths, lab)]), wait=True)
+    finally:
+        client.close()
+    manifest = _manifest(index)
+    if not where.startswith(("http://", "https://")):
+        side = Path(where) / "deepmetric_manifest.json"
+        side.write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
+    return manifest
