@@ -80,7 +80,7 @@ def _read_parquet(p: Path) -> dict:
                        f"('deepmetric index export --to parquet:FILE'); it has {table.schema.names}")
     vec = table.column("vector").combine_chunks()
     d = vec.type.list_size
-    emb = vec.values.to_numpy(zero_copy_only=False).reshape(-1, d)
+    emb = np.array(vec.values.to_numpy(zero_copy_only=False)).reshape(-1, d)  # writable, for torch
     labels = table.column("label").to_numpy()
     names = {}
     for lab, name in zip(labels.tolist(), table.column("class_name").to_pylist()):

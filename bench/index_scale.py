@@ -1,0 +1,216 @@
+"""Scale of the compressed index (``deepmetric index --embeddings FILE --approximate ivfpq``)
+against raw faiss with the same factory string, in one run on one machine.
+
+Data (synthetic, clustered, stated so it can be regenerated): ``--clusters`` centres drawn
+N(0, I_d); each vector is its centre plus a point of a 16-dimensional subspace (one of 32
+shared random bases, scale 0.6) plus isotropic noise (scale 0.15), l2-normalised. Written in
+chunks of 262,144 rows to ``WORK/vectors.npy`` (float32, memory-mapped: never all in memory).
+1,000 queries are fresh draws of the same process (not indexed); their exact top-10 comes from
+a chunked scan of the file (:func:`deepmetric.search.compressed.exact_top_k_chunked`).
+
+Each phase runs in its own child process and reports its own peak RSS (``ru_maxrss``):
+
+  ours-build   ``deepmetric index --embeddings WORK/vectors.npy --approximate ivfpq`` (the CLI)
+  raw-build    faiss ``index_factory`` with the factory string ours recorded, trained on as many
+               rows, filled in the same chunks, wrapped in ``IndexRefine`` with a float16
+               ``IndexScalarQuantizer`` (faiss's own re-ranking, vectors in memory), same
+               nprobe and k_factor as ours
+  ours-query / raw-query at 1 and 2 threads: 1,000 queries (batches of 100), k=10; recall@10
+               against the exact top-10; ours through ``Index.load(verify_hashes=True)`` as
+               ``deepmetric serve`` loads it (its RSS is what serve holds for the index)
+
+  OMP_WAIT_POLICY=PASSIVE nice -n 10 python bench/index_scale.py --n 10000000 --work /tmp/scale10m
+
+A projection table (memory from :func:`deepmetric.search.compressed.resident_bytes`, disk
+from N * (d * 2 + M + 8 + metadata), time linear in N from the measured build) ends the
+report, for 100 M and 1 B vectors and clusters of N machines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+CHUNK = 262144
+
+
+def _peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def _generator(d: int, clusters: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, d)).astype(np.float32)
+    bases = (rng.standard_normal((32, 16, d)) / np.sqrt(16)).astype(np.float32)
+
+    def draw(n: int, chunk_seed: int) -> np.ndarray:
+        r = np.random.default_rng([seed, chunk_seed])
+        c = r.integers(0, clusters, n)
+        z = r.standard_normal((n, 16), dtype=np.float32)
+        x = centres[c] + 0.15 * r.standard_normal((n, d), dtype=np.float32)
+        for b in range(32):  # each cluster's subspace: one of the shared bases
+            rows = np.flatnonzero(c % 32 == b)
+            x[rows] += 0.6 * (z[rows] @ bases[b])
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+    return draw
+
+
+def phase_data(a) -> dict:
+    t = time.perf_counter()
+    draw = _generator(a.d, a.clusters)
+    out = np.lib.format.open_memmap(Path(a.work) / "vectors.npy", mode="w+", dtype=np.float32, shape=(a.n, a.d))
+    for i, s in enumerate(range(0, a.n, CHUNK)):
+        out[s:s + CHUNK] = draw(min(CHUNK, a.n - s), i)
+    out.flush()
+    del out
+    q = draw(a.queries, 10 ** 6)
+    np.save(Path(a.work) / "queries.npy", q)
+    from deepmetric.search.compressed import exact_top_k_chunked
+
+    t_gt = time.perf_counter()
+    sims, idx = exact_top_k_chunked(np.load(Path(a.work) / "vectors.npy", mmap_mode="r"), q, 10)
+    np.save(Path(a.work) / "exact.npy", idx)
+    return {"write_s": round(t_gt - t, 1), "exact_scan_s": round(time.perf_counter() - t_gt, 1),
+            "peak_rss_gib": round(_peak_gib(), 3)}
+
+
+def phase_ours_build(a) -> dict:
+    from deepmetric.cli import main
+
+    argv = ["index", "--embeddings", str(Path(a.work) / "vectors.npy"), "--out", str(Path(a.work) / "ours"),
+            "--approximate", "ivfpq", "--overwrite"] + (["--memory-budget", str(a.memory_budget)]
+                                                        if a.memory_budget else [])
+    t = time.perf_counter()
+    if main(argv) != 0:
+        raise SystemExit("deepmetric index failed")
+    manifest = json.loads((Path(a.work) / "ours" / "manifest.json").read_text())
+    size = sum(p.stat().st_size for p in (Path(a.work) / "ours").iterdir())
+    return {"build_s": round(time.perf_counter() - t, 1), "peak_rss_gib": round(_peak_gib(), 3),
+            "disk_gib": round(size / 2 ** 30, 3), "approximate": manifest["approximate"]}
+
+
+def phase_raw_build(a) -> dict:
+    import faiss
+
+    ap = json.loads((Path(a.work) / "ours" / "manifest.json").read_text())["approximate"]
+    x = np.load(Path(a.work) / "vectors.npy", mmap_mode="r")
+    t = time.perf_counter()
+    base = faiss.index_factory(a.d, ap["factory"], faiss.METRIC_INNER_PRODUCT)
+    rows = np.sort(np.random.default_rng(0).choice(len(x), size=ap["train_rows"], replace=False))
+    base.train(np.ascontiguousarray(x[rows]))
+    refine = faiss.IndexScalarQuantizer(a.d, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+    index = faiss.IndexRefine(base, refine)
+    for s in range(0, len(x), CHUNK):
+        index.add(np.ascontiguousarray(x[s:s + CHUNK]))
+    faiss.write_index(index, str(Path(a.work) / "raw.faiss"))
+    return {"build_s": round(time.perf_counter() - t, 1), "peak_rss_gib": round(_peak_gib(), 3),
+            "disk_gib": round(os.path.getsize(Path(a.work) / "raw.faiss") / 2 ** 30, 3)}
+
+
+def _timed_queries(search, q: np.ndarray, exact: np.ndarray) -> dict:
+    search(q[:100], 10)  # warm-up
+    t = time.perf_counter()
+    got = np.concatenate([search(q[s:s + 100], 10)[1] for s in range(0, len(q), 100)])
+    dt = time.perf_counter() - t
+    recall = np.mean([len(set(g[g >= 0]) & set(e)) / len(e) for g, e in zip(got, exact)])
+    return {"queries_per_s": round(len(q) / dt, 1), "recall@10": round(float(recall), 4)}
+
+
+def phase_query(a) -> dict:
+    import faiss
+
+    faiss.omp_set_num_threads(a.threads)
+    q = np.load(Path(a.work) / "queries.npy")
+    exact = np.load(Path(a.work) / "exact.npy")
+    if a.system == "ours":
+        from deepmetric.search import Index
+
+        t = time.perf_counter()
+        index = Index.load(Path(a.work) / "ours", verify_hashes=True)
+        load_s = time.perf_counter() - t
+        out = _timed_queries(index.search, q, exact)
+    else:
+        ap = json.loads((Path(a.work) / "ours" / "manifest.json").read_text())["approximate"]
+        t = time.perf_counter()
+        index = faiss.read_index(str(Path(a.work) / "raw.faiss"))
+        load_s = time.perf_counter() - t
+        faiss.extract_index_ivf(index).nprobe = ap["nprobe"]
+        params = faiss.IndexRefineSearchParameters(k_factor=ap["k_factor"])
+        out = _timed_queries(lambda x, k: index.search(x, k, params=params), q, exact)
+    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {**out, "load_s": round(load_s, 1), "rss_after_gib": round(rss / 2 ** 30, 3),
+            "peak_rss_gib": round(_peak_gib(), 3)}
+
+
+def _child(a, phase: str, **extra) -> dict:
+    argv = [sys.executable, __file__, "--phase", phase, "--n", str(a.n), "--d", str(a.d), "--work", a.work,
+            "--clusters", str(a.clusters), "--queries", str(a.queries)]
+    argv += ["--memory-budget", str(a.memory_budget)] if a.memory_budget else []
+    for k, v in extra.items():
+        argv += [f"--{k}", str(v)]
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"phase {phase} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def projection(ap: dict, n_measured: int, build_s: float, d: int) -> list[str]:
+    from deepmetric.search.compressed import plan_ivfpq, resident_bytes
+
+    rows = ["| vectors | PQ bytes | nlist | resident (formula) | disk: float16 + codes | build, 1 machine "
+            "(linear) | machines of 24 GB (resident <= 16 GB) |", "|---|---|---|---|---|---|---|"]
+    for n in (n_measured, 100_000_000, 1_000_000_000):
+        plan = plan_ivfpq(n, d)
+        m = ap["pq_bytes"]
+        res = resident_bytes(n, d, m, plan["nlist"])
+        disk = n * (d * 2 + m + 8 + 60)  # + ~60 bytes of metadata per row
+        machines = max(1, int(np.ceil(res / (16 * 2 ** 30))))
+        rows.append(f"| {n:,} | {m} | {plan['nlist']} | {res / 2 ** 30:.1f} GiB | {disk / 2 ** 30:.0f} GiB | "
+                    f"{build_s * n / n_measured / 3600:.1f} h | {machines} (each {res / machines / 2 ** 30:.1f} GiB, "
+                    f"{n // machines:,} vectors) |")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=1_000_000)
+    p.add_argument("--d", type=int, default=256)
+    p.add_argument("--clusters", type=int, default=10_000)
+    p.add_argument("--queries", type=int, default=1000)
+    p.add_argument("--memory-budget", type=float, default=None)
+    p.add_argument("--work", default="/tmp/index_scale")
+    p.add_argument("--phase", default=None)
+    p.add_argument("--system", default="ours")
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    if a.phase:
+        fn = {"data": phase_data, "ours-build": phase_ours_build, "raw-build": phase_raw_build,
+              "query": phase_query}[a.phase]
+        print(json.dumps(fn(a)))
+        return
+    Path(a.work).mkdir(parents=True, exist_ok=True)
+    res = {"n": a.n, "d": a.d, "clusters": a.clusters, "queries": a.queries, "cpus": os.cpu_count()}
+    for phase in ("data", "ours-build", "raw-build"):
+        res[phase] = _child(a, phase)
+        print(phase, json.dumps(res[phase]), file=sys.stderr, flush=True)
+    for system in ("ours", "raw"):
+        for threads in (1, 2):
+            res[f"{system}-query-{threads}t"] = _child(a, "query", system=system, threads=threads)
+            print(system, threads, json.dumps(res[f"{system}-query-{threads}t"]), file=sys.stderr, flush=True)
+    res["speed_ratio_1t"] = round(res["ours-query-1t"]["queries_per_s"] / res["raw-query-1t"]["queries_per_s"], 3)
+    res["speed_ratio_2t"] = round(res["ours-query-2t"]["queries_per_s"] / res["raw-query-2t"]["queries_per_s"], 3)
+    res["projection"] = projection(res["ours-build"]["approximate"], a.n, res["ours-build"]["build_s"], a.d)
+    print(json.dumps(res, indent=1))
+    print("\n".join(res["projection"]))
+
+
+if __name__ == "__main__":
+    main()

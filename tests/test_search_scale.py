@@ -1,0 +1,183 @@
+"""Indexes past one machine's memory: the compressed ivfpq kind (OPQ + IVF + PQ re-ranked with
+float16 vectors on disk), ``index --embeddings``, Arrow metadata (and old JSON indexes), and
+``index export`` to parquet and Qdrant (embedded). References are numpy brute force."""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deepmetric import cli
+from deepmetric.search import Index
+
+
+def clustered(n, d=16, clusters=20, seed=0):
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, d))
+    lab = rng.integers(0, clusters, n)
+    x = centres[lab] + 0.3 * rng.standard_normal((n, d))
+    return x.astype(np.float32), lab
+
+
+def brute(g, q, k):
+    gn = g / np.linalg.norm(g, axis=1, keepdims=True)
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    s = qn @ gn.T
+    return np.argsort(-s, axis=1, kind="stable")[:, :k]
+
+
+@pytest.fixture(scope="module")
+def pq_index(tmp_path_factory):
+    x, lab = clustered(1500)
+    index = Index.from_embeddings(x, lab, approximate="ivfpq")
+    d = tmp_path_factory.mktemp("pq") / "ix"
+    index.save(d)
+    return x, lab, index, d
+
+
+def test_ivfpq_reranks_with_exact_float16_cosines_and_records_recall(pq_index):
+    x, _, index, d = pq_index
+    a = json.loads((d / "manifest.json").read_text())["approximate"]
+    assert a["factory"].startswith("OPQ") and ",IVF" in a["factory"] and ",PQ" in a["factory"]
+    assert a["recall@10_vs_exact"] >= 0.95 and a["recall_queries"] == 150
+    assert sorted(os.listdir(d)) == ["class_names.arrow", "index.faiss", "manifest.json", "metadata.arrow",
+                                     "vectors.f16.npy"]
+    q = x[:60] + 0.05
+    sims, idx = index.search(q, k=10)
+    # the returned cosines are exact dot products with the stored float16 rows, in order
+    f16 = np.load(d / "vectors.f16.npy").astype(np.float32)
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    assert np.allclose(sims, np.einsum("qkd,qd->qk", f16[idx], qn), atol=1e-5)
+    assert (np.diff(sims, axis=1) <= 1e-7).all()
+    ref = brute(x, q, 10)
+    assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(idx, ref)]) >= 0.9
+    loaded = Index.load(d, verify_hashes=True)  # vectors memory-mapped, metadata from Arrow
+    s2, i2 = loaded.search(q, k=10)
+    assert np.array_equal(i2, idx) and np.allclose(s2, sims)
+    assert loaded.refined.mapped is not None and loaded.neighbours(s2, i2)[0][0]["class_name"] == \
+        str(loaded.labels[i2[0, 0]])
+
+
+def test_ivfpq_add_and_memory_budget(pq_index, tmp_path):
+    x, lab, _, d = pq_index
+    index = Index.load(d)
+    index.add(-x[:20], lab[:20])
+    s, i = index.search(-x[:5], k=1)
+    assert list(i[:, 0]) == [1500, 1501, 1502, 1503, 1504] and np.allclose(s[:, 0], 1, atol=2e-3)
+    from deepmetric.search.compressed import plan_ivfpq, resident_bytes
+
+    big = plan_ivfpq(10_000_000, 256, memory_gb=0.5)  # 64 bytes a vector need 0.75 GiB
+    assert resident_bytes(10_000_000, 256, big["m"], big["nlist"]) <= 2 ** 29 and big["m"] == 32
+    assert plan_ivfpq(10_000_000, 256)["m"] == 64 and big["k_factor"] > 4
+    with pytest.raises(ValueError, match="--memory-budget 0.1 GB is too small for 10000000 vectors"):
+        plan_ivfpq(10_000_000, 256, memory_gb=0.1)
+
+
+@pytest.mark.parametrize("kind", ["exact", "hnsw", "ivfpq"])
+def test_index_from_embeddings_file_every_kind(kind, tmp_path, capsys):
+    x, lab = clustered(1200, seed=1)
+    names = np.array([f"class_{i:02d}" for i in range(20)])
+    npz = tmp_path / "e.npz"
+    np.savez(npz, embeddings=x, labels=names[lab], paths=np.array([f"img/{i}.jpg" for i in range(1200)]))
+    out = tmp_path / "ix"
+    argv = ["index", "--embeddings", str(npz), "--out", str(out)] + ([] if kind == "exact" else ["--approximate", kind])
+    assert cli.main(argv) == 0
+    assert f"1200 vectors, 20 classes, d=16, {kind}" in capsys.readouterr().out
+    index = Index.load(out)
+    assert index.class_names == sorted(names)
+    assert list(index.paths[:2]) == [os.path.abspath("img/0.jpg"), os.path.abspath("img/1.jpg")]
+    assert [index.class_names[i] for i in index.labels[:50]] == list(names[lab[:50]])
+    sims, idx = index.search(x[:30], k=5)
+    hit = np.mean([len(set(a) & set(b)) / 5 for a, b in zip(idx, brute(x, x[:30], 5))])
+    assert hit == 1.0 if kind == "exact" else hit >= 0.9
+
+
+def test_embeddings_errors(tmp_path, capsys):
+    np.savez(tmp_path / "bad.npz", vectors=np.zeros((3, 4)))
+    assert cli.main(["index", "--embeddings", str(tmp_path / "bad.npz"), "--out", str(tmp_path / "o")]) == 2
+    assert "has no array 'embeddings' (it has vectors)" in capsys.readouterr().err
+    assert cli.main(["index", "--out", str(tmp_path / "o")]) == 2
+    assert "give either CHECKPOINT" in capsys.readouterr().err
+    np.savez(tmp_path / "ok.npz", embeddings=np.eye(4))
+    assert cli.main(["index", "--embeddings", str(tmp_path / "ok.npz"), "--out", str(tmp_path / "o"),
+                     "--memory-budget", "1"]) == 2
+    assert "apply to --approximate ivfpq" in capsys.readouterr().err
+
+
+def _as_version_2(d: Path) -> None:
+    """Rewrite a version-3 folder in the layout of version 2 (JSON metadata, labels.npy)."""
+    import pyarrow as pa
+
+    from deepmetric.search.store import file_entries
+
+    t = pa.ipc.open_file(pa.memory_map(str(d / "metadata.arrow"))).read_all()
+    names = pa.ipc.open_file(pa.memory_map(str(d / "class_names.arrow"))).read_all()
+    (d / "paths.json").write_text(json.dumps(t.column("path").to_pylist()))
+    (d / "class_names.json").write_text(json.dumps(names.column("name").to_pylist()))
+    np.save(d / "labels.npy", t.column("label").to_numpy())
+    (d / "metadata.arrow").unlink()
+    (d / "class_names.arrow").unlink()
+    m = json.loads((d / "manifest.json").read_text())
+    m["version"], m["files"] = 2, file_entries(d)
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def test_json_index_still_loads_and_migrates(tmp_path, capsys):
+    x, lab = clustered(300, seed=2)
+    d = tmp_path / "ix"
+    Index.from_embeddings(x, lab, [f"/p/{i}.png" for i in range(300)], [f"c{i}" for i in range(20)]).save(d)
+    want = Index.load(d).search(x[:10], k=5)
+    _as_version_2(d)
+    old = Index.load(d, verify_hashes=True)
+    assert isinstance(old.paths, list) and old.paths[7] == "/p/7.png"
+    assert np.array_equal(old.search(x[:10], k=5)[1], want[1])
+    assert cli.main(["index", "migrate", str(d)]) == 0
+    assert "rewrote" in capsys.readouterr().out
+    assert (d / "metadata.arrow").is_file() and not (d / "paths.json").exists()
+    new = Index.load(d, verify_hashes=True)
+    assert json.loads((d / "manifest.json").read_text())["version"] == 3
+    assert new.paths[7] == "/p/7.png" and new.class_names == [f"c{i}" for i in range(20)]
+    assert np.array_equal(new.search(x[:10], k=5)[1], want[1]) and np.array_equal(new.labels, lab)
+
+
+def test_export_parquet_round_trips(tmp_path):
+    x, lab = clustered(400, seed=3)
+    d = tmp_path / "ix"
+    index = Index.from_embeddings(x, lab, [f"/p/{i}.png" for i in range(400)], [f"c{i}" for i in range(20)])
+    index.save(d)
+    pq_file = tmp_path / "out" / "ix.parquet"
+    assert cli.main(["index", "export", str(d), "--to", f"parquet:{pq_file}"]) == 0
+    import pyarrow.parquet as pq
+
+    meta = json.loads(pq.read_schema(pq_file).metadata[b"deepmetric"])
+    assert (meta["kind"], meta["count"], meta["dim"]) == ("exact", 400, 16)
+    assert cli.main(["index", "--embeddings", str(pq_file), "--out", str(tmp_path / "back")]) == 0
+    back = Index.load(tmp_path / "back")
+    assert np.abs(back.embeddings - index.embeddings).max() < 1e-6  # re-normalised: float32 rounding
+    assert np.array_equal(back.labels, index.labels)
+    assert np.array_equal(back.search(x[:20], k=5)[1], index.search(x[:20], k=5)[1])
+    assert list(back.paths) == list(index.paths) and back.class_names == index.class_names
+
+
+def test_export_qdrant_embedded_gives_the_same_top10(tmp_path):
+    pytest.importorskip("qdrant_client")
+    from qdrant_client import QdrantClient
+
+    x, lab = clustered(600, seed=4)
+    d = tmp_path / "ix"
+    index = Index.from_embeddings(x, lab, [f"/p/{i}.png" for i in range(600)])
+    index.save(d)
+    where = tmp_path / "qdrant"
+    assert cli.main(["index", "export", str(d), "--to", f"qdrant:{where}"]) == 0
+    q = clustered(100, seed=5)[0]
+    _, want = Index.load(d).search(q, k=10)
+    client = QdrantClient(path=str(where))
+    try:
+        for qi, w in zip(q, want):
+            hits = client.query_points("deepmetric", query=qi.tolist(), limit=10, with_payload=True).points
+            assert [h.id for h in hits] == list(w)
+        assert hits[0].payload == {"path": f"/p/{w[0]}.png", "label": int(lab[w[0]]), "class_name": str(lab[w[0]])}
+    finally:
+        client.close()
+    assert json.loads((where / "deepmetric_manifest.json").read_text())["count"] == 600
