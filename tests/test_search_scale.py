@@ -67,9 +67,9 @@ def test_ivfpq_add_and_memory_budget(pq_index, tmp_path):
     assert list(i[:, 0]) == [1500, 1501, 1502, 1503, 1504] and np.allclose(s[:, 0], 1, atol=2e-3)
     from deepmetric.search.compressed import plan_ivfpq, resident_bytes
 
-    big = plan_ivfpq(10_000_000, 256, memory_gb=0.5)  # 64 bytes a vector need 0.75 GiB
-    assert resident_bytes(10_000_000, 256, big["m"], big["nlist"]) <= 2 ** 29 and big["m"] == 32
-    assert plan_ivfpq(10_000_000, 256)["m"] == 64 and big["k_factor"] > 4
+    big = plan_ivfpq(10_000_000, 256, memory_gb=0.4)  # 32 bytes a vector (+ 16 of ids and labels) need 0.45 GiB
+    assert resident_bytes(10_000_000, 256, big["m"], big["nlist"]) <= 0.4 * 2 ** 30 and big["m"] == 16
+    assert plan_ivfpq(10_000_000, 512)["m"] == 64 and big["k_factor"] > 4
     with pytest.raises(ValueError, match="--memory-budget 0.1 GB is too small for 10000000 vectors"):
         plan_ivfpq(10_000_000, 256, memory_gb=0.1)
 

@@ -404,6 +404,9 @@ def _add_index_parser(sub) -> None:
                    help="replace the index in --out (without --add or --overwrite an existing index is "
                         "refused; a folder that is not an index always is)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="under torchrun: images per shard file (default 4096); a restarted rank skips finished "
+                        "shards (docs/search.md)")
     _add_model_device_arguments(p, "the exact search")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -429,8 +432,10 @@ def _run_index(args: argparse.Namespace) -> int:
         return 0
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
                         approximate=args.approximate, add=args.add, overwrite=args.overwrite,
-                        index_options=options, batch_size=args.batch_size, search_device=args.search_device,
+                        index_options=options, batch_size=args.batch_size, shard_size=args.shard_size, search_device=args.search_device,
                         device=args.device, num_workers=args.num_workers, progress=not args.no_progress)
+    if index is None:  # a torchrun rank other than 0: its shards are written, rank 0 writes the index
+        return 0
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
     what = "added" if args.add else "indexed"
     print(f"{what} {d.get('images')} images of {d.get('name')} (split {d.get('split')}) -> {args.out}: "

@@ -47,7 +47,11 @@ def class_names_of(ds) -> list[str] | None:
 def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, options=None,
                             batch_size: int = 256, device: str = "auto", num_workers: int = 0,
                             progress: bool = True, skip_paths=frozenset(), images_dir=None,
-                            first_image_number: int = 0) -> dict:
+                            first_image_number: int = 0, shards=None) -> dict | None:
+    """Embed a split for an index: ``{"embeddings", "labels", "paths", "class_names", ...}``.
+    ``shards`` (a :class:`deepmetric.search.shards.ShardPlan`, under torchrun): this process
+    embeds only its contiguous run of shards into the shard folder (skipping finished ones);
+    rank 0 returns the whole split read back from the shards, other ranks ``None``."""
     from tqdm.auto import tqdm
     from PIL import Image
 
@@ -88,6 +92,23 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
         check_utf8(paths[i], "image file")
     if paths is not None:  # image files: exactly the preprocessing queries get (query.py)
         ds = _ImageFiles(paths, np.asarray(ds.labels, dtype=np.int64), preprocessing)
+    if shards is not None:
+        if paths is None:
+            raise ValueError(f"embedding over torchrun needs a dataset of image files (folder, csv), not "
+                             f"{cfg.data.name!r}; run 'deepmetric index' as one process")
+        def embed(rows):
+            return compute_embeddings(model, torch.utils.data.Subset(ds, rows), batch_size=batch_size, device=dev,
+                                      amp="none", num_workers=num_workers)["embeddings"]
+
+        emb = shards.run(keep, [paths[i] for i in keep], embed, progress=progress)
+        if emb is None:
+            return None
+        labels = np.asarray(ds.labels, dtype=np.int64)[keep]
+        return {"embeddings": emb, "labels": labels, "paths": [paths[i] for i in keep], "class_names": names,
+                "config": state["config"], "preprocessing": preprocessing.to_dict(),
+                "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
+                         "options": dict(cfg.data.options), "images": len(keep)},
+                "skipped": n - len(keep), "shards": shards.summary()}
     embs = []
     chunk = max(batch_size, 1024)
     with tqdm(total=len(keep), desc="embedding", unit="img", disable=not progress, leave=False) as bar:

@@ -68,14 +68,14 @@ def resident_bytes(n: int, d: int, m: int, nlist: int, d_reduced: int | None = N
 
 def plan_ivfpq(n: int, d: int, *, memory_gb: float | None = None, reduce_dim: int | None = None) -> dict:
     """``nlist``, PQ bytes ``m``, ``nprobe``, refinement ``k_factor`` and the faiss factory string
-    for ``n`` vectors of dimension ``d``. Without a budget: the largest ``m`` <= d'/4 (at most 64);
+    for ``n`` vectors of dimension ``d``. Without a budget: the largest ``m`` <= d'/8 (at most 64);
     with ``memory_gb``: the largest ``m`` whose :func:`resident_bytes` fit (smaller codes get a
     deeper refinement). ValueError when even 4 bytes per vector do not fit."""
     dr = int(reduce_dim) if reduce_dim else d
     if reduce_dim is not None and not 1 <= dr <= d:
         raise ValueError(f"--reduce-dim {reduce_dim} must be between 1 and the dimension {d}")
     nlist = _nlist_for(n)
-    fits = [m for m in _M_CHOICES if dr % m == 0 and m <= max(4, dr // 4)] or [m for m in (4, 2, 1) if dr % m == 0]
+    fits = [m for m in _M_CHOICES if dr % m == 0 and m <= max(4, dr // 8)] or [m for m in (4, 2, 1) if dr % m == 0]
     if memory_gb is not None:
         budget = float(memory_gb) * 2 ** 30
         ok = [m for m in fits if resident_bytes(n, d, m, nlist, dr) <= budget]

@@ -194,7 +194,7 @@ class Index:
               split: str | None = None, out: str | Path | None = None, approximate: str | None = None,
               add: bool = False, overwrite: bool = False, options: dict | None = None,
               index_options: dict | None = None, batch_size: int = 256, device: str = "auto", num_workers: int = 0,
-              progress: bool = True, search_device: str = "auto") -> "Index":
+              progress: bool = True, search_device: str = "auto", shard_size: int | None = None) -> "Index | None":
         """Embed a dataset split with ``checkpoint`` (its test transform) and index it.
 
         ``data`` / ``root`` default to the checkpoint's training data; ``split`` defaults to
@@ -222,6 +222,11 @@ class Index:
         out = Path(out)
         if not add:
             check_out_dir(out, overwrite=overwrite)
+        from .shards import DEFAULT_SHARD_SIZE, torchrun_world
+
+        if torchrun_world() is not None:  # under torchrun: shards, then rank 0 assembles (shards.py)
+            return cls._build_sharded(checkpoint, out, approximate=approximate, add=add,
+                                      shard_size=shard_size or DEFAULT_SHARD_SIZE, **kw)
         with index_transaction(out) as tmp:  # the old index is read and replaced under one lock
             index = cls._build(checkpoint, out, tmp, approximate=approximate, add=add, **kw)
             rel_paths = index._write(tmp, out)
@@ -229,8 +234,33 @@ class Index:
         return index
 
     @classmethod
+    def _build_sharded(cls, checkpoint, out: Path, *, shard_size: int, **kw) -> "Index | None":
+        """``build`` on every torchrun rank: each embeds its shards; rank 0 builds and writes the
+        index from all of them (the others return ``None``)."""
+        from .build import embed_dataset_for_index
+        from .shards import ShardPlan, torchrun_group
+
+        with torchrun_group() as (rank, world):
+            skip = set(cls.load(out).paths) if kw["add"] else set()
+            sha = file_sha256(checkpoint) if Path(checkpoint).is_file() else None
+            plan = ShardPlan(out, rank=rank, world_size=world, shard_size=shard_size, checkpoint_sha256=sha)
+            got = embed_dataset_for_index(checkpoint, data=kw["data"], root=kw["root"], split=kw["split"],
+                                          options=kw["options"], batch_size=kw["batch_size"], device=kw["device"],
+                                          num_workers=kw["num_workers"], progress=kw["progress"],
+                                          skip_paths=skip, shards=plan)
+            if got is None:
+                return None
+            with index_transaction(out) as tmp:
+                index = cls._build(checkpoint, out, tmp, got=got, **kw)
+                rel_paths = index._write(tmp, out)
+            index._settle(out, rel_paths)
+            plan.finish()
+            return index
+
+    @classmethod
     def _build(cls, checkpoint, out: Path | None, tmp: Path | None, *, data, root, split, options, index_options,
-               approximate, add, batch_size, device, num_workers, progress, search_device) -> "Index":
+               approximate, add, batch_size, device, num_workers, progress, search_device,
+               got: dict | None = None) -> "Index":
         from .build import embed_dataset_for_index
 
         old = None
@@ -246,7 +276,7 @@ class Index:
                 "compared; build a new index with another --out")
         skip = set(old.paths) if old is not None else set()
         images_dir = tmp / "images" if tmp is not None else None
-        got = embed_dataset_for_index(checkpoint, data=data, root=root, split=split, options=options,
+        got = got or embed_dataset_for_index(checkpoint, data=data, root=root, split=split, options=options,
                                       batch_size=batch_size, device=device, num_workers=num_workers,
                                       progress=progress, skip_paths=skip, images_dir=images_dir,
                                       first_image_number=len(old) if old is not None else 0)
@@ -266,6 +296,8 @@ class Index:
             index = cls(got["embeddings"], got["labels"], got["paths"], got["class_names"],
                         kind=approximate or "exact", meta=meta, search_device=where, options=index_options)
         index.meta["skipped_already_indexed"] = got["skipped"]
+        if got.get("shards"):
+            index.meta["shards"] = got["shards"]
         return index
 
     def add(self, embeddings, labels=None, paths: Sequence[str] | None = None,
