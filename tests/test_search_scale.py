@@ -181,3 +181,25 @@ def test_export_qdrant_embedded_gives_the_same_top10(tmp_path):
     finally:
         client.close()
     assert json.loads((where / "deepmetric_manifest.json").read_text())["count"] == 600
+
+
+def test_serve_answers_from_an_ivfpq_index_of_images(tmp_path_factory):
+    pytest.importorskip("starlette")
+    from search_data import shapes_setup
+    from serving import multipart, request, serve_in_thread
+
+    from deepmetric.search.serve import create_app
+
+    shapes = shapes_setup(tmp_path_factory)
+    out = tmp_path_factory.mktemp("pqshapes") / "ix"
+    Index.build(shapes["checkpoint"], out=out, approximate="ivfpq", progress=False, device="cpu")
+    index = Index.load(out, verify_hashes=True)
+    assert index.kind == "ivfpq" and index.refined.mapped is not None
+    q = sorted(Path(shapes["queries"]).glob("red_disc/*.png"))[0]
+    with serve_in_thread(create_app(index, default_k=4)) as url:
+        body, headers = multipart({"k": "4"}, {"image": (q.name, q.read_bytes())})
+        status, _, data = request(url, "POST", "/search", body, headers)
+    assert status == 200, data
+    got = json.loads(data)["neighbours"]
+    sims, idx = index.search(str(q), k=4)
+    assert [n["id"] for n in got] == list(idx[0]) and [n["class_name"] for n in got] == ["red_disc"] * 4
