@@ -750,10 +750,21 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- main
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: 'deepmetric index export|migrate ...' are the sub-commands
+    index-export / index-migrate ('index' itself takes a positional CHECKPOINT)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        if args[:1] == ["index"] and args[1:2] in (["export"], ["migrate"]):
+            args = [f"index-{args[1]}"] + args[2:]
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from deepmetric import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="deepmetric", description="Deep metric learning toolkit. 'deepmetric COMMAND --help' "
         "describes each command's options, with examples.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -785,9 +796,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["index"] and argv[1:2] in (["export"], ["migrate"]):
-        argv = [f"index-{argv[1]}"] + argv[2:]  # 'deepmetric index export ...'
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
