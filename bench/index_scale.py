@@ -102,11 +102,14 @@ def phase_raw_build(a) -> dict:
     import faiss
 
     ap = json.loads((Path(a.work) / "ours" / "manifest.json").read_text())["approximate"]
-    x = np.load(Path(a.work) / "vectors.npy", mmap_mode="r")
+    from deepmetric.search.interchange import NpyRows
+
+    x = NpyRows(Path(a.work) / "vectors.npy")  # read as ours reads it (os.pread, not a memory map)
     t = time.perf_counter()
     base = faiss.index_factory(a.d, ap["factory"], faiss.METRIC_INNER_PRODUCT)
     rows = np.sort(np.random.default_rng(0).choice(len(x), size=ap["train_rows"], replace=False))
-    base.train(np.ascontiguousarray(x[rows]))
+    base.train(np.concatenate([x[s:s + CHUNK][rows[(rows >= s) & (rows < s + CHUNK)] - s]
+                               for s in range(0, len(x), CHUNK)]))
     refine = faiss.IndexScalarQuantizer(a.d, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
     index = faiss.IndexRefine(base, refine)
     for s in range(0, len(x), CHUNK):

@@ -203,3 +203,19 @@ def test_serve_answers_from_an_ivfpq_index_of_images(tmp_path_factory):
     got = json.loads(data)["neighbours"]
     sims, idx = index.search(str(q), k=4)
     assert [n["id"] for n in got] == list(idx[0]) and [n["class_name"] for n in got] == ["red_disc"] * 4
+
+
+@pytest.mark.parametrize("kind", ["exact", "ivfpq"])
+def test_index_from_npy_file_read_in_chunks(kind, tmp_path):
+    from deepmetric.search.interchange import NpyRows
+
+    x, _ = clustered(1000, seed=6)
+    np.save(tmp_path / "e.npy", x)
+    rows = NpyRows(tmp_path / "e.npy")
+    assert rows.shape == (1000, 16) and np.array_equal(rows[10:20], x[10:20]) and rows[990:2000].shape == (10, 16)
+    argv = ["index", "--embeddings", str(tmp_path / "e.npy"), "--out", str(tmp_path / "ix")]
+    assert cli.main(argv + ([] if kind == "exact" else ["--approximate", kind])) == 0
+    index = Index.load(tmp_path / "ix")
+    assert np.abs(np.asarray(index.embeddings, np.float32) - x / np.linalg.norm(x, axis=1, keepdims=True)).max() < 1e-3
+    assert cli.main(["index", "--embeddings", str(tmp_path / "e.npy"), "--out", str(tmp_path / "ix"), "--add"]) == 0
+    assert len(Index.load(tmp_path / "ix")) == 2000

@@ -529,6 +529,8 @@ def index_from_file(path: str | Path, out: str | Path, *, approximate: str | Non
     from .interchange import read_embeddings_file
 
     got = read_embeddings_file(path)
+    if not hasattr(got["embeddings"], "__array__") and (add or approximate != "ivfpq"):
+        got["embeddings"] = got["embeddings"][:]  # an .npy read on demand: all of it (only ivfpq reads chunks)
     if got["paths"] is not None:  # relative paths are relative to where the command runs
         got["paths"] = [os.path.abspath(p) if p and not os.path.isabs(p) else p for p in got["paths"]]
     source = {"embeddings": str(Path(path).resolve()), "images": int(got["embeddings"].shape[0])}

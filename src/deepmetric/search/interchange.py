@@ -53,8 +53,7 @@ def read_embeddings_file(path: str | Path) -> dict:
         raise FileNotFoundError(f"--embeddings {p} not found (an .npz with 'embeddings', an .npy, or a "
                                 "parquet file of 'deepmetric index export')")
     if p.suffix == ".npy":
-        emb = np.load(p, mmap_mode="r", allow_pickle=False)
-        return {"embeddings": emb, "labels": None, "paths": None, "class_names": None}
+        return {"embeddings": NpyRows(p), "labels": None, "paths": None, "class_names": None}
     if p.suffix == ".parquet":
         return _read_parquet(p)
     try:
@@ -68,6 +67,46 @@ def read_embeddings_file(path: str | Path) -> dict:
                                           z["class_names"] if "class_names" in z.files else None)
         paths = [str(s) for s in z["paths"]] if "paths" in z.files else None
         return {"embeddings": z["embeddings"], "labels": labels, "paths": paths, "class_names": names}
+
+
+class NpyRows:
+    """Rows of a C-ordered 2-d ``.npy`` file read on demand with ``os.pread`` (``rows[a:b]``):
+    unlike a memory map, the pages read are not counted in this process's resident memory, so a
+    file larger than memory is converted chunk by chunk within a bounded RSS."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                                     else np.lib.format.read_array_header_2_0(f))
+            self.offset = f.tell()
+        if fortran or len(shape) != 2 or dtype.hasobject:
+            raise ValueError(f"--embeddings {path}: expected a C-ordered 2-d array of numbers, got shape {shape}, "
+                             f"dtype {dtype}{' (Fortran order)' if fortran else ''}")
+        self.path, self.shape, self.dtype, self.ndim = path, tuple(shape), dtype, 2
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows):
+        if not isinstance(rows, slice):
+            raise TypeError("NpyRows reads slices of rows")
+        a, b, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise TypeError("NpyRows reads contiguous rows")
+        row = self.shape[1] * self.dtype.itemsize
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            buf = bytearray(max(0, b - a) * row)
+            view, got = memoryview(buf), 0
+            while got < len(buf):  # one read returns at most ~2 GiB on Linux
+                n = os.preadv(fd, [view[got:]], self.offset + a * row + got)
+                if n == 0:
+                    raise ValueError(f"--embeddings {self.path}: file shorter than its header says")
+                got += n
+        finally:
+            os.close(fd)
+        return np.frombuffer(buf, dtype=self.dtype).reshape(-1, self.shape[1])
 
 
 def _read_parquet(p: Path) -> dict:
