@@ -189,19 +189,23 @@ def _child(a, phase: str, **extra) -> dict:
 
 
 def projection(ap: dict, n_measured: int, build_s: float, d: int) -> list[str]:
+    """Memory from the formula, disk from N * (d * 2 + M + 8 + 60), build time scaled by
+    N * nlist (the coarse assignment dominates; nlist grows as sqrt(N)) from the measured run."""
     from deepmetric.search.compressed import plan_ivfpq, resident_bytes
 
-    rows = ["| vectors | PQ bytes | nlist | resident (formula) | disk: float16 + codes | build, 1 machine "
-            "(linear) | machines of 24 GB (resident <= 16 GB) |", "|---|---|---|---|---|---|---|"]
-    for n in (n_measured, 100_000_000, 1_000_000_000):
+    rows = ["| vectors | PQ bytes | nlist | resident (formula) | disk: float16 + codes + metadata | build on "
+            "1 such machine (scaled by N * nlist) | machines for resident <= 16 GiB each |",
+            "|---|---|---|---|---|---|---|"]
+    nlist0 = plan_ivfpq(n_measured, d)["nlist"]
+    for n in (n_measured, 10_000_000, 100_000_000, 1_000_000_000):
         plan = plan_ivfpq(n, d)
         m = ap["pq_bytes"]
         res = resident_bytes(n, d, m, plan["nlist"])
         disk = n * (d * 2 + m + 8 + 60)  # + ~60 bytes of metadata per row
         machines = max(1, int(np.ceil(res / (16 * 2 ** 30))))
-        rows.append(f"| {n:,} | {m} | {plan['nlist']} | {res / 2 ** 30:.1f} GiB | {disk / 2 ** 30:.0f} GiB | "
-                    f"{build_s * n / n_measured / 3600:.1f} h | {machines} (each {res / machines / 2 ** 30:.1f} GiB, "
-                    f"{n // machines:,} vectors) |")
+        hours = build_s * (n / n_measured) * (plan["nlist"] / nlist0) / 3600
+        rows.append(f"| {n:,} | {m} | {plan['nlist']} | {res / 2 ** 30:.2f} GiB | {disk / 2 ** 30:.1f} GiB | "
+                    f"{hours:.2f} h | {machines} ({n // machines:,} vectors, {res / machines / 2 ** 30:.2f} GiB each) |")
     return rows
 
 
