@@ -80,3 +80,21 @@ def test_two_ranks_build_the_one_process_index_and_survive_a_killed_rank(shapes,
     assert shards["shards"]["world_size"] == 2 and shards["shards"]["reused_by_rank_0"] == len(rank0_done)
     q = one.embeddings[:8]
     assert np.array_equal(two.search(q, k=5)[1], one.search(q, k=5)[1])
+
+
+def test_embed_over_two_ranks_equals_one_process(shapes, tmp_path):
+    from deepmetric import cli
+
+    one = tmp_path / "one.npz"
+    assert cli.main(["embed", str(shapes["checkpoint"]), "--split", "all", "--out", str(one), "--device", "cpu"]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    two = tmp_path / "two.npz"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "deepmetric.cli", "embed", str(shapes["checkpoint"]), "--split", "all", "--out", str(two),
+                        "--device", "cpu", "--shard-size", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = np.load(one), np.load(two)
+    assert sorted(a.files) == sorted(b.files) == ["class_names", "embeddings", "labels", "paths"]
+    assert np.abs(a["embeddings"] - b["embeddings"]).max() < 1e-5
+    assert all(np.array_equal(a[k], b[k]) for k in ("labels", "paths", "class_names"))
+    assert not list(tmp_path.glob(".two.npz.shards-*"))

@@ -249,6 +249,9 @@ def _add_embed_parser(sub) -> None:
                    "val: the validation classes of data.val_classes; a split that marks its own queries "
                    "(glyphs protocol=cross_family: test) stores its masks too")
     p.add_argument("--out", required=True, help="output .npz (embeddings, labels[, is_query, is_gallery, paths, class_names])")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="under torchrun: images per shard file (default 4096); a restarted rank skips finished "
+                        "shards (docs/search.md, section 7)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     p.add_argument("--device", default="auto",
                    help="where the model runs: auto (CUDA when available), cpu, cuda or cuda:INDEX")
@@ -263,8 +266,10 @@ def _run_embed(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device, name="--device")  # errors name the flag
     out = embed_checkpoint(args.checkpoint, args.out, data=args.data, root=args.root, split=args.split,
-                           batch_size=args.batch_size, device=str(device), num_workers=args.num_workers)
-    print(f"wrote {out}")
+                           batch_size=args.batch_size, device=str(device), num_workers=args.num_workers,
+                           shard_size=args.shard_size)
+    if out is not None:  # None: a torchrun rank other than 0 (rank 0 writes the file)
+        print(f"wrote {out}")
     return 0
 
 

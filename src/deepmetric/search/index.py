@@ -222,7 +222,7 @@ class Index:
         out = Path(out)
         if not add:
             check_out_dir(out, overwrite=overwrite)
-        from .shards import DEFAULT_SHARD_SIZE, torchrun_world
+        from deepmetric.train.shards import DEFAULT_SHARD_SIZE, torchrun_world
 
         if torchrun_world() is not None:  # under torchrun: shards, then rank 0 assembles (shards.py)
             return cls._build_sharded(checkpoint, out, approximate=approximate, add=add,
@@ -238,7 +238,7 @@ class Index:
         """``build`` on every torchrun rank: each embeds its shards; rank 0 builds and writes the
         index from all of them (the others return ``None``)."""
         from .build import embed_dataset_for_index
-        from .shards import ShardPlan, torchrun_group
+        from deepmetric.train.shards import ShardPlan, torchrun_group
 
         with torchrun_group() as (rank, world):
             skip = set(cls.load(out).paths) if kw["add"] else set()

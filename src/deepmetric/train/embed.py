@@ -20,12 +20,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from .amp import autocast_context
 from .builders import build_dataset, build_losses, build_model
 from .checkpoint import load_checkpoint
 from .config import config_from_dict
+from .shards import torchrun_world
 
 __all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "evaluate_split", "embed_checkpoint",
            "load_model_from_checkpoint", "dataset_query_gallery_masks", "EMBEDDING_OUTPUTS", "eval_search_device",
@@ -339,15 +340,44 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     return model, losses, cfg, state
 
 
+def _embed_sharded(model, ds, out, checkpoint, kw: dict, shard_size: int | None) -> dict | None:
+    """``compute_embeddings`` of ``ds`` over torchrun ranks (:mod:`deepmetric.train.shards`):
+    rank 0 gets the whole result, the others ``None``."""
+    import hashlib
+
+    from .shards import DEFAULT_SHARD_SIZE, ShardPlan, torchrun_group
+
+    with torchrun_group() as (rank, world):
+        h = hashlib.sha256(Path(checkpoint).read_bytes()).hexdigest()
+        plan = ShardPlan(out, rank=rank, world_size=world, shard_size=shard_size or DEFAULT_SHARD_SIZE,
+                         checkpoint_sha256=h)
+        paths = getattr(ds, "paths", None)
+        names = [str(p) for p in (paths if paths is not None else range(len(ds)))]
+        if getattr(ds, "labels", None) is None:
+            raise ValueError(f"embedding over torchrun needs a dataset with labels; {type(ds).__name__} has none")
+
+        def embed(rows):
+            return compute_embeddings(model, Subset(ds, rows), **{**kw, "with_paths": False})["embeddings"]
+
+        emb = plan.run(range(len(ds)), names, embed)
+        if emb is None:
+            return None
+        plan.finish()
+    return {"embeddings": emb, "labels": np.asarray(ds.labels, dtype=np.int64), **dataset_paths_and_class_names(ds)}
+
+
 def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | None = None,
                      root: str | None = None, split: str = "test", batch_size: int = 256,
-                     device: str = "auto", num_workers: int = 0, options: dict | None = None) -> Path:
+                     device: str = "auto", num_workers: int = 0, options: dict | None = None,
+                     shard_size: int | None = None) -> Path | None:
     """Embed ``split`` of a dataset with the model of ``checkpoint`` and write ``out`` (.npz).
 
     ``data`` / ``root`` default to the checkpoint's training config.  ``split="query+gallery"``
     (and ``"test"`` for In-shop) embeds the query and gallery splits and stores ``is_query``
     / ``is_gallery``; naming one of them embeds only that split. Datasets of image files add
     ``paths`` (absolute, one per row) and named classes ``class_names`` (one per label).
+    Under torchrun (one split) every rank embeds its shards and rank 0 writes ``out``
+    (:mod:`deepmetric.train.shards`); the other ranks return ``None``.
     """
     from .distributed import resolve_device
 
@@ -373,7 +403,10 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
         parts = [q, g]
     else:
         ds = build_dataset(cfg, split, train=False)
-        r = compute_embeddings(model, ds, **kw)
+        r = (compute_embeddings(model, ds, **kw) if torchrun_world() is None
+             else _embed_sharded(model, ds, out, checkpoint, kw, shard_size))
+        if r is None:
+            return None  # a torchrun rank other than 0: its shards are written
         arrays = {"embeddings": r["embeddings"], "labels": r["labels"],
                   **dataset_query_gallery_masks(ds)}
         parts = [r]

@@ -1,6 +1,8 @@
-"""Embedding an index's images over torchrun processes, in shards that survive a restart.
+"""Embedding images over torchrun processes, in shards that survive a restart (``deepmetric
+index`` and ``deepmetric embed``).
 
-``torchrun --nproc_per_node P [--nnodes N ...] -m deepmetric.cli index CHECKPOINT ... --out INDEX``:
+``torchrun --nproc_per_node P [--nnodes N ...] -m deepmetric.cli index CHECKPOINT ... --out INDEX``
+(or ``... embed CHECKPOINT --out FILE.npz``):
 the images to embed (the split, less the paths an ``--add`` finds already indexed) are cut into
 shards of ``--shard-size`` images; rank ``r`` of ``W`` embeds the contiguous run of shards
 ``[r J / W, (r + 1) J / W)`` and writes each as ``shard-NNNNNN.npy`` (a temporary file renamed:
