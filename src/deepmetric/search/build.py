@@ -93,22 +93,8 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
     if paths is not None:  # image files: exactly the preprocessing queries get (query.py)
         ds = _ImageFiles(paths, np.asarray(ds.labels, dtype=np.int64), preprocessing)
     if shards is not None:
-        if paths is None:
-            raise ValueError(f"embedding over torchrun needs a dataset of image files (folder, csv), not "
-                             f"{cfg.data.name!r}; run 'deepmetric index' as one process")
-        def embed(rows):
-            return compute_embeddings(model, torch.utils.data.Subset(ds, rows), batch_size=batch_size, device=dev,
-                                      amp="none", num_workers=num_workers)["embeddings"]
-
-        emb = shards.run(keep, [paths[i] for i in keep], embed, progress=progress)
-        if emb is None:
-            return None
-        labels = np.asarray(ds.labels, dtype=np.int64)[keep]
-        return {"embeddings": emb, "labels": labels, "paths": [paths[i] for i in keep], "class_names": names,
-                "config": state["config"], "preprocessing": preprocessing.to_dict(),
-                "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
-                         "options": dict(cfg.data.options), "images": len(keep)},
-                "skipped": n - len(keep), "shards": shards.summary()}
+        return _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, preprocessing, split, n,
+                             batch_size=batch_size, num_workers=num_workers, progress=progress)
     embs = []
     chunk = max(batch_size, 1024)
     with tqdm(total=len(keep), desc="embedding", unit="img", disable=not progress, leave=False) as bar:
@@ -139,3 +125,27 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
             "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
                      "options": dict(cfg.data.options), "images": len(keep)},
             "skipped": n - len(keep)}
+
+
+def _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, preprocessing, split, n, *,
+                  batch_size, num_workers, progress) -> dict | None:
+    """The torchrun branch of :func:`embed_dataset_for_index` (see its ``shards``)."""
+    from deepmetric.train.embed import compute_embeddings
+
+    if paths is None:
+        raise ValueError(f"embedding over torchrun needs a dataset of image files (folder, csv), not "
+                         f"{cfg.data.name!r}; run 'deepmetric index' as one process")
+
+    def embed(rows):
+        return compute_embeddings(model, torch.utils.data.Subset(ds, rows), batch_size=batch_size, device=dev,
+                                  amp="none", num_workers=num_workers)["embeddings"]
+
+    emb = shards.run(keep, [paths[i] for i in keep], embed, progress=progress)
+    if emb is None:
+        return None
+    return {"embeddings": emb, "labels": np.asarray(ds.labels, dtype=np.int64)[keep],
+            "paths": [paths[i] for i in keep], "class_names": names,
+            "config": state["config"], "preprocessing": preprocessing.to_dict(),
+            "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
+                     "options": dict(cfg.data.options), "images": len(keep)},
+            "skipped": n - len(keep), "shards": shards.summary()}
