@@ -219,3 +219,14 @@ def test_index_from_npy_file_read_in_chunks(kind, tmp_path):
     assert np.abs(np.asarray(index.embeddings, np.float32) - x / np.linalg.norm(x, axis=1, keepdims=True)).max() < 1e-3
     assert cli.main(["index", "--embeddings", str(tmp_path / "e.npy"), "--out", str(tmp_path / "ix"), "--add"]) == 0
     assert len(Index.load(tmp_path / "ix")) == 2000
+
+
+def test_ivfpq_with_pca_reduction_keeps_full_vectors_for_reranking():
+    x, lab = clustered(1500, seed=8)
+    index = Index.from_embeddings(x, lab, approximate="ivfpq", options={"reduce_dim": 8})
+    a = index.meta["approximate"]
+    assert a["factory"].startswith("PCAR8,OPQ") and a["reduce_dim"] == 8 and index.dim == 16
+    sims, idx = index.search(x[:40], k=10)
+    assert np.mean([len(set(p) & set(b)) / 10 for p, b in zip(idx, brute(x, x[:40], 10))]) >= 0.9
+    with pytest.raises(ValueError, match="--reduce-dim 32 must be between 1 and the dimension 16"):
+        Index.from_embeddings(x, lab, approximate="ivfpq", options={"reduce_dim": 32})
