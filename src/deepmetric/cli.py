@@ -423,8 +423,9 @@ def _add_search_parser(sub) -> None:
     p = sub.add_parser(
         "search", help="nearest neighbours of query images in an index",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=("Embed each IMAGE with the index's checkpoint (checked by SHA-256) and print its K nearest "
-                     "indexed images: rank, cosine similarity, class name (label) and path."),
+        description=("Check every file of INDEX_DIR against the SHA-256 in its manifest, embed each IMAGE with "
+                     "the index's checkpoint (checked by SHA-256) and print its K nearest indexed images: rank, "
+                     "cosine similarity, class name (label) and path."),
         epilog=("example:\n  deepmetric search runs/demo/index query.png --k 5\n"
                 "  deepmetric search photos.index a.jpg b.jpg --k 10 --json --html results.html"))
     p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
@@ -443,7 +444,7 @@ def _run_search(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
     from deepmetric.search.output import results_html, results_json, results_text
 
-    index = Index.load(args.index_dir, mmap=True)
+    index = Index.load(args.index_dir, mmap=True, verify_hashes=True)
     index.model(args.checkpoint, args.device)
     sims, idx = index.search(list(args.images), args.k)
     results = index.neighbours(sims, idx)
