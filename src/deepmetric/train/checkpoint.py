@@ -80,7 +80,9 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
     state = dict(state)
     state.setdefault("format", CHECKPOINT_FORMAT)
     state.setdefault("version", CHECKPOINT_VERSION)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # the PID in the name lets the next start of the run remove what a killed save left
+    # (rundir.remove_stale_temporaries) without touching a live writer's file
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
