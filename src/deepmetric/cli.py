@@ -195,7 +195,8 @@ def _add_train_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. train.epochs=5 data.root=my_images (values are YAML)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
-                   help="continue from this checkpoint (OUT_DIR/last.pt); exact on one process")
+                   help="continue from this checkpoint (OUT_DIR/last.pt); exact on one process. Another run's "
+                        "checkpoint into a non-empty train.out_dir needs --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in a non-empty train.out_dir, removing the previous run's config.yaml, "
                         "log.jsonl, last.pt, best.pt and metrics.json (without it a new run refuses such a directory)")
@@ -469,7 +470,8 @@ def _add_export_parser(sub) -> None:
                    help="onnx (default) or torchscript")
     p.add_argument("--out", required=True, metavar="FILE", help="output file (e.g. model.onnx)")
     p.add_argument("--raw", action="store_true", help="output the embedding without l2 normalisation")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
+    p.add_argument("--opset", type=int, default=17,
+                   help="ONNX opset version (default 17; one torch's exporter cannot write is refused)")
     p.set_defaults(func=_run_export)
 
 
