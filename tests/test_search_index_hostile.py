@@ -247,3 +247,30 @@ def test_split_all_indexes_one_class_with_a_class_split_checkpoint(tmp_path, cap
         capsys.readouterr().err
     index = Index.load(tmp_path / "ix")
     assert len(index) == 3 and index.class_names == ["red_disc"]
+
+
+def test_a_checkpoint_that_embeds_nan_indexes_nothing_and_names_the_image(shapes, tmp_path, capsys):
+    import torch
+
+    state = torch.load(shapes["checkpoint"], weights_only=True)
+    name = next(k for k, v in state["model"].items() if v.is_floating_point() and v.ndim > 1)
+    state["model"][name].view(-1)[0] = float("nan")
+    bad = tmp_path / "diverged.pt"
+    torch.save(state, bad)
+    few = make_shapes_folder(tmp_path / "few", classes=["red_disc"], per_class=2)
+    capsys.readouterr()
+    assert _index(bad, few, tmp_path / "ix") == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {bad} embeds 2 image(s) as NaN / inf, the first {few / 'red_disc' / 'red_disc_00.png'}" in err
+    assert "Traceback" not in err and not (tmp_path / "ix").exists()
+
+
+def test_a_query_that_embeds_as_nan_is_refused(shapes, monkeypatch):
+    index = Index.load(shapes["index_dir"])
+    good = index.embeddings[:2].copy()
+    good[1, 0] = np.nan
+    monkeypatch.setattr(index, "embed", lambda images: good)
+    with pytest.raises(ValueError, match=r"query image b\.png embeds as NaN / inf"):
+        index.search(["a.png", "b.png"], k=4)
+    sims, idx = index.search(good[:1], k=4)  # embeddings: checked as before, a finite row gets k rows
+    assert idx.shape == (1, 4) and (idx >= 0).all()

@@ -358,6 +358,10 @@ class Index:
             q = _normalised(queries, "query embeddings")
         else:
             q = self.embed(queries)
+            bad = np.flatnonzero(~np.isfinite(q).all(axis=1))
+            if len(bad):  # faiss would answer such a row with fewer (or no) neighbours
+                raise ValueError(f"query image {as_query_list(queries)[bad[0]]} embeds as NaN / inf with this "
+                                 "index's checkpoint; no neighbours can be ranked for it")
         if q.shape[1] != self.dim:
             raise ValueError(f"query embeddings have dimension {q.shape[1]} but the index has {self.dim} "
                              "(another model or embedding size?)")
