@@ -60,9 +60,12 @@ def test_list_choices_still_work_for_one_key(tmp_path):
     space = tmp_path / "space.yaml"
     space.write_text("objective: {metric: recall@1}\nparams:\n"
                      "  w: {keys: [model.options.widths], type: categorical, choices: [[8, 16], [16, 32]]}\n"
-                     "  s: {keys: [optim.lr], type: float, low: 0.01, high: 0.1, step: 0.01}\n")
+                     "  s: {keys: [optim.lr], type: float, low: 0.01, high: 0.1, step: 0.01}\n"
+                     "  n: {keys: [model.options.channels, model.options.depths], type: categorical,\n"
+                     "      choices: [[[8, 16], [1, 1]], [[16, 32], [2, 2]]]}\n")
     params = load_space(space).params
     assert params[0].choices == [[8, 16], [16, 32]] and params[1].step == 0.01
+    assert params[2].overrides(params[2].choices[1]) == ["model.options.channels=[16, 32]", "model.options.depths=[2, 2]"]
 
 
 # --------------------------------------------------------------------------- export

@@ -158,14 +158,14 @@ _PLAIN = (str, int, float, bool, type(None))
 
 def _check_choice(c: Any, where: str, path) -> None:
     """A choice is a plain YAML value (text, number, true/false, null) or, for a parameter that
-    sets several keys or a list-valued key, a list of them: Optuna stores choices by value."""
-    if isinstance(c, list):
-        bad = [v for v in c if not isinstance(v, _PLAIN)]
-    else:
-        bad = [] if isinstance(c, _PLAIN) else [c]
-    if bad:
+    sets several keys or a list-valued key, a list of them (lists may nest); a mapping is not
+    (Optuna stores choices by value, and a mapping has no stable one)."""
+    def plain(v) -> bool:
+        return isinstance(v, _PLAIN) or (isinstance(v, list) and all(plain(x) for x in v))
+
+    if not plain(c):
         raise _space_error(path, f"{where}.choices: {c!r} is not a plain value (text, number, true/false or "
-                                 "null) or a list of them; to set several config keys at once list them "
+                                 "null) or a list of them (a mapping is not); to set several config keys at once list them "
                                  "under 'keys' and give each choice as a list of their values")
     if isinstance(c, float) and not math.isfinite(c):
         raise _space_error(path, f"{where}.choices: {c!r} is not a finite number")
