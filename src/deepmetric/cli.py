@@ -394,7 +394,8 @@ def _add_index_parser(sub) -> None:
                         "paths are skipped)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the index in --out (without --add or --overwrite an existing index is "
-                        "refused; a folder that is not an index always is)")
+                        "refused; a folder that is not an index always is; a symbolic link --out: the folder it "
+                        "points to is replaced, the link kept)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     _add_model_device_arguments(p, "the exact search")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
