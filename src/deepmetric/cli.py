@@ -195,7 +195,8 @@ def _add_train_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. train.epochs=5 data.root=my_images (values are YAML)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
-                   help="continue from this checkpoint (OUT_DIR/last.pt); exact on one process")
+                   help="continue from this checkpoint (OUT_DIR/last.pt); exact on one process. Another run's "
+                        "checkpoint into a non-empty train.out_dir needs --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in a non-empty train.out_dir, removing the previous run's config.yaml, "
                         "log.jsonl, last.pt, best.pt and metrics.json (without it a new run refuses such a directory)")
@@ -393,7 +394,8 @@ def _add_index_parser(sub) -> None:
                         "paths are skipped)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the index in --out (without --add or --overwrite an existing index is "
-                        "refused; a folder that is not an index always is)")
+                        "refused; a folder that is not an index always is; a symbolic link --out: the folder it "
+                        "points to is replaced, the link kept)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     _add_model_device_arguments(p, "the exact search")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
@@ -423,8 +425,9 @@ def _add_search_parser(sub) -> None:
     p = sub.add_parser(
         "search", help="nearest neighbours of query images in an index",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=("Embed each IMAGE with the index's checkpoint (checked by SHA-256) and print its K nearest "
-                     "indexed images: rank, cosine similarity, class name (label) and path."),
+        description=("Check every file of INDEX_DIR against the SHA-256 in its manifest, embed each IMAGE with "
+                     "the index's checkpoint (checked by SHA-256) and print its K nearest indexed images: rank, "
+                     "cosine similarity, class name (label) and path."),
         epilog=("example:\n  deepmetric search runs/demo/index query.png --k 5\n"
                 "  deepmetric search photos.index a.jpg b.jpg --k 10 --json --html results.html"))
     p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
@@ -443,7 +446,7 @@ def _run_search(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
     from deepmetric.search.output import results_html, results_json, results_text
 
-    index = Index.load(args.index_dir, mmap=True)
+    index = Index.load(args.index_dir, mmap=True, verify_hashes=True)
     index.model(args.checkpoint, args.device)
     sims, idx = index.search(list(args.images), args.k)
     results = index.neighbours(sims, idx)
@@ -468,7 +471,8 @@ def _add_export_parser(sub) -> None:
                    help="onnx (default) or torchscript")
     p.add_argument("--out", required=True, metavar="FILE", help="output file (e.g. model.onnx)")
     p.add_argument("--raw", action="store_true", help="output the embedding without l2 normalisation")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
+    p.add_argument("--opset", type=int, default=17,
+                   help="ONNX opset version (default 17; one torch's exporter cannot write is refused)")
     p.set_defaults(func=_run_export)
 
 

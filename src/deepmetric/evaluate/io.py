@@ -122,6 +122,11 @@ def evaluate_cli_search_device(args, nbytes: int = 0, *, cuda_available: bool | 
                                 memory_mb=args.memory_mb, cuda_available=cuda_available)
 
 
+#: from this many rows on, ``deepmetric evaluate`` shows its progress on stderr (a 2 M-row
+#: file takes minutes on a CPU)
+PROGRESS_ROWS = 100_000
+
+
 def run_evaluate_cli(args) -> int:
     """Body of ``deepmetric evaluate`` (argument parsing lives in deepmetric.cli)."""
     import torch
@@ -133,12 +138,18 @@ def run_evaluate_cli(args) -> int:
     device = evaluate_cli_search_device(args, nbytes=4 * emb.size)
     if device.type != "cpu":  # float32 before the copy: half the bytes of a float64 file
         emb = torch.from_numpy(np.ascontiguousarray(emb, dtype=np.float32)).to(device)
+    progress = len(emb) >= PROGRESS_ROWS
+    if progress:
+        import sys
+
+        print(f"evaluating {len(emb):,} embeddings of {args.npz} on {device} (a k-NN bar follows; the "
+              "clustering metrics, NMI and F1, come after it)", file=sys.stderr, flush=True)
     try:
         res = evaluate(emb, data["labels"], is_query=data["is_query"],
                        is_gallery=data["is_gallery"], ks=args.ks, metrics=args.metrics,
                        seed=args.seed, chunk_size=args.chunk_size, backend=args.backend,
                        memory_mb=args.memory_mb, nmi_average=args.nmi_average,
-                       kmeans_restarts=args.kmeans_restarts)
+                       kmeans_restarts=args.kmeans_restarts, progress=progress)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{args.npz}: {exc}") from None
     print(format_table(res))

@@ -324,6 +324,10 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
     command_search_device(device, search_device)  # a bad --device / --search-device fails before any work
+    for flag, value in (("--queries", n_queries), ("--top-k", top_k), ("--max-pairs", max_pairs),
+                        ("--batch-size", batch_size)):  # before any figure is drawn
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     if embeddings is None and (run_dir / "embeddings.npz").is_file():

@@ -42,8 +42,8 @@ import numpy as np
 
 from .query import (Preprocessing, approximate_search, as_query_list, embed_images, exact_search,
                     recall_against_exact)
-from .store import (IndexFilesError, carry_file, check_utf8, file_entries, file_sha256, index_transaction,
-                    verify_files)
+from .store import (IndexFilesError, carry_file, check_inside, check_listed_names, check_utf8, file_entries,
+                    file_sha256, files_error, index_transaction, plain_file, verify_files, write_file)
 
 __all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256", "IndexFilesError", "is_index_dir"]
 
@@ -97,7 +97,8 @@ class _Folder:
         os.close(self.fd)
 
     def open(self, rel: str):
-        return open(rel, "rb", opener=lambda p, flags: os.open(p, flags, dir_fd=self.fd))
+        nofollow = getattr(os, "O_NOFOLLOW", 0)  # a writer never stores links: refuse to follow one
+        return open(rel, "rb", opener=lambda p, flags: os.open(p, flags | nofollow, dir_fd=self.fd))
 
     def read(self, rel: str) -> bytearray:
         with self.open(rel) as f:
@@ -110,9 +111,6 @@ class _Folder:
                     raise IndexFilesError(f"{self.d / rel}: file shrank while it was read")
                 got += n
         return buf
-
-    def size(self, rel: str) -> int:
-        return os.stat(rel, dir_fd=self.fd).st_size
 
 
 def _npy_from_buffer(buf: bytearray, name: str) -> np.ndarray:
@@ -253,7 +251,7 @@ class Index:
 
         old = None
         if add:
-            old = cls.load(out)
+            old = cls.load(out, verify_hashes=True)  # never bless a damaged index with fresh hashes
             approximate = old.kind if old.kind != "exact" else None
         sha = file_sha256(checkpoint) if Path(checkpoint).is_file() else None
         if old is not None and sha is not None and old.meta.get("checkpoint", {}).get("sha256") != sha:
@@ -360,6 +358,10 @@ class Index:
             q = _normalised(queries, "query embeddings")
         else:
             q = self.embed(queries)
+            bad = np.flatnonzero(~np.isfinite(q).all(axis=1))
+            if len(bad):  # faiss would answer such a row with fewer (or no) neighbours
+                raise ValueError(f"query image {as_query_list(queries)[bad[0]]} embeds as NaN / inf with this "
+                                 "index's checkpoint; no neighbours can be ranked for it")
         if q.shape[1] != self.dim:
             raise ValueError(f"query embeddings have dimension {q.shape[1]} but the index has {self.dim} "
                              "(another model or embedding size?)")
@@ -429,9 +431,11 @@ class Index:
             np.save(f, np.ascontiguousarray(self.embeddings), allow_pickle=False)
         with open(tmp / "labels.npy", "wb") as f:
             np.save(f, np.asarray(self.labels, np.int64), allow_pickle=False)
-        (tmp / "class_names.json").write_text(json.dumps(self.class_names, ensure_ascii=False), encoding="utf-8")
-        (tmp / "paths.json").write_text(json.dumps(stored, ensure_ascii=False), encoding="utf-8")
-        faiss.write_index(index, str(tmp / "index.faiss"))
+        write_file(tmp / "class_names.json", json.dumps(self.class_names, ensure_ascii=False).encode("utf-8"))
+        write_file(tmp / "paths.json", json.dumps(stored, ensure_ascii=False).encode("utf-8"))
+        # serialised here and written by Python: a full disk is an OSError (ENOSPC) that
+        # index_transaction explains, not faiss's RuntimeError
+        write_file(tmp / "index.faiss", faiss.serialize_index(index))
         manifest = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "kind": self.kind,
                     "count": len(self), "dim": self.dim, "classes": len(self.class_names),
                     **{k: v for k, v in self.meta.items() if k not in _MANIFEST_OWN},
@@ -462,9 +466,13 @@ class Index:
             raise FileNotFoundError(f"index folder {d} does not exist (make one with 'deepmetric index')")
         folder = _Folder(d)
         try:
-            missing = [f for f in _FILES if not _exists(folder, f)]
+            missing = [f for f in _FILES if plain_file(d, f) == "missing"]
             if missing:
                 raise FileNotFoundError(f"{d} is not a deepmetric index: missing {', '.join(missing)}")
+            odd = [f"{f}: {st}" for f in _FILES + ("index.faiss",) if isinstance(st := plain_file(d, f), str)
+                   and st != "missing"]
+            if odd:
+                raise files_error(d, odd)
             raw = {"manifest.json": folder.read("manifest.json")}
             try:
                 manifest = json.loads(bytes(raw["manifest.json"]).decode("utf-8"))
@@ -477,6 +485,8 @@ class Index:
                 raise ValueError(f"{d}: index version {manifest['version']} is newer than this deepmetric "
                                  f"reads ({INDEX_VERSION}); upgrade deepmetric")
             files = manifest.get("files")
+            if files is not None:  # before any listed file is opened: never outside the folder
+                check_listed_names(d, files)
             kind = manifest["kind"]
             names = ["labels.npy", "class_names.json", "paths.json"] + (["index.faiss"] if kind != "exact" else [])
             if not mmap:
@@ -497,8 +507,7 @@ class Index:
                         elif verify_hashes and hashlib.sha256(raw[rel]).hexdigest() != entry["sha256"]:
                             bad.append(f"{rel}: SHA-256 differs from the manifest's")
                 if bad:
-                    raise IndexFilesError(f"{d}: files changed since the index was written: {'; '.join(bad)}. "
-                                          "Rebuild it with 'deepmetric index ... --overwrite'")
+                    raise files_error(d, bad)
                 verify_files(d, {k: v for k, v in files.items() if k not in raw}, hashes=verify_hashes)
             emb = (np.load(d / "embeddings.npy", mmap_mode="r", allow_pickle=False) if mmap
                    else _npy_from_buffer(raw["embeddings.npy"], str(d / "embeddings.npy")))
@@ -513,6 +522,8 @@ class Index:
                 or len(rel) != manifest["count"]:
             raise ValueError(f"{d}: files disagree with manifest.json (count {manifest['count']}, dim "
                              f"{manifest['dim']}; embeddings {emb.shape}, labels {labels.shape}, {len(rel)} paths)")
+        _check_rows(d, emb, labels, names_)
+        check_inside(rel, str(d / "paths.json"))
         root = d.resolve()
         paths = [p if (not p or os.path.isabs(p)) else str(root / p) for p in rel]
         meta = {k: v for k, v in manifest.items() if k not in _MANIFEST_OWN}
@@ -525,12 +536,22 @@ class Index:
         return obj
 
 
-def _exists(folder: _Folder, rel: str) -> bool:
-    try:
-        folder.size(rel)
-        return True
-    except FileNotFoundError:
-        return False
+def _check_rows(d: Path, emb: np.ndarray, labels: np.ndarray, class_names: list) -> None:
+    """Every row of a loaded index is searchable and named: finite embeddings (faiss would
+    silently drop a NaN row from the results) and labels that index ``class_names.json``."""
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{d / 'labels.npy'}: labels must be integers, got dtype {labels.dtype}")
+    if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= len(class_names)):
+        bad = int(np.flatnonzero((labels < 0) | (labels >= len(class_names)))[0])
+        raise ValueError(f"{d / 'labels.npy'}: row {bad} has label {int(labels[bad])}, but class_names.json "
+                         f"names {len(class_names)} classes (labels 0..{len(class_names) - 1})")
+    step = max(1, (1 << 26) // max(1, emb.shape[1] * emb.itemsize))  # ~64 MiB of rows at a time
+    for a in range(0, emb.shape[0], step):
+        finite = np.isfinite(emb[a:a + step]).all(axis=1)
+        if not finite.all():
+            bad = a + int(np.flatnonzero(~finite)[0])
+            raise ValueError(f"{d / 'embeddings.npy'}: row {bad} holds NaN or infinite values; "
+                             "the index is damaged: rebuild it with 'deepmetric index ... --overwrite'")
 
 
 EmbeddingIndex = Index

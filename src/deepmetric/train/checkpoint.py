@@ -80,7 +80,9 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
     state = dict(state)
     state.setdefault("format", CHECKPOINT_FORMAT)
     state.setdefault("version", CHECKPOINT_VERSION)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # the PID in the name lets the next start of the run remove what a killed save left
+    # (rundir.remove_stale_temporaries) without touching a live writer's file
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -146,14 +148,12 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
 def _load_failure(exc: Exception) -> str:
     """torch.load's reason in one line, without its advice to retry with weights_only=False
     (which would run any code a tampered file holds)."""
-    text = str(exc)
-    if "WeightsUnpickler error:" in text:
-        detail = " ".join(text.split("WeightsUnpickler error:", 1)[1].split("\n\n")[:2]).strip()
-        detail = detail.split("Check the documentation")[0].strip()
-        return (f"it holds Python objects other than tensors and plain values ({detail}); deepmetric "
-                "checkpoints never do, and they are only loaded with weights_only=True")
-    first = text.split("This is an internal")[0].split("\n")[0].strip().rstrip(".")
-    return f"{type(exc).__name__}: {first[:200]}"
+    from deepmetric.models.pretrained import weights_only_reason
+
+    reason = weights_only_reason(exc)
+    if reason.startswith("it holds Python objects"):
+        reason += "; deepmetric checkpoints never do, and they are only loaded with weights_only=True"
+    return reason
 
 
 def _upgrade_v1(state: dict) -> dict:

@@ -14,6 +14,7 @@ evaluate`` reads (``embeddings``, ``labels`` and, for query/gallery data, ``is_q
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -351,6 +352,7 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
     """
     from .distributed import resolve_device
 
+    out = npz_out_path(out)  # before any work
     dev = resolve_device(device)
     model, losses, cfg, _ = load_model_from_checkpoint(checkpoint, dev)
     if data is not None:
@@ -377,12 +379,29 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
         arrays = {"embeddings": r["embeddings"], "labels": r["labels"],
                   **dataset_query_gallery_masks(ds)}
         parts = [r]
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # image paths and class names, when known
     if all("paths" in p for p in parts):
         arrays["paths"] = np.concatenate([p["paths"] for p in parts])
     if "class_names" in parts[0]:
         arrays["class_names"] = parts[0]["class_names"]
-    np.savez(out, **arrays)
+    part = out.with_name(f".{out.name}.{os.getpid()}.tmp.npz")  # whole or not at all
+    try:
+        np.savez(part, **arrays)
+        os.replace(part, out)
+    finally:
+        part.unlink(missing_ok=True)
+    return out
+
+
+def npz_out_path(out: str | Path) -> Path:
+    """The ``.npz`` file ``embed`` writes for ``--out``: a folder is refused (numpy would
+    write ``FOLDER.npz`` beside it), a name without the suffix gets it (as numpy adds it)."""
+    out = Path(out)
+    if out.is_dir():
+        raise IsADirectoryError(f"--out {out} is a folder; give the .npz file to write, e.g. {out / 'embeddings.npz'}")
+    if out.suffix != ".npz":
+        out = out.with_name(out.name + ".npz")
+        if out.is_dir():
+            raise IsADirectoryError(f"--out {out} is a folder; give the .npz file to write")
     return out

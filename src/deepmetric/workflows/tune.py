@@ -145,10 +145,30 @@ def _space_error(path, msg: str) -> TuneError:
 def _number(value: Any, where: str, path) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:
-            return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+            value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
         except (TypeError, ValueError):
             raise _space_error(path, f"{where}: expected a number, got {value!r}") from None
+    if not math.isfinite(value):
+        raise _space_error(path, f"{where}: expected a finite number, got {value!r}")
     return float(value)
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_choice(c: Any, where: str, path) -> None:
+    """A choice is a plain YAML value (text, number, true/false, null) or, for a parameter that
+    sets several keys or a list-valued key, a list of them (lists may nest); a mapping is not
+    (Optuna stores choices by value, and a mapping has no stable one)."""
+    def plain(v) -> bool:
+        return isinstance(v, _PLAIN) or (isinstance(v, list) and all(plain(x) for x in v))
+
+    if not plain(c):
+        raise _space_error(path, f"{where}.choices: {c!r} is not a plain value (text, number, true/false or "
+                                 "null) or a list of them (a mapping is not); to set several config keys at once list them "
+                                 "under 'keys' and give each choice as a list of their values")
+    if isinstance(c, float) and not math.isfinite(c):
+        raise _space_error(path, f"{where}.choices: {c!r} is not a finite number")
 
 
 def _param(name: str, spec: Any, path) -> ParamSpec:
@@ -174,6 +194,7 @@ def _param(name: str, spec: Any, path) -> ParamSpec:
         if not isinstance(choices, list) or not choices:
             raise _space_error(path, f"{where}.choices: a categorical parameter needs a non-empty list")
         for c in choices:
+            _check_choice(c, where, path)
             if len(keys) > 1 and not (isinstance(c, list) and len(c) == len(keys)):
                 raise _space_error(path, f"{where}.choices: each choice sets {len(keys)} keys {keys}, so it "
                                          f"must be a list of {len(keys)} values, got {c!r}")
@@ -191,6 +212,9 @@ def _param(name: str, spec: Any, path) -> ParamSpec:
         raise _space_error(path, f"{where}: a log scale needs low > 0, got {p.low}")
     if spec.get("step") is not None:
         p.step = _number(spec["step"], f"{where}.step", path)
+        if p.step <= 0 or (kind == "int" and p.step != int(p.step)):
+            raise _space_error(path, f"{where}.step: expected a {'whole number' if kind == 'int' else 'number'} "
+                                     f"> 0, got {spec['step']!r}")
         if p.log:
             raise _space_error(path, f"{where}: give 'step' or 'log: true', not both (Optuna refuses both)")
     if kind == "int" and (p.low != int(p.low) or p.high != int(p.high)):
