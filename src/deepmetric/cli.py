@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import textwrap
 
@@ -688,12 +689,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_study_parser(sub)
     _add_tune_parser(sub)
+    parser.commands = sub.choices  # {name: sub-command parser}: parse_command_line's errors
     return parser
+
+
+#: A ``KEY=VALUE`` config override as a token of the command line (``loss.0.options.alpha=8``).
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that ``KEY=VALUE`` overrides may stand anywhere on the line
+    of a command that takes them (``tune R --space S --trials 5 train.epochs=3``, ``train CFG
+    --overwrite KEY=VAL``): argparse fills a ``nargs='*'`` positional only where it first meets
+    it, so the overrides after an option come back unparsed and are appended here, in order.
+    Any other unparsed token is still an error of its sub-command."""
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    takes = isinstance(getattr(args, "overrides", None), list)
+    unknown = [t for t in extra if not (takes and _OVERRIDE.match(t))]
+    if unknown:
+        sub = getattr(parser, "commands", {}).get(getattr(args, "command", None), parser)
+        what = "a known option" + (" or a KEY=VALUE override" if takes else "")
+        sub.error(f"unrecognized argument(s): {' '.join(unknown)} (expected {what}; see --help)")
+    args.overrides = list(args.overrides) + extra
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, TypeError, KeyError, OSError, RuntimeError) as exc:

@@ -69,7 +69,7 @@ from .module import PretrainedTeacher, TrainingModule, init_from_class_means, in
 from .optim import build_optimizer
 from .rundir import RunDirectoryError, RunLog, prepare_run_dir
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
-from .summary import format_baseline, format_run_end, format_run_summary
+from .summary import baseline_verdict, format_baseline, format_run_end, format_run_summary
 
 #: The builders' old names, still importable from here.
 build_dataset_split = build_dataset
@@ -709,6 +709,9 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
                          train_images_per_s=round(state.train_images / max(state.train_seconds, 1e-9), 2),
                          interrupted=interrupted)
     if run.main and not interrupted:
+        verdict = baseline_verdict(state.metrics, run.baselines, run.select_key or "recall@1")
+        if verdict and verdict not in run.warnings:  # kept with the run, not only printed
+            run.warnings.append(verdict)
         R.write_metrics(run.out_dir, {
             "metrics": result.metrics, "final": result.final, "selected": result.selected,
             "epochs": result.epochs_completed, "steps": result.iteration, "heat_ups": result.heat_ups,
