@@ -728,7 +728,7 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
 # --------------------------------------------------------------------------- the loop
 def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bool = False,
           on_eval: Callable[[int, dict, dict], None] | None = None,
-          on_validation: Callable[[int, dict], None] | None = None) -> TrainResult:
+          on_validation: Callable[[int, dict], None] | None = None, quiet_interrupt: bool = False) -> TrainResult:
     """Train according to ``cfg``; ``resume`` continues from a checkpoint (``last.pt``).
 
     A new run refuses a non-empty ``train.out_dir`` unless ``overwrite=True`` (which
@@ -738,6 +738,9 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     demo uses it to keep embeddings for plots).  ``on_validation(epoch, val_metrics)`` is called
     after every validation evaluation, once ``best.pt`` is written; an exception it raises stops
     the run there (``deepmetric tune``'s pruner raises ``optuna.TrialPruned``).
+    ``quiet_interrupt``: a Ctrl-C still checkpoints and stops the run (``result.interrupted``)
+    but prints nothing: the caller says how to continue (``deepmetric tune``: rerun the command,
+    not ``--resume``).
     """
     run = _set_up(cfg, resume=resume, overwrite=overwrite, on_eval=on_eval)      # steps 1-4
     run.on_validation = on_validation
@@ -751,7 +754,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
         if run.reevaluate:
             _evaluate_finished_resume(run)
         interrupted = False
-        with GracefulInterrupt() as interrupt:
+        with GracefulInterrupt(quiet=quiet_interrupt) as interrupt:
             while run.state.epoch < run.total_epochs and not finished:         # steps 6-7
                 with linear_probe(run.model, active=linear_probe_epoch(run.cfg.train, run.state.epoch)):  # LP-FT
                     outcome = _train_one_epoch(run, run.state.epoch, interrupt)
@@ -759,6 +762,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                     interrupted = True
                     if run.main:
                         run.save(R.LAST)
+                    if run.main and not quiet_interrupt:
                         print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
                               f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})",
                               flush=True)
