@@ -58,11 +58,26 @@ def test_train_overwrite_then_an_override_runs_with_it(tmp_path):
 def test_tune_with_an_override_after_the_options(tmp_path):
     """The issue's 'deepmetric tune RECIPE --space S --trials N --out D train.epochs=3'."""
     raw = synthetic_config(classes=8, data={"val_classes": 0.4}, train={"epochs": 3})
+    del raw["train"]["progress"]  # the recipe's default (progress bars on)
     recipe, space, out = tmp_path / "r.yaml", tmp_path / "s.yaml", tmp_path / "tune"
     recipe.write_text(yaml.safe_dump(raw))
     space.write_text(yaml.safe_dump({"objective": {"metric": "recall@1"},
                                      "params": {"optim.lr": {"type": "float", "low": 0.01, "high": 0.1}}}))
-    assert main(["tune", str(recipe), "--space", str(space), "--trials", "1", "--out", str(out), "train.epochs=1"]) == 0
-    assert json.loads((out / "tune.json").read_text())["overrides"] == ["train.epochs=1"]
+    args = ["tune", str(recipe), "--space", str(space), "--trials", "1", "--out", str(out), "train.epochs=1"]
+    assert main(args + ["train.progress=false", "optim.momentum=0.5"]) == 0
+    assert json.loads((out / "tune.json").read_text())["overrides"] == ["train.epochs=1", "train.progress=false",
+                                                                        "optim.momentum=0.5"]
     trial = yaml.safe_load((out / "trials" / "trial_0000" / "config.yaml").read_text())
-    assert trial["train"]["epochs"] == 1
+    assert trial["train"]["epochs"] == 1 and trial["optim"]["momentum"] == 0.5
+
+
+def test_best_yaml_undoes_and_names_the_short_run_settings(tmp_path):
+    """Issue 32, item 17: best.yaml kept the tune's 'train.epochs=3' and 'progress off' silently."""
+    test_tune_with_an_override_after_the_options(tmp_path)
+    text = (tmp_path / "tune" / "best.yaml").read_text()
+    best = yaml.safe_load(text)
+    assert best["train"]["epochs"] == 3 and "progress" not in best["train"]  # the recipe's own
+    assert best["optim"]["momentum"] == 0.5  # an override that is no short-run setting stays
+    head = [ln for ln in text.splitlines() if ln.startswith("#")]
+    assert any("NOT in this file" in ln for ln in head)
+    assert any("train.epochs=1 (recipe: 3), train.progress=false (recipe: default)" in ln for ln in head), head

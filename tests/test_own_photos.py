@@ -138,3 +138,30 @@ def test_the_verdict_is_kept_in_metrics_json_and_shown_in_the_report(tmp_path, m
     baselines = [x for x in labels if x.startswith("baseline")]
     assert baselines == ["baseline: epoch 0 (untrained network)"], labels  # raw pixels: synthetic, not images
     assert not any("label" in x or ": metrics" in x for x in labels)
+
+
+# --------------------------------------------------------------------------- item 17
+def test_a_validation_split_at_100_percent_from_the_first_evaluation_warns(tmp_path, capsys):
+    """2 well-separated validation classes: recall@1 is 1.0 at epoch 1 and cannot choose best.pt."""
+    from deepmetric.train import train
+    from deepmetric.train.config import config_from_dict
+
+    raw = synthetic_config(tmp_path / "run", classes=8, data={"val_classes": 2, "options": {"noise": 0.02}},
+                           eval={"baselines": False}, train={"epochs": 2})
+    train(config_from_dict(raw))
+    printed = capsys.readouterr().out
+    log = [json.loads(ln) for ln in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    first_val = next(r for r in log if r["type"] == "eval" and r["split"] == "val")
+    assert first_val["recall@1"] == 1.0  # the case itself, measured by the run
+    want = ("validation recall@1 is already 100% at the first evaluation (epoch 1, 2 validation classes): it "
+            "cannot improve, so it cannot choose best.pt")
+    assert printed.count(want) == 1  # once, not at every evaluation
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert any(w.startswith(want) for w in saved["warnings"])
+    # not saturated: no warning
+    raw = synthetic_config(tmp_path / "run2", classes=8, data={"val_classes": 2}, eval={"baselines": False},
+                           train={"epochs": 1})
+    train(config_from_dict(raw))
+    log = [json.loads(ln) for ln in (tmp_path / "run2" / "log.jsonl").read_text().splitlines()]
+    assert next(r for r in log if r["type"] == "eval" and r["split"] == "val")["recall@1"] < 1.0
+    assert "already 100%" not in capsys.readouterr().out

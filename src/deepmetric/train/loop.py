@@ -69,7 +69,7 @@ from .module import PretrainedTeacher, TrainingModule, init_from_class_means, in
 from .optim import build_optimizer
 from .rundir import RunDirectoryError, RunLog, prepare_run_dir
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
-from .summary import baseline_verdict, format_baseline, format_run_end, format_run_summary
+from .summary import baseline_verdict, format_baseline, format_run_end, format_run_summary, saturation_warning
 
 #: The builders' old names, still importable from here.
 build_dataset_split = build_dataset
@@ -528,12 +528,24 @@ def _baselines(run: _Run, resume) -> None:
                            "epoch": 0, "step": 0, **extra})
 
 
+def _warn_saturated(run: _Run, value: float, epoch: int) -> None:
+    """Print and keep (metrics.json) the warning of a selection metric at 100 % from the start."""
+    val = (run.eval_sets.get("val") or {}).get("query")
+    n = len(np.unique(np.asarray(val.labels))) if val is not None else None
+    w = saturation_warning(run.select_key, float(value), epoch, n)
+    if w is not None and w not in run.warnings:
+        run.warnings.append(w)
+        print(f"[deepmetric] warning: {w}", flush=True)
+
+
 def _choose_best(run: _Run, epoch: int, test_evaluated: bool = True) -> None:
     """After a validation evaluation: update ``state.best`` and write ``best.pt``.  The test
     metrics stored with it are this epoch's (None when the test split was not evaluated)."""
     state = run.state
     _check_metric(run.select_key, "eval.best_metric", state.val_metrics)
     value = state.val_metrics[run.select_key]
+    if state.best["value"] is None and run.main:
+        _warn_saturated(run, value, epoch)
     if state.best["value"] is None or value > state.best["value"]:
         state.best = {"metric": run.select_key, "value": value, "epoch": epoch,
                       "test": dict(state.metrics) if test_evaluated else None}

@@ -24,6 +24,7 @@ from . import rundir as R
 from .config import Config
 
 __all__ = ["describe_split", "format_run_summary", "format_metrics", "format_baseline", "baseline_verdict",
+           "saturation_warning",
            "format_run_end", "count_parameters"]
 
 PREFIX = "[deepmetric]"
@@ -206,6 +207,18 @@ def baseline_verdict(metrics: dict[str, float], baselines: dict[str, dict] | Non
     return (f"the trained embedding ({key} {100 * metrics[key]:.1f}%) is below the baseline of "
             f"{' and '.join(beaten_by)}: training did not help on the test classes (more classes, more "
             "epochs or a different model may)")
+
+
+def saturation_warning(key: str, value: float, epoch: int, val_classes: int | None) -> str | None:
+    """The warning when the selection metric is already at its ceiling (100 %) at the first
+    validation evaluation: it cannot rise, so it cannot choose ``best.pt`` (ties keep the
+    earliest epoch).  Common with few validation classes."""
+    if value < 1.0:
+        return None
+    few = f", {val_classes} validation classes" if val_classes is not None else ""
+    return (f"validation {key} is already 100% at the first evaluation (epoch {epoch}{few}): it cannot improve, "
+            f"so it cannot choose best.pt (ties keep the earliest epoch); validate on more classes "
+            f"(data.val_classes) or choose by a harder metric (eval.best_metric: map@r)")
 
 
 def format_run_end(*, metrics: dict[str, float], best: dict[str, Any], seconds: float, epochs: int,

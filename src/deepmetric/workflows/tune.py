@@ -761,10 +761,37 @@ def _best_trial(setup: TuneSetup, study):
     return max(done, key=lambda t: (sign * t.value, -t.number))
 
 
+#: Overrides that only shorten or quieten the trials (``train.epochs=3``, ``train.progress=false``):
+#: best.yaml takes the recipe's own values back and says so in its header.
+SHORT_RUN_KEYS = ("train.epochs", "train.iterations", "train.progress", "eval.every")
+
+
+def _undo_short_run_settings(setup: TuneSetup, raw: dict) -> list[str]:
+    """Put the recipe's own values of :data:`SHORT_RUN_KEYS` back into ``raw`` where the tune's
+    command or space overrode them; returns a note per key (``train.epochs=3 (recipe: 30)``)."""
+    original = yaml.safe_load(setup.recipe.read_text()) or {}
+    notes = []
+    for text in [*setup.cli_overrides, *setup.space.overrides]:
+        key = text.partition("=")[0].strip()
+        if key not in SHORT_RUN_KEYS or any(n.startswith(f"{key}=") for n in notes):
+            continue
+        section, name = key.split(".")
+        own = (original.get(section) or {}).get(name) if isinstance(original.get(section), dict) else None
+        target = raw.setdefault(section, {})
+        if own is None:
+            target.pop(name, None)
+        else:
+            target[name] = own
+        notes.append(f"{text} (recipe: {'default' if own is None else own})")
+    return notes
+
+
 def _best_recipe(setup: TuneSetup, best) -> str:
-    """The recipe with the CLI and space overrides and the best values applied (validated)."""
+    """The recipe with the CLI and space overrides and the best values applied (validated),
+    except the short-run settings (:data:`SHORT_RUN_KEYS`), which go back to the recipe's."""
     values = {p.name: p.value_of(best.params) for p in setup.space.params}
     raw = copy.deepcopy(setup.base)
+    undone = _undo_short_run_settings(setup, raw)
     apply_overrides(raw, setup.space.overrides_of(values))
     raw.setdefault("train", {})["out_dir"] = str(Path("runs") / f"{setup.study_name}_best")
     raw["name"] = f"{raw.get('name') or setup.recipe.stem}_tuned"
@@ -773,8 +800,12 @@ def _best_recipe(setup: TuneSetup, best) -> str:
     head = [f"# {setup.recipe} tuned by `deepmetric tune` ({setup.space_path}, {setup.trials} trials,",
             f"# study {setup.study_name!r}): trial {best.number}, validation {setup.space.metric} = {best.value:.4f}",
             "# (chosen on validation classes; the test split was not used). Values: "
-            + ", ".join(f"{k} = {_fmt_value(v)}" for k, v in values.items()),
-            f"#   deepmetric train {setup.out / 'best.yaml'}"]
+            + ", ".join(f"{k} = {_fmt_value(v)}" for k, v in values.items())]
+    if undone:
+        head += ["# The trials were short runs: these overrides of the tune's command / space are NOT in this file",
+                 "# (the recipe's own values are): " + ", ".join(undone) + ".",
+                 "# The values above were chosen under them; add them to the command to train as the trials did."]
+    head.append(f"#   deepmetric train {setup.out / 'best.yaml'}")
     return "\n".join(head) + "\n" + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None)
 
 
