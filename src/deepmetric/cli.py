@@ -272,7 +272,7 @@ def _run_embed(args: argparse.Namespace) -> int:
 def _add_demo_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, ~7 min on 2 idle cores)",
+        help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, about 6 minutes on 2 idle cores)",
         description=(
             "Fine-tune the ImageNet-pretrained EfficientNet-Lite0 on the training half of the emoji "
             "benchmark with the transfer recipe (recipes/demo_emoji.yaml: the pooled features are the "
