@@ -6,7 +6,8 @@ bad values) raised as ValueError / FileNotFoundError / TypeError / KeyError / OS
 printed as one clear line on stderr with exit code 2, without a traceback (an error raised in
 a data-loader worker is unwrapped to the worker's own message); set the environment variable
 ``DEEPMETRIC_DEBUG=1`` to get the full traceback instead.  Every sub-command's ``--help``
-ends with runnable examples.
+ends with runnable examples.  The ``KEY=VALUE`` config overrides of the commands that take them
+(train, demo, tune, study) may stand anywhere on the line (:func:`parse_command_line`).
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ def _add_train_parser(sub) -> None:
         "train", help="train a model from a YAML config (see docs/training.md)",
         description=_wrap(
             "Train from CONFIG.yaml. KEY=VALUE overrides (values are YAML) change single keys of "
-            "the config, e.g. optim.lr=0.001 train.epochs=5 'data.options={class_split: half}'. "
+            "the config, e.g. optim.lr=0.001 train.epochs=5 'data.options={class_split: half}'; "
+            "they may stand anywhere on the line, also after the options. "
             "Without a config file the defaults apply and the overrides must give at least "
             "train.epochs (or train.iterations). The run prints a summary (data split, model, loss, "
             "device, output folder) and baselines (untrained network, raw pixels for images up to "
@@ -630,7 +632,8 @@ def _add_tune_parser(sub) -> None:
     p.add_argument("--out", default=None, help="tune directory (default runs/tune/<study name>)")
     p.add_argument("--report-only", action="store_true", help="train nothing: rewrite the outputs from the storage")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a child of --workers K
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every trial")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides for every trial (anywhere on the line, also after the options)")
     p.set_defaults(func=_run_tune)
 
 
