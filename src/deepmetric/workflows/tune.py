@@ -635,6 +635,7 @@ def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[s
     _optuna()  # a clear error when Optuna is missing, before the storage is opened
     log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
     study = open_study(setup)
+    _QUIET.numbers.clear()  # trial numbers of this study only (a process may run several)
     stop = {"interrupted": False}
     objective = _objective(setup, study, threads=threads, log=log, stop=stop)
     while True:
