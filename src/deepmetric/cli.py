@@ -6,12 +6,14 @@ bad values) raised as ValueError / FileNotFoundError / TypeError / KeyError / OS
 printed as one clear line on stderr with exit code 2, without a traceback (an error raised in
 a data-loader worker is unwrapped to the worker's own message); set the environment variable
 ``DEEPMETRIC_DEBUG=1`` to get the full traceback instead.  Every sub-command's ``--help``
-ends with runnable examples.
+ends with runnable examples.  The ``KEY=VALUE`` config overrides of the commands that take them
+(train, demo, tune, study) may stand anywhere on the line (:func:`parse_command_line`).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import textwrap
 
@@ -171,7 +173,8 @@ def _add_train_parser(sub) -> None:
         "train", help="train a model from a YAML config (see docs/training.md)",
         description=_wrap(
             "Train from CONFIG.yaml. KEY=VALUE overrides (values are YAML) change single keys of "
-            "the config, e.g. optim.lr=0.001 train.epochs=5 'data.options={class_split: half}'. "
+            "the config, e.g. optim.lr=0.001 train.epochs=5 'data.options={class_split: half}'; "
+            "they may stand anywhere on the line, also after the options. "
             "Without a config file the defaults apply and the overrides must give at least "
             "train.epochs (or train.iterations). The run prints a summary (data split, model, loss, "
             "device, output folder) and baselines (untrained network, raw pixels for images up to "
@@ -272,7 +275,7 @@ def _run_embed(args: argparse.Namespace) -> int:
 def _add_demo_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, ~7 min on 2 idle cores)",
+        help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, about 6 minutes on 2 idle cores)",
         description=(
             "Fine-tune the ImageNet-pretrained EfficientNet-Lite0 on the training half of the emoji "
             "benchmark with the transfer recipe (recipes/demo_emoji.yaml: the pooled features are the "
@@ -633,7 +636,8 @@ def _add_tune_parser(sub) -> None:
     p.add_argument("--out", default=None, help="tune directory (default runs/tune/<study name>)")
     p.add_argument("--report-only", action="store_true", help="train nothing: rewrite the outputs from the storage")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a child of --workers K
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every trial")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides for every trial (anywhere on the line, also after the options)")
     p.set_defaults(func=_run_tune)
 
 
@@ -692,12 +696,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_study_parser(sub)
     _add_tune_parser(sub)
+    parser.commands = sub.choices  # {name: sub-command parser}: parse_command_line's errors
     return parser
+
+
+#: A ``KEY=VALUE`` config override as a token of the command line (``loss.0.options.alpha=8``).
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that ``KEY=VALUE`` overrides may stand anywhere on the line
+    of a command that takes them (``tune R --space S --trials 5 train.epochs=3``, ``train CFG
+    --overwrite KEY=VAL``): argparse fills a ``nargs='*'`` positional only where it first meets
+    it, so the overrides after an option come back unparsed and are appended here, in order.
+    Any other unparsed token is still an error of its sub-command."""
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    takes = isinstance(getattr(args, "overrides", None), list)
+    unknown = [t for t in extra if not (takes and _OVERRIDE.match(t))]
+    if unknown:
+        sub = getattr(parser, "commands", {}).get(getattr(args, "command", None), parser)
+        what = "a known option" + (" or a KEY=VALUE override" if takes else "")
+        sub.error(f"unrecognized argument(s): {' '.join(unknown)} (expected {what}; see --help)")
+    args.overrides = list(args.overrides) + extra
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, TypeError, KeyError, OSError, RuntimeError) as exc:

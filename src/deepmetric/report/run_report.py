@@ -204,7 +204,10 @@ def summary_rows(summary: dict, default_split: str | None = None) -> tuple[list[
         elif key == "baselines":
             if isinstance(val, dict):
                 for name, b in val.items():
-                    walk(b, f"baseline: {name}", None, "baseline")
+                    if isinstance(b, dict) and isinstance(b.get("label"), str):  # {"label", "metrics"}
+                        walk(b.get("metrics") or {}, f"baseline: {b['label']}", None, "baseline")
+                    else:  # older files: {name: {metrics} or {split: {metrics}}}
+                        walk(b, f"baseline: {name}", None, "baseline")
         elif isinstance(val, dict):
             walk(val, str(key), None, "eval")
         elif key in ("epochs", "steps") and _number(val):
@@ -215,8 +218,8 @@ def summary_rows(summary: dict, default_split: str | None = None) -> tuple[list[
 def _eval_rows(log: dg.TrainingLog, default_split: str | None) -> list[dict]:
     """Baseline records, then one row per evaluation record (split from the record)."""
     rows = []
-    for b in log.baselines():
-        name = b.get("name") or b.get("baseline") or b.get("kind") or "baseline"
+    for b in log.baselines():  # labelled as in metrics.json, so that each baseline is listed once
+        name = b.get("label") or b.get("name") or b.get("baseline") or b.get("kind") or "baseline"
         rows.append({"label": pg.esc(f"baseline: {name}"), "text": f"baseline: {name}",
                      "split": b.get("split"), "kind": "baseline",
                      "metrics": {k: v for k, v in b.items() if _is_metric_key(k) and _number(v)}})
@@ -361,6 +364,10 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
         if notes:
             body.append("<ul>" + "".join(f"<li>{pg.esc(n)}</li>" for n in notes) + "</ul>")
             md += [f"- {n}" for n in notes] + [""]
+        warns = [str(w) for w in summary.get("warnings") or []]
+        if warns:  # the run's warnings, the verdict against the baselines among them
+            body.append('<ul class="warnings">' + "".join(f"<li>warning: {pg.esc(w)}</li>" for w in warns) + "</ul>")
+            md += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
     html.add("summary", "Configuration and summary", "\n".join(body), "summary")
 
     # --- log -----------------------------------------------------------------------------

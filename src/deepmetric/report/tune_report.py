@@ -20,11 +20,33 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def _table(rows: Sequence[dict]) -> str:
-    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "run_dir"]
-    head = "".join(f"<th>{pg.esc(c)}</th>" for c in cols)
+def _header(name: str) -> str:
+    """A column name that may wrap after its dots, slashes and underscores (``optim.<wbr>lr``)."""
+    out = pg.esc(name)
+    for sep in (".", "/", "_"):
+        out = out.replace(sep, sep + "<wbr>")
+    return out
+
+
+def _table(rows: Sequence[dict], cols: Sequence[str], names: Sequence[str] | None = None) -> str:
+    head = "".join(f"<th>{_header(n)}</th>" for n in (names or cols))
     body = "".join("<tr>" + "".join(f"<td>{pg.esc(_cell(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows)
-    return f'<table class="metrics"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    # a scroll box of its own, so that a very wide table never widens the page
+    return f'<div class="wide"><table class="metrics"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _tables(rows: Sequence[dict]) -> str:
+    """The trials in two tables that fit a 1280 px window: the search (state, parameters,
+    validation objective, epochs, time), then the test metrics recorded for information."""
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "run_dir"]
+    tests = [c for c in cols if c.startswith("test/")]
+    main = [c for c in cols if c not in tests]
+    out = _table(rows, main)
+    tested = [r for r in rows if any(r.get(c) is not None for c in tests)]
+    if tested:
+        out += ('<h3>Test metrics of the finished trials (information only)</h3>'
+                + _table(tested, ["trial", *tests], ["trial", *(c[len("test/"):] for c in tests)]))
+    return out
 
 
 def write_tune_report(path: str | Path, *, title: str, summary: Sequence[tuple[str, Any]], rows: Sequence[dict],
@@ -43,5 +65,5 @@ def write_tune_report(path: str | Path, *, title: str, summary: Sequence[tuple[s
     page.add("plots", "Plots", body or '<p class="note">no plot yet (fewer than 2 finished trials)</p>')
     page.add("trials", "Trials", '<p class="note">val/ = the objective (validation, the trial\'s best '
              'evaluation); test/ = the final model on the test split, recorded for information and never used '
-             'to choose.</p>' + (_table(rows) if rows else "<p>no trial yet</p>"))
+             'to choose.</p>' + (_tables(rows) if rows else "<p>no trial yet</p>"))
     return page.write(Path(path))

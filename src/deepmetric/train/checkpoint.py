@@ -351,16 +351,18 @@ class GracefulInterrupt:
     """Context manager: the first SIGINT only sets ``.requested`` (the loop finishes the
     current step, saves a checkpoint and stops); a second SIGINT interrupts at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet: bool = False) -> None:
         self.requested = False
+        self.quiet = quiet  # the caller says what happens next (deepmetric tune: rerun the command)
         self._previous = None
 
     def _handler(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\n[deepmetric] interrupt received: finishing this step, saving a checkpoint "
-              "(press Ctrl-C again to abort immediately)", flush=True)
+        if not self.quiet:
+            print("\n[deepmetric] interrupt received: finishing this step, saving a checkpoint "
+                  "(press Ctrl-C again to abort immediately)", flush=True)
 
     def __enter__(self) -> "GracefulInterrupt":
         if threading.current_thread() is threading.main_thread():

@@ -69,7 +69,7 @@ from .module import PretrainedTeacher, TrainingModule, init_from_class_means, in
 from .optim import build_optimizer
 from .rundir import RunDirectoryError, RunLog, prepare_run_dir
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
-from .summary import format_baseline, format_run_end, format_run_summary
+from .summary import baseline_verdict, format_baseline, format_run_end, format_run_summary, saturation_warning
 
 #: The builders' old names, still importable from here.
 build_dataset_split = build_dataset
@@ -528,12 +528,24 @@ def _baselines(run: _Run, resume) -> None:
                            "epoch": 0, "step": 0, **extra})
 
 
+def _warn_saturated(run: _Run, value: float, epoch: int) -> None:
+    """Print and keep (metrics.json) the warning of a selection metric at 100 % from the start."""
+    val = (run.eval_sets.get("val") or {}).get("query")
+    n = len(np.unique(np.asarray(val.labels))) if val is not None else None
+    w = saturation_warning(run.select_key, float(value), epoch, n)
+    if w is not None and w not in run.warnings:
+        run.warnings.append(w)
+        print(f"[deepmetric] warning: {w}", flush=True)
+
+
 def _choose_best(run: _Run, epoch: int, test_evaluated: bool = True) -> None:
     """After a validation evaluation: update ``state.best`` and write ``best.pt``.  The test
     metrics stored with it are this epoch's (None when the test split was not evaluated)."""
     state = run.state
     _check_metric(run.select_key, "eval.best_metric", state.val_metrics)
     value = state.val_metrics[run.select_key]
+    if state.best["value"] is None and run.main:
+        _warn_saturated(run, value, epoch)
     if state.best["value"] is None or value > state.best["value"]:
         state.best = {"metric": run.select_key, "value": value, "epoch": epoch,
                       "test": dict(state.metrics) if test_evaluated else None}
@@ -709,6 +721,9 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
                          train_images_per_s=round(state.train_images / max(state.train_seconds, 1e-9), 2),
                          interrupted=interrupted)
     if run.main and not interrupted:
+        verdict = baseline_verdict(state.metrics, run.baselines, run.select_key or "recall@1")
+        if verdict and verdict not in run.warnings:  # kept with the run, not only printed
+            run.warnings.append(verdict)
         R.write_metrics(run.out_dir, {
             "metrics": result.metrics, "final": result.final, "selected": result.selected,
             "epochs": result.epochs_completed, "steps": result.iteration, "heat_ups": result.heat_ups,
@@ -725,7 +740,7 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
 # --------------------------------------------------------------------------- the loop
 def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bool = False,
           on_eval: Callable[[int, dict, dict], None] | None = None,
-          on_validation: Callable[[int, dict], None] | None = None) -> TrainResult:
+          on_validation: Callable[[int, dict], None] | None = None, quiet_interrupt: bool = False) -> TrainResult:
     """Train according to ``cfg``; ``resume`` continues from a checkpoint (``last.pt``).
 
     A new run refuses a non-empty ``train.out_dir`` unless ``overwrite=True`` (which
@@ -735,6 +750,9 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     demo uses it to keep embeddings for plots).  ``on_validation(epoch, val_metrics)`` is called
     after every validation evaluation, once ``best.pt`` is written; an exception it raises stops
     the run there (``deepmetric tune``'s pruner raises ``optuna.TrialPruned``).
+    ``quiet_interrupt``: a Ctrl-C still checkpoints and stops the run (``result.interrupted``)
+    but prints nothing: the caller says how to continue (``deepmetric tune``: rerun the command,
+    not ``--resume``).
     """
     run = _set_up(cfg, resume=resume, overwrite=overwrite, on_eval=on_eval)      # steps 1-4
     run.on_validation = on_validation
@@ -748,7 +766,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
         if run.reevaluate:
             _evaluate_finished_resume(run)
         interrupted = False
-        with GracefulInterrupt() as interrupt:
+        with GracefulInterrupt(quiet=quiet_interrupt) as interrupt:
             while run.state.epoch < run.total_epochs and not finished:         # steps 6-7
                 with linear_probe(run.model, active=linear_probe_epoch(run.cfg.train, run.state.epoch)):  # LP-FT
                     outcome = _train_one_epoch(run, run.state.epoch, interrupt)
@@ -756,6 +774,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                     interrupted = True
                     if run.main:
                         run.save(R.LAST)
+                    if run.main and not quiet_interrupt:
                         print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
                               f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})",
                               flush=True)

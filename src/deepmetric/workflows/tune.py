@@ -32,7 +32,9 @@ Storage: an SQLite file in the tune directory by default (``OUT/tune.db``; nothi
 ``--storage postgresql://...`` lets the same command on several machines share one study.  The
 trials run with Optuna's heartbeat: a trial whose process died (kill -9, a lost machine) is
 marked failed once its heartbeat is stale and retried with the same parameters, resuming its
-checkpoint; a trial interrupted by Ctrl-C is failed and queued again at once.  The command stops
+checkpoint; a trial interrupted by Ctrl-C is stored as failed with the user attribute
+``interrupted`` (the tables say *interrupted*), queued again at once with its values, and the
+command stops with one line: rerun it to continue (the retry resumes the trial's checkpoint).  The command stops
 when exactly ``N`` trials have finished or been pruned: rerunning the same command after a kill
 continues the study to ``N``, and a finished study only rewrites the outputs.
 
@@ -48,6 +50,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import logging
 import math
 import os
 import sys
@@ -494,6 +497,28 @@ class _Surplus(Exception):
     """Another worker already holds the last trial slot: this trial does not run."""
 
 
+class _Interrupted(Exception):
+    """Ctrl-C during a trial: it is stored as failed with the user attribute ``interrupted``
+    (shown as *interrupted*), its values queued again, and the worker stops."""
+
+
+class _QuietTrials(logging.Filter):
+    """Drops Optuna's "Trial N failed ... because of the following error" warnings (with their
+    traceback) of the trials in ``numbers``: an interrupted or surplus trial is no failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numbers: set[int] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not any(msg.startswith(f"Trial {n} failed") for n in self.numbers)
+
+
+_QUIET = _QuietTrials()
+logging.getLogger("optuna.study._optimize").addFilter(_QUIET)  # the logger of Optuna's _run_trial
+
+
 def _counts(study) -> dict[str, int]:
     from optuna.trial import TrialState
 
@@ -534,74 +559,94 @@ def _holds_a_slot(study, trial, target: int) -> bool:
     return ahead < target
 
 
-def _objective(setup: TuneSetup, study, *, threads: int | None, log: Callable[[str], None]):
+def _objective(setup: TuneSetup, study, *, threads: int | None, log: Callable[[str], None],
+               stop: dict[str, bool]):
+    """Optuna's objective: one trial.  A Ctrl-C anywhere in it (the run checkpoints when it
+    arrives during training) queues the trial's values again, marks the trial ``interrupted``,
+    sets ``stop["interrupted"]`` and raises :class:`_Interrupted` (caught by ``optimize``)."""
+
+    def objective(trial) -> float:
+        try:
+            return _run_trial(setup, study, trial, threads=threads, log=log)
+        except KeyboardInterrupt:
+            _QUIET.numbers.add(trial.number)
+            stop["interrupted"] = True
+            trial.set_user_attr("interrupted", True)
+            if trial.params:  # values drawn: the retry resumes this trial's folder with them
+                study.enqueue_trial(trial.params, user_attrs={"retry_of": _origin(trial, study)},
+                                    skip_if_exists=False)
+            raise _Interrupted() from None
+        except _Surplus:
+            _QUIET.numbers.add(trial.number)
+            raise
+
+    return objective
+
+
+def _run_trial(setup: TuneSetup, study, trial, *, threads: int | None, log: Callable[[str], None]) -> float:
     optuna = _optuna()
     from deepmetric.train.loop import NonFiniteLossError, train
 
-    def objective(trial) -> float:
-        if not _holds_a_slot(study, trial, setup.trials) or _repeats_a_retry(study, trial):
-            trial.set_user_attr("surplus", True)
-            raise _Surplus()
-        values = {p.name: p.suggest(trial) for p in setup.space.params}
-        origin = _origin(trial, study)
-        run_dir = setup.out / "trials" / f"trial_{origin:04d}"
-        cfg = setup.trial_config(values, run_dir, threads=threads)
-        resume = run_dir / rundir.LAST if (run_dir / rundir.LAST).is_file() and origin != trial.number else None
-        if resume is None and run_dir.is_dir():
-            rundir.remove_run_files(run_dir)  # a retried trial without a checkpoint starts again
-        trial.set_user_attr("run_dir", str(run_dir))
-        shown = ", ".join(f"{k}={_fmt_value(v)}" for k, v in values.items())
-        log(f"trial {trial.number}{f' (retry of {origin})' if origin != trial.number else ''}: {shown}")
-        sign = 1.0 if setup.space.direction == "maximize" else -1.0
-        best = {"value": None}
-        reported: set[int] = set()
+    if not _holds_a_slot(study, trial, setup.trials) or _repeats_a_retry(study, trial):
+        trial.set_user_attr("surplus", True)
+        raise _Surplus()
+    values = {p.name: p.suggest(trial) for p in setup.space.params}
+    origin = _origin(trial, study)
+    run_dir = setup.out / "trials" / f"trial_{origin:04d}"
+    cfg = setup.trial_config(values, run_dir, threads=threads)
+    resume = run_dir / rundir.LAST if (run_dir / rundir.LAST).is_file() and origin != trial.number else None
+    if resume is None and run_dir.is_dir():
+        rundir.remove_run_files(run_dir)  # a retried trial without a checkpoint starts again
+    trial.set_user_attr("run_dir", str(run_dir))
+    shown = ", ".join(f"{k}={_fmt_value(v)}" for k, v in values.items())
+    log(f"trial {trial.number}{f' (retry of {origin})' if origin != trial.number else ''}: {shown}")
+    sign = 1.0 if setup.space.direction == "maximize" else -1.0
+    best = {"value": None}
+    reported: set[int] = set()
 
-        def report(epoch: int, val_metrics: dict) -> None:
-            if resume is not None:  # a resumed run: its evaluations before the checkpoint first
-                replay_log(before=epoch)
-            value = float(val_metrics[setup.space.metric])
-            reported.add(epoch)
-            if best["value"] is None or sign * value > sign * best["value"]:
-                best["value"] = value
-            trial.report(value, step=epoch)
-            if trial.should_prune():
-                trial.set_user_attr("pruned_at_epoch", epoch)
-                raise optuna.TrialPruned(f"validation {setup.space.metric}={value:.4f} at epoch {epoch}")
+    def report(epoch: int, val_metrics: dict) -> None:
+        if resume is not None:  # a resumed run: its evaluations before the checkpoint first
+            replay_log(before=epoch)
+        value = float(val_metrics[setup.space.metric])
+        reported.add(epoch)
+        if best["value"] is None or sign * value > sign * best["value"]:
+            best["value"] = value
+        trial.report(value, step=epoch)
+        if trial.should_prune():
+            trial.set_user_attr("pruned_at_epoch", epoch)
+            raise optuna.TrialPruned(f"validation {setup.space.metric}={value:.4f} at epoch {epoch}")
 
-        def replay_log(before: float = float("inf")) -> None:
-            # A retried trial resumes its original's checkpoint; the validations that run made
-            # before it are in its log (truncated to the checkpoint by the resume) and count here,
-            # or a run killed after its last evaluation would resume with nothing to report.
-            for rec in rundir.read_log(run_dir, type="eval"):
-                epoch = rec.get("epoch")
-                if rec.get("split") == "val" and epoch is not None and epoch < before and epoch not in reported \
-                        and setup.space.metric in rec:
-                    report(int(epoch), rec)
+    def replay_log(before: float = float("inf")) -> None:
+        # A retried trial resumes its original's checkpoint; the validations that run made
+        # before it are in its log (truncated to the checkpoint by the resume) and count here,
+        # or a run killed after its last evaluation would resume with nothing to report.
+        for rec in rundir.read_log(run_dir, type="eval"):
+            epoch = rec.get("epoch")
+            if rec.get("split") == "val" and epoch is not None and epoch < before and epoch not in reported \
+                    and setup.space.metric in rec:
+                report(int(epoch), rec)
 
-        t0 = time.perf_counter()
-        try:
-            result = train(cfg, resume=resume, overwrite=resume is None, on_validation=report)
-        except NonFiniteLossError as exc:  # a diverged trial is hopeless: pruned, not an error
-            trial.set_user_attr("stopped", f"non-finite loss: {str(exc).split(';')[0]}")
-            raise optuna.TrialPruned(str(exc)) from None
-        finally:
-            trial.set_user_attr("train_seconds", round(time.perf_counter() - t0, 1))
-        if result.interrupted:  # Ctrl-C: queue the same parameters again, this trial fails
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": origin}, skip_if_exists=False)
-            raise KeyboardInterrupt
-        if resume is not None:
-            replay_log()
-        value = best["value"]
-        if value is None:
-            raise RuntimeError(f"trial {trial.number}: the run evaluated no validation split")
-        # the final model's test metrics, recorded for the report only: never seen by the
-        # sampler or the pruner (the objective above is the validation value)
-        trial.set_user_attr("test", {k: float(v) for k, v in result.metrics.items()})
-        trial.set_user_attr("best_epoch", (result.selected or {}).get("epoch"))
-        trial.set_user_attr("epochs", result.epochs_completed)
-        return value
-
-    return objective
+    t0 = time.perf_counter()
+    try:
+        result = train(cfg, resume=resume, overwrite=resume is None, on_validation=report, quiet_interrupt=True)
+    except NonFiniteLossError as exc:  # a diverged trial is hopeless: pruned, not an error
+        trial.set_user_attr("stopped", f"non-finite loss: {str(exc).split(';')[0]}")
+        raise optuna.TrialPruned(str(exc)) from None
+    finally:
+        trial.set_user_attr("train_seconds", round(time.perf_counter() - t0, 1))
+    if result.interrupted:  # Ctrl-C: checkpointed; the objective queues the values again
+        raise KeyboardInterrupt
+    if resume is not None:
+        replay_log()
+    value = best["value"]
+    if value is None:
+        raise RuntimeError(f"trial {trial.number}: the run evaluated no validation split")
+    # the final model's test metrics, recorded for the report only: never seen by the
+    # sampler or the pruner (the objective above is the validation value)
+    trial.set_user_attr("test", {k: float(v) for k, v in result.metrics.items()})
+    trial.set_user_attr("best_epoch", (result.selected or {}).get("epoch"))
+    trial.set_user_attr("epochs", result.epochs_completed)
+    return value
 
 
 def _fmt_value(v: Any) -> str:
@@ -614,7 +659,9 @@ def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[s
     _optuna()  # a clear error when Optuna is missing, before the storage is opened
     log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
     study = open_study(setup)
-    objective = _objective(setup, study, threads=threads, log=log)
+    _QUIET.numbers.clear()  # trial numbers of this study only (a process may run several)
+    stop = {"interrupted": False}
+    objective = _objective(setup, study, threads=threads, log=log, stop=stop)
     while True:
         fail_stale_trials(study)  # a dead worker's trial: failed, queued again
         c = _counts(study)
@@ -623,14 +670,16 @@ def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[s
         if c["done"] + c["running"] >= setup.trials and not c["waiting"]:
             time.sleep(HEARTBEAT_S / 2)  # the last slots are running elsewhere (or were, until stale)
             continue
-        study.optimize(objective, n_trials=1, catch=(_Surplus,), callbacks=[_log_finished(log)])
+        study.optimize(objective, n_trials=1, catch=(_Surplus, _Interrupted), callbacks=[_log_finished(log)])
+        if stop["interrupted"]:
+            raise KeyboardInterrupt
 
 
 def _log_finished(log: Callable[[str], None]):
     def callback(study, trial) -> None:
         state = trial.state.name.lower()
-        if trial.user_attrs.get("surplus"):
-            return
+        if trial.user_attrs.get("surplus") or trial.user_attrs.get("interrupted"):
+            return  # an interrupted trial: the command's one message says what to do
         value = f" validation {trial.value:.4f}" if trial.value is not None else ""
         at = f" at epoch {trial.user_attrs['pruned_at_epoch']}" if "pruned_at_epoch" in trial.user_attrs else ""
         log(f"trial {trial.number} {state}{at}{value}")
@@ -658,18 +707,22 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
     log(f"{setup.trials} trials wanted: {c['done']} finished or pruned, {c['running']} running, "
         f"{c['waiting']} queued; storage {display_storage(setup.storage)}; objective validation "
         f"{setup.space.metric} ({setup.space.direction})")
-    if workers <= 1:
-        run_worker(setup, threads=None, log=log)
-    else:
-        seen: set[int] = set()
+    try:
+        if workers <= 1:
+            run_worker(setup, threads=None, log=log)
+        else:
+            seen: set[int] = set()
 
-        def poll() -> None:
-            seen.update(_report_progress(study, seen, log))
+            def poll() -> None:
+                seen.update(_report_progress(study, seen, log))
 
-        codes = run_workers(_worker_command(setup), workers, setup.out / "workers", poll=poll, log=log)
-        bad = [c for c in codes if c != 0]
-        if bad:
-            log(f"{len(bad)} worker(s) ended with an error (exit codes {bad}); see {setup.out / 'workers'}")
+            codes = run_workers(_worker_command(setup), workers, setup.out / "workers", poll=poll, log=log)
+            bad = [c for c in codes if c != 0]
+            if bad:
+                log(f"{len(bad)} worker(s) ended with an error (exit codes {bad}); see {setup.out / 'workers'}")
+    except KeyboardInterrupt:  # the tables show the interrupted trial; a second Ctrl-C skips this
+        write_outputs(setup)
+        raise
     return write_outputs(setup)
 
 
@@ -682,18 +735,26 @@ def _report_progress(study, seen: set[int], log: Callable[[str], None]) -> set[i
         seen.add(t.number)
         params = ", ".join(f"{k}={_fmt_value(v)}" for k, v in t.params.items())
         value = f" validation {t.value:.4f}" if t.value is not None else ""
-        log(f"trial {t.number} {t.state.name.lower()}{value} ({params})")
+        log(f"trial {t.number} {_state_name(t)}{value} ({params})")
     return seen
 
 
 # --------------------------------------------------------------------------- outputs
+def _state_name(t) -> str:
+    """The trial's state as the tables show it: Optuna's, except that a trial stopped by Ctrl-C
+    (stored as failed, its values queued again) is *interrupted*."""
+    if t.state.name == "FAIL" and t.user_attrs.get("interrupted"):
+        return "interrupted"
+    return t.state.name.lower()
+
+
 def trial_rows(setup: TuneSetup, study) -> list[dict]:
     """One row per trial (surplus trials, which never ran, left out)."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         if t.user_attrs.get("surplus"):
             continue
-        row: dict[str, Any] = {"trial": t.number, "state": t.state.name.lower()}
+        row: dict[str, Any] = {"trial": t.number, "state": _state_name(t)}
         if t.user_attrs.get("retry_of") is not None or _origin(t) != t.number:
             row["retry_of"] = _origin(t)
         for p in setup.space.params:
@@ -725,10 +786,37 @@ def _best_trial(setup: TuneSetup, study):
     return max(done, key=lambda t: (sign * t.value, -t.number))
 
 
+#: Overrides that only shorten or quieten the trials (``train.epochs=3``, ``train.progress=false``):
+#: best.yaml takes the recipe's own values back and says so in its header.
+SHORT_RUN_KEYS = ("train.epochs", "train.iterations", "train.progress", "eval.every")
+
+
+def _undo_short_run_settings(setup: TuneSetup, raw: dict) -> list[str]:
+    """Put the recipe's own values of :data:`SHORT_RUN_KEYS` back into ``raw`` where the tune's
+    command or space overrode them; returns a note per key (``train.epochs=3 (recipe: 30)``)."""
+    original = yaml.safe_load(setup.recipe.read_text()) or {}
+    notes = []
+    for text in [*setup.cli_overrides, *setup.space.overrides]:
+        key = text.partition("=")[0].strip()
+        if key not in SHORT_RUN_KEYS or any(n.startswith(f"{key}=") for n in notes):
+            continue
+        section, name = key.split(".")
+        own = (original.get(section) or {}).get(name) if isinstance(original.get(section), dict) else None
+        target = raw.setdefault(section, {})
+        if own is None:
+            target.pop(name, None)
+        else:
+            target[name] = own
+        notes.append(f"{text} (recipe: {'default' if own is None else own})")
+    return notes
+
+
 def _best_recipe(setup: TuneSetup, best) -> str:
-    """The recipe with the CLI and space overrides and the best values applied (validated)."""
+    """The recipe with the CLI and space overrides and the best values applied (validated),
+    except the short-run settings (:data:`SHORT_RUN_KEYS`), which go back to the recipe's."""
     values = {p.name: p.value_of(best.params) for p in setup.space.params}
     raw = copy.deepcopy(setup.base)
+    undone = _undo_short_run_settings(setup, raw)
     apply_overrides(raw, setup.space.overrides_of(values))
     raw.setdefault("train", {})["out_dir"] = str(Path("runs") / f"{setup.study_name}_best")
     raw["name"] = f"{raw.get('name') or setup.recipe.stem}_tuned"
@@ -737,8 +825,12 @@ def _best_recipe(setup: TuneSetup, best) -> str:
     head = [f"# {setup.recipe} tuned by `deepmetric tune` ({setup.space_path}, {setup.trials} trials,",
             f"# study {setup.study_name!r}): trial {best.number}, validation {setup.space.metric} = {best.value:.4f}",
             "# (chosen on validation classes; the test split was not used). Values: "
-            + ", ".join(f"{k} = {_fmt_value(v)}" for k, v in values.items()),
-            f"#   deepmetric train {setup.out / 'best.yaml'}"]
+            + ", ".join(f"{k} = {_fmt_value(v)}" for k, v in values.items())]
+    if undone:
+        head += ["# The trials were short runs: these overrides of the tune's command / space are NOT in this file",
+                 "# (the recipe's own values are): " + ", ".join(undone) + ".",
+                 "# The values above were chosen under them; add them to the command to train as the trials did."]
+    head.append(f"#   deepmetric train {setup.out / 'best.yaml'}")
     return "\n".join(head) + "\n" + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None)
 
 
@@ -761,6 +853,8 @@ def _plots(study, out: Path) -> tuple[dict[str, Path], list[str]]:
     from optuna.visualization import matplotlib as ovm
 
     paths, notes = {}, []
+    if not any(t.state.name == "COMPLETE" for t in study.get_trials(deepcopy=False)):
+        return paths, ["plots: not drawn (no trial has finished yet)"]  # Optuna would only warn
     for name, fn in (("optimization_history", ovm.plot_optimization_history),
                      ("param_importances", ovm.plot_param_importances)):
         try:
