@@ -12,8 +12,11 @@ interrupted one continues from its ``last.pt``), in this order:
    the classifier at the last epoch, the model the seeded runs hand to the test). The test vendor
    is not even loaded: the runs have no test split (``eval.split=null``). Writes ``lr/lr_runs.csv``
    (``variant, lr, seed, epochs, val_top1, val_macro_accuracy, best_epoch, best_val_top1,
-   wall_time_s``), ``lr/curves.csv`` (validation top-1 per epoch) and ``lr/chosen_lr.json`` (per
-   variant the lr of the highest last-epoch validation top-1; ties go to the smaller lr);
+   last_gain_points, flattened, wall_time_s, cpu_s``: the gain of validation top-1 over the last
+   two evaluations and whether it is at most 0.5 points (issue 30 item 4: the curve flattened),
+   the training's CPU seconds), ``lr/curves.csv`` (validation top-1 per epoch) and
+   ``lr/chosen_lr.json`` (per variant the lr of the highest last-epoch validation top-1; ties go
+   to the smaller lr);
 2. ``seeds``: per variant, seeds 100-104 at its chosen lr, trained on the five non-test vendors,
    no evaluation at all during training; ``seeds/runs.csv`` (no metric of any held-out image);
 3. ``final``: the one step that looks at twitter: every finished seeded run's ``last.pt``
@@ -54,7 +57,8 @@ LR_SEED = 100
 VAL_VENDOR = "facebook"
 CSV_COLUMNS = ("variant", "seed", "top1", "macro_accuracy")
 LR_COLUMNS = ("variant", "lr", "seed", "epochs", "val_top1", "val_macro_accuracy", "best_epoch", "best_val_top1",
-              "wall_time_s")
+              "last_gain_points", "flattened", "wall_time_s", "cpu_s")
+FLAT_POINTS = 0.5  # issue 30 item 4: flattened = no gain above 0.5 points over the last two evaluations
 # the lr phase: a validation vendor and no test split; the seeded runs: no evaluation at all
 LR_OVERRIDES = (f"data.options.val_vendor={VAL_VENDOR}", "data.val_split=val", "eval.split=null", "eval.every=1",
                 "eval.best_metric=top1")
@@ -98,12 +102,30 @@ def make_run(args, phase: str, variant: str, lr: float, seed: int) -> Run:
 
 
 # --------------------------------------------------------------------------- running trainings
+CPU_FILE = "cpu_seconds.json"  # per run: CPU seconds (user + system) of its trainings, summed over resumes
+
+
+def cpu_seconds(run: Run) -> float | None:
+    path = run.out_dir / CPU_FILE
+    return json.loads(path.read_text(encoding="utf-8"))["cpu_s"] if path.is_file() else None
+
+
+def _add_cpu_seconds(run: Run, seconds: float) -> None:
+    total = (cpu_seconds(run) or 0.0) + seconds
+    write_text(run.out_dir / CPU_FILE, json.dumps({"cpu_s": round(total, 1)}) + "\n")
+
+
 def _train_here(run: Run) -> None:
+    import resource
+
     from deepmetric.train import load_config, train
 
     last = run.out_dir / "last.pt"
     cfg = load_config(str(recipe(run.variant)), run.overrides)
+    before = resource.getrusage(resource.RUSAGE_SELF)
     train(cfg, resume=str(last) if last.is_file() else None, overwrite=not last.is_file())
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    _add_cpu_seconds(run, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
 
 
 def _train_subprocess(run: Run, log_dir: Path) -> None:
@@ -114,9 +136,12 @@ def _train_subprocess(run: Run, log_dir: Path) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{run.out_dir.parent.parent.name}_{run.variant}_{run.out_dir.name}.log"
     with open(log, "w", encoding="utf-8") as fh:
-        res = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[2:5])} ... failed (exit {res.returncode}); see {log}")
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own CPU time
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd[2:5])} ... failed (exit {code}); see {log}")
+    _add_cpu_seconds(run, usage.ru_utime + usage.ru_stime)
 
 
 def run_all(runs: list[Run], args) -> list[str]:
@@ -169,6 +194,14 @@ def write_text(path: Path, text: str) -> Path:
     return path
 
 
+def last_gain_points(top1: list[float]) -> float | None:
+    """The gain of validation top-1 (points) over the last two evaluations: the best of the last
+    two minus the one before them; None with fewer than three evaluations."""
+    if len(top1) < 3:
+        return None
+    return 100 * (max(top1[-2:]) - top1[-3])
+
+
 def _val_curve(run: Run) -> list[dict]:
     """The validation records of a run's log, one per evaluated epoch."""
     out = []
@@ -189,12 +222,14 @@ def phase_lr(args) -> int:
         if not run.done:
             continue
         m = run.metrics()
-        val, best = m["final"]["val"], m.get("selected") or {}
+        val, best, curve = m["final"]["val"], m.get("selected") or {}, _val_curve(run)
+        gain = last_gain_points([c["val_top1"] for c in curve])
         rows.append({"variant": run.variant, "lr": run.lr, "seed": run.seed, "epochs": m["epochs"],
                      "val_top1": val["top1"], "val_macro_accuracy": val["mean_per_class"],
                      "best_epoch": best.get("epoch"), "best_val_top1": best.get("value"),
-                     "wall_time_s": m["wall_time_s"]})
-        curves += _val_curve(run)
+                     "last_gain_points": gain, "flattened": None if gain is None else gain <= FLAT_POINTS,
+                     "wall_time_s": m["wall_time_s"], "cpu_s": cpu_seconds(run)})
+        curves += curve
     out = Path(args.out) / "lr"
     write_csv(out / "lr_runs.csv", rows, LR_COLUMNS)
     write_csv(out / "curves.csv", curves, ("variant", "lr", "epoch", "val_top1", "val_macro_accuracy"))
@@ -230,8 +265,8 @@ def phase_seeds(args) -> int:
     runs = seed_runs(args)
     errors = run_all(runs, args)
     rows = [{"variant": r.variant, "seed": r.seed, "lr": r.lr, "epochs": r.metrics()["epochs"],
-             "wall_time_s": r.metrics()["wall_time_s"]} for r in runs if r.done]
-    write_csv(Path(args.out) / "seeds" / "runs.csv", rows, ("variant", "seed", "lr", "epochs", "wall_time_s"))
+             "wall_time_s": r.metrics()["wall_time_s"], "cpu_s": cpu_seconds(r)} for r in runs if r.done]
+    write_csv(Path(args.out) / "seeds" / "runs.csv", rows, ("variant", "seed", "lr", "epochs", "wall_time_s", "cpu_s"))
     return 1 if errors else 0
 
 
@@ -280,15 +315,20 @@ def _pct(st: dict) -> str:
             f"[{format_number(f['ci_low'], 2)}, {format_number(f['ci_high'], 2)}]")
 
 
-def summary_markdown(summary: dict, args, lrs: dict) -> str:
+def summary_markdown(summary: dict, args, lrs: dict, runs: list[dict]) -> str:
     lines = ["# Two-head accuracy on the closed-set emoji task (test vendor twitter)", "",
              f"Softmax vs softmax + triplet (two-head paper), EfficientNet-Lite0 ImageNet, {args.epochs} epochs; "
              f"lr chosen per variant on {VAL_VENDOR} top-1 (seed {LR_SEED}, grid {', '.join(f'{x:g}' for x in args.lrs)}); "
              "trained on the five other vendors, tested once at the end. Cells in percent: mean ± sample sd "
              "[95 % Student-t interval] over seeds; macro = mean over test classes of per-class accuracy.", "",
-             "| variant | lr | seeds | top-1 | macro accuracy |", "|---|---|---|---|---|"]
+             "| variant | lr | seeds | epochs | wall time per run (s) | top-1 | macro accuracy |",
+             "|---|---|---|---|---|---|---|"]
     for v, st in summary["variants"].items():
-        lines.append(f"| {v} | {lrs[v]:g} | {len(st['seeds'])} | {_pct(st['top1'])} | {_pct(st['macro_accuracy'])} |")
+        mine = [r for r in runs if r["variant"] == v]
+        epochs = sorted({r["epochs"] for r in mine})
+        wall = sum(r["wall_time_s"] for r in mine) / max(len(mine), 1)
+        lines.append(f"| {v} | {lrs[v]:g} | {len(st['seeds'])} | {', '.join(map(str, epochs))} | {wall:.0f} | "
+                     f"{_pct(st['top1'])} | {_pct(st['macro_accuracy'])} |")
     lines += ["", "Paired differences by seed (points):", "", "| A − B | pairs | top-1 | macro accuracy |",
               "|---|---|---|---|"]
     for name, st in summary["paired"].items():
@@ -309,7 +349,9 @@ def phase_final(args) -> int:
             acc = test_accuracy(r.out_dir, args.device)
             rows.append({"variant": r.variant, "seed": r.seed, "top1": acc["top1"],
                          "macro_accuracy": acc["macro_accuracy"]})
-            extra.append({**rows[-1], "lr": r.lr, "test_images": acc["test_images"],
+            m = r.metrics()
+            extra.append({**rows[-1], "lr": r.lr, "epochs": m["epochs"], "wall_time_s": m["wall_time_s"],
+                          "cpu_s": cpu_seconds(r), "test_images": acc["test_images"],
                           "test_classes": acc["test_classes"]})
     out = Path(args.out)
     write_csv(out / "two_head_accuracy.csv", rows, CSV_COLUMNS)
@@ -317,8 +359,9 @@ def phase_final(args) -> int:
     lrs = {v: r.lr for r in runs for v in [r.variant]}
     write_text(out / "summary.json", json.dumps({**summary, "runs": extra, "epochs": args.epochs,
                                                  "lrs": lrs}, indent=1) + "\n")
-    write_text(out / "summary.md", summary_markdown(summary, args, lrs))
-    print(summary_markdown(summary, args, lrs), flush=True)
+    text = summary_markdown(summary, args, lrs, extra)
+    write_text(out / "summary.md", text)
+    print(text, flush=True)
     return 1 if unfinished else 0
 
 
