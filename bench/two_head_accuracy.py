@@ -215,7 +215,7 @@ def _val_curve(run: Run) -> list[dict]:
 
 # --------------------------------------------------------------------------- the phases
 def phase_lr(args) -> int:
-    runs = [make_run(args, "lr", v, lr, LR_SEED) for v in args.variants for lr in args.lrs]
+    runs = [make_run(args, "lr", v, lr, args.lr_seed) for v in args.variants for lr in args.lrs]
     errors = run_all(runs, args)
     rows, curves = [], []
     for run in runs:
@@ -239,7 +239,7 @@ def phase_lr(args) -> int:
         if len(mine) == len(args.lrs):  # every lr of the grid finished
             best = max(mine, key=lambda r: (r["val_top1"], -r["lr"]))
             chosen[v] = {"lr": best["lr"], "val_top1": best["val_top1"], "grid": list(args.lrs),
-                         "seed": LR_SEED, "epochs": args.epochs, "val_vendor": VAL_VENDOR}
+                         "seed": args.lr_seed, "epochs": args.epochs, "val_vendor": VAL_VENDOR}
     write_text(out / "chosen_lr.json", json.dumps(chosen, indent=1) + "\n")
     print(f"[two_head_accuracy] lr phase: chosen on {VAL_VENDOR} top-1: "
           + ", ".join(f"{v} {c['lr']:g} ({100 * c['val_top1']:.2f})" for v, c in chosen.items()), flush=True)
@@ -318,7 +318,7 @@ def _pct(st: dict) -> str:
 def summary_markdown(summary: dict, args, lrs: dict, runs: list[dict]) -> str:
     lines = ["# Two-head accuracy on the closed-set emoji task (test vendor twitter)", "",
              f"Softmax vs softmax + triplet (two-head paper), EfficientNet-Lite0 ImageNet, {args.epochs} epochs; "
-             f"lr chosen per variant on {VAL_VENDOR} top-1 (seed {LR_SEED}, grid {', '.join(f'{x:g}' for x in args.lrs)}); "
+             f"lr chosen per variant on {VAL_VENDOR} top-1 (seed {args.lr_seed}, grid {', '.join(f'{x:g}' for x in args.lrs)}); "
              "trained on the five other vendors, tested once at the end. Cells in percent: mean ± sample sd "
              "[95 % Student-t interval] over seeds; macro = mean over test classes of per-class accuracy.", "",
              "| variant | lr | seeds | epochs | wall time per run (s) | top-1 | macro accuracy |",
@@ -377,12 +377,16 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="train.device of every run")
     p.add_argument("--parallel", type=int, default=1, help="trainings at once (separate processes when > 1)")
-    p.add_argument("--threads", type=int, default=None, help="train.num_threads of every run")
+    p.add_argument("--threads", type=int, default=None,
+                   help="train.num_threads of every run (default: torch's; 1 on the CPU with --parallel > 1)")
+    p.add_argument("--lr-seed", type=int, default=LR_SEED, help=f"seed of the lr runs (default {LR_SEED})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every run (repeatable)")
     args = p.parse_args(argv)
     if args.epochs < 1 or args.parallel < 1:
         p.error("--epochs and --parallel must be >= 1")
+    if args.threads is None and args.device == "cpu" and args.parallel > 1:
+        args.threads = 1  # processes sharing the cores: spinning OpenMP threads slow each other down
     return args
 
 
