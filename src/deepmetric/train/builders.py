@@ -70,9 +70,12 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
 
     With ``data.val_classes`` set, ``data.train_split`` comes without the validation classes
     and ``split="val"`` is the validation classes' images (both ``ClassSubset``s of the
-    training split, labels renumbered 0..C-1)."""
+    training split, labels renumbered 0..C-1).  With ``data.val_split``, ``split="val"`` is that
+    split of the dataset (test transform)."""
     d = cfg.data
-    if not d.has_validation or split not in (d.train_split, VAL_SPLIT):
+    if d.val_split is not None and split == VAL_SPLIT:  # the dataset's own validation split
+        return _build_named_split(cfg, d.val_split, train=False)
+    if not d.carves_validation or split not in (d.train_split, VAL_SPLIT):
         return _build_named_split(cfg, split, train=train)
     full = _build_named_split(cfg, d.train_split, train=train)
     if d.val_folds is not None:
@@ -93,7 +96,10 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
 
 def build_test_sets(cfg: Config) -> dict:
     """The sets a test evaluation searches: ``query`` (``eval.split``) and, with
-    ``eval.gallery_split`` (In-shop), ``gallery``; the test transform."""
+    ``eval.gallery_split`` (In-shop), ``gallery``; the test transform.  None without a test
+    split (``eval.split: null``)."""
+    if cfg.eval.split is None:
+        return None
     sets = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
     if cfg.eval.gallery_split is not None:
         sets["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)

@@ -15,7 +15,7 @@ run directory always records exactly what was trained.  The YAML layout (see
 docs/training.md for every key)::
 
     data:     {name, root, options, train_split, transform, transform_options, num_workers,
-               val_classes, val_seed, val_folds, val_fold, val_query_families}
+               val_classes, val_seed, val_folds, val_fold, val_query_families, val_split}
     model:    {name, options}
     loss:     [{name, weight, input: embedding|logits|projection, options, gather}, ...]
     optim:    {name: sgd|adam|adamw, lr, momentum, weight_decay, new_layer_lr_mult, ...}
@@ -106,10 +106,20 @@ class DataConfig:
     #: test's held-out families are searched against the training families.  Needs
     #: ``val_classes`` or ``val_folds`` and a dataset with per-image ``families``.
     val_query_families: Optional[list[str]] = None
+    #: a validation split the dataset provides itself, by name (instead of carving classes):
+    #: the emoji benchmark's closed-set ``val`` (the validation vendor's images of the training
+    #: classes). It is evaluated as validation (selects ``best.pt``; ``eval.classification`` works
+    #: on it, as its classes are the training classes).
+    val_split: Optional[str] = None
 
     @property
     def has_validation(self) -> bool:
-        """Whether a validation split is carved from the training classes."""
+        """Whether there is a validation split (carved from the training classes or ``val_split``)."""
+        return self.val_classes is not None or self.val_folds is not None or self.val_split is not None
+
+    @property
+    def carves_validation(self) -> bool:
+        """Whether the validation split is carved from the training classes (class-disjoint)."""
         return self.val_classes is not None or self.val_folds is not None
 
 
@@ -369,9 +379,13 @@ class EvalConfig:
     #: test score of the model validation chose (one more test evaluation; off in tuning trials)
     test_selected: bool = True
     at_start: bool = False
-    split: str = "test"
+    #: the test split; ``null``: none (the run evaluates its validation split only, and a later
+    #: step tests the finished model: test out of sight while anything is chosen)
+    split: Optional[str] = "test"
     gallery_split: Optional[str] = None
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    #: retrieval / clustering metrics (null: all); ``[]``: none, only ``eval.classification``'s
+    #: (a closed-set split with one image per class has no retrieval positives)
     metrics: Optional[list[str]] = None
     best_metric: Optional[str] = None
     early_stop_patience: Optional[int] = None
@@ -633,9 +647,19 @@ def _check_validation(cfg: Config) -> None:
         if not isinstance(vq, list) or not vq or not all(isinstance(f, str) and f for f in vq):
             raise ConfigError(f"config key 'data.val_query_families': expected a non-empty list of family "
                               f"names, got {vq!r}")
-        if not cfg.data.has_validation:
+        if not cfg.data.carves_validation:
             raise ConfigError("config key 'data.val_query_families': needs validation classes "
                               "(data.val_classes or data.val_folds)")
+    if cfg.data.val_split is not None and cfg.data.carves_validation:
+        raise ConfigError("config keys 'data.val_split' and 'data.val_classes' / 'data.val_folds': give one "
+                          "validation split (the dataset's own, or classes carved from training)")
+    if cfg.eval.metrics == [] and not cfg.eval.classification:
+        raise ConfigError("config key 'eval.metrics': [] evaluates no retrieval metric, so it needs "
+                          "eval.classification: true (else nothing is evaluated)")
+    if cfg.eval.split is None and (cfg.eval.gallery_split is not None or cfg.eval.wise_ft is not None
+                                   or cfg.eval.train_neighbours):
+        raise ConfigError("config key 'eval.split': null (no test split) cannot go with eval.gallery_split, "
+                          "eval.wise_ft or eval.train_neighbours, which evaluate the test split")
     if cfg.data.val_folds is not None:
         if v is not None:
             raise ConfigError("config keys 'data.val_classes' and 'data.val_folds': give one of them")
@@ -660,7 +684,7 @@ def _check_validation(cfg: Config) -> None:
         if not cfg.eval.wise_ft or bad:
             raise ConfigError(f"config key 'eval.wise_ft': expected a non-empty list of mixing coefficients in "
                               f"[0, 1] (e.g. [0.25, 0.5, 0.75]), got {cfg.eval.wise_ft}")
-    if cfg.data.has_validation and cfg.eval.classification:
+    if cfg.data.carves_validation and cfg.eval.classification:
         raise ConfigError("config keys 'data.val_classes' and 'eval.classification': validation classes "
                           "are carved out of training (class-disjoint), so a classifier cannot be "
                           "evaluated on the test split's classes; use a zero-shot protocol")

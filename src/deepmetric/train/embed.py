@@ -285,8 +285,9 @@ def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, devi
         emb, lab = q["embeddings"], q["labels"]
         masks = dataset_query_gallery_masks(eval_sets["query"])
     where = eval_search_device(cfg, device, nbytes=4 * emb.numel())
-    metrics = evaluate(place_for_search(emb, where), lab, ks=tuple(ec.ks), metrics=ec.metrics, seed=cfg.train.seed,
-                       kmeans_restarts=ec.kmeans_restarts, backend=backend, **masks)
+    metrics = {} if ec.metrics == [] else evaluate(  # []: classification only
+        place_for_search(emb, where), lab, ks=tuple(ec.ks), metrics=ec.metrics, seed=cfg.train.seed,
+        kmeans_restarts=ec.kmeans_restarts, backend=backend, **masks)
     emb_np = emb.cpu().numpy()
     if "gallery" in eval_sets:
         embedded = {"embeddings": emb_np, "labels": lab, **masks}

@@ -300,7 +300,8 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     if main:  # rank 0 evaluates
         if select_key is not None:
             eval_sets["val"] = {"query": build_dataset(cfg, VAL_SPLIT, train=False)}
-        eval_sets["test"] = build_test_sets(cfg)
+        if cfg.eval.split is not None:  # eval.split: null: no test split (tested by a later step)
+            eval_sets["test"] = build_test_sets(cfg)
 
     # 3. model and loss terms ------------------------------------------------------------
     model = build_model(cfg, num_classes=num_classes)
@@ -438,7 +439,7 @@ def _test_selected(run: _Run) -> None:
 
     state, path = run.state, run.out_dir / R.BEST
     if (not run.main or not run.has_val or not run.cfg.eval.test_selected or state.best.get("value") is None
-            or state.best.get("test") is not None or not path.is_file()):
+            or state.best.get("test") is not None or not path.is_file() or "test" not in run.eval_sets):
         return
     ckpt = load_checkpoint(path, map_location=run.device)
     model, losses = copy.deepcopy(run.model), copy.deepcopy(run.losses)
@@ -478,7 +479,8 @@ def _resume(run: _Run, resume) -> None:
         # right after) it evaluates again, unless the log holds this epoch's records of every
         # split and the checkpoint already carries their test metrics.
         saved = run.main and R.final_evaluation_saved(R.read_log(run.out_dir), run.state.epoch,
-                                                      list(run.eval_sets), run.state.metrics)
+                                                      list(run.eval_sets), run.state.metrics if "test" in
+                                                      run.eval_sets else run.state.val_metrics)
         if run.main and not saved:
             R.drop_eval_records(run.out_dir, run.state.epoch)  # the partial evaluation's records
         run.reevaluate = D.any_true(run.main and not saved, run.device)
@@ -518,7 +520,7 @@ def _baselines(run: _Run, resume) -> None:
         results = run.evaluate(0, 0, run.alphas())
         state.metrics, state.val_metrics = results.get("test", {}), results.get("val", {})
         at_start = state.metrics
-    if cfg.eval.baselines and run.main:
+    if cfg.eval.baselines and run.main and "test" in run.eval_sets:
         run.baselines = P.compute_baselines(run.model, run.losses, run.eval_sets["test"], cfg, device=run.device,
                                             at_start=at_start)
         for name, b in run.baselines.items():
@@ -680,7 +682,7 @@ def _end_of_epoch(run: _Run, epoch: int, finished: bool) -> bool:
     if run.main and last_epoch:
         run.last_ckpt = run.save(R.LAST)  # the training is safe before evaluation runs
     due = _eval_due(cfg, epoch, run.total_epochs, finished)
-    test_due = _eval_due(cfg, epoch, run.total_epochs, finished, split="test")
+    test_due = cfg.eval.split is not None and _eval_due(cfg, epoch, run.total_epochs, finished, split="test")
     if due or test_due:
         _evaluate(run, epoch, final=last_epoch, splits=[s for s, d in (("val", due), ("test", test_due)) if d])
     if due and run.has_val:  # choose on validation metrics only
@@ -713,8 +715,10 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
     state = run.state
     selected = None
     if run.has_val and state.best.get("value") is not None:
-        selected = {k: state.best[k] for k in ("epoch", "metric", "value", "test")}
-    final = {"test": state.metrics, **({"val": state.val_metrics} if run.has_val else {})}
+        keys = ("epoch", "metric", "value") + (("test",) if "test" in run.eval_sets else ())
+        selected = {k: state.best[k] for k in keys}
+    final = {**({"test": state.metrics} if "test" in run.eval_sets or not run.main else {}),
+             **({"val": state.val_metrics} if run.has_val else {})}
     state.wall_time_s = run.wall_before + time.perf_counter() - run.t_start
     result = TrainResult(run.out_dir, state.metrics, final, selected, state.epoch, state.iteration,
                          heat_ups=list(run.objs.temperature.history), wall_time_s=round(state.wall_time_s, 3),

@@ -164,7 +164,7 @@ def expected_metrics(cfg: Config) -> list[str]:
 
     e = cfg.eval
     try:
-        wanted = check_evaluate_metrics(e.metrics)
+        wanted = () if e.metrics == [] else check_evaluate_metrics(e.metrics)
     except ValueError as exc:
         raise ConfigError(f"config key 'eval.metrics': {exc}") from None
     names = []
@@ -197,7 +197,7 @@ def check_metric_names(cfg: Config) -> list[str]:
                            "eval.classification)")
 
     best = cfg.eval.best_metric
-    if best is None and getattr(cfg.data, "val_classes", None) is not None:
+    if best is None and cfg.data.has_validation:
         best = "recall@1"  # the default selection metric with a validation split
     if best is not None and best not in names:
         raise fail("eval.best_metric", best)

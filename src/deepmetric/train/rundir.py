@@ -298,12 +298,13 @@ def drop_eval_records(run_dir: str | os.PathLike, epoch: int) -> None:
 
 def final_evaluation_saved(records: list[dict], epoch: int, splits: Iterable[str], test_metrics: dict) -> bool:
     """Whether epoch ``epoch`` was evaluated on every split and the checkpoint's test metrics
-    are that evaluation's (not an earlier one's)."""
+    are that evaluation's (not an earlier one's); a run without a test split (``eval.split:
+    null``) passes its validation metrics, compared with the ``val`` record."""
     splits = list(splits)
     at = {r.get("split"): r for r in records if r.get("type") == "eval" and r.get("epoch") == epoch}
     if not splits or not set(splits) <= set(at) or not test_metrics:
         return False
-    return all(at["test"].get(k) == v for k, v in test_metrics.items())
+    return all(at["test" if "test" in splits else splits[0]].get(k) == v for k, v in test_metrics.items())
 
 
 def baselines_from_log(records: list[dict]) -> dict[str, dict]:
