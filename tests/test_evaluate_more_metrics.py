@@ -189,3 +189,27 @@ def test_evaluate_with_kreciprocal_reorders_only_the_candidates(rng):
                    postprocess=[{"name": "kreciprocal", "k1": 6, "k2": 3, "candidates": 20}])
     assert got["recall@79"] == base["recall@79"] == 1.0
     assert 0 < got["recall@1"] <= 1
+
+
+def test_evaluate_cli_postprocess_matches_numpy_pipeline(rng, tmp_path, capsys):
+    import json
+
+    from deepmetric.cli import main
+
+    x, y = data(rng, n=100, d=10)
+    np.savez(tmp_path / "emb.npz", embeddings=x, labels=y)
+    rc = main(["evaluate", str(tmp_path / "emb.npz"), "--k", "1", "4", "--metrics", "recall", "map@r", "mrr",
+               "--postprocess", "whiten:dim=6,fit=gallery", "dba:k=3,alpha=3", "aqe:k=2,alpha=3",
+               "--out", str(tmp_path / "m.json")])
+    assert rc == 0
+    got = json.loads((tmp_path / "m.json").read_text())
+    g, q = ref_pipeline(x, x, np.arange(100), 6, 3, 2, 3.0)
+    ref = ref_metrics(q, g, y, y, np.arange(100), (1, 4))
+    for k in ("recall@1", "recall@4", "map@r", "mrr"):
+        assert got[k] == pytest.approx(ref[k], abs=1e-5), k
+    for bad, msg in ((["whitn:dim=3"], "unknown post-processing step 'whitn'"),
+                     (["dba:kk=3"], "unknown key.*'kk'; dba takes k, alpha"),
+                     (["aqe", "dba"], "order whiten -> dba -> aqe -> kreciprocal")):
+        assert main(["evaluate", str(tmp_path / "emb.npz"), "--postprocess", *bad]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and __import__("re").search(msg, err), err

@@ -224,5 +224,5 @@ def test_postprocessor_state_round_trip(rng):
     qp = p.transform_queries(q, gp)
     again = Postprocessor.from_state(p.steps, p.state())
     np.testing.assert_allclose(again.transform_queries(q, gp), qp, atol=1e-6)
-    with pytest.raises(ValueError, match="fit=train needs the train embeddings"):
+    with pytest.raises(ValueError, match="fit=train needs the train embeddings.*--fit-embeddings"):
         Postprocessor([{"name": "whiten", "fit": "train"}]).fit(g)

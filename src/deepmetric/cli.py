@@ -42,7 +42,8 @@ def _add_evaluate_parser(sub) -> None:
             "  deepmetric evaluate emb.npz --k 1 10 100 --metrics recall map@r --out metrics.json\n"
             "  deepmetric evaluate emb.npz --device cpu        # faiss on the CPU even on a GPU machine\n"
             "  deepmetric evaluate emb.npz --device cuda:1     # the second GPU; an error without CUDA\n"
-            "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images"
+            "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images\n"
+            "  deepmetric evaluate emb.npz --postprocess whiten:dim=256,fit=gallery dba:k=3,alpha=3 aqe:k=2,alpha=3"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -50,7 +51,14 @@ def _add_evaluate_parser(sub) -> None:
     p.add_argument("--k", dest="ks", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="K values for Recall@K (default: 1 2 4 8)")
     p.add_argument("--metrics", nargs="+", default=None,
-                   help="subset of: recall map@r r_precision nmi f1 (default: all)")
+                   help="any of: recall map@r r_precision mrr map@k recall_class_avg map@r_class_avg nmi f1 ami "
+                        "(default: recall map@r r_precision nmi f1)")
+    p.add_argument("--postprocess", nargs="+", default=None, metavar="STEP",
+                   help="post-processing before the search, in the order whiten, dba, aqe, kreciprocal, e.g. "
+                        "whiten:dim=256,fit=gallery dba:k=3,alpha=3 aqe:k=2,alpha=3 kreciprocal:k1=20,k2=6,lambda=0.3 "
+                        "(docs/search.md, Post-processing)")
+    p.add_argument("--fit-embeddings", default=None, metavar="TRAIN.npz",
+                   help="embeddings that whiten:fit=train fits on (e.g. 'deepmetric embed ... --split train')")
     p.add_argument("--out", default=None, help="write the metrics as JSON to this path")
     p.add_argument("--backend", default="auto",
                    choices=["auto", "torch", "faiss", "faiss-hnsw", "faiss-ivf"],

@@ -70,7 +70,7 @@ def parse_step(text: str) -> dict:
         key = key.strip()
         tp = spec.get(key, (str, None))[0]
         step[key] = None if val.strip().lower() in ("none", "null") else _value(val.strip(), tp, f"{text!r} {key}")
-    return check_steps([step], where="--postprocess")[0]
+    return _check_step(step, f"--postprocess {text!r}")
 
 
 def parse_steps(texts) -> list[dict]:
@@ -266,8 +266,9 @@ class Postprocessor:
             elif (fit_sets or {}).get(w["fit"]) is not None:
                 src = fit_sets[w["fit"]]
             else:
-                raise ValueError(f"whiten: fit={w['fit']} needs the {w['fit']} embeddings, which this command "
-                                 "does not have; use fit=gallery (no labels: the gallery being searched)")
+                raise ValueError(f"whiten: fit={w['fit']} needs the {w['fit']} embeddings, which were not given "
+                                 "('deepmetric evaluate ... --fit-embeddings TRAIN.npz'); or use fit=gallery "
+                                 "(no labels: the gallery being searched)")
             self.whitening = fit_whitening(src, w["dim"], w["shrinkage"], memory_mb=self.memory_mb)
             g = apply_whitening(g, self.whitening)
         d = self.step("dba")
