@@ -406,16 +406,26 @@ def _add_index_parser(sub) -> None:
     _add_model_device_arguments(p, "the exact search")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--postprocess", nargs="+", default=None, metavar="STEP",
+                   help="post-processing fitted on the indexed images and stored with the index (default: the "
+                        "checkpoint's search.postprocess; 'none' for none), e.g. whiten:dim=256 dba:k=3,alpha=3 "
+                        "aqe:k=2,alpha=3; search and serve then answer with the processed ranking")
     p.set_defaults(func=_run_index)
 
 
 def _run_index(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
 
+    from deepmetric.search.postprocess import parse_steps
+
+    steps = args.postprocess
+    if steps is not None:
+        steps = [] if [s.lower() for s in steps] == ["none"] else parse_steps(steps)
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
                         approximate=args.approximate, add=args.add, overwrite=args.overwrite,
                         batch_size=args.batch_size, search_device=args.search_device,
-                        device=args.device, num_workers=args.num_workers, progress=not args.no_progress)
+                        device=args.device, num_workers=args.num_workers, progress=not args.no_progress,
+                        postprocess=steps)
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
     what = "added" if args.add else "indexed"
     print(f"{what} {d.get('images')} images of {d.get('name')} (split {d.get('split')}) -> {args.out}: "
@@ -424,6 +434,10 @@ def _run_index(args: argparse.Namespace) -> int:
         print(f"skipped {index.meta['skipped_already_indexed']} images already in the index")
     if index.kind != "exact":
         print(f"recall@10 against exact search: {index.meta['approximate']['recall@10_vs_exact']:.4f}")
+    if index.postprocessor is not None:
+        from deepmetric.search.postprocess import format_steps
+
+        print(f"post-processing: {format_steps(index.postprocessor.steps)} (queries: {index.query_dim}-d)")
     return 0
 
 

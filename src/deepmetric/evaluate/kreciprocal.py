@@ -50,15 +50,15 @@ def _take(x, rows: np.ndarray):
 
 
 def _dots(a, b, rows: np.ndarray, cols: np.ndarray, memory_mb) -> np.ndarray:
-    """cos(a[rows], b[cols]) pair by pair, in blocks (on a's device)."""
-    at = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
-    bt = b if isinstance(b, torch.Tensor) else torch.from_numpy(b)
+    """cos(a[rows], b[cols]) pair by pair, in blocks (tensors on their device, numpy with numpy)."""
     out = np.empty(len(rows), np.float32)
-    step = max(1, _budget(memory_mb) // (8 * at.shape[1]))
+    step = max(1, _budget(memory_mb) // (8 * a.shape[1]))
     for s in range(0, len(rows), step):
-        r = torch.as_tensor(rows[s:s + step], device=at.device)
-        c = torch.as_tensor(cols[s:s + step], device=at.device)
-        out[s:s + step] = (at[r] * bt[c]).sum(1).cpu().numpy()
+        r, c = rows[s:s + step], cols[s:s + step]
+        if isinstance(a, torch.Tensor):
+            out[s:s + step] = (_take(a, r) * _take(b, c)).sum(1).cpu().numpy()
+        else:
+            out[s:s + step] = np.einsum("nd,nd->n", a[r], b[c])
     return out
 
 

@@ -192,18 +192,23 @@ def apply_whitening(x, params: dict):
 # --------------------------------------------------------------------------- DBA and alpha-QE
 def _expand(query, gallery, k: int, alpha: float, self_pos: np.ndarray, *, backend: str = "auto",
             memory_mb: float | None = None):
-    """|| q + sum over the k nearest gallery rows g_j of max(q^T g_j, 0)^alpha g_j || per query row."""
-    q, g = _torch(query), _torch(gallery)
-    out = torch.empty_like(q)
-    chunk = max(1, _budget(memory_mb) // (4 * max(k, 1) * q.shape[1] * 2))
+    """|| q + sum over the k nearest gallery rows g_j of max(q^T g_j, 0)^alpha g_j || per query row
+    (numpy rows gathered with numpy: a memory-mapped gallery is only read where needed)."""
+    on_torch = isinstance(query, torch.Tensor)
+    out = query.clone() if on_torch else np.array(query, dtype=np.float32)
+    chunk = max(1, _budget(memory_mb) // (4 * max(k, 1) * query.shape[1] * 2))
     for a, sims, idx in iter_knn(query, gallery, k, self_pos=self_pos, backend=backend,
                                  chunk_size=chunk, memory_mb=memory_mb):
-        s = torch.as_tensor(sims, device=q.device)
-        i = torch.as_tensor(idx, device=q.device)
-        w = torch.where(i >= 0, s.clamp_min(0) ** alpha, torch.zeros_like(s))
-        nb = g[i.clamp_min(0)]  # (c, k, d)
-        out[a:a + len(idx)] = q[a:a + len(idx)] + (w[..., None] * nb).sum(1)
-    return _like(_l2n(out), query)
+        w = np.where(idx >= 0, np.maximum(sims, 0) ** alpha, 0).astype(np.float32)
+        rows = np.maximum(idx, 0)
+        if on_torch:
+            nb = gallery[torch.as_tensor(rows, device=gallery.device)]
+            out[a:a + len(idx)] += (torch.as_tensor(w, device=nb.device)[..., None] * nb).sum(1)
+        else:
+            out[a:a + len(idx)] += np.einsum("ck,ckd->cd", w, gallery[rows])
+    if on_torch:
+        return _l2n(out)
+    return np.ascontiguousarray(out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12), dtype=np.float32)
 
 
 def dba(gallery, k: int = 3, alpha: float = 3.0, *, backend: str = "auto", memory_mb: float | None = None):
@@ -282,10 +287,19 @@ class Postprocessor:
         if self.whitening is not None:
             q = apply_whitening(q, self.whitening)
         a = self.step("aqe")
-        if a is not None:
-            q = aqe(q, gallery, a["k"], a["alpha"], self_pos=self_pos, backend=self.backend,
-                    memory_mb=self.memory_mb)
+        if a is not None:  # the gallery is this object's fit output: already l2-normalised
+            sp = np.full(q.shape[0], -1, np.int64) if self_pos is None else np.asarray(self_pos, np.int64)
+            q = _expand(q, gallery, a["k"], a["alpha"], sp, backend=self.backend, memory_mb=self.memory_mb)
         return q
+
+    def add_gallery_rows(self, x):
+        """New gallery rows processed with the stored fit (whitening); DBA would change the old
+        rows' neighbours, so an index with DBA is refused. The re-ranking graph is rebuilt."""
+        if self.step("dba") is not None:
+            raise ValueError("this index was built with post-processing step dba, whose augmented rows depend on "
+                             "the whole gallery: rebuild it with 'deepmetric index ... --overwrite' instead of --add")
+        self.graph = None
+        return apply_whitening(x, self.whitening) if self.whitening is not None else check_embeddings(x)
 
     def rerank(self, query, gallery, sims: np.ndarray, idx: np.ndarray, self_pos=None):
         s = self.step("kreciprocal")
