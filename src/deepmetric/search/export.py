@@ -50,6 +50,19 @@ def preprocessing_path(out: str | Path) -> Path:
     return out.with_name(out.name + ".preprocessing.json")
 
 
+def postprocess_entry(cfg) -> dict:
+    """The export JSON's ``postprocess``: the config's ``search.postprocess`` steps and how other
+    engines reproduce them (docs/search.md, "Post-processing")."""
+    steps = list(getattr(getattr(cfg, "search", None), "postprocess", None) or [])
+    return {"steps": steps, "order": "whiten -> dba -> aqe -> kreciprocal, after the l2-normalised embedding",
+            "how": ("whiten: y = l2normalise((x - whiten_mean) @ whiten_projection), fitted on the gallery when it is "
+                    "indexed (INDEX_DIR/postprocess.npz); dba: each gallery vector replaced by "
+                    "l2normalise(sum over itself and its k-1 nearest gallery vectors of max(cos, 0)^alpha * vector); "
+                    "aqe: each query replaced by l2normalise(query + sum over its k nearest gallery vectors of "
+                    "max(cos, 0)^alpha * vector); kreciprocal: re-rank the first `candidates` neighbours by "
+                    "Zhong et al. (CVPR 2017) eq. 12 (deepmetric.search.postprocess)")}
+
+
 def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
                  normalize: bool = True, opset: int = 17) -> tuple[Path, Path]:
     """Write the embedding network of ``checkpoint`` to ``out`` and its preprocessing JSON
@@ -85,7 +98,7 @@ def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
             "output": {"name": "embedding", "shape": ["batch", dim], "dtype": "float32",
                        "l2_normalized": bool(normalize)},
             "preprocessing": desc, "checkpoint": str(Path(checkpoint).resolve()),
-            "model": cfg.model.name}
+            "model": cfg.model.name, "postprocess": postprocess_entry(cfg)}
     side = preprocessing_path(out)
     tmp = side.with_name(f".{side.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(info, indent=1))
