@@ -213,3 +213,25 @@ def test_evaluate_cli_postprocess_matches_numpy_pipeline(rng, tmp_path, capsys):
         assert main(["evaluate", str(tmp_path / "emb.npz"), "--postprocess", *bad]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and __import__("re").search(msg, err), err
+
+
+# ----------------------------------------------------------------- choosing on validation
+def test_choose_postprocess_is_greedy_and_never_worse(rng):
+    from deepmetric.evaluate.postprocess_choice import choose_postprocess
+
+    x, y = data(rng, n=150, d=24, classes=10)
+    x[:, :12] += 3 * rng.normal(size=(150, 12)).astype(np.float32) * rng.random(12).astype(np.float32)  # nuisance
+    res = choose_postprocess(x, y, metric="map@r", ks=(1,))
+    assert res["baseline"] == pytest.approx(evaluate(x, y, ks=(1,), metrics=["map@r"])["map@r"])
+    # the chosen steps score what the search says, and at least the baseline
+    again = evaluate(x, y, ks=(1,), metrics=["map@r"], postprocess=res["steps"])["map@r"]
+    assert again == pytest.approx(res["value"]) and res["value"] >= res["baseline"]
+    # greedy: 1 + 1 whitening (only dims < 24: none here but 128/256/512 are skipped) ... counted
+    assert len(res["trials"]) == 1 + 0 + 3 + 3
+    assert max(t["value"] for t in res["trials"]) >= res["value"] - 1e-12
+    dom = rng.integers(0, 3, 150)
+    cross = choose_postprocess(x, y, domains=dom, metric="cross_domain_recall@1", ks=(1,),
+                               space={"whiten": [{"dim": 8}], "aqe": [{"k": 1}]})
+    assert len(cross["trials"]) == 3 and cross["metric"] == "cross_domain_recall@1"
+    with pytest.raises(ValueError, match="unknown step"):
+        choose_postprocess(x, y, space={"pca": [{}]})

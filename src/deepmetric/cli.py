@@ -637,12 +637,25 @@ def _add_tune_parser(sub) -> None:
             "  deepmetric tune recipes/glyphs_cross_family.yaml --space spaces/glyphs_lr_alpha.yaml "
             "--trials 12 --workers 2 --out runs/tune/glyphs\n"
             "  deepmetric train runs/tune/glyphs/best.yaml                 # train the winner\n"
-            "  deepmetric tune RECIPE --space S --trials 40 --storage postgresql://user@db/tune --study-name s1"),
+            "  deepmetric tune RECIPE --space S --trials 40 --storage postgresql://user@db/tune --study-name s1\n"
+            "  deepmetric tune runs/emoji_transfer/best.pt --postprocess   # post-processing chosen on validation"),
     )
-    p.add_argument("recipe", help="the config to tune (YAML, as for 'deepmetric train')")
-    p.add_argument("--space", required=True, help="search space (YAML: objective, params, pruner, sampler)")
-    p.add_argument("--trials", type=int, required=True,
-                   help="trials to finish or prune (counted over every worker and machine of the study)")
+    p.add_argument("recipe", help="the config to tune (YAML, as for 'deepmetric train'); with --postprocess a "
+                                  "finished checkpoint (best.pt / last.pt)")
+    p.add_argument("--space", default=None, help="search space (YAML: objective, params, pruner, sampler); "
+                                                  "required unless --postprocess")
+    p.add_argument("--trials", type=int, default=None,
+                   help="trials to finish or prune (counted over every worker and machine of the study); "
+                        "required unless --postprocess")
+    p.add_argument("--postprocess", action="store_true",
+                   help="fast mode: choose the retrieval post-processing (whiten, dba, aqe) of the checkpoint RECIPE "
+                        "on its validation split, without training (seconds after one embedding pass); writes "
+                        "OUT/postprocess.yaml; never reads the test split")
+    p.add_argument("--metric", default=None,
+                   help="with --postprocess: the validation metric (default cross_domain_map@r for a cross-domain "
+                        "run, else map@r)")
+    p.add_argument("--kreciprocal", action="store_true", help="with --postprocess: also try k-reciprocal re-ranking")
+    p.add_argument("--device", default="auto", help="with --postprocess: where the model embeds (auto, cpu, cuda[:i])")
     p.add_argument("--workers", type=int, default=1,
                    help="trials at once on this machine (processes with cores/K torch threads each)")
     p.add_argument("--storage", default=None,
@@ -655,8 +668,30 @@ def _add_tune_parser(sub) -> None:
     p.set_defaults(func=_run_tune)
 
 
+def _run_tune_postprocess(args: argparse.Namespace) -> int:
+    from deepmetric.workflows.tune_postprocess import tune_postprocess
+
+    res = tune_postprocess(args.recipe, metric=args.metric, out=args.out, device=args.device,
+                           kreciprocal=args.kreciprocal)
+    print(f"[tune] validation ({res['split']}, {res['images']} images, embedded in {res['embed_seconds']:.0f} s), "
+          f"{res['metric']}, {len(res['trials'])} lists in {res['seconds']:.0f} s:")
+    for t in res["trials"]:
+        print(f"  {100 * t['value']:6.2f}  {t['spelled']}")
+    print(f"[tune] chosen: {res['spelled']} ({100 * res['value']:.2f}, without {100 * res['baseline']:.2f})")
+    for name, path in res["files"].items():
+        print(f"[tune] {name:<6} {path}")
+    return 0
+
+
 def _run_tune(args: argparse.Namespace) -> int:
     from deepmetric.workflows.tune import TuneError, prepare_tune, run_tune, run_worker, write_outputs
+
+    if args.postprocess:
+        return _run_tune_postprocess(args)
+    if args.space is None or args.trials is None:
+        print("deepmetric tune: error: the following arguments are required: --space, --trials "
+              "(or --postprocess with a checkpoint)", file=sys.stderr)
+        return 2
 
     try:
         if args.workers < 1:
