@@ -226,3 +226,13 @@ def test_postprocessor_state_round_trip(rng):
     np.testing.assert_allclose(again.transform_queries(q, gp), qp, atol=1e-6)
     with pytest.raises(ValueError, match="fit=train needs the train embeddings.*--fit-embeddings"):
         Postprocessor([{"name": "whiten", "fit": "train"}]).fit(g)
+
+
+@pytest.mark.parametrize("shrink", [0.0, 0.5])
+def test_whitening_with_fewer_rows_than_dimensions(rng, shrink):
+    """The SVD path (n <= d) gives the covariance path's whitening (the reference)."""
+    fit = unit(rng.normal(size=(20, 40))).astype(np.float32)
+    x = unit(rng.normal(size=(6, 40))).astype(np.float32)
+    got = apply_whitening(x, fit_whitening(fit, 10, shrink))
+    ref = ref_whiten(fit, x, 10, shrink)
+    np.testing.assert_allclose(got @ got.T, ref @ ref.T, atol=2e-4)
