@@ -235,3 +235,18 @@ def test_choose_postprocess_is_greedy_and_never_worse(rng):
     assert len(cross["trials"]) == 3 and cross["metric"] == "cross_domain_recall@1"
     with pytest.raises(ValueError, match="unknown step"):
         choose_postprocess(x, y, space={"pca": [{}]})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the lead's GPU check)")
+def test_postprocess_on_gpu_equals_numpy_and_cpu(rng):
+    x, y = data(rng, n=100, d=10)
+    steps = [{"name": "whiten", "dim": 6}, {"name": "dba", "k": 3, "alpha": 3.0}, {"name": "aqe", "k": 2, "alpha": 3.0}]
+    got = evaluate(torch.from_numpy(x).cuda(), y, ks=(1, 4), metrics=NEW, postprocess=steps)
+    g, q = ref_pipeline(x, x, np.arange(100), 6, 3, 2, 3.0)
+    ref = ref_metrics(q, g, y, y, np.arange(100), (1, 4))
+    for k in ref:
+        assert got[k] == pytest.approx(ref[k], abs=1e-5), k
+    kr = steps + [{"name": "kreciprocal", "k1": 6, "k2": 3, "candidates": 20}]
+    cpu = evaluate(x, y, ks=(1, 4), metrics=NEW, postprocess=kr)
+    gpu = evaluate(torch.from_numpy(x).cuda(), y, ks=(1, 4), metrics=NEW, postprocess=kr)
+    assert gpu == pytest.approx(cpu, abs=1e-5)

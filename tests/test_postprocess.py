@@ -236,3 +236,25 @@ def test_whitening_with_fewer_rows_than_dimensions(rng, shrink):
     got = apply_whitening(x, fit_whitening(fit, 10, shrink))
     ref = ref_whiten(fit, x, 10, shrink)
     np.testing.assert_allclose(got @ got.T, ref @ ref.T, atol=2e-4)
+
+
+def test_torch_tensor_paths_equal_numpy_paths(rng):
+    """The code a GPU runs (tensor inputs), exercised here on CPU tensors."""
+    from deepmetric.evaluate.postprocess import _expand
+
+    g, _ = clustered(rng, 50)
+    q, _ = clustered(rng, 8)
+    sp = np.full(8, -1)
+    a = _expand(torch.from_numpy(q), torch.from_numpy(g), 3, 2.0, sp, backend="torch")
+    np.testing.assert_allclose(a.numpy(), _expand(q, g, 3, 2.0, sp), atol=1e-6)
+    graph = KReciprocalGraph.build(g, 6, 3)
+    width = 20
+    sims = np.zeros((8, width), np.float32)
+    idx = np.zeros((8, width), np.int64)
+    for i in range(8):
+        s = g @ q[i]
+        idx[i] = ranked(s)[:width]
+        sims[i] = s[idx[i]]
+    _, want = rerank(graph, q, g, sims, idx, candidates=15)
+    _, got = rerank(graph, torch.from_numpy(q), torch.from_numpy(g), sims, idx, candidates=15)
+    assert got.tolist() == want.tolist()
