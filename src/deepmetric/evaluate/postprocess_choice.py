@@ -22,8 +22,8 @@ from deepmetric.evaluate.postprocess import STEPS, check_steps, format_steps
 
 __all__ = ["DEFAULT_SPACE", "choose_postprocess"]
 
-#: options tried per step (None = the step left out is always a candidate); whitening dimensions
-#: at or above the embedding's are skipped; k-reciprocal is tried only when asked (slower)
+#: options tried per step (the step left out is always a candidate); whitening dimensions at or
+#: above the embedding's or the fit set's size are skipped; k-reciprocal is tried only when asked
 DEFAULT_SPACE: dict[str, list[dict]] = {
     "whiten": [{"dim": 512}, {"dim": 256}, {"dim": 128}],
     "dba": [{"k": 2, "alpha": 3.0}, {"k": 3, "alpha": 3.0}, {"k": 5, "alpha": 3.0}],
@@ -32,7 +32,7 @@ DEFAULT_SPACE: dict[str, list[dict]] = {
 }
 
 
-def _space(space, dim: int, kreciprocal: bool) -> dict[str, list[dict]]:
+def _space(space, dim: int, kreciprocal: bool, fit_rows: int) -> dict[str, list[dict]]:
     default = space is None
     space = {k: list(v or []) for k, v in (DEFAULT_SPACE if default else space).items()}
     bad = [k for k in space if k not in STEPS]
@@ -40,7 +40,9 @@ def _space(space, dim: int, kreciprocal: bool) -> dict[str, list[dict]]:
         raise ValueError(f"post-processing space: unknown step(s) {bad}; choose from {', '.join(STEPS)}")
     if default and not kreciprocal:
         space.pop("kreciprocal")
-    space["whiten"] = [o for o in space.get("whiten", []) if o.get("dim") is None or o["dim"] < dim]
+    # a whitening to as many dimensions as the fit set has rows (or more) would scale up directions
+    # it does not span: such options are skipped, as are those at or above the embedding's size
+    space["whiten"] = [o for o in space.get("whiten", []) if o.get("dim") is None or o["dim"] < min(dim, fit_rows)]
     for name, options in space.items():  # every option checked before the first evaluation
         for o in options:
             check_steps([{"name": name, **o}], where="post-processing space")
@@ -63,7 +65,12 @@ def choose_postprocess(embeddings, labels, *, domains=None, metric: str = "map@r
         [{"steps", "value", "seconds"}], "seconds"}`` -- validation numbers only.
     """
     x = np.asarray(embeddings, np.float32)
-    space = _space(space, x.shape[1], kreciprocal)
+    if domains is not None:  # the whitening of each domain is fitted on the other domains' rows
+        _, per_domain = np.unique(np.asarray(domains), return_counts=True)
+        fit_rows = len(x) - int(per_domain.max())
+    else:
+        fit_rows = len(x)
+    space = _space(space, x.shape[1], kreciprocal, fit_rows)
     base_metric = metric.removeprefix("cross_domain_")
     need = [base_metric.split("@")[0] if base_metric.startswith("recall@") else base_metric]
 
