@@ -44,7 +44,8 @@ def _add_evaluate_parser(sub) -> None:
             "  deepmetric evaluate emb.npz --k 1 10 100 --metrics recall map@r --out metrics.json\n"
             "  deepmetric evaluate emb.npz --device cpu        # faiss on the CPU even on a GPU machine\n"
             "  deepmetric evaluate emb.npz --device cuda:1     # the second GPU; an error without CUDA\n"
-            "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images"
+            "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images\n"
+            "  deepmetric evaluate emb.npz --postprocess whiten:dim=256,fit=gallery dba:k=3,alpha=3 aqe:k=2,alpha=3"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -52,7 +53,14 @@ def _add_evaluate_parser(sub) -> None:
     p.add_argument("--k", dest="ks", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="K values for Recall@K (default: 1 2 4 8)")
     p.add_argument("--metrics", nargs="+", default=None,
-                   help="subset of: recall map@r r_precision nmi f1 (default: all)")
+                   help="any of: recall map@r r_precision mrr map@k recall_class_avg map@r_class_avg nmi f1 ami "
+                        "(default: recall map@r r_precision nmi f1)")
+    p.add_argument("--postprocess", nargs="+", default=None, metavar="STEP",
+                   help="post-processing before the search, in the order whiten, dba, aqe, kreciprocal, e.g. "
+                        "whiten:dim=256,fit=gallery dba:k=3,alpha=3 aqe:k=2,alpha=3 kreciprocal:k1=20,k2=6,lambda=0.3 "
+                        "(docs/search.md, Post-processing)")
+    p.add_argument("--fit-embeddings", default=None, metavar="TRAIN.npz",
+                   help="embeddings that whiten:fit=train fits on (e.g. 'deepmetric embed ... --split train')")
     p.add_argument("--out", default=None, help="write the metrics as JSON to this path")
     p.add_argument("--backend", default="auto",
                    choices=["auto", "torch", "faiss", "faiss-hnsw", "faiss-ivf"],
@@ -403,16 +411,26 @@ def _add_index_parser(sub) -> None:
     _add_model_device_arguments(p, "the exact search")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--postprocess", nargs="+", default=None, metavar="STEP",
+                   help="post-processing fitted on the indexed images and stored with the index (default: the "
+                        "checkpoint's search.postprocess; 'none' for none), e.g. whiten:dim=256 dba:k=3,alpha=3 "
+                        "aqe:k=2,alpha=3; search and serve then answer with the processed ranking")
     p.set_defaults(func=_run_index)
 
 
 def _run_index(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
 
+    from deepmetric.search.postprocess import parse_steps
+
+    steps = args.postprocess
+    if steps is not None:
+        steps = [] if [s.lower() for s in steps] == ["none"] else parse_steps(steps)
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
                         approximate=args.approximate, add=args.add, overwrite=args.overwrite,
                         batch_size=args.batch_size, search_device=args.search_device,
-                        device=args.device, num_workers=args.num_workers, progress=not args.no_progress)
+                        device=args.device, num_workers=args.num_workers, progress=not args.no_progress,
+                        postprocess=steps)
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
     what = "added" if args.add else "indexed"
     print(f"{what} {d.get('images')} images of {d.get('name')} (split {d.get('split')}) -> {args.out}: "
@@ -421,6 +439,10 @@ def _run_index(args: argparse.Namespace) -> int:
         print(f"skipped {index.meta['skipped_already_indexed']} images already in the index")
     if index.kind != "exact":
         print(f"recall@10 against exact search: {index.meta['approximate']['recall@10_vs_exact']:.4f}")
+    if index.postprocessor is not None:
+        from deepmetric.search.postprocess import format_steps
+
+        print(f"post-processing: {format_steps(index.postprocessor.steps)} (queries: {index.query_dim}-d)")
     return 0
 
 
@@ -622,12 +644,25 @@ def _add_tune_parser(sub) -> None:
             "  deepmetric tune recipes/glyphs_cross_family.yaml --space spaces/glyphs_lr_alpha.yaml "
             "--trials 12 --workers 2 --out runs/tune/glyphs\n"
             "  deepmetric train runs/tune/glyphs/best.yaml                 # train the winner\n"
-            "  deepmetric tune RECIPE --space S --trials 40 --storage postgresql://user@db/tune --study-name s1"),
+            "  deepmetric tune RECIPE --space S --trials 40 --storage postgresql://user@db/tune --study-name s1\n"
+            "  deepmetric tune runs/emoji_transfer/best.pt --postprocess   # post-processing chosen on validation"),
     )
-    p.add_argument("recipe", help="the config to tune (YAML, as for 'deepmetric train')")
-    p.add_argument("--space", required=True, help="search space (YAML: objective, params, pruner, sampler)")
-    p.add_argument("--trials", type=int, required=True,
-                   help="trials to finish or prune (counted over every worker and machine of the study)")
+    p.add_argument("recipe", help="the config to tune (YAML, as for 'deepmetric train'); with --postprocess a "
+                                  "finished checkpoint (best.pt / last.pt)")
+    p.add_argument("--space", default=None, help="search space (YAML: objective, params, pruner, sampler); "
+                                                  "required unless --postprocess")
+    p.add_argument("--trials", type=int, default=None,
+                   help="trials to finish or prune (counted over every worker and machine of the study); "
+                        "required unless --postprocess")
+    p.add_argument("--postprocess", action="store_true",
+                   help="fast mode: choose the retrieval post-processing (whiten, dba, aqe) of the checkpoint RECIPE "
+                        "on its validation split, without training (seconds after one embedding pass); writes "
+                        "OUT/postprocess.yaml; never reads the test split")
+    p.add_argument("--metric", default=None,
+                   help="with --postprocess: the validation metric (default cross_domain_map@r for a cross-domain "
+                        "run, else map@r)")
+    p.add_argument("--kreciprocal", action="store_true", help="with --postprocess: also try k-reciprocal re-ranking")
+    p.add_argument("--device", default="auto", help="with --postprocess: where the model embeds (auto, cpu, cuda[:i])")
     p.add_argument("--workers", type=int, default=1,
                    help="trials at once on this machine (processes with cores/K torch threads each)")
     p.add_argument("--storage", default=None,
@@ -641,8 +676,30 @@ def _add_tune_parser(sub) -> None:
     p.set_defaults(func=_run_tune)
 
 
+def _run_tune_postprocess(args: argparse.Namespace) -> int:
+    from deepmetric.workflows.tune_postprocess import tune_postprocess
+
+    res = tune_postprocess(args.recipe, metric=args.metric, out=args.out, device=args.device,
+                           kreciprocal=args.kreciprocal)
+    print(f"[tune] validation ({res['split']}, {res['images']} images, embedded in {res['embed_seconds']:.0f} s), "
+          f"{res['metric']}, {len(res['trials'])} lists in {res['seconds']:.0f} s:")
+    for t in res["trials"]:
+        print(f"  {100 * t['value']:6.2f}  {t['spelled']}")
+    print(f"[tune] chosen: {res['spelled']} ({100 * res['value']:.2f}, without {100 * res['baseline']:.2f})")
+    for name, path in res["files"].items():
+        print(f"[tune] {name:<6} {path}")
+    return 0
+
+
 def _run_tune(args: argparse.Namespace) -> int:
     from deepmetric.workflows.tune import TuneError, prepare_tune, run_tune, run_worker, write_outputs
+
+    if args.postprocess:
+        return _run_tune_postprocess(args)
+    if args.space is None or args.trials is None:
+        print("deepmetric tune: error: the following arguments are required: --space, --trials "
+              "(or --postprocess with a checkpoint)", file=sys.stderr)
+        return 2
 
     try:
         if args.workers < 1:

@@ -486,7 +486,13 @@ def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
     ks_ok = tuple(k for k in ks if k <= n_ref)
     body = [f"<p>{pg.esc(head.replace('`', ''))}</p>"]
     if ks_ok:
-        rc = dg.recall_curve(x, y, ks_ok, is_query=is_q, is_gallery=is_g, device=search_device)
+        steps = list(getattr(getattr(cfg, "search", None), "postprocess", None) or [])
+        rc = dg.recall_curve(x, y, ks_ok, is_query=is_q, is_gallery=is_g, device=search_device, postprocess=steps)
+        if steps:  # the run's search.postprocess, as every search of this embedding applies it
+            from deepmetric.evaluate.postprocess import format_steps
+
+            body.append(f"<p>Recall@K after the run's post-processing: {pg.esc(format_steps(steps))}.</p>")
+            md += [f"Recall@K after the run's post-processing: {format_steps(steps)}.", ""]
         # logged baselines (epoch-0 model, raw pixels, ...) with Recall@K, drawn beside the run
         base = {}
         for b in baselines or []:

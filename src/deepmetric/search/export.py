@@ -63,6 +63,19 @@ def check_finite_weights(model: nn.Module, checkpoint) -> None:
                              "(best.pt) or retrain (a diverged run: lower optim.lr)")
 
 
+def postprocess_entry(cfg) -> dict:
+    """The export JSON's ``postprocess``: the config's ``search.postprocess`` steps and how other
+    engines reproduce them (docs/search.md, "Post-processing")."""
+    steps = list(getattr(getattr(cfg, "search", None), "postprocess", None) or [])
+    return {"steps": steps, "order": "whiten -> dba -> aqe -> kreciprocal, after the l2-normalised embedding",
+            "how": ("whiten: y = l2normalise((x - whiten_mean) @ whiten_projection), fitted on the gallery when it is "
+                    "indexed (INDEX_DIR/postprocess.npz); dba: each gallery vector replaced by "
+                    "l2normalise(sum over itself and its k-1 nearest gallery vectors of max(cos, 0)^alpha * vector); "
+                    "aqe: each query replaced by l2normalise(query + sum over its k nearest gallery vectors of "
+                    "max(cos, 0)^alpha * vector); kreciprocal: re-rank the first `candidates` neighbours by "
+                    "Zhong et al. (CVPR 2017) eq. 12 (deepmetric.search.postprocess)")}
+
+
 def _opset_error(opset: int, exc: Exception) -> ValueError:
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return ValueError(f"--opset {opset}: torch {torch.__version__} cannot export this model to ONNX at opset "
@@ -141,7 +154,7 @@ def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
             "output": {"name": "embedding", "shape": ["batch", dim], "dtype": "float32",
                        "l2_normalized": bool(normalize)},
             "preprocessing": desc, "checkpoint": str(Path(checkpoint).resolve()),
-            "model": cfg.model.name}
+            "model": cfg.model.name, "postprocess": postprocess_entry(cfg)}
     side = preprocessing_path(out)
     tmp = side.with_name(f".{side.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(info, indent=1))

@@ -11,6 +11,13 @@ On disk (``deepmetric index ... --out INDEX_DIR``)::
     INDEX_DIR/paths.json        image path per row (relative ones are inside INDEX_DIR)
     INDEX_DIR/index.faiss       faiss index: IndexFlatIP (exact), IndexIVFFlat or IndexHNSWFlat
     INDEX_DIR/images/           PNG copies of images that exist only in memory (glyphs, MNIST)
+    INDEX_DIR/postprocess.npz   with post-processing (manifest ``postprocess``: the steps and the
+                                query dimension): the fitted whitening (whiten_mean, whiten_projection)
+
+With post-processing (``search.postprocess`` of the checkpoint's config or ``--postprocess``;
+:mod:`deepmetric.search.postprocess`) ``embeddings.npy`` holds the processed gallery (whitened
+and reduced, DBA-augmented); :meth:`Index.search` applies the query side (whitening, alpha-QE)
+and the k-reciprocal re-ranking, so ``search`` and ``serve`` answer with the processed ranking.
 
 ``manifest.json`` (version 2) lists every other file's size and SHA-256 (``files``). Folders
 are written as transactions (:mod:`deepmetric.search.store`): into a temporary folder beside
@@ -149,10 +156,12 @@ class Index:
 
     def __init__(self, embeddings, labels=None, paths: Sequence[str] | None = None,
                  class_names: Sequence[str] | None = None, *, kind: str = "exact",
-                 meta: dict | None = None, directory: str | Path | None = None, search_device=None):
+                 meta: dict | None = None, directory: str | Path | None = None, search_device=None,
+                 postprocess=None):
         if kind not in KINDS:
             raise ValueError(f"index kind must be one of {KINDS}, got {kind!r}")
         self.embeddings = _normalised(embeddings, "index embeddings")
+        self.postprocessor, meta = _fit_postprocess(self, postprocess, meta)
         n = self.embeddings.shape[0]
         self.labels = (np.zeros(n, np.int64) if labels is None
                        else np.asarray(labels, dtype=np.int64).reshape(-1))
@@ -184,6 +193,11 @@ class Index:
     def dim(self) -> int:
         return self.embeddings.shape[1]
 
+    @property
+    def query_dim(self) -> int:
+        """The dimension of the model's embeddings (``dim`` unless a whitening reduced it)."""
+        return int((self.meta.get("postprocess") or {}).get("query_dim", self.dim))
+
     def __repr__(self) -> str:
         return (f"Index(kind={self.kind!r}, n={len(self)}, dim={self.dim}, classes={len(self.class_names)}, "
                 f"directory={str(self.directory) if self.directory else None!r})")
@@ -203,15 +217,16 @@ class Index:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_embeddings(cls, embeddings, labels=None, paths=None, class_names=None, *,
-                        approximate: str | None = None, meta: dict | None = None) -> "Index":
-        return cls(embeddings, labels, paths, class_names, kind=approximate or "exact", meta=meta)
+                        approximate: str | None = None, meta: dict | None = None, postprocess=None) -> "Index":
+        return cls(embeddings, labels, paths, class_names, kind=approximate or "exact", meta=meta,
+                   postprocess=postprocess)
 
     @classmethod
     def build(cls, checkpoint: str | Path, *, data: str | None = None, root: str | None = None,
               split: str | None = None, out: str | Path | None = None, approximate: str | None = None,
               add: bool = False, overwrite: bool = False, options: dict | None = None,
               batch_size: int = 256, device: str = "auto", num_workers: int = 0,
-              progress: bool = True, search_device: str = "auto") -> "Index":
+              progress: bool = True, search_device: str = "auto", postprocess=None) -> "Index":
         """Embed a dataset split with ``checkpoint`` (its test transform) and index it.
 
         ``data`` / ``root`` default to the checkpoint's training data; ``split`` defaults to
@@ -222,7 +237,9 @@ class Index:
         in ``out`` is refused unless ``add`` or ``overwrite``; a non-empty folder that is not an
         index always is. The model runs on ``device``; the exact searches (an approximate
         index's recall against exact search) where
-        :func:`~deepmetric.train.embed.command_search_device` says.
+        :func:`~deepmetric.train.embed.command_search_device` says. ``postprocess``: steps
+        (:func:`deepmetric.search.postprocess.check_steps`; default the checkpoint's
+        ``search.postprocess``; ``[]`` for none) fitted on the indexed gallery.
         """
         if add and out is None:
             raise ValueError("add=True needs out=INDEX_DIR, the index to add to")
@@ -231,8 +248,12 @@ class Index:
         from deepmetric.train.embed import command_search_device
 
         command_search_device(device, search_device)  # bad values are refused before any work
+        if postprocess is not None:
+            from .postprocess import check_steps
+
+            postprocess = check_steps(postprocess, "--postprocess")  # refused before any work
         kw = dict(data=data, root=root, split=split, options=options, batch_size=batch_size, device=device,
-                  num_workers=num_workers, progress=progress, search_device=search_device)
+                  num_workers=num_workers, progress=progress, search_device=search_device, postprocess=postprocess)
         if out is None:
             return cls._build(checkpoint, None, None, approximate=approximate, add=False, **kw)
         out = Path(out)
@@ -246,7 +267,8 @@ class Index:
 
     @classmethod
     def _build(cls, checkpoint, out: Path | None, tmp: Path | None, *, data, root, split, options,
-               approximate, add, batch_size, device, num_workers, progress, search_device) -> "Index":
+               approximate, add, batch_size, device, num_workers, progress, search_device,
+               postprocess=None) -> "Index":
         from .build import embed_dataset_for_index
 
         old = None
@@ -279,16 +301,21 @@ class Index:
             meta = {"checkpoint": {"path": str(Path(checkpoint).resolve()), "sha256": sha,
                                    "config": got["config"]},
                     "preprocessing": got["preprocessing"], "data": got["data"]}
+            if postprocess is None:  # the checkpoint's search.postprocess
+                postprocess = ((got["config"] or {}).get("search") or {}).get("postprocess") or []
             index = cls(got["embeddings"], got["labels"], got["paths"], got["class_names"],
-                        kind=approximate or "exact", meta=meta, search_device=where)
+                        kind=approximate or "exact", meta=meta, search_device=where, postprocess=postprocess)
         index.meta["skipped_already_indexed"] = got["skipped"]
         return index
 
     def add(self, embeddings, labels=None, paths: Sequence[str] | None = None,
             class_names: Sequence[str] | None = None) -> None:
         """Append rows. Labels are given in ``class_names`` (default: this index's names) and
-        are mapped by name: new names are appended to :attr:`class_names`."""
+        are mapped by name: new names are appended to :attr:`class_names`. With post-processing
+        the rows are whitened with the stored fit (an index with DBA is refused: rebuild it)."""
         e = _normalised(embeddings, "added embeddings")
+        if self.postprocessor is not None:
+            e = self.postprocessor.add_gallery_rows(e)
         if e.shape[1] != self.dim:
             raise ValueError(f"added embeddings have dimension {e.shape[1]} but the index has {self.dim} "
                              "(another model or embedding size?)")
@@ -362,15 +389,23 @@ class Index:
             if len(bad):  # faiss would answer such a row with fewer (or no) neighbours
                 raise ValueError(f"query image {as_query_list(queries)[bad[0]]} embeds as NaN / inf with this "
                                  "index's checkpoint; no neighbours can be ranked for it")
-        if q.shape[1] != self.dim:
-            raise ValueError(f"query embeddings have dimension {q.shape[1]} but the index has {self.dim} "
+        if q.shape[1] != self.query_dim:
+            raise ValueError(f"query embeddings have dimension {q.shape[1]} but the index has {self.query_dim} "
                              "(another model or embedding size?)")
         k = int(k)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+        post = self.postprocessor
+        width = max(k, post.list_length) if post is not None else k
+        if post is not None:
+            q = post.transform_queries(q, self.embeddings)
         if self.faiss_index is not None:
-            return approximate_search(self.faiss_index, q, k)
-        return exact_search(self.embeddings, q, k, memory_mb=memory_mb, device=self.search_device)
+            sims, idx = approximate_search(self.faiss_index, q, width)
+        else:
+            sims, idx = exact_search(self.embeddings, q, width, memory_mb=memory_mb, device=self.search_device)
+        if post is not None and post.list_length:
+            sims, idx = post.rerank(q, self.embeddings, sims, idx)
+        return sims[:, :k], idx[:, :k]
 
     def neighbours(self, sims: np.ndarray, idx: np.ndarray) -> list[list[dict]]:
         """Per query, its neighbours as dicts: rank (1-based), id (row), path, label, class_name,
@@ -436,12 +471,17 @@ class Index:
         # serialised here and written by Python: a full disk is an OSError (ENOSPC) that
         # index_transaction explains, not faiss's RuntimeError
         write_file(tmp / "index.faiss", faiss.serialize_index(index))
+        extra = ()
+        if self.postprocessor is not None:
+            with open(tmp / "postprocess.npz", "wb") as f:
+                np.savez(f, **self.postprocessor.state())
+            extra = ("postprocess.npz",)
         manifest = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "kind": self.kind,
                     "count": len(self), "dim": self.dim, "classes": len(self.class_names),
                     **{k: v for k, v in self.meta.items() if k not in _MANIFEST_OWN},
                     "files": file_entries(tmp)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
-        for name in _FILES + ("index.faiss",):  # on disk before the swap makes them the index
+        for name in _FILES + ("index.faiss",) + extra:  # on disk before the swap makes them the index
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         return stored
@@ -489,6 +529,8 @@ class Index:
                 check_listed_names(d, files)
             kind = manifest["kind"]
             names = ["labels.npy", "class_names.json", "paths.json"] + (["index.faiss"] if kind != "exact" else [])
+            if manifest.get("postprocess"):
+                names.append("postprocess.npz")
             if not mmap:
                 names.append("embeddings.npy")
             for name in names:
@@ -533,6 +575,7 @@ class Index:
         obj.manifest_files = files
         obj.search_device = "cpu"  # a loaded index answers a few queries at a time: faiss
         obj.faiss_index = faiss_index
+        obj.postprocessor = _load_postprocess(meta, raw.get("postprocess.npz"), d)
         return obj
 
 
@@ -552,6 +595,39 @@ def _check_rows(d: Path, emb: np.ndarray, labels: np.ndarray, class_names: list)
             bad = a + int(np.flatnonzero(~finite)[0])
             raise ValueError(f"{d / 'embeddings.npy'}: row {bad} holds NaN or infinite values; "
                              "the index is damaged: rebuild it with 'deepmetric index ... --overwrite'")
+
+
+def _fit_postprocess(index: Index, steps, meta: dict | None):
+    """Fit ``steps`` on the index's (normalised) embeddings, which it replaces with the processed
+    gallery; returns the fitted :class:`~deepmetric.search.postprocess.Postprocessor` (None
+    without steps) and ``meta`` with its ``postprocess`` entry."""
+    meta = dict(meta or {})
+    if not steps:
+        return None, meta
+    from .postprocess import Postprocessor
+
+    post = Postprocessor(steps, where="--postprocess")
+    meta["postprocess"] = {"steps": post.steps, "query_dim": int(index.embeddings.shape[1]),
+                           "file": "postprocess.npz"}
+    index.embeddings = np.ascontiguousarray(post.fit(index.embeddings), dtype=np.float32)
+    return post, meta
+
+
+def _load_postprocess(meta: dict, raw: bytearray | None, d: Path):
+    entry = meta.get("postprocess")
+    if not entry:
+        return None
+    from .postprocess import Postprocessor
+
+    if raw is None:
+        raise FileNotFoundError(f"{d}: the manifest lists post-processing but postprocess.npz is missing; "
+                                "rebuild the index with 'deepmetric index ... --overwrite'")
+    try:
+        with np.load(io.BytesIO(bytes(raw)), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        return Postprocessor.from_state(entry["steps"], arrays, where=f"{d / 'manifest.json'} postprocess")
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"{d / 'postprocess.npz'}: {exc}") from None
 
 
 EmbeddingIndex = Index

@@ -219,8 +219,8 @@ def _prepare(index, *, generation: int, max_decode_mb, checkpoint=None, device: 
         index._model = previous.index._model
     _, pre = index.model(checkpoint, device)
     probe = index.embed(Image.new(pre.mode, (64, 64), 128))
-    if probe.shape[1] != index.dim or not np.isfinite(probe).all():
-        raise ValueError(f"the checkpoint makes {probe.shape[1]}-d embeddings but the index holds {index.dim}-d ones")
+    if probe.shape[1] != index.query_dim or not np.isfinite(probe).all():
+        raise ValueError(f"the checkpoint makes {probe.shape[1]}-d embeddings but the index holds {index.query_dim}-d ones")
     d = Path(index.directory) if index.directory is not None else None
     return _Loaded(index, pre, pre.decode_limit(max_decode_mb), d, _file_stats(d) if d else {}, generation)
 

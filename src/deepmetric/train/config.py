@@ -414,6 +414,24 @@ class EvalConfig:
 
 
 @dataclass
+class SearchConfig:
+    """How every search of the run's embeddings is answered (docs/search.md, "Post-processing").
+
+    ``postprocess``: retrieval post-processing steps, run in the order whiten -> dba -> aqe ->
+    kreciprocal wherever a search happens: the in-training evaluation (validation and test,
+    so ``best.pt`` is chosen on the post-processed validation metric), ``deepmetric evaluate``
+    with ``--config``, ``deepmetric index`` (fitted parameters stored in the index; ``search``
+    and ``serve`` apply the query side), the report and the export's preprocessing JSON. Each
+    step is a mapping with ``name`` and its keys, e.g. ``[{name: whiten, dim: 256, fit: gallery},
+    {name: dba, k: 3, alpha: 3}, {name: aqe, k: 2, alpha: 3}]``
+    (:data:`deepmetric.evaluate.postprocess.STEPS` lists the keys and defaults). Choose them on
+    validation: ``deepmetric tune --postprocess CHECKPOINT``.
+    """
+
+    postprocess: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     """A whole run.  ``description`` is free text (recipes name their paper table row)."""
 
@@ -426,6 +444,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
 
 
 # --------------------------------------------------------------------------- validation
@@ -554,6 +573,16 @@ def _build_dataclass(cls: type, value: Any, path: str) -> Any:
 
 def _check_values(cfg: Config) -> None:
     """Cross-field checks that the types alone cannot express."""
+    from deepmetric.evaluate.postprocess import check_steps
+
+    try:
+        cfg.search.postprocess = check_steps(cfg.search.postprocess, "search.postprocess")
+    except ValueError as exc:
+        raise ConfigError(f"config key {exc}") from None
+    if any(s.get("fit") == "train" for s in cfg.search.postprocess):
+        raise ConfigError("config key search.postprocess (whiten): fit: train is not available here (the "
+                          "evaluation and the index fit on the gallery they search); use fit: gallery, or "
+                          "'deepmetric evaluate --postprocess ... --fit-embeddings TRAIN.npz' for a training-set fit")
     t = cfg.train
     if (t.epochs is None) == (t.iterations is None):
         raise ConfigError("config: give exactly one of 'train.epochs' and 'train.iterations'")

@@ -167,10 +167,9 @@ def _cross_domain_metrics(cfg) -> tuple[str, ...]:
 
 def cross_domain_metric_names(cfg) -> list[str]:
     """The names :func:`cross_domain_metrics` returns without their ``cross_domain_`` prefix."""
-    out = []
-    for m in _cross_domain_metrics(cfg):
-        out += [f"recall@{k}" for k in sorted(set(cfg.eval.ks))] if m == "recall" else [m]
-    return out
+    from deepmetric.evaluate import metric_keys
+
+    return metric_keys(_cross_domain_metrics(cfg), cfg.eval.ks)
 
 
 def eval_search_device(cfg, device: torch.device | str, *, nbytes: int = 0) -> torch.device:
@@ -220,6 +219,12 @@ def place_for_search(x, device: torch.device | str | None):
     return x if device.type == "cpu" else torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
 
+def _postprocess(cfg) -> list:
+    """``search.postprocess`` of a config (an older config object may lack the section)."""
+    search = getattr(cfg, "search", None)
+    return list(getattr(search, "postprocess", None) or [])
+
+
 def cross_domain_metrics(embedded: dict, dataset, cfg, *, device: torch.device | str | None = None) -> dict[str, float]:
     """``eval.cross_domain``: ``cross_domain_<metric>``, the mean over domains of each domain's
     queries against the other domains' images (:func:`deepmetric.evaluate.evaluate_cross_domain`).
@@ -235,7 +240,8 @@ def cross_domain_metrics(embedded: dict, dataset, cfg, *, device: torch.device |
     if device is not None:
         x = place_for_search(x, eval_search_device(cfg, device, nbytes=4 * int(np.prod(x.shape))))
     res = evaluate_cross_domain(x, embedded["labels"], domains[0], domain_names=domains[1],
-                                ks=tuple(cfg.eval.ks), metrics=_cross_domain_metrics(cfg), seed=cfg.train.seed)
+                                ks=tuple(cfg.eval.ks), metrics=_cross_domain_metrics(cfg), seed=cfg.train.seed,
+                                postprocess=_postprocess(cfg))
     return {f"cross_domain_{k}": float(v) for k, v in res["mean"].items()}
 
 
@@ -287,7 +293,7 @@ def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, devi
     where = eval_search_device(cfg, device, nbytes=4 * emb.numel())
     metrics = {} if ec.metrics == [] else evaluate(  # []: classification only
         place_for_search(emb, where), lab, ks=tuple(ec.ks), metrics=ec.metrics, seed=cfg.train.seed,
-        kmeans_restarts=ec.kmeans_restarts, backend=backend, **masks)
+        kmeans_restarts=ec.kmeans_restarts, backend=backend, postprocess=_postprocess(cfg), **masks)
     emb_np = emb.cpu().numpy()
     if "gallery" in eval_sets:
         embedded = {"embeddings": emb_np, "labels": lab, **masks}

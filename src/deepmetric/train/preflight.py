@@ -160,21 +160,14 @@ def expected_metrics(cfg: Config) -> list[str]:
     :func:`deepmetric.train.embed.evaluate_model` and :func:`~deepmetric.train.embed.cross_domain_metrics`
     compute them."""
     from deepmetric.evaluate import check_metric_names as check_evaluate_metrics
-    from deepmetric.evaluate import list_metrics
+    from deepmetric.evaluate import metric_keys
 
     e = cfg.eval
     try:
         wanted = () if e.metrics == [] else check_evaluate_metrics(e.metrics)
     except ValueError as exc:
         raise ConfigError(f"config key 'eval.metrics': {exc}") from None
-    names = []
-    for m in list_metrics():
-        if m not in wanted:
-            continue
-        if m == "recall":
-            names += [f"recall@{k}" for k in sorted(set(e.ks))]
-        else:
-            names.append(m)
+    names = metric_keys(wanted, e.ks)
     if e.classification:
         names += ["top1", "mean_per_class"]
     if e.cross_domain:
@@ -443,7 +436,7 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     device): the search runs where :func:`~deepmetric.train.embed.eval_search_device` says (a
     CUDA run: on its GPU when the rows fit in its free memory; None: on the CPU); the limits
     above stay those of the CPU."""
-    from deepmetric.evaluate import CLUSTERING_METRICS, METRICS, evaluate
+    from deepmetric.evaluate import CLUSTERING_METRICS, DEFAULT_METRICS, evaluate
     from deepmetric.evaluate.clustering import KMEANS_NITER
 
     from .embed import dataset_query_gallery_masks, eval_search_device, place_for_search
@@ -483,7 +476,7 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
         return None, (f"{n} images x {d} pixels: an exact search would take about "
                       f"{_format_seconds(search_work)} here, more than the {_format_seconds(max_work)} "
                       f"allowed (RAW_PIXEL_MAX_SECONDS)")
-    wanted = list(e.metrics) if e.metrics is not None else list(METRICS)   # None: every metric
+    wanted = list(e.metrics) if e.metrics is not None else list(DEFAULT_METRICS)  # None: the default set
     clustering = [m for m in wanted if m in CLUSTERING_METRICS]
     retrieval = [m for m in wanted if m not in CLUSTERING_METRICS]
     kmeans_work = (float(evaluated.sum()) * len(np.unique(labels[evaluated])) * d * KMEANS_NITER
