@@ -1,7 +1,7 @@
 """The HTML page of a tune (``deepmetric tune``, :mod:`deepmetric.workflows.tune`): its set-up,
 the best trial, Optuna's optimisation-history and parameter-importance plots and the table of
-every trial (state, parameters, validation value, wall time; the test metrics recorded for
-information only).  One self-contained file, like the run report."""
+every trial (state, parameters, validation value, wall time; no test metric: trials never
+evaluate the test split, and any ``test``-named column is dropped here too).  One self-contained file, like the run report."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +21,7 @@ def _cell(v: Any) -> str:
 
 
 def _table(rows: Sequence[dict]) -> str:
-    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "run_dir"]
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "run_dir" and not c.lower().startswith("test")]
     head = "".join(f"<th>{pg.esc(c)}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{pg.esc(_cell(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows)
     return f'<table class="metrics"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
@@ -42,6 +42,5 @@ def write_tune_report(path: str | Path, *, title: str, summary: Sequence[tuple[s
     body = "".join(figs) + "".join(f'<p class="note">{pg.esc(n)}</p>' for n in notes)
     page.add("plots", "Plots", body or '<p class="note">no plot yet (fewer than 2 finished trials)</p>')
     page.add("trials", "Trials", '<p class="note">val/ = the objective (validation, the trial\'s best '
-             'evaluation); test/ = the final model on the test split, recorded for information and never used '
-             'to choose.</p>' + (_table(rows) if rows else "<p>no trial yet</p>"))
+             'evaluation); the trials never evaluated the test split.</p>' + (_table(rows) if rows else "<p>no trial yet</p>"))
     return page.write(Path(path))

@@ -300,7 +300,8 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     if main:  # rank 0 evaluates
         if select_key is not None:
             eval_sets["val"] = {"query": build_dataset(cfg, VAL_SPLIT, train=False)}
-        eval_sets["test"] = build_test_sets(cfg)
+        if cfg.eval.test:  # eval.test false: the test split stays out of sight (never built)
+            eval_sets["test"] = build_test_sets(cfg)
 
     # 3. model and loss terms ------------------------------------------------------------
     model = build_model(cfg, num_classes=num_classes)
@@ -415,7 +416,7 @@ def _wise_ft(run: _Run) -> None:
         return evaluate_split(net, run.eval_sets[split], cfg, device=run.device, losses=run.losses)[0]
 
     res = run_wise_ft(run.model, run.pretrained_state, best["model"], cfg.eval.wise_ft, cfg.eval.wise_ft_params,
-                      run.select_key, evaluate)
+                      run.select_key, evaluate, with_test=cfg.eval.test)
     state = res.pop("state")
     res["finetuned"] = source.name
     keep = ("loss", "alphas", "model_args", "config", "epoch", "iteration")
@@ -423,9 +424,10 @@ def _wise_ft(run: _Run) -> None:
                     run.out_dir / R.WISE)
     for rec in res["val"]:
         print(f"[deepmetric] WiSE-FT a={rec['alpha']:g} val {run.select_key}={rec[run.select_key]:.4f}", flush=True)
+    tested = ("; its test metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in res["test"].items())
+              if "test" in res else "")
     print(f"[deepmetric] WiSE-FT: a={res['alpha']:g} chosen on validation {run.select_key} "
-          f"({res['value']:.4f}); its test metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in res["test"].items())
-          + f"; written to {run.out_dir / R.WISE}", flush=True)
+          f"({res['value']:.4f}){tested}; written to {run.out_dir / R.WISE}", flush=True)
     run.wise_ft = res
 
 
@@ -437,7 +439,8 @@ def _test_selected(run: _Run) -> None:
     import copy
 
     state, path = run.state, run.out_dir / R.BEST
-    if (not run.main or not run.has_val or not run.cfg.eval.test_selected or state.best.get("value") is None
+    if (not run.main or not run.has_val or not run.cfg.eval.test_selected or not run.cfg.eval.test
+            or state.best.get("value") is None
             or state.best.get("test") is not None or not path.is_file()):
         return
     ckpt = load_checkpoint(path, map_location=run.device)
@@ -518,7 +521,7 @@ def _baselines(run: _Run, resume) -> None:
         results = run.evaluate(0, 0, run.alphas())
         state.metrics, state.val_metrics = results.get("test", {}), results.get("val", {})
         at_start = state.metrics
-    if cfg.eval.baselines and run.main:
+    if cfg.eval.baselines and cfg.eval.test and run.main:  # the baselines are test-split numbers
         run.baselines = P.compute_baselines(run.model, run.losses, run.eval_sets["test"], cfg, device=run.device,
                                             at_start=at_start)
         for name, b in run.baselines.items():
@@ -668,7 +671,7 @@ def _end_of_epoch(run: _Run, epoch: int, finished: bool) -> bool:
     if run.main and last_epoch:
         run.last_ckpt = run.save(R.LAST)  # the training is safe before evaluation runs
     due = _eval_due(cfg, epoch, run.total_epochs, finished)
-    test_due = _eval_due(cfg, epoch, run.total_epochs, finished, split="test")
+    test_due = cfg.eval.test and _eval_due(cfg, epoch, run.total_epochs, finished, split="test")
     if due or test_due:
         _evaluate(run, epoch, final=last_epoch, splits=[s for s, d in (("val", due), ("test", test_due)) if d])
     if due and run.has_val:  # choose on validation metrics only
@@ -701,8 +704,10 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
     state = run.state
     selected = None
     if run.has_val and state.best.get("value") is not None:
-        selected = {k: state.best[k] for k in ("epoch", "metric", "value", "test")}
-    final = {"test": state.metrics, **({"val": state.val_metrics} if run.has_val else {})}
+        selected = {k: state.best[k] for k in ("epoch", "metric", "value", "test") if k != "test" or run.cfg.eval.test}
+    # eval.test false: no "test" key at all (not an empty one), so nothing reads as a test result
+    final = {**({"test": state.metrics} if run.cfg.eval.test else {}),
+             **({"val": state.val_metrics} if run.has_val else {})}
     state.wall_time_s = run.wall_before + time.perf_counter() - run.t_start
     result = TrainResult(run.out_dir, state.metrics, final, selected, state.epoch, state.iteration,
                          heat_ups=list(run.objs.temperature.history), wall_time_s=round(state.wall_time_s, 3),

@@ -85,10 +85,11 @@ def choose_alpha(val_metrics: Mapping[float, Mapping[str, float]], key: str) -> 
 
 
 def run_wise_ft(model: nn.Module, pretrained: Mapping[str, torch.Tensor], finetuned: Mapping[str, torch.Tensor],
-                alphas, params: str, key: str, evaluate: Callable[[nn.Module, str], dict]) -> dict:
+                alphas, params: str, key: str, evaluate: Callable[[nn.Module, str], dict], *,
+                with_test: bool = True) -> dict:
     """Evaluate theta(a) for every a of ``alphas`` (and 1) on ``"val"`` with ``evaluate(model,
-    split) -> metrics``, choose a on validation ``key`` and evaluate the chosen model on
-    ``"test"``.  ``model`` is not changed (a copy is loaded).  Returns the ``wise_ft`` section
+    split) -> metrics``, choose a on validation ``key`` and (``with_test``) evaluate the chosen
+    model on ``"test"``.  ``model`` is not changed (a copy is loaded).  Returns the ``wise_ft`` section
     of metrics.json plus ``"state"`` (the chosen model's state dict)."""
     keys = mixed_keys(finetuned, params)
     net = copy.deepcopy(model)
@@ -102,7 +103,8 @@ def run_wise_ft(model: nn.Module, pretrained: Mapping[str, torch.Tensor], finetu
     chosen = choose_alpha(val, key)
     state = interpolate_state(pretrained, finetuned, chosen, keys)
     net.load_state_dict(state)
-    test = evaluate(net, "test")
-    return {"params": params, "metric": key, "mixed_tensors": len(keys),
-            "val": [{"alpha": a, **m} for a, m in val.items()],
-            "alpha": chosen, "value": val[chosen][key], "test": test, "state": state}
+    out = {"params": params, "metric": key, "mixed_tensors": len(keys),
+           "val": [{"alpha": a, **m} for a, m in val.items()], "alpha": chosen, "value": val[chosen][key]}
+    if with_test:  # eval.test false: the chosen mixture is not evaluated on the test split here
+        out["test"] = evaluate(net, "test")
+    return {**out, "state": state}
