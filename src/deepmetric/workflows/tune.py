@@ -647,12 +647,14 @@ def _log_finished(log: Callable[[str], None]):
 # --------------------------------------------------------------------------- workers
 def _worker_command(setup: TuneSetup) -> list[str]:
     """The command of one worker process of ``--workers K`` (the same tune, ``--worker``)."""
-    cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(setup.recipe), "--space", str(setup.space_path),
-           "--trials", str(setup.trials), "--out", str(setup.out), "--storage", setup.storage,
-           "--study-name", setup.study_name, "--worker", "--count", setup.count]
+    # the overrides right after the recipe: argparse gives a positional list only the words
+    # next to the first positional (after the options they would be "unrecognized arguments")
+    cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(setup.recipe), *setup.cli_overrides,
+           "--space", str(setup.space_path), "--trials", str(setup.trials), "--out", str(setup.out),
+           "--storage", setup.storage, "--study-name", setup.study_name, "--worker", "--count", setup.count]
     if setup.max_trials is not None:
         cmd += ["--max-trials", str(setup.max_trials)]
-    return cmd + list(setup.cli_overrides)
+    return cmd
 
 
 def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] | None = None) -> dict[str, Path]:
