@@ -49,7 +49,7 @@ def part_times(stats: pstats.Stats) -> dict[str, tuple[float, int]]:
     out = {}
     for label, suffix, name in PARTS:
         total, calls = 0.0, 0
-        for (filename, _, func), (cc, nc, tt, ct, callers) in stats.stats.items():
+        for (filename, _, func), (_cc, nc, _tt, ct, _callers) in stats.stats.items():
             if func == name and filename.replace(os.sep, "/").endswith(suffix):
                 total += ct
                 calls += nc

@@ -6,7 +6,6 @@ no absolute path in the committed copy, and results.csv with the protocol's colu
 import csv
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 

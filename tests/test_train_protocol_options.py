@@ -123,7 +123,7 @@ def test_decay_exclude_takes_weight_decay_off_bias_norm_and_loss_parameters_only
     for name, p in model.named_parameters():
         if p.requires_grad:
             expected[f"model.{name}"] = 0.0 if name.endswith(".bias") or id(p) in norm_ids else 0.5
-    for name, p in losses[0].named_parameters():
+    for name, _ in losses[0].named_parameters():
         expected[f"loss.0.{name}"] = 0.0
     got = {n: g["weight_decay"] for g in build_param_groups(model, losses, cfg.optim) for n in g["names"]}
     assert got == expected
