@@ -141,3 +141,34 @@ def test_decay_exclude_takes_weight_decay_off_bias_norm_and_loss_parameters_only
     # without the option every parameter decays, as before
     cfg.optim.decay_exclude = []
     assert {g["weight_decay"] for g in build_param_groups(model, losses, cfg.optim)} == {0.5}
+
+
+@pytest.mark.filterwarnings("ignore:.*no same-label reference")
+def test_wise_ft_reuses_the_logged_evaluations_of_best_pt_with_the_same_result(tmp_path, monkeypatch):
+    """WiSE-FT's a = 1 is best.pt exactly: its validation metrics (and, when a = 1 is chosen, its
+    test metrics) come from the run's log instead of being evaluated again (bench/RESULTS.md, the
+    profile of an emoji run); the wise_ft section is what evaluating them again gives."""
+    import deepmetric.train.loop as loop
+    import deepmetric.train.wise_ft as wise
+
+    calls = []
+    real = loop.evaluate_split
+
+    def counting(model, sets, cfg, **kw):
+        calls.append(len(sets["query"]))
+        return real(model, sets, cfg, **kw)
+
+    monkeypatch.setattr(loop, "evaluate_split", counting)
+    raw = _emoji_run(tmp_path, wise_ft=[0.0, 0.5], test_every=0)
+    train(config_from_dict(raw))
+    reused = json.loads((tmp_path / "run" / "metrics.json").read_text())["wise_ft"]
+    n_reused = len(calls)
+    monkeypatch.setattr(loop, "_best_metrics", lambda run, source: {})  # evaluate everything again
+    calls.clear()
+    raw["train"]["out_dir"] = str(tmp_path / "again")
+    train(config_from_dict(raw))
+    again = json.loads((tmp_path / "again" / "metrics.json").read_text())["wise_ft"]
+    assert reused == again
+    # one validation evaluation fewer (a = 1), and one test evaluation fewer when a = 1 is chosen
+    assert len(calls) - n_reused == 1 + (again["alpha"] == 1.0)
+    assert wise.wise_ft_alphas([0.0, 0.5]) == [0.0, 0.5, 1.0]

@@ -416,7 +416,7 @@ def _wise_ft(run: _Run) -> None:
         return evaluate_split(net, run.eval_sets[split], cfg, device=run.device, losses=run.losses)[0]
 
     res = run_wise_ft(run.model, run.pretrained_state, best["model"], cfg.eval.wise_ft, cfg.eval.wise_ft_params,
-                      run.select_key, evaluate, with_test=cfg.eval.test)
+                      run.select_key, evaluate, with_test=cfg.eval.test, known=_best_metrics(run, source))
     state = res.pop("state")
     res["finetuned"] = source.name
     keep = ("loss", "alphas", "model_args", "config", "epoch", "iteration")
@@ -429,6 +429,20 @@ def _wise_ft(run: _Run) -> None:
     print(f"[deepmetric] WiSE-FT: a={res['alpha']:g} chosen on validation {run.select_key} "
           f"({res['value']:.4f}){tested}; written to {run.out_dir / R.WISE}", flush=True)
     run.wise_ft = res
+
+
+def _best_metrics(run: _Run, source: Path) -> dict:
+    """The validation (and test) metrics of ``best.pt`` from this run's log, when best.pt is the
+    model of a logged evaluation (its epoch's record): WiSE-FT's a = 1 is that model exactly."""
+    epoch = run.state.best.get("epoch")
+    if source.name != R.BEST or epoch is None:
+        return {}
+    out = {}
+    for rec in R.read_log(run.out_dir):
+        if rec.get("epoch") == epoch and rec.get("type") in ("eval", "selected_eval") and rec.get("split") in ("val", "test"):
+            out[rec["split"]] = {k: v for k, v in rec.items()
+                                 if k not in ("type", "split", "epoch", "step", "eval_seconds", "alpha")}
+    return out
 
 
 def _test_selected(run: _Run) -> None:
