@@ -347,7 +347,7 @@ def run_final_phase(proto: Protocol) -> None:
     almn = almn_study(proto)
     if almn is not None:
         completed = tune_record(proto, "almn_beta3")["completed"]
-        groups = {v: (f"almn_{v}", spec.BETA_SEEDS, completed) for v in almn.variants}
+        groups = {v: (f"almn_sweep_{v}", spec.BETA_SEEDS, completed) for v in almn.variants}
         write_csv(proto.runs / "almn_beta.csv", final_rows(proto, almn, groups), RESULT_COLUMNS)
     write_summary(proto)
     copy_results(proto)
@@ -517,7 +517,7 @@ def main(argv=None) -> int:
         if args.summary:
             for loss in proto.tuned():
                 copy_tune(proto, loss)
-            if proto.tuned():
+            if (proto.runs / "control" / "winner.json").is_file():  # the control phase has started
                 write_control(proto)
             if (proto.runs / "results.csv").is_file():
                 write_summary(proto)

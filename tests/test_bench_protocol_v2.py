@@ -163,3 +163,48 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     before = {p: p.stat().st_mtime_ns for p in [*(runs / "seeds").glob("*/seed*.final.json"), worker_log]}
     assert bench.main(argv + ["seeds", "control", "final"]) == 0
     assert {p: p.stat().st_mtime_ns for p in [*(runs / "seeds").glob("*/seed*.final.json"), worker_log]} == before
+
+
+def _fake_tune(runs, loss, value, overrides):
+    d = runs / "tune" / loss
+    d.mkdir(parents=True)
+    (d / "best_overrides.json").write_text(json.dumps({"trial": 0, "value": value, "overrides": overrides}))
+    (d / "trials.csv").write_text("trial,state\n0,complete\n1,pruned\n2,complete\n")
+
+
+def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_path):
+    """control: every loss at the winner's shared values with its own option kept; the sweep:
+    beta 0-3 at almn_beta3's tuned values, seeds 100-104 (built and validated, not trained)."""
+    runs = tmp_path / "runs"
+    _fake_tune(runs, "BN", 0.50, ['optim.name="sgd"', "optim.lr=0.02", "optim.weight_decay=0.0001",
+                                  "optim.new_layer_lr_mult=10.0", 'eval.embedding="embedding"',
+                                  "loss.0.options.alpha=32.0"])
+    _fake_tune(runs, "almn_beta3", 0.60, ['optim.name="adamw"', "optim.lr=0.0003", "optim.weight_decay=0.01",
+                                          "optim.new_layer_lr_mult=1.0", 'eval.embedding="projection"',
+                                          "optim.loss_lr_mult=30.0"])
+    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy"), "--only", "BN", "almn_beta3",
+                             "--set", "model.options.pretrained=null"])
+    proto = bench.Protocol(args)
+    assert bench.tune_record(proto, "BN")["completed"] == 2
+    study, win = bench.control_study(proto)
+    assert win["loss"] == "almn_beta3"
+    by_variant = {r.variant: r.raw for r in study.runs}
+    assert {r.seed for r in study.runs} == {100}
+    bn = by_variant["BN"]
+    assert (bn["optim"]["name"], bn["optim"]["lr"], bn["eval"]["embedding"]) == ("adamw", 0.0003, "projection")
+    assert bn["loss"][0]["options"]["alpha"] == 32.0 and bn["loss"][0]["name"] == "heated_softmax"  # its own
+    assert by_variant["almn_beta3"]["optim"]["loss_lr_mult"] == 30.0
+    sweep = bench.almn_study(proto)
+    assert sorted(sweep.variants) == ["beta0", "beta1", "beta2", "beta3"]
+    assert sorted({r.seed for r in sweep.runs}) == [100, 101, 102, 103, 104]
+    for r in sweep.runs:
+        assert r.raw["loss"][0]["name"] == "almn" and r.raw["optim"]["lr"] == 0.0003
+        assert r.raw["loss"][0]["options"]["beta"] == float(r.variant[len("beta"):])
+    # a later winner is refused, not silently applied to the control runs
+    _fake_tune(runs, "HBN", 0.70, ['optim.name="sgd"', "optim.lr=0.05", "optim.weight_decay=0.0001",
+                                   "optim.new_layer_lr_mult=10.0", 'eval.embedding="embedding"',
+                                   "loss.0.options.alpha=16.0"])
+    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy"), "--only", "HBN", "BN",
+                             "almn_beta3", "--set", "model.options.pretrained=null"])
+    with pytest.raises(bench.ProtocolError, match="the winner is now HBN"):
+        bench.control_study(bench.Protocol(args))

@@ -77,7 +77,7 @@ def test_the_issues_space_file_and_a_multi_key_parameter_load(tmp_path):
     assert [p.name for p in setup.space.params] == ["optim.lr", "loss.0.options.alpha", "batch"]
     cfg = setup.trial_config({"optim.lr": 0.01, "loss.0.options.alpha": 32.0, "batch": [8, 2]}, tmp_path / "r")
     assert (cfg.optim.lr, cfg.loss[0].options["alpha"], cfg.train.m, cfg.train.n) == (0.01, 32.0, 8, 2)
-    assert cfg.eval.best_metric == "recall@1" and cfg.eval.test_every == 0 and not cfg.eval.test_selected and cfg.train.sampler == "class_balanced"
+    assert cfg.eval.best_metric == "recall@1" and not cfg.eval.test and not cfg.eval.test_selected and cfg.train.sampler == "class_balanced"
 
 
 def test_a_parameter_that_names_no_config_key_is_refused_before_any_trial(tmp_path):
