@@ -92,6 +92,7 @@ eval: {{every: 1, test: false, ks: [1, 2], metrics: [recall, map@r], cross_domai
 """
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*no same-label reference")
 def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch):
     make_tree(tmp_path / "tree")
