@@ -423,8 +423,11 @@ def write_summary(proto: Protocol) -> None:
     from deepmetric.report.study_tables import mean_ci
 
     rows = read_csv(proto.runs / "results.csv")
+    epochs = ", ".join(sorted({r["epochs"] for r in rows})) or "-"
+    budget = ", ".join(sorted({r["completed_trials"] for r in rows})) or "-"
     lines = ["# Protocol v2: results (test split, evaluated once by the final step)", "",
-             f"{proto.epochs} epochs per run, {proto.trials} completed tune trials per loss; seeds no tune used.", "",
+             f"Epochs per run: {epochs}; completed tune trials per loss: {budget}; seeds no tune used "
+             f"(the tunes trained with seed {spec.TUNE_SEED}).", "",
              "| loss | runs | completed trials | cross-vendor R@1 mean | sd | 95 % CI | MAP@R mean | sd | "
              "flattened |", "|---|---|---|---|---|---|---|---|---|"]
     stats_by = {}
@@ -524,7 +527,7 @@ def main(argv=None) -> int:
                 copy_results(proto)
             return 0
         run(proto, list(PHASES) if "all" in args.phase else list(args.phase))
-    except ProtocolError as exc:
+    except (ProtocolError, ValueError) as exc:  # ValueError: TuneError, ConfigError (a changed set-up, a bad key)
         print(f"protocol_v2: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
