@@ -2,7 +2,8 @@
 studies/protocol_v2.py), one resumable command.  Phases, in this order by default:
 
 * ``tune``: each loss searches the same space shape on the cross-vendor validation emoji until
-  it has ``--trials`` *completed* trials (TPE, median pruning only in the second half); the
+  it has ``--trials`` *completed* trials (TPE, 4 trials at a time as pre-registered, median
+  pruning only in the second half); the
   trials never evaluate the test split, and the copy of each tune's outputs is checked to hold
   no test metric before it is written;
 * ``seeds``: each loss at its tuned settings on seeds no tune used (``SEEDS``; ``CLAIM_SEEDS``
@@ -14,15 +15,16 @@ studies/protocol_v2.py), one resumable command.  Phases, in this order by defaul
 * ``final``: only for the losses whose seeded runs have all finished, and only once the
   pre-registration exists (committed, for the repository's copy): each seeded run's best.pt on
   the test split once (cross-vendor Recall@1 and MAP@R), then ``results.csv``,
-  ``almn_beta.csv`` and ``summary.md`` (mean, spread, paired 95 % CIs, Holm-corrected p).
+  ``almn_beta.csv`` and ``summary.md`` (the ranked table; the pre-registered hypotheses H1-H6
+  with paired 95 % CIs, Holm over the seven tests, and the decision rule's verdicts).
 
 Runs live in ``--runs`` (runs/protocol_v2); the committed copy (``--copy-to``,
 bench/studies/protocol_v2) gets the tunes' outputs, control.csv and, from ``final`` only, the
 results, every path in them relative to the repository.  A rerun resumes every phase.
 
-    python bench/protocol_v2.py                                  # everything, 2 CPU workers
+    python bench/protocol_v2.py                                  # everything (tunes 4 trials at a time)
     python bench/protocol_v2.py --phase tune seeds --only HBN BN # some phases, some losses
-    python bench/protocol_v2.py --device cuda --parallel 4       # 4 trials / runs at once on a GPU
+    python bench/protocol_v2.py --device cuda --parallel 8       # on one GPU, 8 seeded runs at once
     python bench/protocol_v2.py --summary                        # rewrite the copies, train nothing
 """
 from __future__ import annotations
@@ -132,8 +134,8 @@ def run_tune_phase(proto: Protocol, loss: str) -> None:
     setup = prepare_tune(proto.recipe, spaces[loss], trials=proto.trials, out=proto.tune_dir(loss),
                          study_name=f"protocol_v2__{loss}", overrides=proto.common, count="completed",
                          max_trials=spec.MAX_TRIALS_FACTOR * proto.trials)
-    proto.log(f"tune {loss}: {setup.budget_text()}")
-    run_tune(setup, workers=proto.args.parallel)
+    proto.log(f"tune {loss}: {setup.budget_text()}, {proto.args.tune_parallel} trials at a time")
+    run_tune(setup, workers=proto.args.tune_parallel)
     copy_tune(proto, loss)
 
 
@@ -403,15 +405,15 @@ def holm(pvalues: list[float]) -> list[float]:
     return out
 
 
-def paired(rows: list[dict], a: str, b: str, metric: str) -> dict:
+def paired(rows: list[dict], a: str, b: str, metric: str, key: str = "loss") -> dict:
     """Paired difference A - B over the seeds both have: mean, 95 % t interval, two-sided
-    paired t-test p-value."""
+    paired t-test p-value (NaN with fewer than 2 seeds or no spread)."""
     from scipy import stats
 
     from deepmetric.report.study_tables import mean_ci
 
-    x = {int(r["seed"]): float(r[metric]) for r in rows if r["loss"] == a}
-    y = {int(r["seed"]): float(r[metric]) for r in rows if r["loss"] == b}
+    x = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == a}
+    y = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == b}
     seeds = sorted(set(x) & set(y))
     diffs = [x[s] - y[s] for s in seeds]
     ci = mean_ci(diffs)
@@ -419,38 +421,88 @@ def paired(rows: list[dict], a: str, b: str, metric: str) -> dict:
     return {"a": a, "b": b, "n": len(seeds), **ci, "p": p}
 
 
+def verdict(test: dict, holm_p: float) -> str:
+    """The pre-registered decision rule on the primary metric (fractions; points = x 100)."""
+    if test["n"] < 2 or not math.isfinite(test["mean"]):
+        return "not resolved"
+    if holm_p < spec.ALPHA:
+        return "holds" if test["mean"] > 0 else "reversed"
+    if math.isfinite(test["ci_high"]) and test["ci_high"] < spec.MIN_GAIN_POINTS / 100:
+        return "does not hold"
+    return "not resolved"
+
+
+def best_by_tune(proto: Protocol, group: list[str], rows: list[dict]) -> str | None:
+    """The loss of ``group`` with the best tuned validation objective (among those with results)."""
+    have = {r["loss"] for r in rows}
+    tuned = [n for n in group if n in have and (proto.tune_dir(n) / "best_overrides.json").is_file()]
+    return max(tuned, key=lambda n: tune_record(proto, n)["value"]) if tuned else None
+
+
+def hypothesis_tests(proto: Protocol, rows: list[dict], metric: str) -> list[tuple[str, dict | None]]:
+    """H1-H4, H5a / H5b (two_head_accuracy.csv in the copy, its top-1 or macro accuracy) and H6:
+    the whole pre-registered family, None for a test whose runs are not there yet."""
+    have = {r["loss"] for r in rows}
+    out = [(h, paired(rows, a, b, metric) if a in have and b in have else None) for h, a, b in spec.COMPARISONS]
+    two = read_csv(proto.copy / "two_head_accuracy.csv")
+    col = "top1" if metric == spec.OBJECTIVE else "macro_accuracy"
+    out += [(h, paired(two, a, b, col, key="variant") if two else None) for h, a, b in spec.TWO_HEAD]
+    ours, pml = best_by_tune(proto, spec.OURS, rows), best_by_tune(proto, spec.PML, rows)
+    out.append(("H6", paired(rows, ours, pml, metric) if ours and pml else None))
+    return out
+
+
+def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
+    lines = []
+    for metric in METRICS:
+        tests = hypothesis_tests(proto, rows, metric)
+        # Holm over the whole family of 7: a test not run yet counts as p = 1 (never helps the others)
+        adjusted = holm([t["p"] if t is not None and math.isfinite(t["p"]) else 1.0 for _, t in tests])
+        primary = metric == spec.OBJECTIVE
+        lines += [f"### {metric}" + (" (primary: the decision rule)" if primary else " (secondary: no verdict)"), "",
+                  "| id | A - B | seeds | mean (points) | 95 % CI | p | Holm p |" + (" verdict |" if primary else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if primary else "")]
+        for (h, t), adj in zip(tests, adjusted):
+            if t is None:
+                lines.append(f"| {h} | not run yet | | | | | |" + (" |" if primary else ""))
+                continue
+            cells = (f"| {h} | {t['a']} - {t['b']} | {t['n']} | {100 * t['mean']:+.2f} | "
+                     f"[{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}] | {t['p']:.4g} | {adj:.4g} |")
+            lines.append(cells + (f" {verdict(t, adj)} |" if primary else ""))
+        lines.append("")
+    return lines
+
+
 def write_summary(proto: Protocol) -> None:
     from deepmetric.report.study_tables import mean_ci
+    from deepmetric.train.rundir import write_text_atomic
 
     rows = read_csv(proto.runs / "results.csv")
     epochs = ", ".join(sorted({r["epochs"] for r in rows})) or "-"
     budget = ", ".join(sorted({r["completed_trials"] for r in rows})) or "-"
-    lines = ["# Protocol v2: results (test split, evaluated once by the final step)", "",
-             f"Epochs per run: {epochs}; completed tune trials per loss: {budget}; seeds no tune used "
-             f"(the tunes trained with seed {spec.TUNE_SEED}).", "",
-             "| loss | runs | completed trials | cross-vendor R@1 mean | sd | 95 % CI | MAP@R mean | sd | "
-             "flattened |", "|---|---|---|---|---|---|---|---|---|"]
     stats_by = {}
     for loss in dict.fromkeys(r["loss"] for r in rows):
         mine = [r for r in rows if r["loss"] == loss]
-        r1, mp = (mean_ci([float(r[m]) for r in mine]) for m in METRICS)
-        stats_by[loss] = (r1, mp, mine)
-    for loss, (r1, mp, mine) in sorted(stats_by.items(), key=lambda kv: -kv[1][0]["mean"]):
+        stats_by[loss] = (*(mean_ci([float(r[m]) for r in mine]) for m in METRICS), mine)
+    ranked = sorted(stats_by, key=lambda n: -stats_by[n][0]["mean"])
+    lines = ["# Protocol v2: results (test split, evaluated once by the final step)", "",
+             f"Epochs per run: {epochs}; completed tune trials per loss: {budget}; seeds no tune used "
+             f"(the tunes trained with seed {spec.TUNE_SEED}). Points of cross-vendor Recall@1 / MAP@R.", "",
+             "| rank | loss | runs | R@1 mean | sd | 95 % CI | vs top (seeds 100-102) | MAP@R mean | sd | flattened |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, loss in enumerate(ranked, 1):
+        r1, mp, mine = stats_by[loss]
+        top = paired([r for r in rows if int(r["seed"]) in spec.SEEDS], loss, ranked[0], spec.OBJECTIVE)
+        vs = "-" if loss == ranked[0] else f"{100 * top['mean']:+.2f} [{100 * top['ci_low']:+.2f}, {100 * top['ci_high']:+.2f}]"
         flat = sum(r["val_flattened"] == "True" for r in mine)
-        lines.append(f"| {loss} | {len(mine)} | {mine[0]['completed_trials']} | {100 * r1['mean']:.2f} | "
-                     f"{100 * r1['std']:.2f} | [{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | "
-                     f"{100 * mp['mean']:.2f} | {100 * mp['std']:.2f} | {flat}/{len(mine)} |")
-    lines += ["", "## Pre-registered comparisons (paired by seed, A - B, points; Holm over the list)", ""]
-    for metric in METRICS:
-        tests = [paired(rows, a, b, metric) for a, b in spec.COMPARISONS if a in stats_by and b in stats_by]
-        adjusted = holm([t["p"] if math.isfinite(t["p"]) else 1.0 for t in tests])
-        lines += [f"### {metric}", "", "| A - B | seeds | mean | 95 % CI | p | Holm p |", "|---|---|---|---|---|---|"]
-        for t, h in zip(tests, adjusted):
-            lines.append(f"| {t['a']} - {t['b']} | {t['n']} | {100 * t['mean']:+.2f} | "
-                         f"[{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}] | {t['p']:.4g} | {h:.4g} |")
-        lines.append("")
-    from deepmetric.train.rundir import write_text_atomic
-
+        lines.append(f"| {i} | {loss} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
+                     f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {vs} | {100 * mp['mean']:.2f} | "
+                     f"{100 * mp['std']:.2f} | {flat}/{len(mine)} |")
+    lines += ["", "## The pre-registered hypotheses (paired by seed, A - B; Holm over H1-H6, seven tests)", "",
+              f"H6: the best of ours ({best_by_tune(proto, spec.OURS, rows)}) against the best "
+              f"pytorch-metric-learning loss ({best_by_tune(proto, spec.PML, rows)}), each by its tune's "
+              "validation objective.", ""]
+    lines += hypotheses_markdown(proto, rows)
     write_text_atomic(proto.runs / "summary.md", "\n".join(lines) + "\n")
 
 
@@ -475,7 +527,11 @@ def parse_args(argv=None):
     ap.add_argument("--epochs", type=int, default=spec.EPOCHS)
     ap.add_argument("--trials", type=int, default=spec.TRIALS, help="completed trials per loss")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--parallel", type=int, default=2, help="trials / seeded runs at once (worker processes)")
+    ap.add_argument("--parallel", type=int, default=2,
+                    help="seeded / control / sweep runs at once (worker processes; on a GPU: processes sharing it)")
+    ap.add_argument("--tune-parallel", type=int, default=spec.TUNE_WORKERS,
+                    help=f"trials at once in every tune (pre-registered: {spec.TUNE_WORKERS} on any machine; "
+                         "another value only for tests)")
     ap.add_argument("--runs", default=str(ROOT / "runs" / "protocol_v2"))
     ap.add_argument("--copy-to", default=str(ROOT / "bench" / "studies" / "protocol_v2"))
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "protocol_v2.yaml"))
@@ -486,8 +542,8 @@ def parse_args(argv=None):
     unknown = [n for n in args.only or () if n not in spec.LOSSES]
     if unknown:
         ap.error(f"unknown loss(es) {unknown}; the table has {list(spec.LOSSES)}")
-    if args.parallel < 1 or args.trials < 1 or args.epochs < 1:
-        ap.error("--parallel, --trials and --epochs must be >= 1")
+    if min(args.parallel, args.tune_parallel, args.trials, args.epochs) < 1:
+        ap.error("--parallel, --tune-parallel, --trials and --epochs must be >= 1")
     return args
 
 

@@ -44,15 +44,26 @@ EPOCHS = 10
 TRIALS = 12
 MAX_TRIALS_FACTOR = 3
 SAMPLER_SEED = 0
-PRUNER_STARTUP = 3
+PRUNER_STARTUP = 4
+#: trials at a time in every tune, on any machine (pre-registered: TPE then sees the same number of
+#: finished trials when it samples, whichever machine runs a loss)
+TUNE_WORKERS = 4
 OBJECTIVE = "cross_domain_recall@1"
 #: the tunes train with train.seed TUNE_SEED; the seeded runs use seeds no tune used
 TUNE_SEED = 0
 SEEDS = [100, 101, 102]
 CLAIM_SEEDS = [100, 101, 102, 103, 104]
 CLAIM_LOSSES = ["HBN", "BN", "SM", "LN", "HLN", "almn_beta3", "almn_beta0", "triplet_semihard"]
-#: the paired comparisons of the summary (A - B, same seed), Holm-corrected together
-COMPARISONS = [("HBN", "BN"), ("BN", "SM"), ("HLN", "LN"), ("almn_beta3", "almn_beta0")]
+#: the pre-registered hypotheses on the primary metric (A - B, paired by seed), Holm-corrected
+#: together with H5a / H5b (bench/two_head_accuracy.py's two_head_accuracy.csv, when it exists)
+#: and H6 (the best of OURS against the best of PML, each by its tune's validation objective)
+COMPARISONS = [("H1", "HBN", "BN"), ("H2", "BN", "SM"), ("H3", "HLN", "LN"), ("H4", "almn_beta3", "almn_beta0")]
+TWO_HEAD = [("H5a", "semihard", "softmax"), ("H5b", "hard", "softmax")]
+OURS = ["HBN", "BN", "SM", "LN", "HLN", "almn_beta3", "almn_beta0", "npair", "triplet_semihard"]
+PML = ["pml_proxy_anchor", "pml_multi_similarity", "pml_arcface", "pml_normalized_softmax"]
+#: the decision rule: the smallest difference (points of the primary metric) called a gain
+MIN_GAIN_POINTS = 1.0
+ALPHA = 0.05
 #: ALMN's beta sweep at almn_beta3's tuned settings
 BETAS = [0.0, 1.0, 2.0, 3.0]
 BETA_SEEDS = [100, 101, 102, 103, 104]
@@ -72,9 +83,12 @@ EMBEDDING_NAMES = {"embedding": "pooled", "projection": "own"}
 
 
 def _contrastive() -> tuple[list[str], dict]:
-    """Hadsell et al. 2006 on the l2 projection, m x n batches; its own option is the margin."""
-    return (fair._loss("contrastive", "l2", margin=0.5) + fair.PAIRS,
-            {"loss.0.options.margin": {"type": "float", "low": 0.1, "high": 1.4}})
+    """Contrastive loss (Hadsell et al. 2006) as pytorch-metric-learning writes it, with both
+    margins (positive pairs pulled within pos_margin, negatives pushed beyond neg_margin, on the
+    l2-normalised projection, distances in [0, 2]), m x n batches; its own options: both margins."""
+    return (fair._pml("ContrastiveLoss", "l2", pos_margin=0.0, neg_margin=1.0) + fair.PAIRS,
+            {"loss.0.options.pos_margin": {"type": "float", "low": 0.0, "high": 0.5},
+             "loss.0.options.neg_margin": {"type": "float", "low": 0.5, "high": 1.5}})
 
 
 def _table() -> dict[str, tuple[list[str], dict]]:

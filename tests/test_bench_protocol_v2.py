@@ -103,7 +103,7 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     monkeypatch.setenv("DEEPMETRIC_TUNE_HEARTBEAT", "1")
     losses = ["BN", "pml_normalized_softmax"]  # a claim loss (5 seeds) and a user's pick (3)
     argv = ["--recipe", str(tmp_path / "recipe.yaml"), "--runs", str(tmp_path / "runs"), "--copy-to", str(copy),
-            "--only", *losses, "--trials", "2", "--epochs", "1", "--parallel", "2", "--phase"]
+            "--only", *losses, "--trials", "2", "--epochs", "1", "--parallel", "2", "--tune-parallel", "2", "--phase"]
     assert bench.main(argv + ["tune"]) == 0  # the tunes, then (another command) the rest
     assert bench.main(argv + ["seeds", "control", "final"]) == 0
     runs = tmp_path / "runs"
@@ -209,3 +209,35 @@ def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_pa
                              "almn_beta3", "--set", "model.options.pretrained=null"])
     with pytest.raises(bench.ProtocolError, match="the winner is now HBN"):
         bench.control_study(bench.Protocol(args))
+
+
+def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
+    """H1-H6 with Holm over the family of seven (tests not run yet count as p = 1), verdicts on
+    the primary metric: holds / reversed / does not hold (CI below +1 point) / not resolved."""
+    runs = tmp_path / "runs"
+    means = {"HBN": 0.60, "BN": 0.50, "SM": 0.50, "LN": 0.40, "HLN": 0.40, "almn_beta3": 0.30, "almn_beta0": 0.40,
+             "pml_proxy_anchor": 0.45}
+    jitter = {"HLN": [0.2, -0.2, 0.1, -0.1, 0.15]}  # a wide interval: not resolved
+    rows = []
+    for loss, m in means.items():
+        for i, seed in enumerate([100, 101, 102, 103, 104]):
+            v = m + jitter.get(loss, [0.001, -0.001, 0.0005, -0.0005, 0.0])[i]
+            rows.append({"loss": loss, "seed": seed, "completed_trials": 12, "optimizer": "sgd", "embedding": "own",
+                         "epochs": 10, "cross_domain_recall@1": v, "cross_domain_map@r": v / 2,
+                         "val_flattened": True})
+    bench.write_csv(runs / "results.csv", rows, bench.RESULT_COLUMNS)
+    for loss, value in (("HBN", 0.7), ("BN", 0.6), ("pml_proxy_anchor", 0.65)):
+        _fake_tune(runs, loss, value, ["optim.lr=0.01"])
+    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")])
+    proto = bench.Protocol(args)
+    bench.write_summary(proto)
+    text = (runs / "summary.md").read_text()
+    primary = text.split("### cross_domain_recall@1")[1].split("###")[0]
+    got = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in primary.splitlines()
+           if re.match(r"\| H\d", line)}
+    assert got == {"H1": "holds", "H2": "does not hold", "H3": "not resolved", "H4": "reversed", "H5a": "",
+                   "H5b": "", "H6": "holds"}, got
+    assert "| H5a | not run yet |" in primary and "best of ours (HBN)" in text and "(pml_proxy_anchor)" in text
+    assert "| 1 | HBN | 5 | 60.00 |" in text
+    secondary = text.split("### cross_domain_map@r")[1]
+    assert "holds" not in secondary and "verdict" not in secondary  # MAP@R: reported, no verdict
