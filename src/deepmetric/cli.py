@@ -663,6 +663,11 @@ def _add_tune_parser(sub) -> None:
                         "run, else map@r)")
     p.add_argument("--kreciprocal", action="store_true", help="with --postprocess: also try k-reciprocal re-ranking")
     p.add_argument("--device", default="auto", help="with --postprocess: where the model embeds (auto, cpu, cuda[:i])")
+    p.add_argument("--count", choices=("finished", "completed"), default="finished",
+                   help="what --trials counts: finished or pruned trials (default), or completed ones only "
+                        "(pruned ones do not count: every tune gets the same number of complete trials)")
+    p.add_argument("--max-trials", type=int, default=None,
+                   help="with --count completed: stop after this many finished or pruned trials (default 3 x --trials)")
     p.add_argument("--workers", type=int, default=1,
                    help="trials at once on this machine (processes with cores/K torch threads each)")
     p.add_argument("--storage", default=None,
@@ -705,7 +710,8 @@ def _run_tune(args: argparse.Namespace) -> int:
         if args.workers < 1:
             raise TuneError(f"--workers: expected an int >= 1, got {args.workers}")
         setup = prepare_tune(args.recipe, args.space, trials=args.trials, out=args.out, storage=args.storage,
-                             study_name=args.study_name, overrides=args.overrides)
+                             study_name=args.study_name, overrides=args.overrides, count=args.count,
+                             max_trials=args.max_trials)
         if args.worker:  # one of the processes of 'deepmetric tune --workers K'
             from deepmetric.workflows.engine import worker_threads
 

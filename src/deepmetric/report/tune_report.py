@@ -1,7 +1,7 @@
 """The HTML page of a tune (``deepmetric tune``, :mod:`deepmetric.workflows.tune`): its set-up,
 the best trial, Optuna's optimisation-history and parameter-importance plots and the table of
-every trial (state, parameters, validation value, wall time; the test metrics recorded for
-information only).  One self-contained file, like the run report."""
+every trial (state, parameters, validation value, wall time; no test metric: trials never
+evaluate the test split, and any ``test``-named column is dropped here too).  One self-contained file, like the run report."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,17 +36,11 @@ def _table(rows: Sequence[dict], cols: Sequence[str], names: Sequence[str] | Non
 
 
 def _tables(rows: Sequence[dict]) -> str:
-    """The trials in two tables that fit a 1280 px window: the search (state, parameters,
-    validation objective, epochs, time), then the test metrics recorded for information."""
-    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "run_dir"]
-    tests = [c for c in cols if c.startswith("test/")]
-    main = [c for c in cols if c not in tests]
-    out = _table(rows, main)
-    tested = [r for r in rows if any(r.get(c) is not None for c in tests)]
-    if tested:
-        out += ('<h3>Test metrics of the finished trials (information only)</h3>'
-                + _table(tested, ["trial", *tests], ["trial", *(c[len("test/"):] for c in tests)]))
-    return out
+    """The trials in one table that fits a 1280 px window (state, parameters, validation
+    objective, epochs, time).  No test metric is ever shown: a tune chooses on validation, and
+    a column of an older storage named ``test...`` is dropped (issue 30)."""
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "run_dir" and not c.lower().startswith("test")]
+    return _table(rows, cols)
 
 
 def write_tune_report(path: str | Path, *, title: str, summary: Sequence[tuple[str, Any]], rows: Sequence[dict],
@@ -64,6 +58,5 @@ def write_tune_report(path: str | Path, *, title: str, summary: Sequence[tuple[s
     body = "".join(figs) + "".join(f'<p class="note">{pg.esc(n)}</p>' for n in notes)
     page.add("plots", "Plots", body or '<p class="note">no plot yet (fewer than 2 finished trials)</p>')
     page.add("trials", "Trials", '<p class="note">val/ = the objective (validation, the trial\'s best '
-             'evaluation); test/ = the final model on the test split, recorded for information and never used '
-             'to choose.</p>' + (_tables(rows) if rows else "<p>no trial yet</p>"))
+             'evaluation); the trials never evaluated the test split.</p>' + (_tables(rows) if rows else "<p>no trial yet</p>"))
     return page.write(Path(path))

@@ -183,6 +183,12 @@ class OptimConfig:
     ``layer_decay`` (layer-wise learning-rate decay, null = off): a backbone parameter of
     stage ``s`` counted from the top (``deepmetric.models.backbone_stages``; the top stage is
     0) trains at ``lr * layer_decay ** s``; the new layers and the loss keep their multipliers.
+    ``decay_exclude`` (default none) lists the parameters that get no weight decay whatever
+    ``weight_decay`` says: ``bias`` (every parameter named ``*.bias``), ``norm`` (the weights
+    and shifts of normalisation layers: batch, layer, group, instance norm) and ``loss`` (every
+    loss parameter: proxies, class weights, centres, learnable temperatures), as is usual since
+    Goyal et al. 2017 (no decay on BN's gamma / beta) and BERT (no decay on biases and LayerNorm);
+    a ``param_groups`` entry that sets ``weight_decay`` still wins.
     """
 
     name: Literal["sgd", "adam", "adamw"] = "sgd"
@@ -197,6 +203,7 @@ class OptimConfig:
     loss_lr_mult: Optional[float] = None
     param_groups: list[ParamGroupConfig] = field(default_factory=list)
     layer_decay: Optional[float] = None
+    decay_exclude: list[Literal["bias", "norm", "loss"]] = field(default_factory=list)
 
 
 @dataclass
@@ -378,6 +385,16 @@ class EvalConfig:
     #: not evaluated (``test_every``), so that metrics.json's ``selected.test`` is always the
     #: test score of the model validation chose (one more test evaluation; off in tuning trials)
     test_selected: bool = True
+    #: false: the test split is never built nor evaluated during training (no final test
+    #: evaluation, no test_selected, no WiSE-FT test metrics, no baselines): metrics.json holds
+    #: validation only, for protocols that keep the test split out of sight until one final
+    #: step over the finished runs (``deepmetric tune``'s trials; bench/protocol_v2.py)
+    test: bool = True
+    #: the model output that is indexed and evaluated (validation, best.pt's selection, WiSE-FT,
+    #: the test split): ``embedding`` (the head's output, what ``forward_head`` returns) or
+    #: ``projection`` (the SimCLR projection head of ``model.options.projection``: the output a
+    #: ``loss.N.input: projection`` term trains)
+    embedding: Literal["embedding", "projection"] = "embedding"
     at_start: bool = False
     #: the test split; ``null``: none (the run evaluates its validation split only, and a later
     #: step tests the finished model: test out of sight while anything is chosen)
@@ -630,6 +647,17 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'eval.test_every': must be >= 0, got {cfg.eval.test_every}")
     if not cfg.eval.ks or any(k < 1 for k in cfg.eval.ks):
         raise ConfigError(f"config key 'eval.ks': expected positive ints, got {cfg.eval.ks}")
+    if not cfg.eval.test and not cfg.data.has_validation:
+        raise ConfigError("config key 'eval.test': false evaluates no split at all without a validation split; "
+                          "add data.val_classes (e.g. data.val_classes=0.2) or keep eval.test true")
+    if not cfg.eval.test and cfg.eval.train_neighbours:
+        raise ConfigError("config key 'eval.test': false, but eval.train_neighbours is measured on the test "
+                          "split; turn one of them off")
+    if cfg.eval.embedding == "projection" and not cfg.model.options.get("projection"):
+        raise ConfigError("config key 'eval.embedding': 'projection' indexes the projection head's output, but "
+                          "the model has none (set model.options.projection, e.g. {dim: 128, norm: l2})")
+    if len(set(cfg.optim.decay_exclude)) != len(cfg.optim.decay_exclude):
+        raise ConfigError(f"config key 'optim.decay_exclude': names a kind twice: {cfg.optim.decay_exclude}")
     _check_validation(cfg)
     s = cfg.schedule.lr
     if s.name == "step" and s.step_size < 1:

@@ -32,8 +32,9 @@ __all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "evaluate
            "load_model_from_checkpoint", "dataset_query_gallery_masks", "EMBEDDING_OUTPUTS", "eval_search_device",
            "make_eval_loader", "command_search_device", "place_for_search", "SEARCH_DEVICE_CHOICES"]
 
-# compute_embeddings(output=...): forward_head(fmap) and forward_head(fmap, pre_logits=True)
-EMBEDDING_OUTPUTS = ("embedding", "features")
+# compute_embeddings(output=...): forward_head(fmap), forward_head(fmap, pre_logits=True) and the
+# projection head's output (forward's "projection", eval.embedding: projection)
+EMBEDDING_OUTPUTS = ("embedding", "features", "projection")
 
 
 def make_eval_loader(dataset: Dataset, *, batch_size: int, device: torch.device | str,
@@ -58,7 +59,8 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
     ``output`` names the model output kept as ``"embeddings"``: ``"embedding"`` (the trained
     head, ``model.forward_head(model.forward_features(x))``) or ``"features"`` (the backbone's
     pooled features, ``forward_head(..., pre_logits=True)``, e.g. ImageNet features before any
-    training).
+    training) or ``"projection"`` (the SimCLR projection head's output, ``forward(x)["projection"]``:
+    what a ``loss.N.input: projection`` term reads; ``eval.embedding: projection``).
 
     Returns ``{"embeddings": float32 [N, k], "labels": int64 [N]}`` plus ``"logits"`` when
     ``with_logits`` and the model outputs them (or ``loss_with_logits.logits(emb)`` exists).
@@ -84,8 +86,11 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
             if channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             with autocast_context(device, amp):
-                if with_logits:  # a model's classifier logits exist only in forward's dict
+                if with_logits or output == "projection":  # logits, projection: only in forward's dict
                     out = model(x)
+                    if output not in out:
+                        raise ValueError(f"config key 'eval.embedding': {output!r}, but the model has no "
+                                         f"projection head (set model.options.projection)")
                 else:
                     out = {output: model.forward_head(model.forward_features(x),
                                                       pre_logits=output == "features")}
@@ -278,7 +283,7 @@ def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, devi
     ec = cfg.eval
     clf_loss = next((l for l in losses if hasattr(l, "logits")), None)
     kw = dict(batch_size=ec.batch_size, device=device, amp=cfg.train.amp, channels_last=cfg.train.channels_last,
-              num_workers=cfg.data.num_workers, as_tensor=True)
+              num_workers=cfg.data.num_workers, as_tensor=True, output=ec.embedding)
     q = compute_embeddings(model, eval_sets["query"], with_logits=ec.classification, loss_with_logits=clf_loss, **kw)
     if "gallery" in eval_sets:
         g = compute_embeddings(model, eval_sets["gallery"], **kw)
@@ -352,7 +357,8 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
                      device: str = "auto", num_workers: int = 0, options: dict | None = None) -> Path:
     """Embed ``split`` of a dataset with the model of ``checkpoint`` and write ``out`` (.npz).
 
-    ``data`` / ``root`` default to the checkpoint's training config.  ``split="query+gallery"``
+    The embedding is the model output the checkpoint's ``eval.embedding`` names (the one its
+    validation chose best.pt on).  ``data`` / ``root`` default to the checkpoint's training config.  ``split="query+gallery"``
     (and ``"test"`` for In-shop) embeds the query and gallery splits and stores ``is_query``
     / ``is_gallery``; naming one of them embeds only that split. Datasets of image files add
     ``paths`` (absolute, one per row) and named classes ``class_names`` (one per label).
@@ -369,7 +375,7 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
         cfg.data.options.update(options)
     if root is not None:
         cfg.data.root = root
-    kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp,
+    kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp, output=cfg.eval.embedding,
               channels_last=cfg.train.channels_last, num_workers=num_workers, with_paths=True)
     arrays: dict[str, np.ndarray]
     if split == "query+gallery" or (split == "test" and cfg.data.name == "inshop"):

@@ -300,7 +300,7 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     if main:  # rank 0 evaluates
         if select_key is not None:
             eval_sets["val"] = {"query": build_dataset(cfg, VAL_SPLIT, train=False)}
-        if cfg.eval.split is not None:  # eval.split: null: no test split (tested by a later step)
+        if cfg.eval.test and cfg.eval.split is not None:  # eval.test false / eval.split null: no test split
             eval_sets["test"] = build_test_sets(cfg)
 
     # 3. model and loss terms ------------------------------------------------------------
@@ -416,7 +416,7 @@ def _wise_ft(run: _Run) -> None:
         return evaluate_split(net, run.eval_sets[split], cfg, device=run.device, losses=run.losses)[0]
 
     res = run_wise_ft(run.model, run.pretrained_state, best["model"], cfg.eval.wise_ft, cfg.eval.wise_ft_params,
-                      run.select_key, evaluate)
+                      run.select_key, evaluate, with_test=cfg.eval.test, known=_best_metrics(run, source))
     state = res.pop("state")
     res["finetuned"] = source.name
     keep = ("loss", "alphas", "model_args", "config", "epoch", "iteration")
@@ -424,10 +424,25 @@ def _wise_ft(run: _Run) -> None:
                     run.out_dir / R.WISE)
     for rec in res["val"]:
         print(f"[deepmetric] WiSE-FT a={rec['alpha']:g} val {run.select_key}={rec[run.select_key]:.4f}", flush=True)
+    tested = ("; its test metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in res["test"].items())
+              if "test" in res else "")
     print(f"[deepmetric] WiSE-FT: a={res['alpha']:g} chosen on validation {run.select_key} "
-          f"({res['value']:.4f}); its test metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in res["test"].items())
-          + f"; written to {run.out_dir / R.WISE}", flush=True)
+          f"({res['value']:.4f}){tested}; written to {run.out_dir / R.WISE}", flush=True)
     run.wise_ft = res
+
+
+def _best_metrics(run: _Run, source: Path) -> dict:
+    """The validation (and test) metrics of ``best.pt`` from this run's log, when best.pt is the
+    model of a logged evaluation (its epoch's record): WiSE-FT's a = 1 is that model exactly."""
+    epoch = run.state.best.get("epoch")
+    if source.name != R.BEST or epoch is None:
+        return {}
+    out = {}
+    for rec in R.read_log(run.out_dir):
+        if rec.get("epoch") == epoch and rec.get("type") in ("eval", "selected_eval") and rec.get("split") in ("val", "test"):
+            out[rec["split"]] = {k: v for k, v in rec.items()
+                                 if k not in ("type", "split", "epoch", "step", "eval_seconds", "alpha")}
+    return out
 
 
 def _test_selected(run: _Run) -> None:
@@ -682,7 +697,8 @@ def _end_of_epoch(run: _Run, epoch: int, finished: bool) -> bool:
     if run.main and last_epoch:
         run.last_ckpt = run.save(R.LAST)  # the training is safe before evaluation runs
     due = _eval_due(cfg, epoch, run.total_epochs, finished)
-    test_due = cfg.eval.split is not None and _eval_due(cfg, epoch, run.total_epochs, finished, split="test")
+    test_due = (cfg.eval.test and cfg.eval.split is not None
+                and _eval_due(cfg, epoch, run.total_epochs, finished, split="test"))
     if due or test_due:
         _evaluate(run, epoch, final=last_epoch, splits=[s for s, d in (("val", due), ("test", test_due)) if d])
     if due and run.has_val:  # choose on validation metrics only

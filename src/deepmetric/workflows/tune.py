@@ -10,8 +10,11 @@ own ``overrides``) with the trial's values of the space's parameters.  The objec
 *validation* metric (the recipe must carve validation classes, ``data.val_classes`` or
 ``data.val_folds``): at every validation evaluation the trial reports it, so the pruner can stop
 a hopeless trial after its first evaluation, and the trial's value is the best value it reached
-(the model ``best.pt`` keeps).  The test split is evaluated once, at the end of a trial that was
-not pruned, and recorded for the report; it is never given to the sampler or the pruner.
+(the model ``best.pt`` keeps).  A trial never evaluates the test split (``eval.test: false``): no
+test metric exists to reach the sampler, the pruner, the storage or any output (the writers also
+drop any ``test``-named key they are given), so nothing can be chosen, even by a person reading
+the tables, on the test split.  Evaluate the chosen recipe on test afterwards
+(``deepmetric train OUT/best.yaml``).
 
 The space file (YAML)::
 
@@ -36,12 +39,15 @@ checkpoint; a trial interrupted by Ctrl-C is stored as failed with the user attr
 ``interrupted`` (the tables say *interrupted*), queued again at once with its values, and the
 command stops with one line: rerun it to continue (the retry resumes the trial's checkpoint).  The command stops
 when exactly ``N`` trials have finished or been pruned: rerunning the same command after a kill
-continues the study to ``N``, and a finished study only rewrites the outputs.
+continues the study to ``N``, and a finished study only rewrites the outputs.  With ``--count
+completed`` it stops when ``N`` trials have *completed* (pruned and failed ones do not count), or
+when ``--max-trials`` (default 3 N) have finished or been pruned, whichever comes first: tunes of
+several losses then each get the same number of complete trials, and the cap is reported.
 
 Outputs in ``OUT`` (rewritten at the end of every command): ``best.yaml`` (the best trial's
 configuration as a runnable recipe), ``trials.csv`` / ``trials.md`` (every trial: state,
-parameters, validation value, wall time, the epoch a pruned trial stopped at, and the test
-metrics recorded for information), ``optimization_history.png`` and ``param_importances.png``
+parameters, validation value, wall time, the epoch a pruned trial stopped at; no test metric),
+``optimization_history.png`` and ``param_importances.png``
 (Optuna's plots), ``report.html`` (all of it on one page) and ``tune.json`` (the set-up, used to
 refuse a rerun with another recipe or space).  Each trial trains in ``OUT/trials/trial_NNNN``.
 """
@@ -279,6 +285,23 @@ class TuneSetup:
     storage: str
     study_name: str
     cli_overrides: list[str]
+    count: str = "finished"         # what --trials counts: finished | completed (pruned ones not)
+    max_trials: int | None = None   # count completed: at most this many finished or pruned
+
+    def reached(self, c: dict[str, int]) -> bool:
+        """Whether the study's counts (:func:`_counts`) meet the budget."""
+        if self.count == "completed":
+            return c["complete"] >= self.trials or c["done"] >= self.cap
+        return c["done"] >= self.trials
+
+    @property
+    def cap(self) -> int:
+        return self.max_trials if self.max_trials is not None else 3 * self.trials
+
+    def budget_text(self) -> str:
+        if self.count == "completed":
+            return f"{self.trials} completed trials (pruned and failed not counted; at most {self.cap} in all)"
+        return f"{self.trials} trials finished or pruned"
 
     def trial_config(self, values: dict[str, Any], run_dir: Path, *, threads: int | None = None):
         """The validated Config of one trial."""
@@ -292,10 +315,9 @@ class TuneSetup:
         e = raw.setdefault("eval", {})
         if self.space.direction == "maximize":
             e["best_metric"] = self.space.metric  # best.pt = the model the objective scores
-        if e.get("test_every") is None:
-            e["test_every"] = 0                   # test once, at the end (recorded, never used)
-        e.setdefault("test_selected", False)      # and not best.pt again: a trial's cost is the budget
-        e["baselines"] = False                    # the same for every trial: not a trial's business
+        e["test"] = False                         # the test split out of sight: never evaluated
+        e["test_selected"] = False
+        e["baselines"] = False                    # test-split numbers too
         return config_from_dict(raw)
 
 
@@ -311,7 +333,8 @@ def _validation_metrics(cfg) -> list[str]:
 
 def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, trials: int,
                  out: str | os.PathLike | None = None, storage: str | None = None,
-                 study_name: str | None = None, overrides: Sequence[str] = ()) -> TuneSetup:
+                 study_name: str | None = None, overrides: Sequence[str] = (), count: str = "finished",
+                 max_trials: int | None = None) -> TuneSetup:
     """Check everything that can be checked before the first trial: the recipe has validation
     classes, the objective is a metric its validation computes, every parameter names a valid
     config key and both ends of its range (every choice) give a valid config."""
@@ -319,6 +342,10 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
     space = load_space(space_path)
     if not isinstance(trials, int) or trials < 1:
         raise TuneError(f"--trials: expected a positive number of trials, got {trials!r}")
+    if count not in ("finished", "completed"):
+        raise TuneError(f"--count: expected finished or completed, got {count!r}")
+    if max_trials is not None and (count != "completed" or max_trials < trials):
+        raise TuneError(f"--max-trials {max_trials}: needs --count completed and at least --trials ({trials})")
     if not recipe.is_file():
         raise TuneError(f"recipe not found: {recipe}")
     try:
@@ -336,7 +363,7 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
     out = Path(out) if out is not None else Path("runs") / "tune" / name
     setup = TuneSetup(recipe=recipe, base=raw, space=space, space_path=Path(space_path), trials=trials,
                       out=out, storage=storage or default_storage(out), study_name=name,
-                      cli_overrides=list(overrides))
+                      cli_overrides=list(overrides), count=count, max_trials=max_trials)
     try:  # the recipe as a trial sees it (the parameters may set required keys, e.g. m x n)
         cfg = setup.trial_config({p.name: p.examples()[0] for p in space.params}, out / "check")
     except ConfigError as exc:
@@ -364,7 +391,8 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
 
 def _setup_record(setup: TuneSetup) -> dict:
     return {"recipe": str(setup.recipe), "recipe_sha256": file_sha256(setup.recipe), "space": setup.space.raw,
-            "overrides": setup.cli_overrides, "trials": setup.trials, "study_name": setup.study_name,
+            "overrides": setup.cli_overrides, "trials": setup.trials, "count": setup.count,
+            "max_trials": setup.cap if setup.count == "completed" else None, "study_name": setup.study_name,
             "storage": display_storage(setup.storage)}
 
 
@@ -522,10 +550,11 @@ logging.getLogger("optuna.study._optimize").addFilter(_QUIET)  # the logger of O
 def _counts(study) -> dict[str, int]:
     from optuna.trial import TrialState
 
-    out = {s: 0 for s in ("done", "running", "waiting")}
+    out = {s: 0 for s in ("done", "complete", "running", "waiting")}
     for t in study.get_trials(deepcopy=False):
         if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
             out["done"] += 1
+            out["complete"] += t.state == TrialState.COMPLETE
         elif t.state == TrialState.RUNNING:
             out["running"] += 1
         elif t.state == TrialState.WAITING:
@@ -549,14 +578,18 @@ def _repeats_a_retry(study, trial) -> bool:
                == history[-1:] for t in trials)
 
 
-def _holds_a_slot(study, trial, target: int) -> bool:
+def _holds_a_slot(study, trial, setup: TuneSetup) -> bool:
     """Trial numbers are given out in order by the storage: a trial runs when fewer than
-    ``target`` trials that are finished, pruned, running or waiting come before it."""
+    ``--trials`` trials that are finished, pruned, running or waiting come before it
+    (``--count completed``: fewer than ``--trials`` complete, running or waiting ones, and fewer
+    than ``--max-trials`` of them all)."""
     from optuna.trial import TrialState
 
     live = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
-    ahead = sum(1 for t in study.get_trials(deepcopy=False) if t.state in live and t.number < trial.number)
-    return ahead < target
+    before = [t for t in study.get_trials(deepcopy=False) if t.state in live and t.number < trial.number]
+    if setup.count == "completed":
+        return (sum(t.state != TrialState.PRUNED for t in before) < setup.trials and len(before) < setup.cap)
+    return len(before) < setup.trials
 
 
 def _objective(setup: TuneSetup, study, *, threads: int | None, log: Callable[[str], None],
@@ -587,7 +620,7 @@ def _run_trial(setup: TuneSetup, study, trial, *, threads: int | None, log: Call
     optuna = _optuna()
     from deepmetric.train.loop import NonFiniteLossError, train
 
-    if not _holds_a_slot(study, trial, setup.trials) or _repeats_a_retry(study, trial):
+    if not _holds_a_slot(study, trial, setup) or _repeats_a_retry(study, trial):
         trial.set_user_attr("surplus", True)
         raise _Surplus()
     values = {p.name: p.suggest(trial) for p in setup.space.params}
@@ -641,9 +674,6 @@ def _run_trial(setup: TuneSetup, study, trial, *, threads: int | None, log: Call
     value = best["value"]
     if value is None:
         raise RuntimeError(f"trial {trial.number}: the run evaluated no validation split")
-    # the final model's test metrics, recorded for the report only: never seen by the
-    # sampler or the pruner (the objective above is the validation value)
-    trial.set_user_attr("test", {k: float(v) for k, v in result.metrics.items()})
     trial.set_user_attr("best_epoch", (result.selected or {}).get("epoch"))
     trial.set_user_attr("epochs", result.epochs_completed)
     return value
@@ -654,8 +684,8 @@ def _fmt_value(v: Any) -> str:
 
 
 def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[str], None] | None = None) -> None:
-    """Run trials until ``setup.trials`` of them have finished or been pruned (counting every
-    worker of the study, on any machine)."""
+    """Run trials until the budget is met (``setup.trials`` finished or pruned, or completed
+    with ``count: completed``), counting every worker of the study, on any machine."""
     _optuna()  # a clear error when Optuna is missing, before the storage is opened
     log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
     study = open_study(setup)
@@ -665,9 +695,10 @@ def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[s
     while True:
         fail_stale_trials(study)  # a dead worker's trial: failed, queued again
         c = _counts(study)
-        if c["done"] >= setup.trials:
+        if setup.reached(c):
             return
-        if c["done"] + c["running"] >= setup.trials and not c["waiting"]:
+        ahead = {**c, "done": c["done"] + c["running"], "complete": c["complete"] + c["running"]}
+        if setup.reached(ahead) and not c["waiting"]:
             time.sleep(HEARTBEAT_S / 2)  # the last slots are running elsewhere (or were, until stale)
             continue
         study.optimize(objective, n_trials=1, catch=(_Surplus, _Interrupted), callbacks=[_log_finished(log)])
@@ -689,10 +720,14 @@ def _log_finished(log: Callable[[str], None]):
 # --------------------------------------------------------------------------- workers
 def _worker_command(setup: TuneSetup) -> list[str]:
     """The command of one worker process of ``--workers K`` (the same tune, ``--worker``)."""
-    cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(setup.recipe), "--space", str(setup.space_path),
-           "--trials", str(setup.trials), "--out", str(setup.out), "--storage", setup.storage,
-           "--study-name", setup.study_name, "--worker"]
-    return cmd + list(setup.cli_overrides)
+    # the overrides right after the recipe: argparse gives a positional list only the words
+    # next to the first positional (after the options they would be "unrecognized arguments")
+    cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(setup.recipe), *setup.cli_overrides,
+           "--space", str(setup.space_path), "--trials", str(setup.trials), "--out", str(setup.out),
+           "--storage", setup.storage, "--study-name", setup.study_name, "--worker", "--count", setup.count]
+    if setup.max_trials is not None:
+        cmd += ["--max-trials", str(setup.max_trials)]
+    return cmd
 
 
 def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] | None = None) -> dict[str, Path]:
@@ -704,7 +739,8 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
     rundir.write_text_atomic(setup.out / "tune.json", json.dumps(_setup_record(setup), indent=1) + "\n")
     study = open_study(setup)
     c = _counts(study)
-    log(f"{setup.trials} trials wanted: {c['done']} finished or pruned, {c['running']} running, "
+    log(f"{setup.budget_text()} wanted: {c['done']} finished or pruned ({c['complete']} complete), "
+        f"{c['running']} running, "
         f"{c['waiting']} queued; storage {display_storage(setup.storage)}; objective validation "
         f"{setup.space.metric} ({setup.space.direction})")
     try:
@@ -767,13 +803,18 @@ def trial_rows(setup: TuneSetup, study) -> list[dict]:
         row["pruned_at_epoch"] = t.user_attrs.get("pruned_at_epoch")
         if t.datetime_start is not None and t.datetime_complete is not None:
             row["wall_time_s"] = round((t.datetime_complete - t.datetime_start).total_seconds(), 1)
-        for k, v in (t.user_attrs.get("test") or {}).items():
-            row[f"test/{k}"] = v
         row["run_dir"] = t.user_attrs.get("run_dir")
         if t.user_attrs.get("note"):  # set by hand on a repaired study (bench/studies/README.md, the fair emoji tunes)
             row["note"] = t.user_attrs["note"]
-        rows.append(row)
+        rows.append(without_test_metrics(row))
     return rows
+
+
+def without_test_metrics(row: dict) -> dict:
+    """``row`` without any key that names a test metric (``test/...``, ``test_...``, ``test``):
+    trials never evaluate the test split, and a storage written by an older version (which
+    recorded the final test metrics) must not bring them into the outputs either."""
+    return {k: v for k, v in row.items() if not str(k).lower().startswith("test")}
 
 
 def _best_trial(setup: TuneSetup, study):
@@ -916,7 +957,7 @@ def _summary_pairs(setup: TuneSetup, rows: list[dict], best) -> list[tuple[str, 
         states[r["state"]] = states.get(r["state"], 0) + 1
     pairs = [("recipe", str(setup.recipe)), ("space", str(setup.space_path)),
              ("objective", f"validation {setup.space.metric} ({setup.space.direction})"),
-             ("budget", f"{setup.trials} trials finished or pruned"),
+             ("budget", setup.budget_text()),
              ("trials", ", ".join(f"{n} {s}" for s, n in states.items()) or "none yet"),
              ("pruner", setup.space.pruner.get("name", "median")), ("sampler", setup.space.sampler.get("name", "tpe")),
              ("storage", display_storage(setup.storage))]
@@ -931,13 +972,11 @@ def _summary_pairs(setup: TuneSetup, rows: list[dict], best) -> list[tuple[str, 
 def _trials_markdown(setup: TuneSetup, rows: list[dict], best, notes: list[str]) -> str:
     metric = f"val/{setup.space.metric}"
     params = [p.name for p in setup.space.params]
-    tests = sorted({k for r in rows for k in r if k.startswith("test/")})[:4]
-    cols = ["trial", "state", *params, metric, "pruned_at_epoch", "wall_time_s", *tests]
+    cols = ["trial", "state", *params, metric, "pruned_at_epoch", "wall_time_s"]
     lines = [f"# Tune {setup.study_name}", ""]
     lines += [f"- {k}: {v}" for k, v in _summary_pairs(setup, rows, best)]
     lines += ["", "The objective is the validation metric (the best value of the trial, the model best.pt "
-              "keeps). `test/` columns are the test split of a finished trial, recorded for information "
-              "only: never used to choose.", "",
+              "keeps). The trials never evaluated the test split: no test metric exists to choose on.", "",
               "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(_fmt_cell(r.get(c)) for c in cols) + " |")
