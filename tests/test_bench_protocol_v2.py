@@ -211,6 +211,7 @@ def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_pa
         bench.control_study(bench.Protocol(args))
 
 
+@pytest.mark.filterwarnings("ignore:Precision loss occurred in moment calculation")
 def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     """H1-H6 with Holm over the family of seven (tests not run yet count as p = 1), verdicts on
     the primary metric: holds / reversed / does not hold (CI below +1 point) / not resolved."""
@@ -240,4 +241,5 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     assert "| H5a | not run yet |" in primary and "best of ours (HBN)" in text and "(pml_proxy_anchor)" in text
     assert "| 1 | HBN | 5 | 60.00 |" in text
     secondary = text.split("### cross_domain_map@r")[1]
-    assert "holds" not in secondary and "verdict" not in secondary  # MAP@R: reported, no verdict
+    assert not re.search(r"\| (holds|reversed|does not hold|not resolved) \|", secondary)  # MAP@R: no verdict
+    assert re.search(r"\| H1 \| HBN - BN \| 5 \| \+5\.00 \|", secondary)
