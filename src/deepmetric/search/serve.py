@@ -500,6 +500,7 @@ def create_app(index, *, max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, default_k
                     exception_handlers={404: not_found, 500: server_error}, lifespan=lifespan)
     guarded = _Guard(app, limit, tuple(allowed_hosts))
     guarded.served = served  # for tests and the benchmark: the loaded index
+    guarded.thumbnails = cache  # and the thumbnail cache
     return guarded
 
 
