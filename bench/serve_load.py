@@ -20,7 +20,7 @@ every 20 ms; reports the statuses, the worst /api/info latency and the server's 
 Then (issue 32) the same measurements while 200 idle TCP connections are held open and 8
 concurrent 64 KB palette + tRNS 8192 x 8192 PNGs and 8 16-bit grey 5792 x 5792 PNGs are
 uploaded (``idle+bombs``), and, with ``--photos N``, 4,000 distinct thumbnails
-(``/thumb/i?size=s``) of an index of N synthetic 3000 x 2000 JPEG photos built with the
+(``/thumb/i?size=s``) of an index of N synthetic 1600 x 1200 JPEG photos built with the
 index's checkpoint, against the server's resident memory at idle (``thumbs``).
 
   python bench/serve_load.py runs/demo/index                    # 1, 4 and 16 clients
@@ -310,32 +310,34 @@ def idle_bombs_round(host, port, pid, idle: int = 200) -> dict:
 
 
 def photo_index(checkpoint: str, count: int, out: Path) -> Path:
-    """An index of ``count`` synthetic 3000 x 2000 JPEG photos (smooth colour fields with
-    noise, in 2 classes) built with ``checkpoint``."""
+    """An index of ``count`` synthetic 1600 x 1200 JPEG photos (smooth colour fields with
+    8 x 8-pixel noise, texture that survives the thumbnail's down-scaling; 2 classes) built
+    with ``checkpoint``."""
     from PIL import Image
 
     from deepmetric.search import Index
 
     rng = np.random.default_rng(0)
-    y, x = np.mgrid[0:2000, 0:3000].astype(np.float32)
+    y, x = np.mgrid[0:1200, 0:1600].astype(np.float32)
     for i in range(count):
         d = out / "photos" / f"class{i % 2}"
         d.mkdir(parents=True, exist_ok=True)
         f = rng.uniform(0.001, 0.01, 3)
         a = np.stack([127 + 100 * np.sin(x * f[0] + i), 127 + 100 * np.cos(y * f[1]), 127 + 100 * np.sin((x + y) * f[2])], -1)
-        a += rng.normal(0, 12, a.shape).astype(np.float32)
+        a += np.kron(rng.normal(0, 40, (150, 200, 3)), np.ones((8, 8, 1))).astype(np.float32)
         Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)).save(d / f"photo{i:03d}.jpg", quality=90)
     Index.build(checkpoint, data="folder", root=str(out / "photos"), split="all", out=out / "index", progress=False)
     return out / "index"
 
 
 def thumbs_round(host, port, pid, rows: int, total: int = 4000, clients: int = 4) -> dict:
-    """``total`` distinct ``/thumb/i?size=s`` requests (every row, sizes 16..512) from
+    """``total`` distinct ``/thumb/i?size=s`` requests (drawn from every row x sizes 16..512) from
     ``clients`` threads; the server's resident memory before, at its peak and after."""
     import http.client
 
-    pairs = [(i, s) for s in range(16, 513) for i in range(rows)][:total]
-    order = np.random.default_rng(0).permutation(len(pairs))
+    every = [(i, s) for s in range(16, 513) for i in range(rows)]
+    pairs = [every[j] for j in np.random.default_rng(0).choice(len(every), min(total, len(every)), replace=False)]
+    order = np.arange(len(pairs))
     statuses, lock = [], threading.Lock()
 
     def client(c):
@@ -385,16 +387,18 @@ def main(argv=None) -> int:
     ap.add_argument("index", nargs="?", help="index folder (or give --checkpoint to build one)")
     ap.add_argument("--checkpoint", help="index this checkpoint's test split into a temporary folder first")
     ap.add_argument("--host", default="127.0.0.1", help="loopback address to serve on (default 127.0.0.1)")
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--clients", type=int, nargs="*", default=[1, 4, 16],
+                    help="client counts of the load rounds (default 1 4 16; none: no load round)")
     ap.add_argument("--requests", type=int, default=40, help="requests per client and round (default 40)")
     ap.add_argument("--queries", type=int, default=64, help="distinct query images (default 64)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-in-flight", type=int, default=8)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--hostile", action="store_true", help="also the bomb rounds (with 200 idle sockets too)")
+    ap.add_argument("--idle", type=int, default=200, help="idle connections held in the bombs round (default 200)")
     ap.add_argument("--photos", type=int, default=0,
                     help="also the thumbnail round: 4,000 distinct thumbnails of an index of this many "
-                         "3000 x 2000 JPEG photos built with the index's checkpoint (default 0: skip)")
+                         "1600 x 1200 JPEG photos built with the index's checkpoint (default 0: skip)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
     from deepmetric.search.serve import is_loopback
@@ -435,7 +439,7 @@ def main(argv=None) -> int:
             f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items()), flush=True)
         if a.hostile:
             show("hostile", hostile_round(a.host, port, proc.pid))
-            show("idle+bombs", idle_bombs_round(a.host, port, proc.pid))
+            show("idle+bombs", idle_bombs_round(a.host, port, proc.pid, a.idle))
         if proc.poll() is not None:
             raise SystemExit("the server died")
     finally:
@@ -447,7 +451,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp2:
             t = time.perf_counter()
             photos = photo_index(ckpt, a.photos, Path(tmp2))
-            print(f"photo index: {a.photos} images of 3000 x 2000 (JPEG) built in {time.perf_counter() - t:.0f} s")
+            print(f"photo index: {a.photos} images of 1600 x 1200 (JPEG) built in {time.perf_counter() - t:.0f} s")
             proc, port, log = start_server(photos, a.host, a)
             try:
                 time.sleep(1.0)

@@ -54,12 +54,12 @@ import json
 import os
 import re
 import sys
-from collections import OrderedDict
-from urllib.parse import urlsplit
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, bind, make_server, protocol_class
 
