@@ -122,6 +122,24 @@ def test_connections_beyond_the_bound_close_the_longest_idle(shapes):
                 s.close()
 
 
+def test_when_every_connection_is_busy_a_new_one_gets_503(shapes):
+    index = Index.load(shapes["index_dir"])
+    with serve_in_thread(create_app(index, default_k=4, timeout_s=3), max_connections=2) as url:
+        busy = _idle_sockets(url, 2)
+        try:
+            for s in busy:  # headers complete, the body never comes: requests under way
+                s.sendall(b"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; "
+                          b"boundary=x\r\nContent-Length: 100000\r\n\r\n")
+            time.sleep(0.3)
+            status, headers, body = request(url, "GET", "/api/info")
+            assert status == 503 and headers["retry-after"] == "1" and "2 connections" in json.loads(body)["error"]
+        finally:
+            for s in busy:
+                s.close()
+        time.sleep(0.3)
+        assert request(url, "GET", "/api/info")[0] == 200
+
+
 _POLLER = r"""
 import http.client, json, os, sys, time
 host, port, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
