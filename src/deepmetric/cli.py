@@ -534,6 +534,11 @@ def _add_serve_parser(sub) -> None:
                    help="searches accepted at once; more get 503 with Retry-After (default 8)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a search may take, reading the upload included (default 30)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers, from opening or from "
+                        "its last answer (default 10)")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="open connections; beyond it those idle longest are closed (default 512)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="a Host header name to answer besides loopback ones (repeatable; '*': any). "
                         "Guards against DNS rebinding; --host ADDRESS is allowed by itself")
@@ -548,7 +553,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     serve(args.index_dir, host=args.host, port=args.port, checkpoint=args.checkpoint,
           max_upload_mb=args.max_upload_mb, k=args.k, device=args.device, workers=args.workers,
           max_in_flight=args.max_in_flight, timeout_s=args.timeout, allow_hosts=args.allow_host,
-          max_decode_mb=args.max_decode_mb)
+          max_decode_mb=args.max_decode_mb, header_timeout_s=args.header_timeout,
+          max_connections=args.max_connections)
     return 0
 
 
