@@ -17,7 +17,7 @@ from PIL import Image
 timm = pytest.importorskip("timm")
 from safetensors.torch import save_file  # noqa: E402
 
-from deepmetric.models import create_model  # noqa: E402
+from deepmetric.models import create_model, takes_img_size  # noqa: E402
 from deepmetric.train.builders import resolve_model_preprocessing  # noqa: E402
 from deepmetric.train.config import config_from_dict  # noqa: E402
 from search_data import make_shapes_folder  # noqa: E402
@@ -111,7 +111,9 @@ def test_embed_export_index_and_serve_without_the_weights_file(trained, tmp_path
     assert cli.main(["export", str(ckpt), "--format", "onnx", "--out", str(onnx_out)]) == 0
     assert cli.main(["export", str(ckpt), "--format", "torchscript", "--out", str(ts_out)]) == 0
     info = json.loads(preprocessing_path(onnx_out).read_text())
-    pre = Preprocessing.from_dict({k: info["preprocessing"][k] for k in ("transform", "transform_options", "mode")})
+    pre = Preprocessing.from_dict(info["preprocessing"]["recipe"])
+    ops = [s["op"] for s in info["preprocessing"]["steps"]]
+    assert ops[-5:] == ["rgb", "resize_shorter_side", "center_crop", "to_float", "normalize"], ops
     x = torch.stack([pre(Image.open(p)) for p in _images(trained["folder"])[:6]])
     model, _, _, _ = load_model_from_checkpoint(ckpt)
     with torch.no_grad():
@@ -183,10 +185,10 @@ def test_preprocessing_equals_timms_own_eval_transform(tmp_path):
 def test_token_pooling_against_numpy():
     from deepmetric.models import TimmBackbone
 
-    model = create_model("timm/vit_tiny_patch16_224", embedding_dim=8, pool="cls").eval()
+    model = create_model("timm/vit_tiny_patch16_224", embedding_dim=8, pool="cls", img_size=48).eval()
     backbone = model.backbone
     assert isinstance(backbone, TimmBackbone) and backbone.output == "tokens" and backbone.num_prefix_tokens == 1
-    x = torch.randn(2, 3, 48, 48)  # any size: dynamic_img_size resamples the position embedding
+    x = torch.randn(2, 3, 48, 48)
     with torch.no_grad():
         tokens = backbone(x).numpy()
         assert tokens.shape == (2, 1 + 9, 192)
@@ -289,8 +291,9 @@ def test_every_timm_name_in_the_docs_builds():
     assert len(names) >= 8 and "vit_small_patch16_224.dino" in names and "convnext_atto" in names
     for name in names:
         patch = int(m.group(1)) if (m := re.search(r"patch(\d+)", name)) else 32
-        model = create_model(f"timm/{name}", embedding_dim=8, pool="avg").eval()
         side = 2 * patch if patch < 32 else 64
+        size = {"img_size": side} if takes_img_size(f"timm/{name}") else {}
+        model = create_model(f"timm/{name}", embedding_dim=8, pool="avg", **size).eval()
         with torch.no_grad():
             out = model(torch.randn(1, 3, side, side))
         assert out["embedding"].shape == (1, 8) and torch.isfinite(out["embedding"]).all(), name

@@ -64,7 +64,7 @@ from torchvision.transforms import v2
 __all__ = ["build_transform", "list_transforms", "register_transform", "transform_options", "StrokeWidth", "RepeatChannels", "normalization",
            "StackOfDifferences", "to_grayscale_uint8", "GlyphBatchAugment", "BatchedTransform",
            "affine_inverse_matrices", "RandomBackground", "RandomHueRotation", "RandomPosterize",
-           "RandomResizedCropSameSize", "white_background_mask"]
+           "RandomResizedCropSameSize", "white_background_mask", "RGBImage"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -406,7 +406,7 @@ def _timm(train, input_size=224, interpolation="bicubic", crop_pct=0.875, crop_m
     if crop_mode not in ("center", "squash"):
         raise ValueError(f"timm transform: crop_mode must be 'center' or 'squash', got {crop_mode!r}")
     interp = _INTERPOLATIONS[interpolation]
-    steps = [_ToRGB()]
+    steps = [RGBImage()]
     if train:
         steps.append(v2.RandomResizedCrop((h, w), scale=tuple(scale), ratio=tuple(ratio), interpolation=interp,
                                           antialias=True))
@@ -428,7 +428,7 @@ def _timm(train, input_size=224, interpolation="bicubic", crop_pct=0.875, crop_m
     return v2.Compose(steps)
 
 
-class _ToRGB(torch.nn.Module):
+class RGBImage(torch.nn.Module):
     """A PIL image to RGB (kept a PIL image, so that resizing uses PIL as timm's does); a tensor
     with one channel repeated to three."""
 

@@ -45,6 +45,7 @@ from .timm_backbone import (
     is_timm_name,
     load_timm_weights,
     read_timm_file,
+    takes_img_size,
     timm_data_config,
 )
 from .two_head import TwoHeadModel, feature_map_shape
@@ -85,6 +86,7 @@ __all__ = [
     "TimmBackbone",
     "is_timm_name",
     "model_data_config",
+    "takes_img_size",
     "HUB",
 ]
 

@@ -42,7 +42,7 @@ from torch import nn
 from .pretrained import LoadReport, load_pretrained
 
 __all__ = ["TIMM_PREFIX", "HUB", "is_timm_name", "timm_model_name", "TimmBackbone", "create_timm_backbone",
-           "timm_data_config", "TIMM_OPTIONS", "read_timm_file", "load_timm_weights"]
+           "timm_data_config", "TIMM_OPTIONS", "read_timm_file", "load_timm_weights", "takes_img_size"]
 
 TIMM_PREFIX = "timm/"
 HUB = "hub"  # pretrained= value: timm's own loading from the Hugging Face hub / its cache
@@ -68,24 +68,38 @@ def timm_model_name(name: str) -> str:
     return arch
 
 
-def _timm_kwargs(arch: str, in_chans: int, drop_path_rate: float, img_size, dynamic_img_size) -> dict:
-    """Keyword arguments of ``timm.create_model``: ``dynamic_img_size`` defaults to True for the
-    models that take it (ViTs: any input size, the position embedding resampled), so that a
-    recipe's own image size works with a ViT built for 224 px."""
+def _probe_model(arch: str, **kwargs) -> nn.Module:
+    """timm's model ``arch`` built on the ``meta`` device (no memory, no initialisation)."""
     import timm
 
-    kwargs: dict = {"num_classes": 0, "in_chans": int(in_chans), "drop_path_rate": float(drop_path_rate)}
-    if img_size is not None:
-        kwargs["img_size"] = img_size
     with torch.device("meta"):
-        probe = timm.create_model(arch, pretrained=False, **kwargs)
-    takes = inspect.signature(type(probe).__init__).parameters
-    if dynamic_img_size is None:
-        dynamic_img_size = "dynamic_img_size" in takes
-    if dynamic_img_size:
-        if "dynamic_img_size" not in takes:
-            raise ValueError(f"timm model {arch!r} ({type(probe).__name__}) has no dynamic_img_size option")
-        kwargs["dynamic_img_size"] = True
+        return timm.create_model(arch, pretrained=False, **kwargs)
+
+
+def _init_parameters(arch: str) -> set[str]:
+    return set(inspect.signature(type(_probe_model(arch, num_classes=0)).__init__).parameters)
+
+
+def takes_img_size(name: str) -> bool:
+    """Whether timm model ``name`` (``timm/<model>``) is built for one input size (``img_size``:
+    ViTs, whose position embedding has one grid); the trainer then builds it for the data's."""
+    return "img_size" in _init_parameters(timm_model_name(name))
+
+
+def _timm_kwargs(arch: str, in_chans: int, drop_path_rate: float, img_size, dynamic_img_size) -> dict:
+    """Keyword arguments of ``timm.create_model``.  ``img_size``: the input size of a ViT (its
+    position embedding is resampled to that grid once, when weights are loaded: timm's filter);
+    ``dynamic_img_size``: any input size, the position embedding resampled at every forward
+    pass (ONNX cannot export that resampling; prefer ``img_size``)."""
+    kwargs: dict = {"num_classes": 0, "in_chans": int(in_chans), "drop_path_rate": float(drop_path_rate)}
+    takes = _init_parameters(arch) if (img_size is not None or dynamic_img_size) else set()
+    for key, value in (("img_size", img_size), ("dynamic_img_size", dynamic_img_size or None)):
+        if value is None:
+            continue
+        if key not in takes:
+            raise ValueError(f"timm model {arch!r} has no {key} option (it is not built for one input size)")
+        kwargs[key] = value if key == "dynamic_img_size" else (
+            [int(v) for v in value] if isinstance(value, (list, tuple)) else int(value))
     return kwargs
 
 
@@ -127,7 +141,8 @@ class TimmBackbone(nn.Module):
     compute)."""
 
     def __init__(self, name: str, in_chans: int = 3, freeze_stages: int = 0, drop_path_rate: float = 0.0,
-                 img_size=None, dynamic_img_size=None, grad_checkpointing: bool = False, *, hub: bool = False):
+                 img_size=None, dynamic_img_size: bool = False, grad_checkpointing: bool = False, *,
+                 hub: bool = False):
         super().__init__()
         import timm
 
@@ -228,8 +243,7 @@ def _create_from_hub(arch: str, kwargs: dict) -> nn.Module:
     try:
         return timm.create_model(arch, pretrained=True, **kwargs)
     except Exception as exc:  # huggingface_hub / urllib / timm raise many types when offline
-        with torch.device("meta"):
-            cfg = timm.create_model(arch, pretrained=False, **kwargs).pretrained_cfg or {}
+        cfg = _probe_model(arch, **kwargs).pretrained_cfg or {}
         where = cfg.get("hf_hub_id") or cfg.get("url") or "no published weights"
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise RuntimeError(

@@ -26,7 +26,7 @@ from torch import nn
 from .config import Config
 
 __all__ = ["VAL_SPLIT", "seed_everything", "build_dataset", "build_sampler", "build_model", "build_losses",
-           "resolve_model_preprocessing", "MODEL_PREPROCESSING_KEYS",
+           "resolve_model_preprocessing", "MODEL_PREPROCESSING_KEYS", "fill_model_input_size",
            "embedding_dim_of", "carve_val_classes", "class_fold", "ClassSubset"]
 
 #: The name of the validation split carved by ``data.val_classes``.
@@ -279,6 +279,22 @@ def build_model(cfg: Config, num_classes: int | None = None, *, pretrained: bool
         options.pop("pretrained", None)
     # create_model accepts num_classes for every model: nothing to filter
     return _call_filling(create_model, m.name, options, {"num_classes": num_classes})
+
+
+def fill_model_input_size(cfg: Config, dataset) -> None:
+    """A ``timm/`` model built for one input size (a ViT: ``img_size``) without
+    ``model.options.img_size`` gets the size of the dataset's first image (its transform's
+    output), in place: the position embedding is resampled to that grid once, when the weights
+    are loaded, and the saved config rebuilds the same model."""
+    from deepmetric.models import is_timm_name, takes_img_size
+
+    m = cfg.model
+    if not is_timm_name(m.name) or "img_size" in m.options or not takes_img_size(m.name) or len(dataset) == 0:
+        return
+    x = dataset[0][0]
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return
+    m.options = {**m.options, "img_size": [int(x.shape[-2]), int(x.shape[-1])]}
 
 
 #: the ``timm`` transform's options that come from the model's pretrained configuration

@@ -57,7 +57,7 @@ from . import rundir as R
 from . import tracking as T
 from .amp import autocast_context, check_amp
 from .batches import make_train_loader
-from .builders import (VAL_SPLIT, build_dataset, resolve_model_preprocessing, build_losses, build_model, build_sampler, build_test_sets,
+from .builders import (VAL_SPLIT, build_dataset, fill_model_input_size, resolve_model_preprocessing, build_losses, build_model, build_sampler, build_test_sets,
                        embedding_dim_of, seed_everything)
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
                          restore, save_checkpoint)
@@ -306,6 +306,7 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
         eval_sets["test"] = build_test_sets(cfg)
 
     # 3. model and loss terms ------------------------------------------------------------
+    fill_model_input_size(cfg, train_ds)  # a ViT's img_size: the data's (saved with the config)
     start_state = resume_ckpt.get("start_model") if resume_ckpt is not None else None
     model = build_model(cfg, num_classes=num_classes, pretrained=_reads_pretrained(cfg, resume_ckpt))
     if start_state is not None:  # a resumed run: the model as the run started, from the checkpoint
