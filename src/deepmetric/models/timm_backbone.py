@@ -32,6 +32,7 @@ each block (the final norm in the last block's group); for a ConvNeXt: stem, the
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
 import sys
@@ -76,8 +77,10 @@ def _probe_model(arch: str, **kwargs) -> nn.Module:
         return timm.create_model(arch, pretrained=False, **kwargs)
 
 
-def _init_parameters(arch: str) -> set[str]:
-    return set(inspect.signature(type(_probe_model(arch, num_classes=0)).__init__).parameters)
+@functools.lru_cache(maxsize=64)
+def _init_parameters(arch: str) -> frozenset[str]:
+    """The constructor parameters of timm model ``arch``'s class (cached: one meta build)."""
+    return frozenset(inspect.signature(type(_probe_model(arch, num_classes=0)).__init__).parameters)
 
 
 def takes_img_size(name: str) -> bool:
@@ -121,6 +124,9 @@ def _probe(net: nn.Module, input_size) -> tuple[int, set[str]]:
     return out.dim(), {n for n, p in params.items() if p.grad is None}
 
 
+_PROBED: dict[tuple, tuple[int, set[str]]] = {}
+
+
 class _ForwardFeatures(nn.Module):
     def __init__(self, net):
         super().__init__()
@@ -161,7 +167,10 @@ class TimmBackbone(nn.Module):
             getattr(self.net, "output_fmt", "")).endswith("NHWC")
         self.pretrained_cfg = timm_data_config(self.net, img_size)
         size = self.pretrained_cfg["input_size"]
-        ndim, unused = _probe(self.net, size)
+        key = (arch, repr(sorted(kwargs.items())), tuple(size))
+        if key not in _PROBED:  # one meta pass per architecture and size in a process
+            _PROBED[key] = _probe(self.net, size)
+        ndim, unused = _PROBED[key]
         if ndim not in (3, 4):
             raise ValueError(f"{self.name}: forward_features gives a {ndim}-d output; a backbone needs a map "
                              "[B, C, H, W] or tokens [B, N, C]")
