@@ -267,6 +267,7 @@ def test_hub_loading_through_timm_and_offline_error(tmp_path, monkeypatch):
 
     want = load_file(str(weights))["stem.0.weight"]
     assert torch.equal(model.backbone.net.stem[0].weight, want)
+    assert model.pretrained_report.path == "hub:timm/convnext_atto.d2_in1k" and model.pretrained_report.loaded
 
     def offline(repo_id, filename, **kwargs):
         from huggingface_hub.errors import LocalEntryNotFoundError

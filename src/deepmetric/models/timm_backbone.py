@@ -314,7 +314,10 @@ def create_timm_backbone(name: str, in_chans: int | None = None, pretrained=None
         raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
     hub = isinstance(pretrained, str) and pretrained == HUB
     backbone = TimmBackbone(name, in_chans=in_chans, hub=hub, **options)
-    backbone.pretrained_report = LoadReport(path=f"hub:{backbone.pretrained_cfg.get('hf_hub_id', name)}") if hub else None
+    backbone.pretrained_report = None
+    if hub:  # timm loaded every tensor but the classifier it dropped
+        backbone.pretrained_report = LoadReport(path=f"hub:{backbone.pretrained_cfg.get('hf_hub_id', name)}",
+                                                loaded=sorted(backbone.net.state_dict()))
     if pretrained is not None and not hub:
         backbone.pretrained_report = load_timm_weights(backbone, pretrained)
     return backbone
