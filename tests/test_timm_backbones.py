@@ -314,3 +314,25 @@ def test_every_timm_name_in_the_docs_builds():
             out = model(torch.randn(2, 3, side, side))
         assert out["embedding"].shape == (2, 8) and torch.isfinite(out["embedding"]).all(), name
         assert model.backbone.pretrained_cfg["input_size"][1:] == ((side, side) if size else (224, 224)), name
+
+
+def test_onnx_export_of_token_pooling_into_a_bn_head_without_projection(tmp_path):
+    """embedding_dim 0 puts the BN head straight on a ViT's pooled tokens (emoji_transfer's
+    head): ONNX's batch_norm needs a channel count that its shape inference loses in the ViT
+    trunk, so the exported BN is written out; equal to torch within 1e-4."""
+    ort = pytest.importorskip("onnxruntime")
+    from deepmetric.search.export import EmbeddingOnly
+
+    model = create_model("timm/vit_tiny_patch16_224", embedding_dim=0, norm="bn", pool="gem", img_size=32).eval()
+    with torch.no_grad():
+        model.head.bn.running_mean.uniform_(-1, 1)
+        model.head.bn.running_var.uniform_(0.5, 2)
+        model.head.bn.bias.uniform_(-1, 1)
+    x = torch.randn(3, 3, 32, 32)
+    net = EmbeddingOnly(model).eval()
+    torch.onnx.export(net, (x[:2],), str(tmp_path / "m.onnx"), input_names=["image"], output_names=["embedding"],
+                      dynamic_axes={"image": {0: "batch"}, "embedding": {0: "batch"}}, opset_version=17, dynamo=False)
+    got = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(
+        ["embedding"], {"image": x.numpy()})[0]
+    with torch.no_grad():
+        assert np.abs(got - net(x).numpy()).max() < 1e-4
