@@ -336,3 +336,23 @@ def test_onnx_export_of_token_pooling_into_a_bn_head_without_projection(tmp_path
         ["embedding"], {"image": x.numpy()})[0]
     with torch.no_grad():
         assert np.abs(got - net(x).numpy()).max() < 1e-4
+
+
+def test_bf16_autocast_and_channels_last():
+    """bf16 autocast (ViT) stays close to float32; channels_last (ConvNeXt) gives the same
+    embedding as the contiguous layout."""
+    torch.manual_seed(0)
+    vit = create_model("timm/vit_tiny_patch16_224", embedding_dim=16, norm="l2", pool="cls", img_size=32).eval()
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        ref = vit(x)["embedding"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = vit(x)["embedding"]
+    assert low.dtype == torch.float32 and torch.nn.functional.cosine_similarity(ref, low).min() > 0.98
+    conv = create_model("timm/convnext_atto", embedding_dim=16, norm="l2").eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = conv(x)["embedding"]
+        conv.to(memory_format=torch.channels_last)
+        got = conv(x.contiguous(memory_format=torch.channels_last))["embedding"]
+    assert (ref - got).abs().max() < 1e-5
