@@ -87,7 +87,7 @@ def test_names_and_options_exist(configs):
     from deepmetric.data import build_transform
     from deepmetric.data.benchmarks import BENCHMARKS
     from deepmetric.losses import build_loss, list_losses
-    from deepmetric.models import create_model, list_models
+    from deepmetric.models import create_model, is_timm_name, list_models
 
     seen_models, seen_losses, seen_tf = set(), set(), set()
     for name, cfg in configs.items():
@@ -97,7 +97,7 @@ def test_names_and_options_exist(configs):
             splits = protocols[d.options.get("protocol", default)]
             for split in (d.train_split, cfg.eval.split, cfg.eval.gallery_split):
                 assert split is None or split in splits, f"{name}: split {split!r} not in {splits}"
-        assert cfg.model.name in list_models(), name
+        assert cfg.model.name in list_models() or is_timm_name(cfg.model.name), name
         opts = {k: v for k, v in cfg.model.options.items() if k != "pretrained"}
         key = (cfg.model.name, json.dumps(opts, sort_keys=True))  # options may hold mappings (projection)
         if key not in seen_models:  # build on the meta device: checks every option, no memory

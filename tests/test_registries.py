@@ -137,7 +137,7 @@ def test_register_dataset_refuses_a_name_twice(scratch_registries):
 
 # ----------------------------------------------------------------------------- transforms
 def test_transform_options_are_what_build_transform_accepts():
-    assert list_transforms() == ["emoji", "glyph", "mnist", "resize_crop", "short_side", "sod"]
+    assert list_transforms() == ["emoji", "glyph", "mnist", "resize_crop", "short_side", "sod", "timm"]
     for name in list_transforms():
         with pytest.raises(TypeError, match=r"unknown option\(s\) \['zzz'\]; allowed: (.*)") as err:
             build_transform(name, train=True, zzz=1)

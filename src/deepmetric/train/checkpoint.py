@@ -13,7 +13,15 @@ loads with ``torch.load(path, weights_only=True)``.  ``checkpoint_dict`` writes 
      "schedules": {"lr": ..., "temperature": ...}, "sampler": state_dict|None,
      "rng": [{"python": [...], "numpy": {...}, "torch": ByteTensor, "cuda": [ByteTensor]}],
      "model_args": {"num_classes", "embedding_dim", "world_size"} (what rebuilds the model),
-     "config": resolved config dict}
+     "config": resolved config dict,
+     "start_model": state_dict (only for runs that keep the model as it started: WiSE-FT, a
+                    pretrained-features teacher)}
+
+Self-contained: ``model`` holds every weight of the model, so loading a checkpoint (embed,
+index, export, serve, report, resume) builds the model without ``model.options.pretrained``
+and never reads that file (or the hub) again; a resumed run that needs the model as it started
+takes it from ``start_model``.  Checkpoints written before (no ``start_model``) load the same
+way; only resuming such a WiSE-FT / teacher run reads the pretrained file again.
 
 Version 1 files (``"epoch_loss": [sum, n]`` and ``"meta"`` instead of ``"model_args"``) are
 upgraded in memory by ``load_checkpoint``.
@@ -207,10 +215,13 @@ class Trainables:
     sampler: Any                   # a deepmetric batch sampler
 
 
-def checkpoint_dict(state: TrainState, objs: Trainables, *, model_args: dict, config: dict) -> dict:
-    """Everything needed to continue the run exactly (see the module docstring)."""
+def checkpoint_dict(state: TrainState, objs: Trainables, *, model_args: dict, config: dict,
+                    extra: dict | None = None) -> dict:
+    """Everything needed to continue the run exactly (see the module docstring); ``extra``:
+    further entries (``start_model``)."""
     mid_epoch = state.batch_in_epoch > 0
     return {
+        **(extra or {}),
         **asdict(state),
         "model": objs.model.state_dict(),
         "loss": [loss.state_dict() for loss in objs.losses],

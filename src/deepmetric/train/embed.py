@@ -330,13 +330,16 @@ def evaluate_split(model: nn.Module, sets: dict[str, Dataset], cfg, *, device: t
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
     """Rebuild the model (and loss terms) of a training checkpoint.
 
-    Returns ``(model, losses, cfg, state)``; the model is in eval mode on ``device``.
+    The checkpoint holds every weight of the model, so the model is built without
+    ``model.options.pretrained`` (the file may have moved, the hub may be out of reach) and
+    filled from the checkpoint alone.  Returns ``(model, losses, cfg, state)``; the model is in
+    eval mode on ``device``.
     """
     state = load_checkpoint(path)
     cfg = config_from_dict(state["config"])
     model_args = state.get("model_args", {})
     num_classes = model_args.get("num_classes")
-    model = build_model(cfg, num_classes=num_classes)
+    model = build_model(cfg, num_classes=num_classes, pretrained=False)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:

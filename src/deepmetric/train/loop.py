@@ -57,7 +57,7 @@ from . import rundir as R
 from . import tracking as T
 from .amp import autocast_context, check_amp
 from .batches import make_train_loader
-from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler, build_test_sets,
+from .builders import (VAL_SPLIT, build_dataset, fill_model_input_size, resolve_model_preprocessing, build_losses, build_model, build_sampler, build_test_sets,
                        embedding_dim_of, seed_everything)
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
                          restore, save_checkpoint)
@@ -231,7 +231,8 @@ class _Run:
     reevaluate: bool = False        # a finished run resumed without its final evaluation
     on_validation: Any = None       # callback(epoch, val_metrics) after each validation
     resume_ckpt: dict | None = None  # the --resume checkpoint, loaded (and checked) first
-    pretrained_state: dict | None = None  # eval.wise_ft: the model before the first step (CPU, rank 0)
+    pretrained_state: dict | None = None  # the model before the first step (CPU, rank 0; eval.wise_ft, a
+                                          # teacher): checkpoints' start_model
     wise_ft: dict | None = None     # eval.wise_ft: metrics.json's "wise_ft" section
     t_start: float = 0.0
     wall_before: float = 0.0
@@ -258,8 +259,9 @@ class _Run:
     def save(self, name: str) -> Path:
         """Write checkpoint ``name`` (``last.pt`` / ``best.pt``) of the run so far (rank 0)."""
         self.state.wall_time_s = self.wall_before + time.perf_counter() - self.t_start
+        extra = {"start_model": self.pretrained_state} if self.pretrained_state is not None else None
         path = save_checkpoint(checkpoint_dict(self.state, self.objs, model_args=self.model_args,
-                                               config=self.config_dict), self.out_dir / name)
+                                               config=self.config_dict, extra=extra), self.out_dir / name)
         if name == R.LAST:
             self.log.checkpointed()  # trackers take the records a resume keeps
         return path
@@ -268,6 +270,7 @@ class _Run:
 def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules."""
     tc = cfg.train
+    resolve_model_preprocessing(cfg)  # data.transform: timm: the model's numbers, saved with the config
     P.check_config(cfg)  # option and metric names: fail before anything is built
     T.check_loggers(tc.loggers)  # the trackers' libraries too
     dist_info = D.init_distributed(tc.device)
@@ -304,7 +307,11 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
             eval_sets["test"] = build_test_sets(cfg)
 
     # 3. model and loss terms ------------------------------------------------------------
-    model = build_model(cfg, num_classes=num_classes)
+    fill_model_input_size(cfg, train_ds)  # a ViT's img_size: the data's (saved with the config)
+    start_state = resume_ckpt.get("start_model") if resume_ckpt is not None else None
+    model = build_model(cfg, num_classes=num_classes, pretrained=_reads_pretrained(cfg, resume_ckpt))
+    if start_state is not None:  # a resumed run: the model as the run started, from the checkpoint
+        model.load_state_dict(start_state)
     teacher = _pretrained_teacher(cfg, model)  # before any change: the model as built (pretrained)
     # pre-flight: image headers of every split, the model on two training images.  Rank 0 alone
     # checks the evaluation splits, so a failure is shared before the ranks meet in DDP.
@@ -335,7 +342,8 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
                                  total_epochs=total_epochs, total_steps=total_iters, out_dir=out_dir), flush=True)
         for w in run_warnings:
             print(f"[deepmetric] warning: {w}", flush=True)
-    pretrained_state = _init_head(cfg, model, device, resume=resume) if main else None  # rank 0
+    pretrained_state = (_init_head(cfg, model, device, resume=resume, restored=start_state is not None)
+                        if main else None)  # rank 0
     if resume is None and main:  # rank 0 only: DDP broadcasts rank 0's parameters below
         for term, loss in zip(cfg.loss, losses):
             if term.init == "class_means":
@@ -370,23 +378,48 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     return run
 
 
-def _pretrained_teacher(cfg: Config, model: nn.Module) -> PretrainedTeacher | None:
-    """A frozen copy of the model as built (its pretrained weights) when a loss term reads
-    ``pretrained_features`` (``similarity_distillation``); rebuilt, not saved, on resume."""
+def _wants_teacher(cfg: Config) -> bool:
+    """Whether a loss term reads ``pretrained_features`` (``similarity_distillation``)."""
     from deepmetric.losses import loss_class
 
-    wanted = any("pretrained_features" in getattr(loss_class(t.name), "extra_inputs", ()) for t in cfg.loss)
-    return PretrainedTeacher(model) if wanted else None
+    return any("pretrained_features" in getattr(loss_class(t.name), "extra_inputs", ()) for t in cfg.loss)
 
 
-def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=None) -> dict | None:
+def _needs_start(cfg: Config) -> bool:
+    """Whether the run keeps the model as it started (WiSE-FT's end point, the teacher of
+    ``pretrained_features``): checkpoints then hold it as ``start_model``."""
+    return cfg.eval.wise_ft is not None or _wants_teacher(cfg)
+
+
+def _reads_pretrained(cfg: Config, resume_ckpt: dict | None) -> bool:
+    """Whether the model is built with ``model.options.pretrained``: for a new run; a resumed one
+    takes every weight from its checkpoint (``model``, and ``start_model`` when the run keeps the
+    model as it started), so the pretrained file may have moved.  A checkpoint written before
+    ``start_model`` existed, of a run that needs it, reads the pretrained weights again."""
+    if resume_ckpt is None:
+        return True
+    return _needs_start(cfg) and resume_ckpt.get("start_model") is None
+
+
+def _pretrained_teacher(cfg: Config, model: nn.Module) -> PretrainedTeacher | None:
+    """A frozen copy of the model as built (its pretrained weights) when a loss term reads
+    ``pretrained_features`` (``similarity_distillation``); on resume, of the checkpoint's
+    ``start_model``."""
+    return PretrainedTeacher(model) if _wants_teacher(cfg) else None
+
+
+def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=None,
+               restored: bool = False) -> dict | None:
     """Before the first step (rank 0): ``model.options.head_init`` (the head from the PCA of the
     training images' pooled features), then, with ``eval.wise_ft``, a CPU copy of the model as
     it starts (WiSE-FT's pretrained end point).  A resumed run's checkpoint overwrites the head,
     so it computes the PCA only for ``eval.wise_ft_params: all`` (the head's starting value is
-    mixed).  The random streams are left as they were.  Returns that copy or None."""
+    mixed) and only when the checkpoint has no ``start_model`` (``restored``).  The random
+    streams are left as they were.  Returns that copy or None."""
     tc = cfg.train
-    needed = resume is None or (cfg.eval.wise_ft is not None and cfg.eval.wise_ft_params == "all")
+    # restored: the model already is the checkpoint's start_model (head initialised as it was)
+    needed = not restored and (resume is None or (cfg.eval.wise_ft is not None
+                                                  and cfg.eval.wise_ft_params == "all"))
     if getattr(model, "head_init", None) is not None and needed:
         with P.rng_preserved():
             info = init_head_from_pca(model, build_dataset(cfg, cfg.data.train_split, train=False), device=device,
@@ -394,7 +427,7 @@ def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=No
                                       num_workers=cfg.data.num_workers)
         print(f"[deepmetric] head_init {model.head_init}: the projection is the PCA of {info['images']} training "
               f"images' pooled features ({100 * info['explained_variance']:.1f} % of their variance kept)", flush=True)
-    if cfg.eval.wise_ft is None:
+    if not _needs_start(cfg):
         return None
     from .wise_ft import snapshot_state
 
