@@ -17,9 +17,15 @@ kernel allows). Every loop is bounded (requests per client, a deadline per round
 ``--hostile``: 8 concurrent uploads of a 78 KB PNG claiming 1 x 40,000,000 pixels, 8 of a
 3500 x 3500 gradient PNG (36.8 MB decoded), while a separate process times GET /api/info
 every 20 ms; reports the statuses, the worst /api/info latency and the server's peak RSS.
+Then (issue 32) the same measurements while 200 idle TCP connections are held open and 8
+concurrent 64 KB palette + tRNS 8192 x 8192 PNGs and 8 16-bit grey 5792 x 5792 PNGs are
+uploaded (``idle+bombs``), and, with ``--photos N``, 4,000 distinct thumbnails
+(``/thumb/i?size=s``) of an index of N synthetic 1600 x 1200 JPEG photos built with the
+index's checkpoint, against the server's resident memory at idle (``thumbs``).
 
   python bench/serve_load.py runs/demo/index                    # 1, 4 and 16 clients
   python bench/serve_load.py runs/demo/index --clients 1 4 --requests 20 --hostile
+  python bench/serve_load.py runs/demo/index --clients 1 --hostile --photos 40
   python bench/serve_load.py --checkpoint runs/demo/last.pt     # index its test split first
 """
 from __future__ import annotations
@@ -241,6 +247,127 @@ def hostile_round(host, port, pid) -> dict:
             "peak_mib": max(sampler.peak, memory_kib(pid)["VmHWM"]) / 1024}
 
 
+def small_bomb_png(side: int, kind: str) -> bytes:
+    """A 64 KB PNG of zeros, ``side`` x ``side``: ``palette`` (with a transparent entry) or
+    ``grey16`` (as tests/odd_images.py)."""
+    import struct
+    import zlib
+
+    def chunk(kind_, data):
+        return struct.pack(">I", len(data)) + kind_ + data + struct.pack(">I", zlib.crc32(kind_ + data))
+
+    depth, colour, per = {"palette": (8, 3, 1), "grey16": (16, 0, 2)}[kind]
+    comp = zlib.compressobj(6)
+    row = b"\x00" * (1 + side * per)
+    rows = max(1, (1 << 22) // len(row))
+    idat = b"".join([comp.compress(row * min(rows, side - a)) for a in range(0, side, rows)] + [comp.flush()])
+    extra = chunk(b"PLTE", bytes(range(256)) * 3) + chunk(b"tRNS", b"\x00" + b"\xff" * 255) if kind == "palette" else b""
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, depth, colour, 0, 0, 0))
+            + extra + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def idle_bombs_round(host, port, pid, idle: int = 200) -> dict:
+    """``idle`` open connections that send nothing, while 8 palette + tRNS and 8 16-bit grey
+    bombs are uploaded at once and /api/info is polled from another process."""
+    palette, grey = small_bomb_png(8192, "palette"), small_bomb_png(5792, "grey16")
+    socks = [socket.create_connection((host, port), timeout=5) for _ in range(idle)]
+    results = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            stop = Path(tmp) / "stop"
+            poller = subprocess.Popen([sys.executable, "-c", POLLER, host, str(port), str(stop)],
+                                      stdout=subprocess.PIPE, text=True)
+            time.sleep(0.3)
+
+            def upload(name, data):
+                body, headers = multipart(name, data, 5)
+                t = time.perf_counter()
+                status, _ = http(host, port, "POST", "/search", body, headers)
+                results.append((name, status, time.perf_counter() - t))
+
+            threads = [threading.Thread(target=upload, args=(f"palette{i}.png", palette)) for i in range(8)]
+            threads += [threading.Thread(target=upload, args=(f"grey16_{i}.png", grey)) for i in range(8)]
+            reset_peak(pid)
+            before = memory_kib(pid)["VmRSS"]
+            with Sampler(pid) as sampler:
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=300)
+                time.sleep(0.5)
+            stop.touch()
+            info = json.loads(poller.communicate(timeout=60)[0])
+    finally:
+        for s in socks:
+            s.close()
+    lat = np.asarray([dt for _, dt in info]) * 1000
+    return {"idle_sockets": idle, "palette_statuses": sorted(s for n, s, _ in results if n.startswith("palette")),
+            "grey16_statuses": sorted(s for n, s, _ in results if n.startswith("grey16")),
+            "uploads_s": max(dt for *_, dt in results), "info_polls": len(info),
+            "info_ok": sum(s == 200 for s, _ in info), "info_p50_ms": float(np.median(lat)),
+            "info_max_ms": float(lat.max()), "info_over_100ms": int((lat > 100).sum()),
+            "rss_before_mib": before / 1024, "peak_mib": max(sampler.peak, memory_kib(pid)["VmHWM"]) / 1024}
+
+
+def photo_index(checkpoint: str, count: int, out: Path) -> Path:
+    """An index of ``count`` synthetic 1600 x 1200 JPEG photos (smooth colour fields with
+    8 x 8-pixel noise, texture that survives the thumbnail's down-scaling; 2 classes) built
+    with ``checkpoint``."""
+    from PIL import Image
+
+    from deepmetric.search import Index
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:1200, 0:1600].astype(np.float32)
+    for i in range(count):
+        d = out / "photos" / f"class{i % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        f = rng.uniform(0.001, 0.01, 3)
+        a = np.stack([127 + 100 * np.sin(x * f[0] + i), 127 + 100 * np.cos(y * f[1]), 127 + 100 * np.sin((x + y) * f[2])], -1)
+        a += np.kron(rng.normal(0, 40, (150, 200, 3)), np.ones((8, 8, 1))).astype(np.float32)
+        Image.fromarray(np.clip(a, 0, 255).astype(np.uint8)).save(d / f"photo{i:03d}.jpg", quality=90)
+    Index.build(checkpoint, data="folder", root=str(out / "photos"), split="all", out=out / "index", progress=False)
+    return out / "index"
+
+
+def thumbs_round(host, port, pid, rows: int, total: int = 4000, clients: int = 4) -> dict:
+    """``total`` distinct ``/thumb/i?size=s`` requests (drawn from every row x sizes 16..512) from
+    ``clients`` threads; the server's resident memory before, at its peak and after."""
+    import http.client
+
+    every = [(i, s) for s in range(16, 513) for i in range(rows)]
+    pairs = [every[j] for j in np.random.default_rng(0).choice(len(every), min(total, len(every)), replace=False)]
+    order = np.arange(len(pairs))
+    statuses, lock = [], threading.Lock()
+
+    def client(c):
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        for j in order[c::clients]:
+            i, s = pairs[j]
+            conn.request("GET", f"/thumb/{i}?size={s}")
+            r = conn.getresponse()
+            body = r.read()
+            with lock:
+                statuses.append((r.status, len(body)))
+        conn.close()
+
+    before = memory_kib(pid)["VmRSS"]
+    reset_peak(pid)
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    with Sampler(pid) as sampler:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=1200)
+    wall = time.perf_counter() - t0
+    after = memory_kib(pid)["VmRSS"]
+    return {"requests": len(statuses), "ok": sum(s == 200 for s, _ in statuses),
+            "png_mib": sum(n for s, n in statuses if s == 200) / 2**20, "wall_s": wall,
+            "rss_before_mib": before / 1024, "peak_mib": max(sampler.peak, memory_kib(pid)["VmHWM"]) / 1024,
+            "rss_after_mib": after / 1024, "growth_mib": (after - before) / 1024}
+
+
 def queries_of(index_dir: Path, limit: int) -> list:
     """(row, name, bytes) of up to ``limit`` indexed images, spread over the index."""
     paths = json.loads((index_dir / "paths.json").read_text(encoding="utf-8"))
@@ -260,13 +387,18 @@ def main(argv=None) -> int:
     ap.add_argument("index", nargs="?", help="index folder (or give --checkpoint to build one)")
     ap.add_argument("--checkpoint", help="index this checkpoint's test split into a temporary folder first")
     ap.add_argument("--host", default="127.0.0.1", help="loopback address to serve on (default 127.0.0.1)")
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--clients", type=int, nargs="*", default=[1, 4, 16],
+                    help="client counts of the load rounds (default 1 4 16; none: no load round)")
     ap.add_argument("--requests", type=int, default=40, help="requests per client and round (default 40)")
     ap.add_argument("--queries", type=int, default=64, help="distinct query images (default 64)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-in-flight", type=int, default=8)
     ap.add_argument("--k", type=int, default=10)
-    ap.add_argument("--hostile", action="store_true", help="also the bomb round")
+    ap.add_argument("--hostile", action="store_true", help="also the bomb rounds (with 200 idle sockets too)")
+    ap.add_argument("--idle", type=int, default=200, help="idle connections held in the bombs round (default 200)")
+    ap.add_argument("--photos", type=int, default=0,
+                    help="also the thumbnail round: 4,000 distinct thumbnails of an index of this many "
+                         "1600 x 1200 JPEG photos built with the index's checkpoint (default 0: skip)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
     from deepmetric.search.serve import is_loopback
@@ -303,15 +435,31 @@ def main(argv=None) -> int:
                   f"{fmt(r['p50'])} | {fmt(r['p95'])} | {fmt(r['p99'])} | {r['peak_mib']:.0f} |", flush=True)
             if r["wrong_first"]:
                 print(f"  warning: {r['wrong_first']} answers did not find the query image first")
+        show = lambda name, h: print(f"{name}: " + ", ".join(  # noqa: E731
+            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items()), flush=True)
         if a.hostile:
-            h = hostile_round(a.host, port, proc.pid)
-            print("hostile: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items()))
+            show("hostile", hostile_round(a.host, port, proc.pid))
+            show("idle+bombs", idle_bombs_round(a.host, port, proc.pid, a.idle))
         if proc.poll() is not None:
             raise SystemExit("the server died")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+    if a.photos:
+        ckpt = (manifest.get("checkpoint") or {}).get("path")
+        with tempfile.TemporaryDirectory() as tmp2:
+            t = time.perf_counter()
+            photos = photo_index(ckpt, a.photos, Path(tmp2))
+            print(f"photo index: {a.photos} images of 1600 x 1200 (JPEG) built in {time.perf_counter() - t:.0f} s")
+            proc, port, log = start_server(photos, a.host, a)
+            try:
+                time.sleep(1.0)
+                show("thumbs", thumbs_round(a.host, port, proc.pid, a.photos))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+                log.close()
         if tmp is not None:
             tmp.cleanup()
     return 0

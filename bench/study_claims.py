@@ -112,7 +112,8 @@ CLAIMS = (
           _each(F, [("hard", "center"), ("semihard", "center")], ("final/top1", "final/recall@1", "final/map@r"))),
     # the fair emoji comparison (issue 21 item 3): the same claims with every loss tuned on validation
     Claim("fair_heated", "heated-up softmax, Tables 1-2",
-          "tuned: HBN > BN > SM and LN, and HLN > LN (emoji, every loss tuned on validation, cross-vendor)",
+          "v1 protocol (BN's SGD protocol, 10 trials, 2-7 finished per loss): HBN > BN > SM and LN, and HLN > LN "
+          "(emoji, cross-vendor)",
           _each(EF, [("HBN", "BN"), ("BN", "SM"), ("BN", "LN"), ("HLN", "LN")], CROSS_VENDOR),
           caveat="LN's tune evaluated only 2 of its 10 candidates to the end: the median pruner "
                  "stopped the other 8 after epoch 1, where LN is still at the untrained network's level, "
@@ -120,7 +121,8 @@ CLAIMS = (
                  "that LN loses under this protocol, not that a well-tuned LN is 28 points behind; the "
                  "untuned study had them level (README.md)."),
     Claim("fair_almn", "ALMN, Table 2",
-          "tuned: ALMN beta 3 > beta 0 > N-pair (emoji, every loss tuned on validation, cross-vendor)",
+          "v1 protocol (BN's SGD protocol, 10 trials, 2-7 finished per loss): ALMN beta 3 > beta 0 > N-pair "
+          "(emoji, cross-vendor)",
           _each(EF, [("almn_beta3", "almn_beta0"), ("almn_beta0", "npair")], CROSS_VENDOR),
           caveat="the two ALMN rows read the same long projection (BN^ without the 1/sqrt(128), about 11 "
                  "long: ALMN's logits have no temperature and it did not train on the short ones); N-pair "
@@ -136,7 +138,8 @@ CLAIMS = (
                  "run's validation chose (best.pt) instead of the final one, beta 3 - beta 0 is +1.9 [-0.2, +4.1] "
                  "Recall@1: not resolved."),
     Claim("fair_pml", "issue 21 (not a paper claim)",
-          "tuned: BN beats what a user would pick from pytorch-metric-learning (ProxyAnchor, "
+          "v1 protocol (BN's SGD protocol, 10 trials, 2-7 finished per loss): BN beats what a user would pick "
+          "from pytorch-metric-learning (ProxyAnchor, "
           "MultiSimilarity, NormalizedSoftmax, ArcFace; emoji, cross-vendor)",
           _each(EF, [("BN", "pml_proxy_anchor"), ("BN", "pml_multi_similarity"), ("BN", "pml_normalized_softmax"),
                      ("BN", "pml_arcface")], CROSS_VENDOR),
@@ -228,7 +231,13 @@ def render(root: Path = STUDIES) -> str:
              "results, copied as runs finish). Differences are in points (x 100) of the final model's test metric, "
              "paired by seed: mean [95 % t interval] (n seeds). **holds**: interval above 0; **reversed**: below 0; "
              "**not resolved**: contains 0 (3 seeds cannot separate them); **pending**: runs not finished. "
-             "The written reading is in [README.md](README.md).", ""]
+             "The written reading is in [README.md](README.md).", "",
+             "**Everything on this page is v1 evidence, kept as history**: 3-10 epoch budgets, the emoji rows under "
+             "the protocol built for BN (issue 30 lists its defects), test columns in view while choices were made, and "
+             "no correction for testing many claims. Its verdicts are unadjusted per-claim readings, not a "
+             "ranking of the methods. The pre-registered protocol v2 "
+             "([protocol_v2/PREREGISTRATION.md](protocol_v2/PREREGISTRATION.md): every loss under its own best "
+             "protocol, 12 completed trials each, unseen seeds, Holm-corrected) replaces them as its results land.", ""]
     cache: dict[str, list[dict] | None] = {}
     summary = ["| claim | paper | verdict |", "|---|---|---|"]
     body = []

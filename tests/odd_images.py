@@ -73,6 +73,24 @@ def long_thin_png(width: int, height: int, colour_type: int = 0) -> bytes:
             + _chunk(b"IEND", b""))
 
 
+def small_bomb_png(side: int, kind: str) -> bytes:
+    """A ``side`` x ``side`` PNG of zeros that is small on disk and under a header-only size
+    check but costly to decode (issue 32): ``"palette"`` (colour type 3 with a transparent
+    palette entry: 1 byte a pixel in the header, 13 at the decode's peak) or ``"grey16"``
+    (16-bit grey, widened on its way to 8 bits)."""
+    depth, colour, channels_bytes = {"palette": (8, 3, 1), "grey16": (16, 0, 2)}[kind]
+    ihdr = struct.pack(">IIBBBBB", side, side, depth, colour, 0, 0, 0)
+    comp = zlib.compressobj(6)
+    row = b"\x00" * (1 + side * channels_bytes)
+    rows = max(1, (1 << 22) // len(row))
+    parts = [comp.compress(row * min(rows, side - a)) for a in range(0, side, rows)]
+    parts.append(comp.flush())
+    extra = (_chunk(b"PLTE", bytes(range(256)) * 3) + _chunk(b"tRNS", b"\x00" + b"\xff" * 255)
+             if kind == "palette" else b"")
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + extra + _chunk(b"IDAT", b"".join(parts))
+            + _chunk(b"IEND", b""))
+
+
 def corpus() -> dict[str, tuple[bytes, np.ndarray | None, str]]:
     """name -> (file bytes, expected decoded RGB array or None, note)."""
     up = upright_rgb()

@@ -14,12 +14,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, host: str = "127.0.0.1"):
-    """Serve ``app`` in a daemon thread; yields its base URL and stops the server afterwards."""
-    import uvicorn
+def serve_in_thread(app, host: str = "127.0.0.1", **limits):
+    """Serve ``app`` in a daemon thread with deepmetric serve's uvicorn server (its connection
+    ``limits``: header_timeout_s, max_connections); yields its base URL and stops the server
+    afterwards."""
+    from deepmetric.search.connections import make_server
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = make_server(app, host, port, **limits)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30

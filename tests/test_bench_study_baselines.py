@@ -33,7 +33,7 @@ def test_raw_pixels_and_features_of_a_study(tmp_path, monkeypatch):
     from deepmetric.train.config import config_from_dict
 
     root = write_digit_folder(tmp_path / "digits", per_class=6, seed=0)
-    base = yaml.safe_load((ROOT / "recipes" / "own_folder.yaml").read_text())
+    base = yaml.safe_load((ROOT / "recipes" / "own_folder_small_grey.yaml").read_text())
     base["data"]["root"] = str(root)
     base["model"]["options"] = {"embedding_dim": 8, "norm": "bn", "in_chans": 1, "widths": [4, 8], "depths": [1, 1]}
     base["eval"].update(ks=[1], metrics=["recall"])

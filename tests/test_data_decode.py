@@ -7,6 +7,7 @@ EfficientNet-Lite0: 16-bit and EXIF-rotated images embed within cosine 0.99 of t
 upright versions."""
 import io
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +17,8 @@ from PIL import Image, ImageFile
 from deepmetric.data import build_dataset
 from deepmetric.data.decode import (BYTES_PER_INPUT_PIXEL, DEFAULT_MAX_DECODE_MB, MIN_DECODE_MB,
                                     ImageDecodeError, ImageSizeError, check_decoded_size, decode_image,
-                                    decode_limit, decoded_bytes)
-from odd_images import H, W, corpus, exif_image, long_thin_png, png_bytes, stored_for, upright_rgb
+                                    decode_limit, decode_memory, decoded_bytes)
+from odd_images import H, W, corpus, exif_image, long_thin_png, png_bytes, small_bomb_png, stored_for, upright_rgb
 
 CORPUS = corpus()
 
@@ -86,10 +87,10 @@ def test_decoded_size_and_limits():
     assert decode_limit(1024 * 1024, cap_mb=100) == decode_limit(None, 100) == 100 * mib
     with pytest.raises(ValueError, match="max_decode_mb must be > 0"):
         decode_limit(None, 0)
-    big = Image.new("RGB", (3000, 2000))  # 18,000,000 decoded bytes
-    check_decoded_size(big, "ok.png", 18_000_000)
-    with pytest.raises(ImageSizeError, match=r"big\.png: image of 3000 x 2000 pixels \(RGB\) decodes to "
-                                             r"17\.2 MiB, more than the limit of 16\.0 MiB") as e:
+    big = Image.new("RGB", (3000, 2000))  # Pillow keeps RGB in 4 bytes a pixel: 24,000,000
+    check_decoded_size(big, "ok.png", 24_000_000)
+    with pytest.raises(ImageSizeError, match=r"big\.png: image of 3000 x 2000 pixels \(RGB\) takes "
+                                             r"22\.9 MiB to decode, more than the limit of 16\.0 MiB") as e:
         check_decoded_size(big, "big.png", 16 * mib)
     assert e.value.limit_bytes == 16 * mib
 
@@ -112,6 +113,119 @@ def test_bombs_are_refused_from_the_header_before_decoding(width, height, colour
         assert time.perf_counter() - t < 1.0
         msg = str(e.value)
         assert msg.startswith("bomb.png: image of") and ("limit of 100 : 1" in msg or "limit of 16.0 MiB" in msg)
+
+
+# Measures the resident memory a decode really takes: one process, the decoder module loaded
+# from its file (numpy and Pillow only, no torch), glibc's mmap threshold fixed so that freed
+# image buffers leave the resident set; the kernel's high-water mark is reset before each decode
+_PEAK = r"""
+import importlib.util, io, json, sys
+from PIL import Image
+spec = importlib.util.spec_from_file_location("decode", sys.argv[1])
+decode = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(decode)
+def status():
+    return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(("VmRSS", "VmHWM"))}
+small = io.BytesIO()
+Image.new("RGB", (8, 8)).save(small, "PNG")
+decode.decode_image(small.getvalue())
+out = []
+for path in sys.argv[2:]:
+    data = open(path, "rb").read()
+    for mode in ("RGB", "L"):
+        open("/proc/self/clear_refs", "w").write("5")
+        before = status()["VmRSS"]
+        im = decode.decode_image(data, mode=mode, max_bytes=2**40)
+        peak = status()["VmHWM"] - before
+        del im
+        with Image.open(io.BytesIO(data)) as im:
+            out.append([path.rsplit("/", 1)[1], mode, peak, decode.decode_memory(im, mode)])
+print(json.dumps(out))
+"""
+
+
+def _peak_cases(side: int) -> dict:
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(upright_rgb(side, side))  # ramps: quick to write and to compress
+    pal = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=256)
+    g16 = Image.fromarray((np.arange(side * side) % 65536).astype(np.uint16).reshape(side, side))
+    exif = Image.Exif()
+    exif[274] = 6
+    return {"palette_trns.png": png_bytes(pal, transparency=bytes(range(256))),
+            "grey16.png": png_bytes(g16, compress_level=1),
+            "grey16_trns.png": png_bytes(g16, compress_level=1, transparency=7),
+            "int32.tif": png_bytes(Image.fromarray(rng.integers(-5, 10**6, (side, side), dtype=np.int32)), "TIFF"),
+            "float.tif": png_bytes(Image.fromarray(rng.random((side, side), dtype=np.float32) * 3), "TIFF"),
+            "rgba.png": png_bytes(rgb.convert("RGBA"), compress_level=1),
+            "rgb.png": png_bytes(rgb, compress_level=1),
+            "exif6.jpg": png_bytes(rgb, "JPEG", exif=exif.tobytes()),
+            "progressive.jpg": png_bytes(rgb, "JPEG", progressive=True),
+            "cmyk.jpg": png_bytes(rgb.convert("CMYK"), "JPEG"),
+            "lossless.webp": png_bytes(rgb, "WEBP", lossless=True, method=0)}
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_decode_memory_bounds_what_a_decode_really_takes(tmp_path):
+    """Issue 32: the size check counted the file's own mode, but a palette + transparency PNG
+    goes through RGBA (13 bytes a pixel at its peak against 1 in the header) and 16-bit grey
+    was widened to int64. decode_memory must bound the measured peak of each mode's path, and
+    not by a wide margin (at most 2x + 4 MiB: a loose estimate would refuse normal photos)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from deepmetric.data import decode
+
+    paths = []
+    for name, data in _peak_cases(1280).items():
+        paths.append(tmp_path / name)
+        paths[-1].write_bytes(data)
+    r = subprocess.run([sys.executable, "-c", _PEAK, decode.__file__, *map(str, paths)], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert r.returncode == 0, r.stderr
+    mib = 2**20
+    measured = json.loads(r.stdout)
+    assert len(measured) == 2 * len(paths)
+    for name, mode, peak, estimate in measured:
+        assert peak <= estimate * 1.03 + 1 * mib, (name, mode, peak / mib, estimate / mib)
+        assert estimate <= 2 * peak + 4 * mib, (name, mode, peak / mib, estimate / mib)
+    # the palette PNG with transparency: 13 bytes a pixel at the peak, against 1 in its header
+    name, _, peak, estimate = measured[0]
+    assert name == "palette_trns.png" and peak > 10 * 1280**2
+
+
+def test_small_bombs_are_refused_by_the_memory_they_take():
+    """The two files of issue 32 (64 KB each): under a header-only check at the 64 MiB limit
+    of a small model, each took over 1 GB to decode."""
+    for kind, side, mode, need in [("palette", 8192, "P, transparency", "832.0"), ("grey16", 5792, "I;16", "255.9")]:
+        data = small_bomb_png(side, kind)
+        assert len(data) < 70_000
+        with pytest.raises(ImageSizeError) as e:
+            decode_image(data, name=f"{kind}.png", max_bytes=decode_limit(32 * 32))
+        assert str(e.value) == (f"{kind}.png: image of {side} x {side} pixels ({mode}) takes {need} MiB to decode, "
+                                "more than the limit of 64.0 MiB (67,108,864 bytes)")
+        with Image.open(io.BytesIO(data)) as im:
+            assert decoded_bytes(im) <= 64 * 2**20 < decode_memory(im)  # what the old check let through
+
+
+def test_only_the_accepted_formats_are_opened(monkeypatch):
+    """Issue 32: an upload reached Pillow's EPS plugin (which looks for Ghostscript). Formats
+    outside FORMATS are 'not an image' and their plugins are never called."""
+    from PIL import EpsImagePlugin
+
+    Image.init()
+    called = []
+    factory, accept = Image.OPEN["EPS"]
+    monkeypatch.setitem(Image.OPEN, "EPS", (lambda *a: called.append(1) or factory(*a), accept))
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n%%EOF\n"
+    with pytest.raises(ImageDecodeError, match=r"^drawing\.eps: not an image \(the file is not in a format "
+                                               r"deepmetric reads: PNG, JPEG, WebP, GIF, BMP, TIFF, PPM\)"):
+        decode_image(eps, name="drawing.eps")
+    assert called == []
+    with pytest.raises(Exception):  # noqa: B017 - Pillow alone does reach the plugin
+        Image.open(io.BytesIO(eps)).load()
+    assert called == [1] and EpsImagePlugin is not None
 
 
 def test_broken_files_name_the_file(tmp_path):
@@ -158,7 +272,7 @@ def test_training_datasets_read_through_the_decoder(tmp_path):
         ds = build_dataset("folder", root, split="all", verify="open", skip_missing=True)
     assert sorted(p.rsplit("/", 1)[1] for p in ds.skipped) == ["cut.png", "thin.png"]
     ds = build_dataset("folder", root, split="all", max_decode_mb=0.001)  # 1,048 bytes
-    with pytest.raises(OSError, match=r"rgb\.png: .*decodes to 0\.0 MiB, more than the limit of 0\.0 MiB \(1,048 bytes\)"):
+    with pytest.raises(OSError, match=r"rgb\.png: .*takes 0\.0 MiB to decode, more than the limit of 0\.0 MiB \(1,048 bytes\)"):
         ds[ds.paths.index(str(root / "b" / "rgb.png"))]
 
 

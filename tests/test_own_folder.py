@@ -1,4 +1,4 @@
-"""A new user's own folder, end to end through the command line and recipes/own_folder.yaml:
+"""A new user's own folder, end to end through the command line and recipes/own_folder_small_grey.yaml:
 ten classes of small digit images, train on five, test zero-shot on the other five.  The run
 must show the split, the baselines and the few-classes warning; mistakes must stop the run
 before training, in the words of the YAML config; a failing evaluation must not lose training."""
@@ -15,7 +15,7 @@ from deepmetric.data.synthetic import DIGIT_NAMES, write_digit_folder
 from deepmetric.evaluate import evaluate
 from deepmetric.train.rundir import read_log
 
-RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "own_folder.yaml")
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "own_folder_small_grey.yaml")
 TRAIN = ["eight", "five", "four", "nine", "one"]   # first half of the sorted names
 TEST = ["seven", "six", "three", "two", "zero"]
 PER_CLASS = 12

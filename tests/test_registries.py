@@ -21,7 +21,7 @@ from deepmetric.data import (build_dataset, build_transform, canonical_dataset_n
 from deepmetric.data import registry as data_registry
 from deepmetric.data import transforms as transforms_module
 from deepmetric.data.synthetic import GaussianClusters
-from deepmetric.evaluate import check_metric_names, evaluate, list_metrics
+from deepmetric.evaluate import check_metric_names, evaluate, list_metrics, metric_keys
 from deepmetric.losses import build_loss, list_losses, loss_class, loss_options, register_loss
 from deepmetric.losses import registry as loss_registry
 from deepmetric.models import registry as model_registry
@@ -137,7 +137,7 @@ def test_register_dataset_refuses_a_name_twice(scratch_registries):
 
 # ----------------------------------------------------------------------------- transforms
 def test_transform_options_are_what_build_transform_accepts():
-    assert list_transforms() == ["emoji", "glyph", "mnist", "resize_crop", "short_side", "sod"]
+    assert list_transforms() == ["emoji", "glyph", "mnist", "resize_crop", "short_side", "sod", "timm"]
     for name in list_transforms():
         with pytest.raises(TypeError, match=r"unknown option\(s\) \['zzz'\]; allowed: (.*)") as err:
             build_transform(name, train=True, zzz=1)
@@ -283,13 +283,18 @@ def test_pml_is_listed_without_pytorch_metric_learning():
 
 # ----------------------------------------------------------------------------- metrics
 def test_metric_names(rng):
-    assert list_metrics() == ["recall", "map@r", "r_precision", "nmi", "f1"]
-    assert check_metric_names(None) == tuple(list_metrics())
+    assert list_metrics() == ["recall", "map@r", "r_precision", "mrr", "map@k", "recall_class_avg",
+                              "map@r_class_avg", "nmi", "f1", "ami"]
+    assert check_metric_names(None) == ("recall", "map@r", "r_precision", "nmi", "f1")
     assert check_metric_names("nmi") == ("nmi",)
     x = rng.standard_normal((12, 3)).astype(np.float32)
     y = np.repeat(np.arange(3), 4)
-    got = evaluate(x, y, ks=(1, 2), metrics=list_metrics())
+    got = evaluate(x, y, ks=(1, 2))
     assert sorted(got) == sorted(["recall@1", "recall@2", "map@r", "r_precision", "nmi", "f1"])
+    got = evaluate(x, y, ks=(1, 2), metrics=list_metrics())
+    assert list(got) == metric_keys(list_metrics(), (1, 2)) == [
+        "recall@1", "recall@2", "map@r", "r_precision", "mrr", "map@1", "map@2", "recall@1_class_avg",
+        "recall@2_class_avg", "map@r_class_avg", "nmi", "f1", "ami"]
     for bad in (["nmi", "mAP"], []):
         with pytest.raises(ValueError) as err:
             check_metric_names(bad)

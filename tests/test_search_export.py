@@ -64,6 +64,19 @@ def test_torchscript_matches_pytorch_and_raw_output(shapes, tmp_path):
         assert (loaded(x) - model(x)["embedding"]).abs().max() < 1e-4
     info = json.loads(preprocessing_path(out).read_text())
     assert info["output"]["l2_normalized"] is False and info["input"]["shape"] == ["batch", 3, 32, 32]
+    assert info["postprocess"]["steps"] == [] and "whiten_projection" in info["postprocess"]["how"]
+
+
+def test_export_json_names_the_configs_postprocessing(shapes):
+    from deepmetric.search.export import postprocess_entry
+    from deepmetric.train.config import config_from_dict
+
+    cfg = config_from_dict({"train": {"epochs": 1}, "search": {"postprocess": [{"name": "whiten", "dim": 4},
+                                                                               {"name": "aqe"}]}})
+    entry = postprocess_entry(cfg)
+    assert entry["steps"] == [{"name": "whiten", "dim": 4, "shrinkage": 0.0, "fit": "gallery"},
+                              {"name": "aqe", "k": 2, "alpha": 3.0}]
+    assert json.loads(json.dumps(entry)) == entry
 
 
 def test_preprocessing_json_reimplemented_by_hand(shapes, tmp_path):

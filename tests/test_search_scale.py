@@ -230,3 +230,43 @@ def test_ivfpq_with_pca_reduction_keeps_full_vectors_for_reranking():
     assert np.mean([len(set(p) & set(b)) / 10 for p, b in zip(idx, brute(x, x[:40], 10))]) >= 0.9
     with pytest.raises(ValueError, match="--reduce-dim 32 must be between 1 and the dimension 16"):
         Index.from_embeddings(x, lab, approximate="ivfpq", options={"reduce_dim": 32})
+
+
+def test_ivfpq_refuses_post_processing_with_a_clear_error(tmp_path, capsys):
+    x, lab = clustered(300, seed=9)
+    with pytest.raises(ValueError, match="ivfpq takes no --postprocess"):
+        Index.from_embeddings(x, lab, approximate="ivfpq", postprocess=[{"name": "whiten", "dim": 8}])
+    np.savez(tmp_path / "e.npz", embeddings=x, labels=lab)
+    argv = ["index", "--embeddings", str(tmp_path / "e.npz"), "--out", str(tmp_path / "ix"), "--approximate",
+            "ivfpq", "--postprocess", "whiten:dim=8"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "ivfpq takes no --postprocess" in err and "Traceback" not in err and not (tmp_path / "ix").exists()
+    assert cli.main(argv[:-1] + ["none"]) == 0  # no steps: built
+    # the other kinds keep their post-processing in format 3
+    index = Index.from_embeddings(x, lab, approximate="hnsw", postprocess=[{"name": "whiten", "dim": 8}])
+    index.save(tmp_path / "hnsw")
+    back = Index.load(tmp_path / "hnsw", verify_hashes=True)
+    assert back.postprocessor is not None and back.dim == 8 and back.query_dim == 16
+    assert np.array_equal(back.search(x[:5], k=5)[1], index.search(x[:5], k=5)[1])
+
+
+def test_ivfpq_vectors_file_is_checked_like_every_listed_file(pq_index, tmp_path):
+    import hashlib
+    import shutil
+
+    from deepmetric.search.index import IndexFilesError
+
+    d = tmp_path / "ix"
+    shutil.copytree(pq_index[3], d)
+    vec = np.load(d / "vectors.f16.npy")
+    vec[5, 3] = np.nan
+    np.save(d / "vectors.f16.npy", vec)
+    with pytest.raises(IndexFilesError, match=r"vectors\.f16\.npy: SHA-256 differs"):
+        Index.load(d, verify_hashes=True)
+    m = json.loads((d / "manifest.json").read_text())  # re-blessed, as a buggy tool would
+    data = (d / "vectors.f16.npy").read_bytes()
+    m["files"]["vectors.f16.npy"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"vectors\.f16\.npy: row 5 holds NaN or infinite values"):
+        Index.load(d, verify_hashes=True)

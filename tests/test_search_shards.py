@@ -54,7 +54,8 @@ def test_two_ranks_build_the_one_process_index_and_survive_a_killed_rank(shapes,
     deadline = time.monotonic() + 60
     pids, shard_files = {}, []
     while time.monotonic() < deadline and proc.poll() is None:  # kill rank 1 once it wrote a shard
-        pids = pids or _rank_pids(proc)
+        if 1 not in pids:  # torchrun may start rank 0 before rank 1: look again until both run
+            pids = _rank_pids(proc)
         shard_files = sorted(tmp_path.glob(".ix.shards-*/shard-*.npy"))
         if 1 in pids and any(int(f.stem[-6:]) >= 8 for f in shard_files):
             os.kill(pids[1], signal.SIGKILL)

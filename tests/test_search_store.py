@@ -96,13 +96,14 @@ def test_add_with_an_unreadable_image_changes_nothing(shapes, built, tmp_path, c
 def test_a_crash_while_writing_changes_nothing(shapes, built, tmp_path, monkeypatch):
     out, before, query, _ = built
     more = make_shapes_folder(tmp_path / "more", classes=["blue_square"])
-    import faiss
+    import deepmetric.search.index as index_module
 
-    def broken(index, path):
+    def broken(path, data):
         Path(path).write_bytes(b"half")
-        raise KeyboardInterrupt  # Ctrl-C in the middle of the write
+        if Path(path).name == "index.faiss":
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the write
 
-    monkeypatch.setattr(faiss, "write_index", broken)
+    monkeypatch.setattr(index_module, "write_file", broken)
     with pytest.raises(KeyboardInterrupt):
         Index.build(shapes["checkpoint"], data="folder", root=str(more), out=out, add=True, progress=False)
     monkeypatch.undo()

@@ -23,26 +23,28 @@ def _check_summary(out, printed, pictures, *, heated):
         assert (out / name).is_file(), name
         assert str(out / name) in printed or name in ("config.yaml", "log.jsonl")
     heat = read_log(out, type="heat_up")
-    names = [r["name"] for r in summary["rows"]]
+    trained = [r for r in summary["rows"] if "of" not in r]  # the rows without post-processing
+    names = [r["name"] for r in trained]
     assert names[0].startswith("raw pixels")
     if heated:
         assert summary["before_heat_up"]["alpha"] == 16.0 and summary["after_heat_up"]["alpha"] == 4.0
         assert len(heat) == 1 and heat[0]["alpha"] == [4.0]
         assert names[-1] == "epoch 2, alpha 4"
     else:
-        assert not heat and "before_heat_up" not in summary and names[-1] == "epoch 2"
+        assert not heat and "before_heat_up" not in summary and names[-1] == "trained embedding (epoch 2)"
     # the printed table has one line per row, with the same numbers as the JSON
     for r in summary["rows"]:
-        line = next(l for l in printed.splitlines() if l.strip().startswith(r["name"]))
+        line = next(l for l in printed.splitlines() if l.strip().startswith(r["name"].strip())
+                    and f"{100 * r['recall@1']:.2f}" in l)
         assert f"{100 * r['recall@1']:.2f}" in line
     # every row ends where the heading does, however long its name (numbers under their column)
     lines = printed.splitlines()
     header = next(l for l in lines if l.split()[:2] == ["recall@1", "recall@2"])
-    rows = [next(l for l in lines if l.strip().startswith(r["name"])) for r in summary["rows"]]
+    rows = [next(l for l in lines if l.strip().startswith(r["name"].strip())) for r in summary["rows"]]
     assert {len(l) for l in rows} == {len(header)}
     # the last row is the final evaluation of the run's own log
     test = [r for r in read_log(out, type="eval") if r["split"] == "test"]
-    assert summary["rows"][-1]["recall@1"] == pytest.approx(test[-1]["recall@1"])
+    assert trained[-1]["recall@1"] == pytest.approx(test[-1]["recall@1"])
     return summary
 
 
@@ -69,6 +71,12 @@ def test_demo_emoji_quick(tmp_path, capsys):
     summary = _check_summary(out, printed, ("retrieval_grid.png", "training_curves.png"), heated=False)
     names = [r["name"] for r in summary["rows"]]
     assert names[:2] == ["raw pixels (32x32)", "ImageNet features (1280-d, gem)"]  # pooled as the recipe pools
+    # each learned embedding is followed by its post-processed row, chosen on validation
+    post = [r for r in summary["rows"] if "of" in r]
+    assert [r["of"] for r in post] == [names[1], "trained embedding (epoch 2)"]
+    assert names[2] == names[-1] == "  + post-processing (chosen on validation)"
+    assert "[demo] post-processing of trained embedding (epoch 2):" in printed
+    assert summary["seconds"]["postprocess"] > 0
     # the fine-tuned embedding is measured on the same test images as the baselines
     assert summary["rows"][1]["nmi"] is not None and summary["rows"][0]["nmi"] is None
     # cross-vendor columns for every row, the baselines' computed here independently
@@ -87,6 +95,6 @@ def test_demo_emoji_quick(tmp_path, capsys):
     ref = evaluate_cross_domain(pixels, test.labels, test.vendor_ids, ks=(1,), metrics=("recall", "map@r"))
     assert summary["rows"][0]["cross_domain_recall@1"] == pytest.approx(ref["mean"]["recall@1"])
     assert summary["rows"][0]["cross_domain_map@r"] == pytest.approx(ref["mean"]["map@r"])
-    assert summary["train_classes"] == 24 and summary["test_classes"] == 24
+    assert summary["train_classes"] == 20 and summary["test_classes"] == 24  # 4 training emoji held out: validation
     # running the demo again replaces its own earlier run instead of refusing the folder
     assert cli.main(["demo", "--quick", "--out", str(out), "train.progress=false"]) == 0

@@ -227,7 +227,7 @@ def test_compute_embeddings_outputs_are_the_models_forward_outputs(name):
     np.testing.assert_allclose(feats["logits"], ref["logits"].numpy(), rtol=1e-5, atol=1e-6)
     assert emb["embeddings"].shape == (10, 6) and feats["embeddings"].shape == (10, model.num_features)
     assert "logits" not in emb and emb["labels"].tolist() == (torch.arange(10) % 3).tolist()
-    with pytest.raises(ValueError, match=r"output must be one of \('embedding', 'features'\), got 'logits'"):
+    with pytest.raises(ValueError, match=r"output must be one of \('embedding', 'features', 'projection'\), got 'logits'"):
         compute_embeddings(model, ds, output="logits")
 
 

@@ -169,10 +169,51 @@ def test_size_warnings(tmp_path):
     cfg = _cfg(data={"name": "folder", "transform": "resize_crop"}, model={"name": "resnet18"})
     w = size_warnings(cfg, ds, (3, 224, 224))
     assert len(w) == 1 and w[0].startswith("images are 28x28 px but data.transform 'resize_crop' enlarges them "
-                                           "to 224x224: about 64x the computation")
+                                           "to 224x224 (8.0x per side): about 64x the computation")
     w = size_warnings(cfg, ds, (3, 28, 28))
     assert len(w) == 1 and "model 'resnet18' is an ImageNet architecture" in w[0]
     assert size_warnings(_cfg(model={"name": "glyph_resnet"}), ds, (1, 28, 28)) == []
+
+
+@pytest.mark.parametrize("side, warns", [(64, True), (100, True), (128, False), (224, False)])
+def test_an_enlargement_over_2x_per_side_warns(tmp_path, side, warns):
+    """The issue's case: 64 px photos enlarged 3.5x to 224 got no warning (only <= 64 px images
+    enlarged 4x or more did)."""
+    root = _digits(tmp_path / "d", size=(side, side))
+    ds = build_dataset("folder", root, split="all")
+    cfg = _cfg(data={"name": "folder", "transform": "resize_crop"}, model={"name": "resnet18"})
+    w = size_warnings(cfg, ds, (3, 224, 224))
+    assert len(w) == int(warns), w
+    if warns:
+        assert w[0].startswith(f"images are {side}x{side} px but data.transform 'resize_crop' enlarges them to "
+                               f"224x224 ({224 / side:.1f}x per side)")
+
+
+def test_grey_colour_warning_only_for_colour_files_read_as_grey(tmp_path):
+    from PIL import Image
+
+    from deepmetric.train.image_warnings import grey_colour_warning, is_colour_image
+
+    rng = np.random.default_rng(0)
+    for kind in ("colour", "grey_rgb", "grey"):
+        for c in ("a", "b"):
+            d = tmp_path / kind / c
+            d.mkdir(parents=True)
+            for i in range(3):
+                v = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)
+                if kind == "grey_rgb":  # grey levels stored as RGB (equal channels): not colour
+                    v[..., 1] = v[..., 2] = v[..., 0]
+                im = Image.fromarray(v[..., 0], "L") if kind == "grey" else Image.fromarray(v, "RGB")
+                im.save(d / f"{i}.jpg", quality=90)
+    cfg = _cfg(data={"name": "folder"})
+    colour_as_l = build_dataset("folder", tmp_path / "colour", split="all", mode="L")
+    w = grey_colour_warning(cfg, colour_as_l)
+    assert w is not None and w.startswith("data.options.mode is 'L': images are read as grayscale, but 6 of 6 sampled")
+    assert "recipes/own_folder.yaml" in w and str(tmp_path / "colour") in w
+    assert grey_colour_warning(cfg, build_dataset("folder", tmp_path / "colour", split="all", mode="RGB")) is None
+    for kind in ("grey_rgb", "grey"):
+        assert grey_colour_warning(cfg, build_dataset("folder", tmp_path / kind, split="all", mode="L")) is None
+    assert is_colour_image(tmp_path / "nothing.png") is None
 
 
 def test_few_classes_warning():

@@ -16,7 +16,7 @@ def _rgb(rng, h, w):
 
 
 def test_names():
-    assert list_transforms() == ["emoji", "glyph", "mnist", "resize_crop", "short_side", "sod"]
+    assert list_transforms() == ["emoji", "glyph", "mnist", "resize_crop", "short_side", "sod", "timm"]
     with pytest.raises(ValueError, match="unknown transform 'nope'"):
         build_transform("nope", True)
     with pytest.raises(TypeError, match="unknown option"):

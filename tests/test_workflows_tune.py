@@ -1,9 +1,11 @@
 """deepmetric tune: the space file, the refusals, a whole tune on synthetic data checked against
 the trials' own logs, pruning, a kill -9 in the middle, and two workers sharing a study on a
 real PostgreSQL server started by the test."""
+import csv
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -75,7 +77,7 @@ def test_the_issues_space_file_and_a_multi_key_parameter_load(tmp_path):
     assert [p.name for p in setup.space.params] == ["optim.lr", "loss.0.options.alpha", "batch"]
     cfg = setup.trial_config({"optim.lr": 0.01, "loss.0.options.alpha": 32.0, "batch": [8, 2]}, tmp_path / "r")
     assert (cfg.optim.lr, cfg.loss[0].options["alpha"], cfg.train.m, cfg.train.n) == (0.01, 32.0, 8, 2)
-    assert cfg.eval.best_metric == "recall@1" and cfg.eval.test_every == 0 and not cfg.eval.test_selected and cfg.train.sampler == "class_balanced"
+    assert cfg.eval.best_metric == "recall@1" and not cfg.eval.test and not cfg.eval.test_selected and cfg.train.sampler == "class_balanced"
 
 
 def test_a_parameter_that_names_no_config_key_is_refused_before_any_trial(tmp_path):
@@ -120,9 +122,8 @@ def test_tune_end_to_end_objective_from_validation_only_and_best_recipe_trains(t
         assert {r["epoch"]: r["recall@1"] for r in val} == pytest.approx(t.intermediate_values)
         if t.state.name == "COMPLETE":
             assert t.value == pytest.approx(max(r["recall@1"] for r in val))
-            test = [r for r in log if r["type"] == "eval" and r["split"] == "test"]
-            assert [r["epoch"] for r in test] == [3]  # the test split once, at the end ...
-            assert t.user_attrs["test"]["recall@1"] == pytest.approx(test[0]["recall@1"])  # ... recorded only
+        # the test split out of sight: never evaluated, nothing recorded
+        assert not [r for r in log if r.get("split") == "test"] and "test" not in t.user_attrs
     # best.yaml: the best trial's values, a runnable recipe
     best = max((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
     cfg = load_config(out / "best.yaml", [f"train.out_dir={tmp_path / 'best_run'}", "train.epochs=1"])
@@ -130,7 +131,7 @@ def test_tune_end_to_end_objective_from_validation_only_and_best_recipe_trains(t
     assert cfg.loss[0].options["alpha"] == best.params["loss.0.options.alpha"]
     assert cli.main(["train", str(out / "best.yaml"), f"train.out_dir={tmp_path / 'best_run'}", "train.epochs=1"]) == 0
     table = (out / "trials.md").read_text()
-    assert f"| {best.number} | complete |" in table and "never used to choose" in table
+    assert f"| {best.number} | complete |" in table and "never evaluated the test split" in table
     html = (out / "report.html").read_text()
     assert "data:image/png;base64" in html and "Parameter importances" in html
     # a finished study: the same command trains nothing more
@@ -141,6 +142,71 @@ def test_tune_end_to_end_objective_from_validation_only_and_best_recipe_trains(t
     # ... and another space in the same directory is refused
     sp.write_text(yaml.safe_dump({**SPACE, "params": {"optim.lr": SPACE["params"]["optim.lr"]}}))
     assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "4", "--out", str(out)]) == 2
+
+
+# a test metric, however written: test/recall@1, test_map@r, "test: recall@1=...", a JSON record of
+# the test split, or a "test" mapping of metric values (the user attribute older tunes stored)
+TEST_METRIC = re.compile(r'test[/_: ]+"?(cross_domain_)?(recall@|map@r|r_precision|nmi|f1)|"split"\s*:\s*"test"'
+                         r'|"test"\s*:\s*\{\s*"[\w@]+"\s*:\s*-?[\d.]', re.I)
+
+
+def _test_metric_leaks(folder: Path) -> list[str]:
+    """Every text file under ``folder`` holding a test metric (binary files are the storage
+    and the checkpoints: the storage is read through Optuna by the caller)."""
+    leaks = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        m = TEST_METRIC.search(text)
+        if m:
+            leaks.append(f"{path.relative_to(folder)}: {m.group(0)!r}")
+    return leaks
+
+
+def test_the_leak_check_finds_test_metrics_in_each_form_it_was_written(tmp_path):
+    for i, text in enumerate(["a,test/recall@1\n1,0.5", '{"type": "eval", "split": "test", "epoch": 1}',
+                              '{"test": {"cross_domain_recall@1": 0.4}}', "epoch 1 step 8 test: recall@1=0.4",
+                              "| test_map@r |"]):
+        (tmp_path / f"f{i}.txt").write_text(text)
+    (tmp_path / "clean.yaml").write_text("eval: {test: false, test_every: 0, split: test}\nval/recall@1: 0.5\n")
+    assert len(_test_metric_leaks(tmp_path)) == 5
+
+
+def test_no_test_metric_reaches_a_tune_output_or_its_storage_and_completed_trials_are_counted(tmp_path):
+    """Issue 30 item 2: a tune's trials never evaluate the test split, so no file of its folder
+    (trials.csv / .md, tune.json, best files, plots' page, the trials' logs and metrics.json) and
+    no attribute in the storage holds a test metric.  ``--count completed``: pruned trials do not
+    count towards --trials, and --max-trials caps the total."""
+    space = {"objective": {"metric": "recall@1"},
+             "params": {"optim.lr": {"type": "categorical", "choices": [0.05, 1.0e-6]}},
+             "pruner": {"name": "median", "n_startup_trials": 1}, "sampler": {"name": "random", "seed": 0}}
+    recipe, sp = _files(tmp_path, space=space, epochs=2)
+    from deepmetric.workflows.tune import run_tune
+
+    for out, cap, lrs, want in ((tmp_path / "a", None, (0.05, 1.0e-6, 0.05), {"COMPLETE": 2, "PRUNED": 1}),
+                                (tmp_path / "b", 3, (0.05, 1.0e-6, 1.0e-6, 0.05), {"COMPLETE": 1, "PRUNED": 2})):
+        setup = prepare_tune(recipe, sp, trials=2, out=out, count="completed", max_trials=cap)
+        study = open_study(setup)
+        for lr in lrs:
+            study.enqueue_trial({"optim.lr": lr})
+        run_tune(setup)
+        study = open_study(setup, create=False)
+        assert {k: v for k, v in _states(study).items() if k != "WAITING"} == want, out
+        assert _test_metric_leaks(out) == []
+        for t in study.get_trials():
+            assert not any(str(k).lower().startswith("test") for k in {**t.user_attrs, **t.system_attrs}), t.user_attrs
+        with open(out / "trials.csv") as f:
+            columns = next(csv.reader(f))
+        assert "val/recall@1" in columns and not [c for c in columns if "test" in c.lower()]
+        record = json.loads((out / "tune.json").read_text())
+        assert record["count"] == "completed" and record["max_trials"] == (cap or 6)
+    # ... and the check would have seen one: the same recipe trained with the test split on
+    assert cli.main(["train", str(recipe), f"train.out_dir={tmp_path / 'plain'}", "train.epochs=1"]) == 0
+    assert _test_metric_leaks(tmp_path / "plain")
+    with pytest.raises(TuneError, match="--max-trials 1: needs --count completed"):
+        prepare_tune(recipe, sp, trials=2, out=tmp_path / "c", max_trials=1)
 
 
 def test_a_hopeless_trial_is_pruned_at_its_first_evaluation(tmp_path):

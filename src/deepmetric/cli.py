@@ -6,12 +6,14 @@ bad values) raised as ValueError / FileNotFoundError / TypeError / KeyError / OS
 printed as one clear line on stderr with exit code 2, without a traceback (an error raised in
 a data-loader worker is unwrapped to the worker's own message); set the environment variable
 ``DEEPMETRIC_DEBUG=1`` to get the full traceback instead.  Every sub-command's ``--help``
-ends with runnable examples.
+ends with runnable examples.  The ``KEY=VALUE`` config overrides of the commands that take them
+(train, demo, tune, study) may stand anywhere on the line (:func:`parse_command_line`).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import textwrap
 
@@ -42,7 +44,8 @@ def _add_evaluate_parser(sub) -> None:
             "  deepmetric evaluate emb.npz --k 1 10 100 --metrics recall map@r --out metrics.json\n"
             "  deepmetric evaluate emb.npz --device cpu        # faiss on the CPU even on a GPU machine\n"
             "  deepmetric evaluate emb.npz --device cuda:1     # the second GPU; an error without CUDA\n"
-            "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images"
+            "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images\n"
+            "  deepmetric evaluate emb.npz --postprocess whiten:dim=256,fit=gallery dba:k=3,alpha=3 aqe:k=2,alpha=3"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -50,7 +53,14 @@ def _add_evaluate_parser(sub) -> None:
     p.add_argument("--k", dest="ks", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="K values for Recall@K (default: 1 2 4 8)")
     p.add_argument("--metrics", nargs="+", default=None,
-                   help="subset of: recall map@r r_precision nmi f1 (default: all)")
+                   help="any of: recall map@r r_precision mrr map@k recall_class_avg map@r_class_avg nmi f1 ami "
+                        "(default: recall map@r r_precision nmi f1)")
+    p.add_argument("--postprocess", nargs="+", default=None, metavar="STEP",
+                   help="post-processing before the search, in the order whiten, dba, aqe, kreciprocal, e.g. "
+                        "whiten:dim=256,fit=gallery dba:k=3,alpha=3 aqe:k=2,alpha=3 kreciprocal:k1=20,k2=6,lambda=0.3 "
+                        "(docs/search.md, Post-processing)")
+    p.add_argument("--fit-embeddings", default=None, metavar="TRAIN.npz",
+                   help="embeddings that whiten:fit=train fits on (e.g. 'deepmetric embed ... --split train')")
     p.add_argument("--out", default=None, help="write the metrics as JSON to this path")
     p.add_argument("--backend", default="auto",
                    choices=["auto", "torch", "faiss", "faiss-hnsw", "faiss-ivf"],
@@ -171,7 +181,8 @@ def _add_train_parser(sub) -> None:
         "train", help="train a model from a YAML config (see docs/training.md)",
         description=_wrap(
             "Train from CONFIG.yaml. KEY=VALUE overrides (values are YAML) change single keys of "
-            "the config, e.g. optim.lr=0.001 train.epochs=5 'data.options={class_split: half}'. "
+            "the config, e.g. optim.lr=0.001 train.epochs=5 'data.options={class_split: half}'; "
+            "they may stand anywhere on the line, also after the options. "
             "Without a config file the defaults apply and the overrides must give at least "
             "train.epochs (or train.iterations). The run prints a summary (data split, model, loss, "
             "device, output folder) and baselines (untrained network, raw pixels for images up to "
@@ -195,7 +206,8 @@ def _add_train_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. train.epochs=5 data.root=my_images (values are YAML)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
-                   help="continue from this checkpoint (OUT_DIR/last.pt); exact on one process")
+                   help="continue from this checkpoint (OUT_DIR/last.pt); exact on one process. Another run's "
+                        "checkpoint into a non-empty train.out_dir needs --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in a non-empty train.out_dir, removing the previous run's config.yaml, "
                         "log.jsonl, last.pt, best.pt and metrics.json (without it a new run refuses such a directory)")
@@ -276,7 +288,7 @@ def _run_embed(args: argparse.Namespace) -> int:
 def _add_demo_parser(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, ~7 min on 2 idle cores)",
+        help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, about 6 minutes on 2 idle cores)",
         description=(
             "Fine-tune the ImageNet-pretrained EfficientNet-Lite0 on the training half of the emoji "
             "benchmark with the transfer recipe (recipes/demo_emoji.yaml: the pooled features are the "
@@ -407,7 +419,8 @@ def _add_index_parser(sub) -> None:
                         "paths are skipped)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the index in --out (without --add or --overwrite an existing index is "
-                        "refused; a folder that is not an index always is)")
+                        "refused; a folder that is not an index always is; a symbolic link --out: the folder it "
+                        "points to is replaced, the link kept)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     p.add_argument("--shard-size", type=int, default=None,
                    help="under torchrun: images per shard file (default 4096); a restarted rank skips finished "
@@ -415,30 +428,40 @@ def _add_index_parser(sub) -> None:
     _add_model_device_arguments(p, "the exact search")
     p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--postprocess", nargs="+", default=None, metavar="STEP",
+                   help="post-processing fitted on the indexed images and stored with the index (default: the "
+                        "checkpoint's search.postprocess; 'none' for none), e.g. whiten:dim=256 dba:k=3,alpha=3 "
+                        "aqe:k=2,alpha=3; search and serve then answer with the processed ranking")
     p.set_defaults(func=_run_index)
 
 
 def _run_index(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
 
+    from deepmetric.search.postprocess import parse_steps
+
     if (args.checkpoint is None) == (args.embeddings is None):
         raise ValueError("give either CHECKPOINT (embed images) or --embeddings FILE (vectors you have)")
     options = {k: v for k, v in (("memory_gb", args.memory_budget), ("reduce_dim", args.reduce_dim)) if v}
     if options and args.approximate != "ivfpq":
         raise ValueError("--memory-budget / --reduce-dim apply to --approximate ivfpq")
+    steps = args.postprocess
+    if steps is not None:
+        steps = [] if [s.lower() for s in steps] == ["none"] else parse_steps(steps)
     if args.embeddings is not None:
-        from deepmetric.search.index import index_from_file
+        from deepmetric.search.interchange import index_from_file
 
         index = index_from_file(args.embeddings, args.out, approximate=args.approximate, add=args.add,
-                                overwrite=args.overwrite, options=options)
+                                overwrite=args.overwrite, options=options, postprocess=steps)
         print(f"{'added' if args.add else 'indexed'} {args.embeddings} -> {args.out}: {len(index)} vectors, "
               f"{len(index.class_names)} classes, d={index.dim}, {index.kind}")
         _print_recall(index)
         return 0
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
                         approximate=args.approximate, add=args.add, overwrite=args.overwrite,
-                        index_options=options, batch_size=args.batch_size, shard_size=args.shard_size, search_device=args.search_device,
-                        device=args.device, num_workers=args.num_workers, progress=not args.no_progress)
+                        index_options=options, batch_size=args.batch_size, shard_size=args.shard_size,
+                        search_device=args.search_device, device=args.device, num_workers=args.num_workers,
+                        progress=not args.no_progress, postprocess=steps)
     if index is None:  # a torchrun rank other than 0: its shards are written, rank 0 writes the index
         return 0
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
@@ -457,6 +480,10 @@ def _print_recall(index) -> None:
         extra = f" ({a['factory']}, nprobe {a['nprobe']}, {a['k_factor']}x candidates re-ranked)" \
             if index.kind == "ivfpq" else ""
         print(f"recall@10 against exact search: {a['recall@10_vs_exact']:.4f}{extra}")
+    if index.postprocessor is not None:
+        from deepmetric.search.postprocess import format_steps
+
+        print(f"post-processing: {format_steps(index.postprocessor.steps)} (queries: {index.query_dim}-d)")
 
 
 def _add_index_tools_parsers(sub) -> None:
@@ -519,8 +546,9 @@ def _add_search_parser(sub) -> None:
     p = sub.add_parser(
         "search", help="nearest neighbours of query images in an index",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=("Embed each IMAGE with the index's checkpoint (checked by SHA-256) and print its K nearest "
-                     "indexed images: rank, cosine similarity, class name (label) and path."),
+        description=("Check every file of INDEX_DIR against the SHA-256 in its manifest, embed each IMAGE with "
+                     "the index's checkpoint (checked by SHA-256) and print its K nearest indexed images: rank, "
+                     "cosine similarity, class name (label) and path."),
         epilog=("example:\n  deepmetric search runs/demo/index query.png --k 5\n"
                 "  deepmetric search photos.index a.jpg b.jpg --k 10 --json --html results.html"))
     p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
@@ -539,7 +567,7 @@ def _run_search(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
     from deepmetric.search.output import results_html, results_json, results_text
 
-    index = Index.load(args.index_dir, mmap=True)
+    index = Index.load(args.index_dir, mmap=True, verify_hashes=True)
     index.model(args.checkpoint, args.device)
     sims, idx = index.search(list(args.images), args.k)
     results = index.neighbours(sims, idx)
@@ -564,7 +592,8 @@ def _add_export_parser(sub) -> None:
                    help="onnx (default) or torchscript")
     p.add_argument("--out", required=True, metavar="FILE", help="output file (e.g. model.onnx)")
     p.add_argument("--raw", action="store_true", help="output the embedding without l2 normalisation")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset version (default 17)")
+    p.add_argument("--opset", type=int, default=17,
+                   help="ONNX opset version (default 17; one torch's exporter cannot write is refused)")
     p.set_defaults(func=_run_export)
 
 
@@ -601,6 +630,11 @@ def _add_serve_parser(sub) -> None:
                    help="searches accepted at once; more get 503 with Retry-After (default 8)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a search may take, reading the upload included (default 30)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers, from opening or from "
+                        "its last answer (default 10)")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="open connections; beyond it those idle longest are closed (default 512)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="a Host header name to answer besides loopback ones (repeatable; '*': any). "
                         "Guards against DNS rebinding; --host ADDRESS is allowed by itself")
@@ -615,7 +649,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     serve(args.index_dir, host=args.host, port=args.port, checkpoint=args.checkpoint,
           max_upload_mb=args.max_upload_mb, k=args.k, device=args.device, workers=args.workers,
           max_in_flight=args.max_in_flight, timeout_s=args.timeout, allow_hosts=args.allow_host,
-          max_decode_mb=args.max_decode_mb)
+          max_decode_mb=args.max_decode_mb, header_timeout_s=args.header_timeout,
+          max_connections=args.max_connections)
     return 0
 
 
@@ -711,12 +746,30 @@ def _add_tune_parser(sub) -> None:
             "  deepmetric tune recipes/glyphs_cross_family.yaml --space spaces/glyphs_lr_alpha.yaml "
             "--trials 12 --workers 2 --out runs/tune/glyphs\n"
             "  deepmetric train runs/tune/glyphs/best.yaml                 # train the winner\n"
-            "  deepmetric tune RECIPE --space S --trials 40 --storage postgresql://user@db/tune --study-name s1"),
+            "  deepmetric tune RECIPE --space S --trials 40 --storage postgresql://user@db/tune --study-name s1\n"
+            "  deepmetric tune runs/emoji_transfer/best.pt --postprocess   # post-processing chosen on validation"),
     )
-    p.add_argument("recipe", help="the config to tune (YAML, as for 'deepmetric train')")
-    p.add_argument("--space", required=True, help="search space (YAML: objective, params, pruner, sampler)")
-    p.add_argument("--trials", type=int, required=True,
-                   help="trials to finish or prune (counted over every worker and machine of the study)")
+    p.add_argument("recipe", help="the config to tune (YAML, as for 'deepmetric train'); with --postprocess a "
+                                  "finished checkpoint (best.pt / last.pt)")
+    p.add_argument("--space", default=None, help="search space (YAML: objective, params, pruner, sampler); "
+                                                  "required unless --postprocess")
+    p.add_argument("--trials", type=int, default=None,
+                   help="trials to finish or prune (counted over every worker and machine of the study); "
+                        "required unless --postprocess")
+    p.add_argument("--postprocess", action="store_true",
+                   help="fast mode: choose the retrieval post-processing (whiten, dba, aqe) of the checkpoint RECIPE "
+                        "on its validation split, without training (seconds after one embedding pass); writes "
+                        "OUT/postprocess.yaml; never reads the test split")
+    p.add_argument("--metric", default=None,
+                   help="with --postprocess: the validation metric (default cross_domain_map@r for a cross-domain "
+                        "run, else map@r)")
+    p.add_argument("--kreciprocal", action="store_true", help="with --postprocess: also try k-reciprocal re-ranking")
+    p.add_argument("--device", default="auto", help="with --postprocess: where the model embeds (auto, cpu, cuda[:i])")
+    p.add_argument("--count", choices=("finished", "completed"), default="finished",
+                   help="what --trials counts: finished or pruned trials (default), or completed ones only "
+                        "(pruned ones do not count: every tune gets the same number of complete trials)")
+    p.add_argument("--max-trials", type=int, default=None,
+                   help="with --count completed: stop after this many finished or pruned trials (default 3 x --trials)")
     p.add_argument("--workers", type=int, default=1,
                    help="trials at once on this machine (processes with cores/K torch threads each)")
     p.add_argument("--storage", default=None,
@@ -725,18 +778,42 @@ def _add_tune_parser(sub) -> None:
     p.add_argument("--out", default=None, help="tune directory (default runs/tune/<study name>)")
     p.add_argument("--report-only", action="store_true", help="train nothing: rewrite the outputs from the storage")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a child of --workers K
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every trial")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides for every trial (anywhere on the line, also after the options)")
     p.set_defaults(func=_run_tune)
+
+
+def _run_tune_postprocess(args: argparse.Namespace) -> int:
+    from deepmetric.workflows.tune_postprocess import tune_postprocess
+
+    res = tune_postprocess(args.recipe, metric=args.metric, out=args.out, device=args.device,
+                           kreciprocal=args.kreciprocal)
+    print(f"[tune] validation ({res['split']}, {res['images']} images, embedded in {res['embed_seconds']:.0f} s), "
+          f"{res['metric']}, {len(res['trials'])} lists in {res['seconds']:.0f} s:")
+    for t in res["trials"]:
+        print(f"  {100 * t['value']:6.2f}  {t['spelled']}")
+    print(f"[tune] chosen: {res['spelled']} ({100 * res['value']:.2f}, without {100 * res['baseline']:.2f})")
+    for name, path in res["files"].items():
+        print(f"[tune] {name:<6} {path}")
+    return 0
 
 
 def _run_tune(args: argparse.Namespace) -> int:
     from deepmetric.workflows.tune import TuneError, prepare_tune, run_tune, run_worker, write_outputs
 
+    if args.postprocess:
+        return _run_tune_postprocess(args)
+    if args.space is None or args.trials is None:
+        print("deepmetric tune: error: the following arguments are required: --space, --trials "
+              "(or --postprocess with a checkpoint)", file=sys.stderr)
+        return 2
+
     try:
         if args.workers < 1:
             raise TuneError(f"--workers: expected an int >= 1, got {args.workers}")
         setup = prepare_tune(args.recipe, args.space, trials=args.trials, out=args.out, storage=args.storage,
-                             study_name=args.study_name, overrides=args.overrides)
+                             study_name=args.study_name, overrides=args.overrides, count=args.count,
+                             max_trials=args.max_trials)
         if args.worker:  # one of the processes of 'deepmetric tune --workers K'
             from deepmetric.workflows.engine import worker_threads
 
@@ -796,12 +873,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_study_parser(sub)
     _add_tune_parser(sub)
+    parser.commands = sub.choices  # {name: sub-command parser}: parse_command_line's errors
     return parser
+
+
+#: A ``KEY=VALUE`` config override as a token of the command line (``loss.0.options.alpha=8``).
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that ``KEY=VALUE`` overrides may stand anywhere on the line
+    of a command that takes them (``tune R --space S --trials 5 train.epochs=3``, ``train CFG
+    --overwrite KEY=VAL``): argparse fills a ``nargs='*'`` positional only where it first meets
+    it, so the overrides after an option come back unparsed and are appended here, in order.
+    Any other unparsed token is still an error of its sub-command."""
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    takes = isinstance(getattr(args, "overrides", None), list)
+    unknown = [t for t in extra if not (takes and _OVERRIDE.match(t))]
+    if unknown:
+        sub = getattr(parser, "commands", {}).get(getattr(args, "command", None), parser)
+        what = "a known option" + (" or a KEY=VALUE override" if takes else "")
+        sub.error(f"unrecognized argument(s): {' '.join(unknown)} (expected {what}; see --help)")
+    args.overrides = list(args.overrides) + extra
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, TypeError, KeyError, OSError, RuntimeError) as exc:

@@ -30,11 +30,12 @@ resized to ``size`` (Lanczos; every vendor goes through the same 64 px so resolu
 vendor cue) and stored as RGB ``uint8 [N, size, size, 3]``. Each sample knows its vendor
 (``vendor_ids`` indexes ``vendors``).
 
-Protocols (both split the classes the same way): ``zero_shot``: the emoji in ``sort_order``,
-the first half (``n // 2``: 955 of 1,911) are training classes, the second half (956) test
-classes (the CUB convention; no class is shared); ``cross_vendor``: the same classes, evaluated
-with the queries of one vendor against a gallery of the other vendors' images, per vendor and
-averaged (:func:`deepmetric.evaluate.evaluate_cross_domain` with the vendors as domains). ``split="all"`` gives every class.
+Protocols: ``zero_shot``: the emoji in ``sort_order``, the first half (``n // 2``: 955 of 1,911)
+are training classes, the second half (956) test classes (the CUB convention; no class is shared);
+``cross_vendor``: the same classes, evaluated with the queries of one vendor against a gallery of
+the other vendors' images, per vendor and averaged (:func:`deepmetric.evaluate.evaluate_cross_domain`
+with the vendors as domains); ``split="all"`` gives every class. ``closed_set_vendor``
+(classification): every class in every split, the vendors split (:mod:`deepmetric.data.emoji_splits`).
 
 Packages are installed by ``install.sh`` (``deepmetric emoji install``: ``npm
 pack`` of the pinned versions, sha512 checked against ``PACKAGES``, only the files used are
@@ -64,6 +65,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .glyphs import cached_npz  # one atomic .npz cache for both benchmarks
+from .emoji_splits import CLOSED_SET_PROTOCOL, check_protocol_options, closed_set_selection, zero_shot_selection
 from .registry import register_dataset
 
 __all__ = [
@@ -84,8 +86,8 @@ __all__ = [
 
 _FORMAT_VERSION = 1
 SOURCE_SIZE = 64  # every vendor's image is read (or rasterised) at 64 x 64
-PROTOCOLS = ("zero_shot", "cross_vendor")
-SPLITS = ("train", "test", "all")
+PROTOCOLS = ("zero_shot", "cross_vendor", CLOSED_SET_PROTOCOL)
+SPLITS = ("train", "val", "test", "all")  # "val": closed_set_vendor
 MARKER = ".deepmetric-install.json"
 
 
@@ -516,11 +518,13 @@ class EmojiDataset(Dataset):
 def build_emoji_dataset(split: str = "train", transform: Callable | None = None, root=None, *,
                         protocol: str = "zero_shot", size: int = 64, vendors: Iterable[str] | str | None = None,
                         min_vendors: int = 1, max_classes: int | None = None,
+                        test_vendor: str | None = None, val_vendor: str | None = None,
                         verbose: bool = False) -> EmojiDataset:
     """Build (or load from cache) one split of the emoji benchmark (see the module docstring).
 
     Args:
-        split: "train" (first half of the emoji in ``sort_order``), "test" (second half) or "all".
+        split: "train" (first half of the emoji in ``sort_order``), "test" (second half) or "all";
+            protocol ``closed_set_vendor``: "train", "val", "test" or "all" (split by vendor).
         transform: applied to the ``uint8`` tensor ``[3, size, size]`` (see ``build_transform("emoji")``).
         root: deepmetric cache root holding ``emoji/packages/`` (default ``$DEEPMETRIC_CACHE`` or
             ``~/.cache/deepmetric``); the built arrays are cached in ``<root>/emoji/``.
@@ -532,6 +536,8 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
             (the split into halves is made before, on all emoji, so it never depends on vendors).
         max_classes: keep only the first this many classes of the split (in ``sort_order``), for
             quick runs; None keeps all.
+        test_vendor, val_vendor: ``closed_set_vendor`` only: the vendor of the ``test`` split
+            (required) and of the ``val`` split (optional); neither is in ``train``.
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"emoji: protocol must be one of {PROTOCOLS}, got {protocol!r}")
@@ -540,6 +546,7 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
     if isinstance(size, bool) or not isinstance(size, int) or not 32 <= size <= 128:
         raise ValueError(f"emoji: size must be an int in 32..128, got {size!r}")
     vendors = _parse_vendors(vendors)
+    check_protocol_options(protocol, split, vendors, test_vendor, val_vendor)
     if isinstance(min_vendors, bool) or not isinstance(min_vendors, int) or not 1 <= min_vendors <= len(vendors):
         raise ValueError(f"emoji: min_vendors must be an int in 1..{len(vendors)} (the number of vendors), got {min_vendors!r}")
     if max_classes is not None and (isinstance(max_classes, bool) or not isinstance(max_classes, int) or max_classes < 1):
@@ -562,18 +569,15 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
                                                               size, verbose))
 
     n_all = len(data["unified"])
-    n_train = n_all // 2
     cidx = data["class_index"].astype(np.int64)
-    in_split = {"train": cidx < n_train, "test": cidx >= n_train, "all": np.ones(len(cidx), bool)}[split]
-    drawn_by = np.bincount(cidx, minlength=n_all)
-    classes = np.flatnonzero(drawn_by >= min_vendors)
-    classes = classes[(classes < n_train) if split == "train" else (classes >= n_train) if split == "test"
-                      else np.ones(len(classes), bool)]
-    if max_classes is not None:
-        classes = classes[:max_classes]
+    if protocol == CLOSED_SET_PROTOCOL:
+        classes, sel = closed_set_selection(cidx, data["vendor_index"].astype(np.int64), vendors, n_all, split,
+                                            test_vendor=test_vendor, val_vendor=val_vendor, min_vendors=min_vendors,
+                                            max_classes=max_classes)
+    else:
+        classes, sel = zero_shot_selection(cidx, n_all, split, min_vendors=min_vendors, max_classes=max_classes)
     remap = np.full(n_all, -1, np.int64)
     remap[classes] = np.arange(len(classes))
-    sel = in_split & (remap[cidx] >= 0)
     ds = EmojiDataset(data["images"][sel], remap[cidx[sel]], data["vendor_index"][sel],
                       transform=transform, class_names=[str(u) for u in data["unified"][classes]],
                       vendors=[str(v) for v in data["vendors"]])
@@ -581,9 +585,8 @@ def build_emoji_dataset(split: str = "train", transform: Callable | None = None,
     ds.names = [str(n) for n in data["names"][classes]]
     ds.categories = [str(c) for c in data["categories"][classes]]
     ds.sort_order = data["sort_order"][classes]
-    ds.protocol, ds.split = protocol, split
-    ds.cache_path, ds.from_cache = path, from_cache
-    ds.build_seconds = float(data["build_seconds"])
+    ds.protocol, ds.split, ds.test_vendor, ds.val_vendor = protocol, split, test_vendor, val_vendor
+    ds.cache_path, ds.from_cache, ds.build_seconds = path, from_cache, float(data["build_seconds"])
     ds.packages = [p.spec for p in pkgs.values()]
     return ds
 

@@ -19,6 +19,9 @@ folder). Splits:
 * ``split_file="splits.txt"``: one ``<split> <class name or relative image path>`` per
   line (``#`` comments allowed); splits are train, val, test, query, gallery.
 
+``split="all"`` is every image of every class, whatever ``class_split`` says (so a folder of
+one class can be indexed with a checkpoint trained with ``class_split: half``).
+
 ``csv``: a header row with ``path`` and ``label`` columns and optionally ``split`` (extra
 columns are ignored). Paths are relative to the CSV's folder (or ``image_root``) unless
 absolute. Labels are all integers (used as class ids) or all names (sorted); a
@@ -270,6 +273,8 @@ def load_folder(root, split: str = "all", *, class_split=None, split_file=None, 
         raise NotADirectoryError(f"folder: root '{r}' is a file; pass the folder that holds one sub-folder per class")
     if class_split is not None and split_file is not None:
         raise ValueError("folder: pass either class_split or split_file, not both")
+    if split == "all":
+        class_split = None  # every image of every class: a class split (e.g. a checkpoint's) has no say
     exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions)
     classes = _scan_classes(r, exts, allow_empty_classes)
     names = sorted(classes)

@@ -20,7 +20,8 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 from torchvision.transforms.v2 import functional as TF
 
-from .decode import DEFAULT_MAX_DECODE_MB, ImageDecodeError, check_decoded_size, decode_image, decode_limit
+from .decode import (DEFAULT_MAX_DECODE_MB, FORMATS, ImageDecodeError, check_decoded_size, decode_image,
+                     decode_limit)
 
 __all__ = ["ImageList", "ImageListDataset", "remap_labels", "IMAGE_EXTENSIONS"]
 
@@ -124,7 +125,7 @@ def _describe(image_list: ImageList, i: int) -> str:
 def _readable(path: str, max_bytes: int | None = None) -> bool:
     """The header opens, its structure verifies and its decoded size is within ``max_bytes``."""
     try:
-        with Image.open(path) as im:
+        with Image.open(path, formats=FORMATS) as im:
             check_decoded_size(im, path, max_bytes)
             im.verify()
         return True

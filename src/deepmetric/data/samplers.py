@@ -301,7 +301,8 @@ class RandomBatchSampler(_ShardedBatchSampler):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if drop_last and batch_size > num_samples:
             raise ValueError(f"batch_size={batch_size} > num_samples={num_samples} with drop_last=True "
-                             "gives no batch at all")
+                             f"gives no batch at all (in a YAML config: train.batch_size of at most {num_samples}, "
+                             "the training images)")
         super().__init__(seed, rank, world_size)
         self.num_samples = int(num_samples)
         self.batch_size = int(batch_size)

@@ -89,7 +89,7 @@ def write_digit_folder(root, per_class: int = 50, size: int = 28, seed: int = 0,
     by the digit's English name, so ``class_split: half`` trains on eight, five, four, nine,
     one (the first half of the sorted names).  Returns the root as a ``Path``.
 
-    For trying the own-data workflow (``recipes/own_folder.yaml``) without any download."""
+    For trying the own-data workflow (``recipes/own_folder_small_grey.yaml``) without any download."""
     from pathlib import Path
 
     from PIL import Image, ImageDraw, ImageFont

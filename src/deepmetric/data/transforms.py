@@ -26,6 +26,10 @@ image tensor (``uint8 [C, H, W]``) and returns a normalised ``float32 [C, H, W]`
   rotation (``hue_rotate_p``), grayscale (``grayscale_p``), posterize (``posterize_p``,
   ``posterize_bits``) and a Gaussian blur (``blur_p``, ``blur_sigma``, ``blur_kernel``).
 
+* ``"timm"`` - a timm model's own preprocessing (its ``pretrained_cfg``: input size,
+  interpolation, crop fraction, mean, std), filled in from ``model.name: timm/...`` by the
+  trainer for every option the recipe leaves out; training: random resized crop and flip.
+
 * ``"sod"`` - video events (two-head paper, Sec. 4.2): takes the *list of frames* of a window
   (PIL images, uint8 arrays or a uint8 tensor ``[T, H, W]`` / ``[T, 3, H, W]``) and returns the
   stack of differences ``float32 [T - 1, H, W]`` (see :class:`StackOfDifferences`). Options

@@ -5,7 +5,9 @@ See docs/evaluation.md. Public API::
     evaluate(embeddings, labels, *, is_query=None, is_gallery=None, ks=(1, 2, 4, 8),
              metrics=None, seed=0, chunk_size=None, backend="auto") -> dict
     recall_at_k, map_at_r, r_precision, nmi, pairwise_f1, knn, kmeans, classification_accuracy
-    list_metrics() -> the metric names; check_metric_names(metrics) validates a selection
+    list_metrics() -> the metric names; check_metric_names(metrics) validates a selection;
+    metric_keys(metrics, ks) -> the result keys of a selection
+    postprocess: whitening, DBA, alpha-QE, k-reciprocal re-ranking (deepmetric.evaluate.postprocess)
     check_embeddings(x) -> validated, l2-normalised (N, d) float32 embeddings
     evaluate_cross_domain(embeddings, labels, domains, domain_names=None, ...) -> {domain: metrics, "mean": ...}
     choose_search_device(request, default=None, backend="auto", nbytes=0) -> where a search runs
@@ -20,8 +22,8 @@ from deepmetric.evaluate.clustering import (
     pairwise_f1,
     pairwise_f1_from_clusters,
 )
-from deepmetric.evaluate.engine import (CLUSTERING_METRICS, METRICS, RETRIEVAL_METRICS, check_metric_names, evaluate, list_metrics, map_at_r,
-                                        r_precision, recall_at_k)
+from deepmetric.evaluate.engine import (CLUSTERING_METRICS, DEFAULT_METRICS, METRICS, RETRIEVAL_METRICS, check_metric_names,
+                                        evaluate, list_metrics, map_at_r, metric_keys, r_precision, recall_at_k)
 from deepmetric.evaluate.cross_domain import evaluate_cross_domain
 from deepmetric.evaluate.knn import BACKENDS, SEARCH_DEVICES, choose_search_device, knn
 
@@ -30,6 +32,8 @@ __all__ = [
     "SEARCH_DEVICES",
     "choose_search_device",
     "METRICS",
+    "DEFAULT_METRICS",
+    "metric_keys",
     "RETRIEVAL_METRICS",
     "CLUSTERING_METRICS",
     "check_embeddings",

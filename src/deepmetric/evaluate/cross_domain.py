@@ -17,13 +17,13 @@ from typing import Sequence
 import numpy as np
 
 from deepmetric.evaluate._checks import check_embeddings, to_numpy_labels
-from deepmetric.evaluate.engine import CLUSTERING_METRICS, RETRIEVAL_METRICS, evaluate
+from deepmetric.evaluate.engine import CLUSTERING_METRICS, evaluate
 
 __all__ = ["evaluate_cross_domain"]
 
 
 def evaluate_cross_domain(embeddings, labels, domains, *, domain_names: Sequence[str] | None = None,
-                          ks=(1, 2, 4, 8), metrics=RETRIEVAL_METRICS,
+                          ks=(1, 2, 4, 8), metrics=("recall", "map@r", "r_precision"),
                           **evaluate_kw) -> dict[str, dict[str, float]]:
     """Metrics per domain (queries of that domain, gallery of the others) and their mean.
 

@@ -10,6 +10,7 @@ from typing import Iterable
 
 import numpy as np
 import torch
+from sklearn.metrics import adjusted_mutual_info_score
 
 from deepmetric.evaluate._checks import check_embeddings, to_mask, to_numpy_labels
 from deepmetric.evaluate.clustering import kmeans, nmi_from_clusters, pairwise_f1_from_clusters
@@ -22,24 +23,39 @@ from deepmetric.evaluate.knn import (
 from deepmetric.evaluate.retrieval import RetrievalAccumulator
 
 #: metrics read from each query's ranked neighbours (one k-NN pass) ...
-RETRIEVAL_METRICS = ("recall", "map@r", "r_precision")
+RETRIEVAL_METRICS = ("recall", "map@r", "r_precision", "mrr", "map@k", "recall_class_avg", "map@r_class_avg")
 #: ... and metrics of a k-means clustering of the whole set
-CLUSTERING_METRICS = ("nmi", "f1")
+CLUSTERING_METRICS = ("nmi", "f1", "ami")
 METRICS = RETRIEVAL_METRICS + CLUSTERING_METRICS
+#: what ``metrics=None`` computes (the others are asked for by name)
+DEFAULT_METRICS = ("recall", "map@r", "r_precision", "nmi", "f1")
 RECALL_LIST_CAP = 32  # longest k-NN list kept for Recall@K alone (see evaluate)
 
 
 def list_metrics() -> list[str]:
     """The metric names :func:`evaluate` takes in ``metrics`` (``recall`` gives one
-    ``recall@K`` per K)."""
+    ``recall@K`` per K, ``map@k`` one ``map@K`` per K, ``recall_class_avg`` one
+    ``recall@K_class_avg`` per K)."""
     return list(METRICS)
 
 
+def metric_keys(metrics, ks) -> list[str]:
+    """The result keys :func:`evaluate` gives for ``metrics`` (checked names) and ``ks``."""
+    ks = sorted({int(k) for k in ks})
+    per_k = {"recall": "recall@{}", "map@k": "map@{}", "recall_class_avg": "recall@{}_class_avg"}
+    out = []
+    for m in METRICS:
+        if m in metrics:
+            out += [per_k[m].format(k) for k in ks] if m in per_k else [m]
+    return out
+
+
 def check_metric_names(metrics) -> tuple[str, ...]:
-    """``metrics`` (None: all, a name, or names) as a tuple of :func:`list_metrics` names;
-    an unknown name or an empty list raises ``ValueError`` listing the choices."""
+    """``metrics`` (None: :data:`DEFAULT_METRICS`, a name, or names) as a tuple of
+    :func:`list_metrics` names; an unknown name or an empty list raises ``ValueError`` listing
+    the choices."""
     if metrics is None:
-        return METRICS
+        return DEFAULT_METRICS
     if isinstance(metrics, str):
         metrics = [metrics]
     metrics = tuple(metrics)
@@ -69,7 +85,8 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
              ks: Iterable[int] = (1, 2, 4, 8), metrics: Iterable[str] | None = None,
              seed: int = 0, chunk_size: int | None = None, backend: str = "auto",
              memory_mb: float | None = None, nmi_average: str = "arithmetic",
-             progress: bool = False, kmeans_restarts: int = 1) -> dict[str, float]:
+             progress: bool = False, kmeans_restarts: int = 1, postprocess=None,
+             fit_sets: dict | None = None) -> dict[str, float]:
     """Retrieval and clustering metrics of ``embeddings`` (l2-normalised first).
 
     Args:
@@ -78,9 +95,10 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
         is_query, is_gallery: optional boolean (N,) masks (In-shop style). Default: every
             sample is both, i.e. each query is ranked against all the *other* samples (excluded
             by index). Any sample in both sets is excluded from its own neighbours.
-        ks: K values for Recall@K.
-        metrics: subset of ``("recall", "map@r", "r_precision", "nmi", "f1")``; default all.
-        seed: k-means seed (NMI / F1 are reproducible for a seed).
+        ks: K values for Recall@K (and mAP@K).
+        metrics: names of :func:`list_metrics`; default :data:`DEFAULT_METRICS` (recall, map@r,
+            r_precision, nmi, f1); also mrr, map@k, recall_class_avg, map@r_class_avg, ami.
+        seed: k-means seed (NMI / F1 / AMI are reproducible for a seed).
         chunk_size: queries per k-NN chunk (default: from ``memory_mb``).
         backend: ``auto`` (faiss on CPU, torch on CUDA), ``torch``, ``faiss`` (exact) or
             ``faiss-hnsw`` / ``faiss-ivf`` (APPROXIMATE: retrieval keys get an ``_approx`` suffix).
@@ -90,12 +108,18 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
         kmeans_restarts: k-means initialisations for NMI / F1, the lowest-inertia one kept
             (:func:`~deepmetric.evaluate.clustering.kmeans` ``restarts``; 1 = one, as
             pytorch-metric-learning).
+        postprocess: post-processing steps (:func:`deepmetric.evaluate.postprocess.check_steps`)
+            applied before the search: the gallery rows are whitened (fitted on the gallery, or
+            on ``fit_sets["train"]``) and DBA-augmented, the query rows whitened and
+            alpha-expanded against that gallery, each query's candidates k-reciprocal re-ranked.
+            Clustering metrics then use the processed vectors (gallery side where a row is both).
 
     Returns:
         dict with ``recall@K`` for each K, ``map@r``, ``r_precision``, ``nmi``, ``f1`` (each in
-        [0, 1], as requested) and, only when some queries have no same-label reference in the
-        gallery, ``queries_without_positive`` (a count; those queries are excluded from the
-        retrieval averages). Clustering metrics use the union of query and gallery samples.
+        [0, 1], as requested; :func:`metric_keys` names them) and, only when some queries have
+        no same-label reference in the gallery, ``queries_without_positive`` (a count; those
+        queries are excluded from the retrieval averages). Clustering metrics use the union of
+        query and gallery samples.
     """
     metrics = check_metric_names(metrics)
     ks = _check_ks(ks)
@@ -109,69 +133,106 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
     if n_classes < 2:
         raise ValueError("the evaluated set has a single class: metrics are meaningless; "
                          "need at least 2 classes")
+    from deepmetric.evaluate.postprocess import Postprocessor
+
+    post = postprocess if isinstance(postprocess, Postprocessor) else Postprocessor(
+        postprocess, backend=backend, memory_mb=memory_mb, where="postprocess")
+    q_idx, g_idx = np.flatnonzero(qm), np.flatnonzero(gm)
+    gpos = np.full(n, -1, np.int64)
+    gpos[g_idx] = np.arange(len(g_idx))
+    qx, gx = _rows(x, q_idx), _rows(x, g_idx)
+    if post:
+        gx = post.fit(gx, fit_sets=fit_sets)
+        qx = post.transform_queries(qx, gx, gpos[q_idx])
     out: dict[str, float] = {}
-
-    want_recall = "recall" in metrics
-    want_map = any(m in RETRIEVAL_METRICS and m != "recall" for m in metrics)  # the first R neighbours
-    if want_recall or want_map:
-        q_idx, g_idx = np.flatnonzero(qm), np.flatnonzero(gm)
-        gpos = np.full(n, -1, np.int64)
-        gpos[g_idx] = np.arange(len(g_idx))
-        self_pos = gpos[q_idx]
-        q_labels, g_labels = y[q_idx], y[g_idx]
-        classes, counts = np.unique(g_labels, return_counts=True)
-        where = np.clip(np.searchsorted(classes, q_labels), 0, len(classes) - 1)
-        r = np.where(classes[where] == q_labels, counts[where], 0) - (self_pos >= 0)
-        approximate = backend in APPROXIMATE_BACKENDS
-        # One k-NN pass serves every metric. MAP@R / R-Precision need the first R neighbours;
-        # Recall@K only needs the rank of the first positive, so for large K (e.g. 1000) the
-        # list stops at RECALL_LIST_CAP and the few queries whose first positive lies deeper
-        # get their exact rank from a counting pass (knn.first_positive_rank) instead of a
-        # 1000-long top-k for everybody. Approximate backends search the full max(K).
-        k_recall = max(ks) if (approximate or max(ks) <= RECALL_LIST_CAP) else RECALL_LIST_CAP
-        k = max(k_recall if want_recall else 1, int(r.max()) if want_map else 1, 1)
-        acc = RetrievalAccumulator(ks if want_recall else (), want_map=want_map)
-        qx, gx = _rows(x, q_idx), _rows(x, g_idx)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(q_idx), desc="k-NN", unit="query", unit_scale=True)
-        for a, _, idx in iter_knn(qx, gx, k, self_pos=self_pos, backend=backend,
-                                  chunk_size=chunk_size, memory_mb=memory_mb):
-            sl = slice(a, a + len(idx))
-
-            def rank_fn(rows, a=a):
-                rows = rows + a
-                return first_positive_rank(_rows(qx, rows), gx, q_labels[rows], g_labels,
-                                           self_pos[rows], memory_mb=memory_mb)
-
-            acc.update(idx, q_labels[sl], g_labels, r[sl], rank_fn=rank_fn)
-            if bar is not None:
-                bar.update(len(idx))
-        if bar is not None:
-            bar.close()
-        suffix = "_approx" if backend in APPROXIMATE_BACKENDS else ""
-        res = acc.result(suffix)
-        for key, val in res.items():
-            name = key[: -len(suffix)] if suffix else key
-            if name.startswith("recall@") or name in metrics:
-                out[key] = val
-        if acc.n_no_positive:
-            warnings.warn(f"{acc.n_no_positive} queries have no same-label reference in the "
-                          "gallery; they are excluded from the retrieval metrics", stacklevel=2)
-            out["queries_without_positive"] = acc.n_no_positive
-
+    if any(m in RETRIEVAL_METRICS for m in metrics):
+        out.update(_retrieval(qx, gx, y[q_idx], y[g_idx], gpos[q_idx], metrics, ks, backend, post,
+                              chunk_size=chunk_size, memory_mb=memory_mb, progress=progress))
     if any(m in CLUSTERING_METRICS for m in metrics):
         ev = np.flatnonzero(evaluated)
-        xe = _rows(x, ev)
-        clusters = kmeans(xe if isinstance(xe, np.ndarray) else xe.cpu().numpy(), n_classes, seed=seed,
-                          restarts=kmeans_restarts)
+        if post:  # the processed vectors: gallery side for rows that are both
+            xe = np.zeros((n, gx.shape[1]), np.float32)
+            xe[q_idx], xe[g_idx] = _numpy(qx), _numpy(gx)
+            xe = xe[ev]
+        else:
+            xe = _numpy(_rows(x, ev))
+        clusters = kmeans(xe, n_classes, seed=seed, restarts=kmeans_restarts)
         if "nmi" in metrics:
             out["nmi"] = nmi_from_clusters(y[ev], clusters, average=nmi_average)
         if "f1" in metrics:
             out["f1"] = pairwise_f1_from_clusters(y[ev], clusters)
+        if "ami" in metrics:
+            out["ami"] = float(adjusted_mutual_info_score(y[ev], clusters))
     return out
+
+
+def _numpy(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.cpu().numpy()
+
+
+def _retrieval(qx, gx, q_labels, g_labels, self_pos, metrics, ks, backend, post, *, chunk_size,
+               memory_mb, progress) -> dict[str, float]:
+    """The retrieval metrics of one streamed k-NN pass (optionally re-ranked by ``post``)."""
+    classes, counts = np.unique(g_labels, return_counts=True)
+    where = np.clip(np.searchsorted(classes, q_labels), 0, len(classes) - 1)
+    r = np.where(classes[where] == q_labels, counts[where], 0) - (self_pos >= 0)
+    approximate = backend in APPROXIMATE_BACKENDS
+    want_rank = any(m in metrics for m in ("recall", "mrr", "recall_class_avg"))
+    want_map = any(m in metrics for m in ("map@r", "r_precision", "map@r_class_avg"))
+    want_map_k = "map@k" in metrics
+    # One k-NN pass serves every metric. MAP@R / R-Precision need the first R neighbours,
+    # mAP@K the first K; Recall@K and MRR only need the rank of the first positive, so for large
+    # K (e.g. 1000) the list stops at RECALL_LIST_CAP and the few queries whose first positive
+    # lies deeper get their exact rank from a counting pass (knn.first_positive_rank) instead of
+    # a 1000-long top-k for everybody. Approximate backends search the full max(K). A
+    # k-reciprocal re-ranking re-orders the first `candidates` of the list (never changing that
+    # set), so a rank beyond the list is the same before and after it.
+    k_recall = max(ks) if (approximate or max(ks) <= RECALL_LIST_CAP) else RECALL_LIST_CAP
+    k = max(k_recall if want_rank else 1, int(r.max()) if want_map else 1, max(ks) if want_map_k else 1,
+            post.list_length, 1)
+    acc = RetrievalAccumulator(ks, want_map=want_map, want_rank=want_rank, want_map_k=want_map_k)
+    need_rank_fn = want_rank and ("mrr" in metrics or "recall_class_avg" in metrics or max(ks) > k)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(q_labels), desc="k-NN", unit="query", unit_scale=True)
+    for a, sims, idx in iter_knn(qx, gx, k, self_pos=self_pos, backend=backend,
+                                 chunk_size=chunk_size, memory_mb=memory_mb):
+        sl = slice(a, a + len(idx))
+        if post.list_length:
+            _, idx = post.rerank(_rows(qx, np.arange(sl.start, sl.stop)), gx, sims, idx, self_pos[sl])
+
+        def rank_fn(rows, a=a):
+            rows = rows + a
+            return first_positive_rank(_rows(qx, rows), gx, q_labels[rows], g_labels,
+                                       self_pos[rows], memory_mb=memory_mb)
+
+        acc.update(idx, q_labels[sl], g_labels, r[sl], rank_fn=rank_fn if need_rank_fn else None)
+        if bar is not None:
+            bar.update(len(idx))
+    if bar is not None:
+        bar.close()
+    out = acc.result("_approx" if approximate else "", mrr="mrr" in metrics, recall="recall" in metrics,
+                     class_avg="recall_class_avg" in metrics or "map@r_class_avg" in metrics)
+    out = {key: v for key, v in out.items() if _wanted(key, metrics)}
+    if acc.n_no_positive:
+        warnings.warn(f"{acc.n_no_positive} queries have no same-label reference in the "
+                      "gallery; they are excluded from the retrieval metrics", stacklevel=3)
+        out["queries_without_positive"] = acc.n_no_positive
+    return out
+
+
+def _wanted(key: str, metrics) -> bool:
+    """Whether result ``key`` belongs to one of the selected ``metrics``."""
+    name = key.removesuffix("_approx")
+    if name.endswith("_class_avg"):
+        return ("recall_class_avg" if name.startswith("recall@") else name) in metrics
+    if name.startswith("recall@"):
+        return "recall" in metrics
+    if name.startswith("map@") and name != "map@r":
+        return "map@k" in metrics
+    return name in metrics
 
 
 def _subset(embeddings, labels, metrics, **kw):

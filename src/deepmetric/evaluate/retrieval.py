@@ -1,4 +1,5 @@
-"""Retrieval metrics from one streamed k-NN pass: Recall@K, MAP@R and R-Precision.
+"""Retrieval metrics from one streamed k-NN pass: Recall@K, MAP@R, R-Precision, MRR, mAP@K
+and their per-class averages.
 
 Definitions (REFERENCE.md section 5):
 - Recall@K: 1 for a query when any of its K nearest references shares its label, else 0.
@@ -6,6 +7,15 @@ Definitions (REFERENCE.md section 5):
   ECCV 2020, section 3.2): R = number of references with the query's label (the query itself
   excluded); R-Precision = r / R with r the relevant items among the first R neighbours;
   MAP@R = (1/R) * sum_{i=1..R} P(i) * rel(i), P(i) the precision at i.
+- MRR (mean reciprocal rank, Voorhees, TREC-8 QA 1999): the mean of 1 / rank of the first
+  relevant reference (rank 1-based, over the whole ranking).
+- mAP@K: AP@K = (1/R) sum_{i=1..K} P(i) rel(i), the average precision of the ranking cut after
+  K (trec_eval's AP of a K-long run; pytorch-metric-learning's ``mean_average_precision`` with
+  k = K). A perfect ranking scores min(K, R) / R. (Other texts divide by min(K, R); that
+  variant is not computed.)
+- Per-class averages (``*_class_avg``, pytorch-metric-learning's ``avg_of_avgs``): the
+  per-query scores are averaged within each query class, then over the classes (every class
+  counts the same, whatever its number of queries).
 Queries with R = 0 (no positive reference) are excluded from these averages and counted.
 """
 from __future__ import annotations
@@ -17,23 +27,33 @@ import numpy as np
 
 @dataclass
 class RetrievalAccumulator:
-    """Sums per-query retrieval scores chunk by chunk (so no N x k array is ever kept)."""
+    """Collects per-query scores chunk by chunk (a few numbers per query: never an N x k array).
+
+    ``ks``: K of Recall@K (and of mAP@K with ``want_map_k``); ``want_rank``: keep the first
+    positive's rank (Recall@K, MRR); ``want_map``: MAP@R / R-Precision (the first R neighbours).
+    """
 
     ks: tuple[int, ...]
     want_map: bool = True
-    hits: dict = field(default_factory=dict)
-    ap_sum: float = 0.0
-    rp_sum: float = 0.0
-    n_valid: int = 0
+    want_rank: bool | None = None
+    want_map_k: bool = False
     n_no_positive: int = 0
+    parts: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.want_rank is None:
+            self.want_rank = bool(self.ks)
+
+    def _keep(self, name: str, values: np.ndarray) -> None:
+        self.parts.setdefault(name, []).append(np.asarray(values))
 
     def update(self, knn_idx: np.ndarray, q_labels: np.ndarray, g_labels: np.ndarray,
                r: np.ndarray, rank_fn=None) -> None:
         """``knn_idx`` (c, k) gallery indices (-1 padding), ``r`` (c,) positives per query.
 
-        Recall@K is ``rank < K`` with ``rank`` the 0-based position of the first positive. It
-        is read from the k-NN list when the positive is inside it; otherwise, if some K exceeds
-        the list length, ``rank_fn(rows)`` (an exact counting pass over those rows) supplies it.
+        The 0-based rank of the first positive is read from the k-NN list when the positive is
+        inside it; otherwise ``rank_fn(rows)`` (an exact counting pass over those rows) supplies
+        it (without one: the list's length, enough for Recall@K with K up to it, not for MRR).
         """
         valid = r > 0
         self.n_no_positive += int((~valid).sum())
@@ -41,35 +61,65 @@ class RetrievalAccumulator:
             return
         rows = np.flatnonzero(valid)
         knn_idx, q_labels, r = knn_idx[valid], q_labels[valid], r[valid]
-        self.n_valid += int(valid.sum())
+        self._keep("labels", q_labels)
         match = (knn_idx >= 0) & (g_labels[np.maximum(knn_idx, 0)] == q_labels[:, None])
-        if self.ks:
+        if self.want_rank:
             found = match.any(axis=1)
             rank = np.where(found, match.argmax(axis=1), np.iinfo(np.int64).max)
-            if max(self.ks) > match.shape[1] and not found.all():
-                if rank_fn is None:
+            if not found.all():
+                if rank_fn is not None:
+                    rank[~found] = rank_fn(rows[~found])
+                elif self.ks and max(self.ks) > match.shape[1]:
                     raise RuntimeError("internal error: k-NN list shorter than max K")
-                rank[~found] = rank_fn(rows[~found])
+                else:  # beyond the list: enough for Recall@K with K <= its length
+                    rank[~found] = match.shape[1]
+            self._keep("rank", rank)
+        cum = np.cumsum(match, axis=1)
+        prec = cum / np.arange(1, match.shape[1] + 1)[None, :]
+        if self.want_map_k:
             for k in self.ks:
-                self.hits[k] = self.hits.get(k, 0) + int((rank < k).sum())
+                if k > match.shape[1]:
+                    raise RuntimeError("internal error: k-NN list shorter than K of mAP@K")
+                self._keep(f"ap@{k}", (prec[:, :k] * match[:, :k]).sum(axis=1) / r)
         if self.want_map:
             width = int(r.max())
             if width > match.shape[1]:
                 raise RuntimeError("internal error: k-NN list shorter than R")
-            m = match[:, :width]
             within = np.arange(width)[None, :] < r[:, None]  # only the first R neighbours count
-            rel = m & within
-            cum = np.cumsum(rel, axis=1)
-            prec = cum / np.arange(1, width + 1)[None, :]
-            self.ap_sum += float(((prec * rel).sum(axis=1) / r).sum())
-            self.rp_sum += float((rel.sum(axis=1) / r).sum())
+            rel = match[:, :width] & within
+            self._keep("ap_r", (prec[:, :width] * rel).sum(axis=1) / r)
+            self._keep("rp", rel.sum(axis=1) / r)
 
-    def result(self, suffix: str = "") -> dict[str, float]:
-        if self.n_valid == 0:
+    def per_query(self) -> dict[str, np.ndarray]:
+        """The kept per-query arrays (``labels``, ``rank``, ``ap_r``, ``rp``, ``ap@K``)."""
+        return {k: np.concatenate(v) for k, v in self.parts.items()}
+
+    def result(self, suffix: str = "", *, mrr: bool = False, class_avg: bool = False,
+               recall: bool | None = None) -> dict[str, float]:
+        pq = self.per_query()
+        if not len(pq.get("labels", [])):
             raise ValueError("no query has a positive (same-label) reference in the gallery; "
                              "retrieval metrics are undefined")
-        out = {f"recall@{k}{suffix}": self.hits.get(k, 0) / self.n_valid for k in self.ks}
+        lab = pq["labels"]
+        _, inv = np.unique(lab, return_inverse=True)
+
+        def class_mean(v):  # mean within each query class, then over classes
+            return float(np.mean(np.bincount(inv, weights=v) / np.bincount(inv)))
+
+        out = {}
+        if recall if recall is not None else bool(self.ks):
+            out.update({f"recall@{k}{suffix}": float(np.mean(pq["rank"] < k)) for k in self.ks})
         if self.want_map:
-            out[f"map@r{suffix}"] = self.ap_sum / self.n_valid
-            out[f"r_precision{suffix}"] = self.rp_sum / self.n_valid
+            out[f"map@r{suffix}"] = float(np.mean(pq["ap_r"]))
+            out[f"r_precision{suffix}"] = float(np.mean(pq["rp"]))
+        if mrr:
+            out[f"mrr{suffix}"] = float(np.mean(1.0 / (pq["rank"] + 1)))
+        if self.want_map_k:
+            out.update({f"map@{k}{suffix}": float(np.mean(pq[f"ap@{k}"])) for k in self.ks})
+        if class_avg:
+            if "rank" in pq:
+                out.update({f"recall@{k}_class_avg{suffix}": class_mean((pq["rank"] < k).astype(float))
+                            for k in self.ks})
+            if self.want_map:
+                out[f"map@r_class_avg{suffix}"] = class_mean(pq["ap_r"])
         return out

@@ -37,6 +37,17 @@ from .registry import _MODELS, _NEEDS_NUM_CLASSES, _unknown_model, list_models, 
 from .small import GlyphResNet, LeNet
 from .stages import backbone_stages
 from .synthetic import SyntheticMLP
+from .timm_backbone import (
+    HUB,
+    TIMM_OPTIONS,
+    TimmBackbone,
+    create_timm_backbone,
+    is_timm_name,
+    load_timm_weights,
+    read_timm_file,
+    takes_img_size,
+    timm_data_config,
+)
 from .two_head import TwoHeadModel, feature_map_shape
 
 __all__ = [
@@ -72,6 +83,11 @@ __all__ = [
     "NORMS",
     "HEAD_INITS",
     "FREEZE_BN",
+    "TimmBackbone",
+    "is_timm_name",
+    "model_data_config",
+    "takes_img_size",
+    "HUB",
 ]
 
 _COMMON_ARGS = ("embedding_dim", "norm", "num_classes", "pretrained", "in_chans", "dropout")
@@ -93,7 +109,7 @@ def model_backbone(name: str, options: Mapping | None = None) -> str | None:
     """The backbone ``create_model(name, **options)`` builds: ``name`` for a backbone model,
     ``options["backbone"]`` (default ``"resnet50"``) for ``two_head``, None for a model
     without one.  An unknown name raises as :func:`create_model`."""
-    if name in list_backbones():
+    if name in list_backbones() or is_timm_name(name):
         return name
     if name == "two_head":
         return (options or {}).get("backbone", _TWO_HEAD_BACKBONE)
@@ -115,6 +131,8 @@ def model_options(name: str, options: Mapping | None = None) -> set[str] | None:
     backbone = model_backbone(name, options)
     if name in list_backbones():
         return common | set(_EMBEDDING_MODEL_OPTIONS) | _keywords(get_backbone_spec(name).builder)[0]
+    if is_timm_name(name):
+        return common | set(_EMBEDDING_MODEL_OPTIONS) | set(TIMM_OPTIONS)
     if name == "two_head":
         accepted = common | {"backbone", "input_size", "feature_shape", "embedding_head", "freeze_bn"}
         if backbone in list_backbones():
@@ -169,6 +187,39 @@ def _apply_pretrained(model: nn.Module, backbone_name: str, path) -> None:
     )
 
 
+def _apply_timm_pretrained(model: nn.Module, path) -> None:
+    """A deepmetric model's file (keys ``backbone.*``, ``head.*``) into the whole model, else a
+    timm weights file into the backbone (:func:`load_timm_weights`)."""
+    state = read_timm_file(path)
+    if any(k.startswith("backbone.") for k in state):
+        model.pretrained_report = load_pretrained(model, path, state_dict=state)
+    else:
+        model.pretrained_report = load_timm_weights(model.backbone, path, state)
+
+
+def model_data_config(name: str, options: Mapping | None = None) -> dict | None:
+    """The input preprocessing the weights of model ``name`` expect, without building it:
+    a ``timm/`` model's (timm's ``resolve_model_data_config`` of the model built on the meta
+    device, ``img_size`` applied), an EfficientNet-Lite's; None for other models."""
+    options = dict(options or {})
+    if is_timm_name(name):
+        import timm
+        import torch
+
+        from .timm_backbone import timm_model_name
+
+        img_size = options.get("img_size")
+        kwargs = {"num_classes": 0} if img_size is None else {"num_classes": 0, "img_size": img_size}
+        with torch.device("meta"):
+            net = timm.create_model(timm_model_name(name), pretrained=False, **kwargs)
+        return timm_data_config(net, img_size)
+    backbone = model_backbone(name, options)
+    if backbone in list_backbones():
+        cfg = get_backbone_spec(backbone).pretrained_cfg
+        return dict(cfg) if cfg is not None else None
+    return None
+
+
 def create_model(
     name: str,
     embedding_dim: int | None = None,
@@ -211,6 +262,9 @@ def create_model(
     mean / std / size its ImageNet weights expect, or None).
     """
     check_pretrained_arg(pretrained)
+    if isinstance(pretrained, str) and pretrained == HUB and not is_timm_name(name):
+        raise ValueError(f"pretrained={HUB!r} (timm's loading from the Hugging Face hub) is for timm/<name> models, "
+                         f"not {name!r}; pass 'imagenet' (EfficientNet-Lite) or the path of a local weights file")
     if name in _MODELS:
         common = dict(embedding_dim=embedding_dim, norm=norm, num_classes=num_classes, pretrained=pretrained,
                       in_chans=in_chans, dropout=dropout)
@@ -231,6 +285,24 @@ def create_model(
         model.pretrained_report = None
         if pretrained is not None:
             _apply_pretrained(model, name, pretrained)
+    elif is_timm_name(name):
+        kwargs = dict(kwargs)
+        backbone_options = {k: kwargs.pop(k) for k in list(kwargs) if k in TIMM_OPTIONS}
+        _check_unknown(name, kwargs, ("pool",) + _HEAD_OPTIONS + _EMBEDDING_MODEL_OPTIONS + TIMM_OPTIONS)
+        hub = isinstance(pretrained, str) and pretrained == HUB
+        backbone = create_timm_backbone(name, in_chans=in_chans, pretrained=HUB if hub else None,
+                                        **backbone_options)
+        model = EmbeddingModel(
+            backbone,
+            embedding_dim=64 if embedding_dim is None else embedding_dim,
+            norm="bn" if norm is None else norm,
+            dropout=0.0 if dropout is None else dropout,
+            num_classes=num_classes,
+            **kwargs,
+        )
+        model.pretrained_report = backbone.pretrained_report
+        if pretrained is not None and not hub:
+            _apply_timm_pretrained(model, pretrained)
     else:
         raise _unknown_model(name)
     backbone_module = getattr(model, "backbone", None)

@@ -11,10 +11,12 @@ from torch import nn
 
 from .heads import HEAD_INITS, EmbeddingHead, ProjectionHead
 
-__all__ = ["EmbeddingModel", "global_pool", "pooling_note", "POOLS", "GEM_P", "FREEZE_BN", "batchnorm_layers", "check_freeze_bn",
+__all__ = ["EmbeddingModel", "global_pool", "pool_features", "TOKEN_POOLS", "pooling_note", "POOLS", "GEM_P", "FREEZE_BN", "batchnorm_layers", "check_freeze_bn",
            "freeze_batchnorm_parameters", "build_projection"]
 
 POOLS = ("avg", "max", "gem")
+#: poolings of a token backbone (timm ViTs): the class token, or avg / max / GeM over the patch tokens
+TOKEN_POOLS = ("cls",) + POOLS
 #: GeM's exponent (Radenović et al., TPAMI 2019, "Fine-tuning CNN Image Retrieval with No Human
 #: Annotation", Eq. 3): 3 is the paper's starting value and its usual fixed choice; p = 1 is the
 #: average, p -> infinity the maximum.
@@ -99,6 +101,32 @@ def global_pool(fmap: torch.Tensor, pool: str) -> torch.Tensor:
     raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
 
 
+def pool_features(x: torch.Tensor, pool: str, num_prefix_tokens: int = 0) -> torch.Tensor:
+    """Pooled features [B, C] of a conv map [B, C, H, W] (:func:`global_pool`) or of tokens
+    [B, N, C] whose first ``num_prefix_tokens`` are class / register tokens (a timm ViT's
+    ``forward_features``, final norm applied): ``"cls"`` the first (class) token, as DINO and
+    Hyp-ViT embed; ``"avg"`` / ``"max"`` / ``"gem"`` over the patch tokens only.  GeM clamps at
+    eps as for maps: token features are signed, so GeM keeps only their positive part."""
+    if x.dim() == 4:
+        if pool == "cls":
+            raise ValueError("pool 'cls' needs a token backbone (a timm ViT); this backbone gives a conv map")
+        return global_pool(x, pool)
+    if x.dim() != 3:
+        raise ValueError(f"features must be a map [B, C, H, W] or tokens [B, N, C], got shape {tuple(x.shape)}")
+    if pool == "cls":
+        if num_prefix_tokens < 1:
+            raise ValueError("pool 'cls': this token backbone has no class token; use avg, max or gem")
+        return x[:, 0]
+    patches = x[:, num_prefix_tokens:]
+    if pool == "avg":
+        return patches.mean(dim=1)
+    if pool == "max":
+        return patches.amax(dim=1)
+    if pool == "gem":
+        return patches.float().clamp_min(_GEM_EPS).pow(GEM_P).mean(dim=1).pow(1.0 / GEM_P)
+    raise ValueError(f"pool must be one of {TOKEN_POOLS}, got {pool!r}")
+
+
 def pooling_note(pool: str) -> str:
     """``", <pool> pooling"`` for a pooling other than the average (every paper's), else ``""``:
     what run banners and baseline labels append, so that a non-average pooling is never silent."""
@@ -123,7 +151,7 @@ class EmbeddingModel(nn.Module):
             (softmax baseline trained with plain cross-entropy on the model's own logits).
             The heated-up / NormFace classifier with its temperature lives in the loss instead.
         pool: ``"avg"`` (all three papers), ``"max"`` or ``"gem"`` (generalised mean, p = 3:
-            :func:`global_pool`).
+            :func:`global_pool`); token backbones also ``"cls"`` (:func:`pool_features`).
         projection: None, or ``{dim, norm, hidden, bn_divide_sqrt_k}``: a SimCLR projection head on the embedding
             adds ``"projection"`` to ``forward``'s dict (what ``loss.N.input: projection``
             reads); ``forward_head`` and everything that indexes still give the embedding.
@@ -149,8 +177,13 @@ class EmbeddingModel(nn.Module):
         **head_options,
     ):
         super().__init__()
-        if pool not in POOLS:
-            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        tokens = getattr(backbone, "output", "map") == "tokens"
+        if pool not in (TOKEN_POOLS if tokens else POOLS):
+            raise ValueError(f"pool must be one of {TOKEN_POOLS if tokens else POOLS}"
+                             f"{'' if tokens else ' (cls: token backbones only)'}, got {pool!r}")
+        self.num_prefix_tokens = int(getattr(backbone, "num_prefix_tokens", 0) or 0)
+        if pool == "cls" and self.num_prefix_tokens < 1:
+            raise ValueError("pool 'cls': this token backbone has no class token; use avg, max or gem")
         if head_init is not None and head_init not in HEAD_INITS:
             raise ValueError(f"head_init must be None or one of {HEAD_INITS}, got {head_init!r}")
         if head_init is not None and embedding_dim == 0:
@@ -185,12 +218,13 @@ class EmbeddingModel(nn.Module):
         return self.head.norm
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The backbone's last conv map [B, num_features, H, W]."""
+        """The backbone's last conv map [B, num_features, H, W] (tokens [B, N, num_features]
+        for a token backbone)."""
         return self.backbone(x)
 
     def forward_head(self, fmap: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Embedding [B, k] of a conv map; ``pre_logits=True``: the pooled features [B, C]."""
-        features = global_pool(fmap, self.pool)
+        features = pool_features(fmap, self.pool, self.num_prefix_tokens)
         return features if pre_logits else self.head(features)
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

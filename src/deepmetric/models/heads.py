@@ -81,6 +81,10 @@ class ShiftOnlyBatchNorm1d(nn.BatchNorm1d):
         # gradient at index 2 - got [0] but expected shape compatible with [k]", seen with
         # torch 2.11 on an H100, bench/RESULTS.md), so no BN-head model could train on a GPU.
         self._check_input_dim(x)
+        if not self.training and torch.onnx.is_in_onnx_export():
+            # the eval-mode batch norm written out: ONNX's batch_norm needs a channel count its
+            # shape inference loses in a ViT trunk (a token model's pooled features)
+            return (x - self.running_mean) * torch.rsqrt(self.running_var + self.eps) + self.bias
         if self.training:
             self.num_batches_tracked.add_(1)  # kept as nn.BatchNorm1d keeps it (unused: momentum is set)
         y = F.batch_norm(x, self.running_mean, self.running_var, None, None, self.training,

@@ -28,6 +28,7 @@ from torch import nn
 __all__ = [
     "LoadReport",
     "read_state_dict",
+    "weights_only_reason",
     "clean_state_dict",
     "load_pretrained",
 ]
@@ -86,9 +87,9 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise ValueError(
-                f"could not read {path!r} with torch.load(weights_only=True): {exc}. "
+                f"could not read {path!r} with torch.load(weights_only=True): {weights_only_reason(exc)}. "
                 "Save plain state dicts (model.state_dict()) or use .safetensors."
-            ) from exc
+            ) from None
     if isinstance(obj, Mapping):
         for key in _WRAPPER_KEYS:
             inner = obj.get(key)
@@ -190,3 +191,18 @@ def load_pretrained(
     module.load_state_dict(to_load, strict=False)
     report.loaded = sorted(to_load)
     return report
+
+
+def weights_only_reason(exc: Exception) -> str:
+    """``torch.load(weights_only=True)``'s reason for refusing a file, in one line and without
+    its advice to retry with ``weights_only=False`` (which would run any code the file holds)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        parts = [t.strip() for t in text.split("WeightsUnpickler error:", 1)[1].split("\n\n")]
+        detail = next((t for t in parts if t and not t.startswith("Check the documentation")), "")
+        detail = detail.split(" Please use `torch.serialization")[0].strip()[:200]
+        if detail.startswith("Unsupported global"):
+            return f"it holds Python objects other than tensors and plain values ({detail})"
+        return f"not a file written by torch.save, or a damaged one ({detail or type(exc).__name__})"
+    first = text.split("This is an internal")[0].strip().split("\n")[0].strip().rstrip(".")
+    return f"{type(exc).__name__}: {first[:200]}"

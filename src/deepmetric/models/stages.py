@@ -11,6 +11,9 @@ input, whose ImageNet features are the most generic, move least.
 * ``googlenet``, ``inception_v3``, ``inception_v4``, ``densenet161``: the blocks between two
   resolution reductions (the stride-2 layer starts the stage it feeds, as timm's
   ``feature_info`` cuts them);
+* ``timm/<name>``: timm's ``group_matcher(coarse=False)`` groups (a ViT: stem, then each
+  block, the final norm with the last; :class:`~deepmetric.models.timm_backbone.TimmBackbone`), which
+  ``freeze_stages`` counts too;
 * ``glyph_resnet``: stem, then each of its ``stages``; ``lenet``: ``conv1``, ``conv2``, ``ip1``.
 
 Any other module has no known stage structure and :func:`backbone_stages` refuses it by name.
@@ -24,6 +27,7 @@ from torch import nn
 from .backbones import FeatureBackbone, list_backbones
 from .efficientnet_lite import EfficientNetLiteBackbone
 from .small import GlyphResNet, LeNet
+from .timm_backbone import TimmBackbone
 
 __all__ = ["backbone_stages", "STAGE_LAYOUTS"]
 
@@ -54,7 +58,7 @@ def backbone_stages(backbone: nn.Module) -> list[nn.Module]:
     """The stages of ``backbone`` from the input to the top (see the module docstring).
 
     Raises ``ValueError`` naming the module when its stage structure is unknown."""
-    if isinstance(backbone, EfficientNetLiteBackbone):
+    if isinstance(backbone, (EfficientNetLiteBackbone, TimmBackbone)):
         return list(backbone.stages())
     if isinstance(backbone, GlyphResNet):
         return [backbone.stem, *backbone.stages]

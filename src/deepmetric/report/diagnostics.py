@@ -534,10 +534,11 @@ def embedding_2d(embeddings: Any, *, normalize: bool = False, seed: int = 0,
 
 # --------------------------------------------------------------------------- retrieval
 def recall_curve(embeddings: Any, labels: Any, ks: Iterable[int] = (1, 2, 4, 8, 16, 32), *,
-                 is_query: Any = None, is_gallery: Any = None, device: Any = None) -> dict[int, float]:
+                 is_query: Any = None, is_gallery: Any = None, device: Any = None,
+                 postprocess: Any = None) -> dict[int, float]:
     """Recall@K for every K in ``ks`` via :func:`deepmetric.evaluate.evaluate` (cosine,
     query excluded by index; In-shop style query/gallery masks are passed through), searched
-    on ``device`` (None: the CPU)."""
+    on ``device`` (None: the CPU), after the ``postprocess`` steps (the run's ``search.postprocess``)."""
     from deepmetric.evaluate import evaluate
 
     ks = sorted({int(k) for k in ks})
@@ -546,7 +547,7 @@ def recall_curve(embeddings: Any, labels: Any, ks: Iterable[int] = (1, 2, 4, 8, 
     x = _as_2d_float(embeddings, "embeddings")
     y = _as_labels(labels, x.shape[0])
     res = evaluate(place_for_search(x, device), y, is_query=is_query, is_gallery=is_gallery, ks=tuple(ks),
-                   metrics=["recall"])
+                   metrics=["recall"], postprocess=postprocess)
     return {k: float(res[f"recall@{k}"]) for k in ks}
 
 

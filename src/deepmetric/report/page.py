@@ -141,6 +141,8 @@ section { background: #fff; border: 1px solid var(--line); border-radius: 6px; p
 h2 { font-size: 17px; margin: 4px 0 10px; }
 h3 { font-size: 14px; margin: 12px 0 6px; }
 p.note { color: var(--muted); margin: 4px 0 8px; }
+ul.warnings li { color: #8a4b00; }
+div.wide { overflow-x: auto; max-width: 100%; }
 table { border-collapse: collapse; margin: 6px 0 10px; font-size: 13px; }
 th, td { border: 1px solid var(--line); padding: 3px 8px; text-align: right; }
 thead th { background: #f0f3f7; }

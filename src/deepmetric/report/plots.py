@@ -32,6 +32,12 @@ __all__ = [
 _DPI = 110
 
 
+def legend_beside(ax, *, fontsize: int = 7, ncol: int = 1):
+    """The legend to the right of the axes, never over the curves (figures are saved with
+    ``bbox_inches="tight"``, so the figure grows to hold it)."""
+    return ax.legend(fontsize=fontsize, ncol=ncol, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
 def _save(fig, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +120,7 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
                 if w > 1:  # noisy per-step values plus a moving average
                     ax.plot(xs[ok], y[ok], lw=0.6, alpha=0.35, color="C0", label="per step")
                     ax.plot(xs[ok], _smooth(y, w)[ok], lw=1.6, color="C0", label=f"mean of {w} steps")
-                    ax.legend(fontsize=8)
+                    ax.legend(fontsize=8, loc="best")  # the corner the curve leaves free
                 else:
                     ax.plot(xs[ok], y[ok], lw=1.4, color="C0")
             else:  # schedules change in steps: draw them as steps
@@ -143,7 +149,7 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
             for b in log.baselines():  # reference levels: epoch-0 model, raw pixels, ...
                 v = b.get(key[0])
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    what = b.get("name") or b.get("baseline") or "baseline"
+                    what = b.get("label") or b.get("name") or b.get("baseline") or "baseline"
                     ax.axhline(float(v), color="grey", ls=":", lw=1.2,
                                label=f"{key[0]}: {what}" + (f" ({b['split']})" if b.get("split") else ""))
             if exname == "epoch":  # evaluations happen at whole epochs: no 4.25, 4.5 ticks
@@ -151,7 +157,7 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
 
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel(exname)
-            ax.legend(fontsize=7, ncol=2 if len(ax.get_lines()) > 6 else 1)
+            legend_beside(ax, ncol=2 if len(ax.get_lines()) > 12 else 1)
         ax.set_title(label)
         ax.grid(alpha=0.3)
     for ax in flat[len(panels) or 1:]:
@@ -331,9 +337,9 @@ def plot_recall_curve(curves: Mapping[str, Mapping[int, float]], out: str | Path
         all_ks.update(ks)
         r = [100 * float(c[k]) for k in ks]
         ax.plot(ks, r, marker="o", color=f"C{i}", label=name, ls="-" if i == 0 else "--")
-        for k, v in zip(ks, r):
-            ax.annotate(f"{v:.1f}", (k, v), textcoords="offset points", xytext=(0, 5),
-                        ha="center", fontsize=7)
+        for k, v in zip(ks, r):  # this run's values above its points, the baselines' below theirs
+            ax.annotate(f"{v:.1f}", (k, v), textcoords="offset points", xytext=(0, 5 if i == 0 else -11),
+                        ha="center", fontsize=7, color="black" if i == 0 else f"C{i}")
     ks = sorted(all_ks)  # ticks of every curve, not only the last one's
     if ks and ks[-1] / max(ks[0], 1) >= 4:
         ax.set_xscale("log", base=2)
@@ -341,8 +347,9 @@ def plot_recall_curve(curves: Mapping[str, Mapping[int, float]], out: str | Path
     ax.set_xlabel("K")
     ax.set_ylabel("Recall@K (%)")
     ax.set_title(title or "Recall@K")
+    ax.margins(y=0.12)  # room for the values written above and below the points
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.2), borderaxespad=0.0)  # below the axes
     fig.tight_layout()
     return _save(fig, out)
 

@@ -204,7 +204,10 @@ def summary_rows(summary: dict, default_split: str | None = None) -> tuple[list[
         elif key == "baselines":
             if isinstance(val, dict):
                 for name, b in val.items():
-                    walk(b, f"baseline: {name}", None, "baseline")
+                    if isinstance(b, dict) and isinstance(b.get("label"), str):  # {"label", "metrics"}
+                        walk(b.get("metrics") or {}, f"baseline: {b['label']}", None, "baseline")
+                    else:  # older files: {name: {metrics} or {split: {metrics}}}
+                        walk(b, f"baseline: {name}", None, "baseline")
         elif isinstance(val, dict):
             walk(val, str(key), None, "eval")
         elif key in ("epochs", "steps") and _number(val):
@@ -215,8 +218,8 @@ def summary_rows(summary: dict, default_split: str | None = None) -> tuple[list[
 def _eval_rows(log: dg.TrainingLog, default_split: str | None) -> list[dict]:
     """Baseline records, then one row per evaluation record (split from the record)."""
     rows = []
-    for b in log.baselines():
-        name = b.get("name") or b.get("baseline") or b.get("kind") or "baseline"
+    for b in log.baselines():  # labelled as in metrics.json, so that each baseline is listed once
+        name = b.get("label") or b.get("name") or b.get("baseline") or b.get("kind") or "baseline"
         rows.append({"label": pg.esc(f"baseline: {name}"), "text": f"baseline: {name}",
                      "split": b.get("split"), "kind": "baseline",
                      "metrics": {k: v for k, v in b.items() if _is_metric_key(k) and _number(v)}})
@@ -324,6 +327,10 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
     command_search_device(device, search_device)  # a bad --device / --search-device fails before any work
+    for flag, value in (("--queries", n_queries), ("--top-k", top_k), ("--max-pairs", max_pairs),
+                        ("--batch-size", batch_size)):  # before any figure is drawn
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     if embeddings is None and (run_dir / "embeddings.npz").is_file():
@@ -357,6 +364,10 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
         if notes:
             body.append("<ul>" + "".join(f"<li>{pg.esc(n)}</li>" for n in notes) + "</ul>")
             md += [f"- {n}" for n in notes] + [""]
+        warns = [str(w) for w in summary.get("warnings") or []]
+        if warns:  # the run's warnings, the verdict against the baselines among them
+            body.append('<ul class="warnings">' + "".join(f"<li>warning: {pg.esc(w)}</li>" for w in warns) + "</ul>")
+            md += ["## Warnings", ""] + [f"- {w}" for w in warns] + [""]
     html.add("summary", "Configuration and summary", "\n".join(body), "summary")
 
     # --- log -----------------------------------------------------------------------------
@@ -475,7 +486,13 @@ def _embedding_sections(data: dict[str, np.ndarray], source: str, out: Path,
     ks_ok = tuple(k for k in ks if k <= n_ref)
     body = [f"<p>{pg.esc(head.replace('`', ''))}</p>"]
     if ks_ok:
-        rc = dg.recall_curve(x, y, ks_ok, is_query=is_q, is_gallery=is_g, device=search_device)
+        steps = list(getattr(getattr(cfg, "search", None), "postprocess", None) or [])
+        rc = dg.recall_curve(x, y, ks_ok, is_query=is_q, is_gallery=is_g, device=search_device, postprocess=steps)
+        if steps:  # the run's search.postprocess, as every search of this embedding applies it
+            from deepmetric.evaluate.postprocess import format_steps
+
+            body.append(f"<p>Recall@K after the run's post-processing: {pg.esc(format_steps(steps))}.</p>")
+            md += [f"Recall@K after the run's post-processing: {format_steps(steps)}.", ""]
         # logged baselines (epoch-0 model, raw pixels, ...) with Recall@K, drawn beside the run
         base = {}
         for b in baselines or []:

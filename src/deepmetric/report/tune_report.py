@@ -1,7 +1,7 @@
 """The HTML page of a tune (``deepmetric tune``, :mod:`deepmetric.workflows.tune`): its set-up,
 the best trial, Optuna's optimisation-history and parameter-importance plots and the table of
-every trial (state, parameters, validation value, wall time; the test metrics recorded for
-information only).  One self-contained file, like the run report."""
+every trial (state, parameters, validation value, wall time; no test metric: trials never
+evaluate the test split, and any ``test``-named column is dropped here too).  One self-contained file, like the run report."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,11 +20,27 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def _table(rows: Sequence[dict]) -> str:
-    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "run_dir"]
-    head = "".join(f"<th>{pg.esc(c)}</th>" for c in cols)
+def _header(name: str) -> str:
+    """A column name that may wrap after its dots, slashes and underscores (``optim.<wbr>lr``)."""
+    out = pg.esc(name)
+    for sep in (".", "/", "_"):
+        out = out.replace(sep, sep + "<wbr>")
+    return out
+
+
+def _table(rows: Sequence[dict], cols: Sequence[str], names: Sequence[str] | None = None) -> str:
+    head = "".join(f"<th>{_header(n)}</th>" for n in (names or cols))
     body = "".join("<tr>" + "".join(f"<td>{pg.esc(_cell(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows)
-    return f'<table class="metrics"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    # a scroll box of its own, so that a very wide table never widens the page
+    return f'<div class="wide"><table class="metrics"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _tables(rows: Sequence[dict]) -> str:
+    """The trials in one table that fits a 1280 px window (state, parameters, validation
+    objective, epochs, time).  No test metric is ever shown: a tune chooses on validation, and
+    a column of an older storage named ``test...`` is dropped (issue 30)."""
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "run_dir" and not c.lower().startswith("test")]
+    return _table(rows, cols)
 
 
 def write_tune_report(path: str | Path, *, title: str, summary: Sequence[tuple[str, Any]], rows: Sequence[dict],
@@ -42,6 +58,5 @@ def write_tune_report(path: str | Path, *, title: str, summary: Sequence[tuple[s
     body = "".join(figs) + "".join(f'<p class="note">{pg.esc(n)}</p>' for n in notes)
     page.add("plots", "Plots", body or '<p class="note">no plot yet (fewer than 2 finished trials)</p>')
     page.add("trials", "Trials", '<p class="note">val/ = the objective (validation, the trial\'s best '
-             'evaluation); test/ = the final model on the test split, recorded for information and never used '
-             'to choose.</p>' + (_table(rows) if rows else "<p>no trial yet</p>"))
+             'evaluation); the trials never evaluated the test split.</p>' + (_tables(rows) if rows else "<p>no trial yet</p>"))
     return page.write(Path(path))

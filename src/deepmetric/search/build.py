@@ -107,6 +107,12 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
                 labels = r["labels"]
             bar.update(len(part))
     emb = np.concatenate(embs) if embs else np.zeros((0, 0), np.float32)
+    bad = ~np.isfinite(emb).all(axis=1) if emb.size else np.zeros(0, bool)
+    if bad.any():  # a diverged checkpoint, or an image that drives it there: name the image
+        i = int(np.flatnonzero(bad)[0])
+        which = paths[keep[i]] if paths is not None else f"image {keep[i]} of the split"
+        raise ValueError(f"checkpoint {checkpoint} embeds {int(bad.sum())} image(s) as NaN / inf, the first "
+                         f"{which}; nothing was indexed (a diverged run? index with an earlier checkpoint)")
 
     if paths is not None:
         out_paths = [paths[i] for i in keep]

@@ -5,19 +5,29 @@ On disk (``deepmetric index ... --out INDEX_DIR``)::
 
     INDEX_DIR/manifest.json     format, kind, count, dim, checkpoint {path, sha256, config},
                                 preprocessing, data {name, root, split}, approximate recall
-    INDEX_DIR/embeddings.npy    float32 [N, d], l2-normalised (numpy .npy, no pickles)
-    INDEX_DIR/labels.npy        int64 [N], indices into class_names.json
-    INDEX_DIR/class_names.json  class name per label
-    INDEX_DIR/paths.json        image path per row (relative ones are inside INDEX_DIR)
-    INDEX_DIR/index.faiss       faiss index: IndexFlatIP (exact), IndexIVFFlat or IndexHNSWFlat
+    INDEX_DIR/embeddings.npy    float32 [N, d], l2-normalised (numpy .npy, no pickles); ivfpq:
+    INDEX_DIR/vectors.f16.npy   float16 [N, d] instead, mapped, read for re-ranked candidates
+    INDEX_DIR/metadata.arrow    path (relative ones are inside INDEX_DIR) and label per row
+    INDEX_DIR/class_names.arrow class name per label (version 2: paths.json, labels.npy, class_names.json)
+    INDEX_DIR/index.faiss       faiss index: IndexFlatIP (exact), IndexIVFFlat, IndexHNSWFlat or OPQ+IVF+PQ
     INDEX_DIR/images/           PNG copies of images that exist only in memory (glyphs, MNIST)
+    INDEX_DIR/postprocess.npz   with post-processing (manifest ``postprocess``: the steps and the
+                                query dimension): the fitted whitening (whiten_mean, whiten_projection)
 
-``manifest.json`` (version 2) lists every other file's size and SHA-256 (``files``). Folders
+With post-processing (``search.postprocess`` of the checkpoint's config or ``--postprocess``;
+:mod:`deepmetric.search.postprocess`) ``embeddings.npy`` holds the processed gallery (whitened
+and reduced, DBA-augmented); :meth:`Index.search` applies the query side (whitening, alpha-QE)
+and the k-reciprocal re-ranking, so ``search`` and ``serve`` answer with the processed ranking.
+
+``manifest.json`` (version 2 and 3) lists every other file's size and SHA-256 (``files``). Folders
 are written as transactions (:mod:`deepmetric.search.store`): into a temporary folder beside
 the target, swapped in atomically, so a failed ``index`` / ``index --add`` leaves the old
 index byte-identical. :meth:`Index.load` checks every listed file's size (and SHA-256 with
 ``verify_hashes=True``, as ``deepmetric serve`` does at start and on reload); an index written
-before version 2 has no ``files`` and loads with a warning saying how to rebuild it.
+before version 2 has no ``files`` and loads with a warning saying how to rebuild it. Before any
+listed file is opened its name is checked (no path outside the folder), links and odd files are
+refused, and the rows must be finite with labels naming a class (:mod:`deepmetric.search.reading`).
+``ivfpq`` takes no post-processing (refused when built).
 
 Exact search ranks by inner product with the exact faiss backend of
 :mod:`deepmetric.evaluate.knn` (chunked by a memory budget, ties by the smaller index), or
@@ -29,6 +39,7 @@ recall@10 against exact search is measured when they are built and stored in the
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -39,10 +50,11 @@ import numpy as np
 
 from .compressed import VECTORS_FILE, RefinedIndex
 from .metadata import CLASS_NAMES_FILE, METADATA_FILE, write_metadata
-from .reading import INDEX_FORMAT, INDEX_VERSION, KINDS, Folder, check_files, exists, read_manifest, read_parts
+from .reading import (INDEX_FORMAT, INDEX_VERSION, KINDS, Folder, check_files, check_present, check_rows, exists,
+                      load_postprocess, read_manifest, read_parts)
 from .query import (Preprocessing, approximate_search, as_query_list, embed_images, exact_search,
                     recall_against_exact)
-from .store import (IndexFilesError, carry_file, check_utf8, file_entries, file_sha256, index_transaction)
+from .store import IndexFilesError, carry_file, check_utf8, file_entries, file_sha256, index_transaction, write_file
 
 __all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256", "IndexFilesError", "is_index_dir"]
 
@@ -119,12 +131,17 @@ class Index:
     def __init__(self, embeddings, labels=None, paths: Sequence[str] | None = None,
                  class_names: Sequence[str] | None = None, *, kind: str = "exact",
                  meta: dict | None = None, directory: str | Path | None = None, search_device=None,
-                 options: dict | None = None):
+                 options: dict | None = None, postprocess=None):
         if kind not in KINDS:
             raise ValueError(f"index kind must be one of {KINDS}, got {kind!r}")
+        if kind == "ivfpq" and postprocess:
+            raise ValueError("--approximate ivfpq takes no --postprocess: its candidates are re-ranked with the "
+                             "stored float16 vectors, not whitened / expanded / k-reciprocal ones (reduce the "
+                             "dimension with --reduce-dim); use --postprocess none, or an exact / ivf / hnsw index")
         # ivfpq keeps float16 vectors (normalised in chunks: never all of them in float32)
         self.embeddings = (normalised_f16(embeddings, "index embeddings") if kind == "ivfpq"
                            else _normalised(embeddings, "index embeddings"))
+        self.postprocessor, meta = _fit_postprocess(self, postprocess, meta)
         n = self.embeddings.shape[0]
         self.labels = (np.zeros(n, np.int64) if labels is None
                        else np.asarray(labels, dtype=np.int64).reshape(-1))
@@ -157,6 +174,11 @@ class Index:
     def dim(self) -> int:
         return self.embeddings.shape[1]
 
+    @property
+    def query_dim(self) -> int:
+        """The dimension of the model's embeddings (``dim`` unless a whitening reduced it)."""
+        return int((self.meta.get("postprocess") or {}).get("query_dim", self.dim))
+
     def __repr__(self) -> str:
         return (f"Index(kind={self.kind!r}, n={len(self)}, dim={self.dim}, classes={len(self.class_names)}, "
                 f"directory={str(self.directory) if self.directory else None!r})")
@@ -183,18 +205,20 @@ class Index:
     @classmethod
     def from_embeddings(cls, embeddings, labels=None, paths=None, class_names=None, *,
                         approximate: str | None = None, meta: dict | None = None,
-                        options: dict | None = None) -> "Index":
+                        options: dict | None = None, postprocess=None) -> "Index":
         """An index of vectors a user already has (``options``: ivfpq's ``memory_gb`` /
-        ``reduce_dim``, see :func:`deepmetric.search.compressed.build_refined`)."""
+        ``reduce_dim``, see :func:`deepmetric.search.compressed.build_refined`; ``postprocess``:
+        steps fitted on them, not with ivfpq)."""
         return cls(embeddings, labels, paths, class_names, kind=approximate or "exact", meta=meta,
-                   options=options)
+                   options=options, postprocess=postprocess)
 
     @classmethod
     def build(cls, checkpoint: str | Path, *, data: str | None = None, root: str | None = None,
               split: str | None = None, out: str | Path | None = None, approximate: str | None = None,
               add: bool = False, overwrite: bool = False, options: dict | None = None,
               index_options: dict | None = None, batch_size: int = 256, device: str = "auto", num_workers: int = 0,
-              progress: bool = True, search_device: str = "auto", shard_size: int | None = None) -> "Index | None":
+              progress: bool = True, search_device: str = "auto", shard_size: int | None = None,
+              postprocess=None) -> "Index | None":
         """Embed a dataset split with ``checkpoint`` (its test transform) and index it.
 
         ``data`` / ``root`` default to the checkpoint's training data; ``split`` defaults to
@@ -205,7 +229,9 @@ class Index:
         in ``out`` is refused unless ``add`` or ``overwrite``; a non-empty folder that is not an
         index always is. The model runs on ``device``; the exact searches (an approximate
         index's recall against exact search) where
-        :func:`~deepmetric.train.embed.command_search_device` says.
+        :func:`~deepmetric.train.embed.command_search_device` says. ``postprocess``: steps
+        (:func:`deepmetric.search.postprocess.check_steps`; default the checkpoint's
+        ``search.postprocess``; ``[]`` for none) fitted on the indexed gallery.
         """
         if add and out is None:
             raise ValueError("add=True needs out=INDEX_DIR, the index to add to")
@@ -214,9 +240,16 @@ class Index:
         from deepmetric.train.embed import command_search_device
 
         command_search_device(device, search_device)  # bad values are refused before any work
+        if postprocess is not None:
+            from .postprocess import check_steps
+
+            postprocess = check_steps(postprocess, "--postprocess")  # refused before any work
+            if postprocess and approximate == "ivfpq":
+                raise ValueError("--approximate ivfpq takes no --postprocess (its candidates are re-ranked with "
+                                 "the stored float16 vectors); use --postprocess none, or another kind")
         kw = dict(data=data, root=root, split=split, options=options, index_options=index_options,
-                  batch_size=batch_size, device=device,
-                  num_workers=num_workers, progress=progress, search_device=search_device)
+                  batch_size=batch_size, device=device, num_workers=num_workers, progress=progress,
+                  search_device=search_device, postprocess=postprocess)
         if out is None:
             return cls._build(checkpoint, None, None, approximate=approximate, add=False, **kw)
         out = Path(out)
@@ -260,12 +293,12 @@ class Index:
     @classmethod
     def _build(cls, checkpoint, out: Path | None, tmp: Path | None, *, data, root, split, options, index_options,
                approximate, add, batch_size, device, num_workers, progress, search_device,
-               got: dict | None = None) -> "Index":
+               got: dict | None = None, postprocess=None) -> "Index":
         from .build import embed_dataset_for_index
 
         old = None
         if add:
-            old = cls.load(out)
+            old = cls.load(out, verify_hashes=True)  # never bless a damaged index with fresh hashes
             approximate = old.kind if old.kind != "exact" else None
         sha = file_sha256(checkpoint) if Path(checkpoint).is_file() else None
         if old is not None and sha is not None and old.meta.get("checkpoint", {}).get("sha256") != sha:
@@ -293,8 +326,11 @@ class Index:
             meta = {"checkpoint": {"path": str(Path(checkpoint).resolve()), "sha256": sha,
                                    "config": got["config"]},
                     "preprocessing": got["preprocessing"], "data": got["data"]}
+            if postprocess is None:  # the checkpoint's search.postprocess
+                postprocess = ((got["config"] or {}).get("search") or {}).get("postprocess") or []
             index = cls(got["embeddings"], got["labels"], got["paths"], got["class_names"],
-                        kind=approximate or "exact", meta=meta, search_device=where, options=index_options)
+                        kind=approximate or "exact", meta=meta, search_device=where, options=index_options,
+                        postprocess=postprocess)
         index.meta["skipped_already_indexed"] = got["skipped"]
         if got.get("shards"):
             index.meta["shards"] = got["shards"]
@@ -303,8 +339,11 @@ class Index:
     def add(self, embeddings, labels=None, paths: Sequence[str] | None = None,
             class_names: Sequence[str] | None = None) -> None:
         """Append rows. Labels are given in ``class_names`` (default: this index's names) and
-        are mapped by name: new names are appended to :attr:`class_names`."""
+        are mapped by name: new names are appended to :attr:`class_names`. With post-processing
+        the rows are whitened with the stored fit (an index with DBA is refused: rebuild it)."""
         e = _normalised(embeddings, "added embeddings")
+        if self.postprocessor is not None:
+            e = self.postprocessor.add_gallery_rows(e)
         if e.shape[1] != self.dim:
             raise ValueError(f"added embeddings have dimension {e.shape[1]} but the index has {self.dim} "
                              "(another model or embedding size?)")
@@ -380,17 +419,29 @@ class Index:
             q = _normalised(queries, "query embeddings")
         else:
             q = self.embed(queries)
-        if q.shape[1] != self.dim:
-            raise ValueError(f"query embeddings have dimension {q.shape[1]} but the index has {self.dim} "
+            bad = np.flatnonzero(~np.isfinite(q).all(axis=1))
+            if len(bad):  # faiss would answer such a row with fewer (or no) neighbours
+                raise ValueError(f"query image {as_query_list(queries)[bad[0]]} embeds as NaN / inf with this "
+                                 "index's checkpoint; no neighbours can be ranked for it")
+        if q.shape[1] != self.query_dim:
+            raise ValueError(f"query embeddings have dimension {q.shape[1]} but the index has {self.query_dim} "
                              "(another model or embedding size?)")
         k = int(k)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        if self.refined is not None:
+        if self.refined is not None:  # ivfpq (never with post-processing)
             return self.refined.search(q, k)
+        post = self.postprocessor
+        width = max(k, post.list_length) if post is not None else k
+        if post is not None:
+            q = post.transform_queries(q, self.embeddings)
         if self.faiss_index is not None:
-            return approximate_search(self.faiss_index, q, k)
-        return exact_search(self.embeddings, q, k, memory_mb=memory_mb, device=self.search_device)
+            sims, idx = approximate_search(self.faiss_index, q, width)
+        else:
+            sims, idx = exact_search(self.embeddings, q, width, memory_mb=memory_mb, device=self.search_device)
+        if post is not None and post.list_length:
+            sims, idx = post.rerank(q, self.embeddings, sims, idx)
+        return sims[:, :k], idx[:, :k]
 
     def neighbours(self, sims: np.ndarray, idx: np.ndarray) -> list[list[dict]]:
         """Per query, its neighbours as dicts: rank (1-based), id (row), path, label, class_name,
@@ -451,13 +502,21 @@ class Index:
         with open(tmp / vectors, "wb") as f:
             np.save(f, np.ascontiguousarray(self.embeddings), allow_pickle=False)
         write_metadata(tmp, stored, self.labels, self.class_names)
-        faiss.write_index(index, str(tmp / "index.faiss"))
+        # serialised here and written by Python: a full disk is an OSError (ENOSPC) that
+        # index_transaction explains, not faiss's RuntimeError
+        write_file(tmp / "index.faiss", faiss.serialize_index(index))
+        extra = ()
+        if self.postprocessor is not None:
+            buf = io.BytesIO()
+            np.savez(buf, **self.postprocessor.state())
+            write_file(tmp / "postprocess.npz", buf.getbuffer())
+            extra = ("postprocess.npz",)
         manifest = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "kind": self.kind,
                     "count": len(self), "dim": self.dim, "classes": len(self.class_names),
                     **{k: v for k, v in self.meta.items() if k not in _MANIFEST_OWN},
                     "files": file_entries(tmp)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
-        for name in _FILES_V3 + (vectors, "index.faiss"):  # on disk before the swap makes them the index
+        for name in _FILES_V3 + (vectors, "index.faiss") + extra:  # on disk before the swap makes them the index
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         return stored
@@ -482,22 +541,21 @@ class Index:
             raise FileNotFoundError(f"index folder {d} does not exist (make one with 'deepmetric index')")
         folder = Folder(d)
         try:
-            manifest, raw = read_manifest(folder, d)
+            manifest, raw = read_manifest(folder, d)  # links refused, listed names checked
             kind, files = manifest["kind"], manifest.get("files")
             # version 3 (or a folder with its files): Arrow metadata; else paths.json / labels.npy / ...
             v3 = manifest.get("version", 0) >= 3 or exists(folder, METADATA_FILE)
             vectors = VECTORS_FILE if kind == "ivfpq" else "embeddings.npy"
             mapped = mmap or kind == "ivfpq"
-            needed = (_FILES_V3 if v3 else _FILES) + (vectors,) + (("index.faiss",) if kind != "exact" else ())
-            missing = [f for f in dict.fromkeys(needed) if not exists(folder, f)]
-            if missing:
-                raise FileNotFoundError(f"{d} is not a deepmetric index: missing {', '.join(missing)}")
+            post = ("postprocess.npz",) if manifest.get("postprocess") else ()
+            check_present(d, (_FILES_V3 if v3 else _FILES) + (vectors,)
+                          + (("index.faiss",) if kind != "exact" else ()) + post)
             names = ([] if mmap else [METADATA_FILE, CLASS_NAMES_FILE]) if v3 else \
                 ["labels.npy", "class_names.json", "paths.json"]
-            names += (["index.faiss"] if kind != "exact" else []) + ([] if mapped else [vectors])
+            names += (["index.faiss"] if kind != "exact" else []) + ([] if mapped else [vectors]) + list(post)
             for name in names:
                 raw[name] = folder.read(name)
-            check_files(d, files, raw, manifest, verify_hashes)
+            check_files(d, files, raw, manifest, verify_hashes)  # and the unread listed files on disk
             emb, labels, names_, paths, faiss_index = read_parts(d, raw, kind, v3, mapped)
         finally:
             folder.close()
@@ -505,6 +563,7 @@ class Index:
                 or len(paths) != manifest["count"]:
             raise ValueError(f"{d}: files disagree with manifest.json (count {manifest['count']}, dim "
                              f"{manifest['dim']}; embeddings {emb.shape}, labels {labels.shape}, {len(paths)} paths)")
+        check_rows(d, emb, labels, names_, v3=v3, vectors=vectors)
         meta = {k: v for k, v in manifest.items() if k not in _MANIFEST_OWN}
         obj = cls.__new__(cls)
         obj.embeddings, obj.labels, obj.paths, obj.class_names = emb, labels, paths, names_
@@ -517,39 +576,25 @@ class Index:
             a = meta.get("approximate", {})
             obj.refined = RefinedIndex(faiss_index, d / VECTORS_FILE, k_factor=a.get("k_factor", 8),
                                        nprobe=a.get("nprobe"))
-            obj.embeddings = obj.refined.vectors
+            obj.embeddings = obj.refined.vectors  # the checked mapping above is dropped with its pages
+        obj.postprocessor = load_postprocess(meta, raw.get("postprocess.npz"), d)
         return obj
 
 
-def index_from_file(path: str | Path, out: str | Path, *, approximate: str | None = None, add: bool = False,
-                    overwrite: bool = False, options: dict | None = None) -> Index:
-    """``deepmetric index --embeddings FILE``: an index of the vectors in ``path``
-    (:func:`deepmetric.search.interchange.read_embeddings_file`), written to ``out`` as a
-    transaction; ``add=True`` appends them to the index there (its kind and settings)."""
-    from .interchange import read_embeddings_file
+def _fit_postprocess(index: Index, steps, meta: dict | None):
+    """Fit ``steps`` on the index's (normalised) embeddings, which it replaces with the processed
+    gallery; returns the fitted :class:`~deepmetric.search.postprocess.Postprocessor` (None
+    without steps) and ``meta`` with its ``postprocess`` entry."""
+    meta = dict(meta or {})
+    if not steps:
+        return None, meta
+    from .postprocess import Postprocessor
 
-    got = read_embeddings_file(path)
-    if not hasattr(got["embeddings"], "__array__") and (add or approximate != "ivfpq"):
-        got["embeddings"] = got["embeddings"][:]  # an .npy read on demand: all of it (only ivfpq reads chunks)
-    if got["paths"] is not None:  # relative paths are relative to where the command runs
-        got["paths"] = [os.path.abspath(p) if p and not os.path.isabs(p) else p for p in got["paths"]]
-    source = {"embeddings": str(Path(path).resolve()), "images": int(got["embeddings"].shape[0])}
-    out = Path(out)
-    if not add:
-        check_out_dir(out, overwrite=overwrite)
-        index = Index(got["embeddings"], got["labels"], got["paths"], got["class_names"],
-                      kind=approximate or "exact", meta={"data": source}, options=options)
-        index.save(out)
-        return index
-    if approximate not in (None, "exact") or options:
-        raise ValueError("--add keeps the index's kind and settings; leave out --approximate / --memory-budget")
-    with index_transaction(out) as tmp:
-        index = Index.load(out)
-        index.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
-        index.meta.setdefault("added", []).append(source)
-        rel_paths = index._write(tmp, out)
-    index._settle(out, rel_paths)
-    return index
+    post = Postprocessor(steps, where="--postprocess")
+    meta["postprocess"] = {"steps": post.steps, "query_dim": int(index.embeddings.shape[1]),
+                           "file": "postprocess.npz"}
+    index.embeddings = np.ascontiguousarray(post.fit(index.embeddings), dtype=np.float32)
+    return post, meta
 
 
 EmbeddingIndex = Index

@@ -25,10 +25,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["read_embeddings_file", "export_parquet", "export_qdrant", "parse_target", "ROW_GROUP"]
+if TYPE_CHECKING:
+    from .index import Index
+
+__all__ = ["index_from_file", "read_embeddings_file", "export_parquet", "export_qdrant", "parse_target", "ROW_GROUP"]
 
 ROW_GROUP = 65536
 
@@ -207,3 +211,37 @@ def export_qdrant(index, where: str, *, collection: str = "deepmetric", batch: i
         side = Path(where) / "deepmetric_manifest.json"
         side.write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
     return manifest
+
+
+def index_from_file(path: str | Path, out: str | Path, *, approximate: str | None = None, add: bool = False,
+                    overwrite: bool = False, options: dict | None = None, postprocess=None) -> "Index":
+    """``deepmetric index --embeddings FILE``: an index of the vectors in ``path``
+    (:func:`deepmetric.search.interchange.read_embeddings_file`), written to ``out`` as a
+    transaction; ``add=True`` appends them to the index there (its kind, settings and
+    post-processing)."""
+    from .index import Index, check_out_dir
+    from .store import index_transaction
+
+    got = read_embeddings_file(path)
+    if not hasattr(got["embeddings"], "__array__") and (add or approximate != "ivfpq"):
+        got["embeddings"] = got["embeddings"][:]  # an .npy read on demand: all of it (only ivfpq reads chunks)
+    if got["paths"] is not None:  # relative paths are relative to where the command runs
+        got["paths"] = [os.path.abspath(p) if p and not os.path.isabs(p) else p for p in got["paths"]]
+    source = {"embeddings": str(Path(path).resolve()), "images": int(got["embeddings"].shape[0])}
+    out = Path(out)
+    if not add:
+        check_out_dir(out, overwrite=overwrite)
+        index = Index(got["embeddings"], got["labels"], got["paths"], got["class_names"],
+                      kind=approximate or "exact", meta={"data": source}, options=options, postprocess=postprocess)
+        index.save(out)
+        return index
+    if approximate not in (None, "exact") or options or postprocess:
+        raise ValueError("--add keeps the index's kind and settings; leave out --approximate / --memory-budget / "
+                         "--postprocess")
+    with index_transaction(out) as tmp:
+        index = Index.load(out)
+        index.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
+        index.meta.setdefault("added", []).append(source)
+        rel_paths = index._write(tmp, out)
+    index._settle(out, rel_paths)
+    return index

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .store import IndexFilesError, write_file
+
 __all__ = ["METADATA_FILE", "CLASS_NAMES_FILE", "BATCH_ROWS", "write_metadata", "read_metadata", "LazyPaths"]
 
 METADATA_FILE = "metadata.arrow"
@@ -26,15 +28,17 @@ BATCH_ROWS = 1 << 20
 
 
 def _write_table(path: Path, columns: dict, n: int) -> None:
+    """Assembled in memory and written by Python (:func:`deepmetric.search.store.write_file`):
+    a full disk is then an OSError (ENOSPC) that the index transaction explains."""
     import pyarrow as pa
 
     schema = pa.schema([(name, typ) for name, (typ, _) in columns.items()])
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, schema) as writer:
         for a in range(0, max(n, 1), BATCH_ROWS):
             arrays = [pa.array(values[a:a + BATCH_ROWS], type=typ) for typ, values in columns.values()]
             writer.write_batch(pa.record_batch(arrays, schema=schema))
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    write_file(path, sink.getvalue())
 
 
 def write_metadata(folder: Path, paths: Sequence[str], labels: np.ndarray, class_names: Sequence[str]) -> None:
@@ -90,6 +94,22 @@ class LazyPaths(Sequence):
         return list(self) == list(other)
 
 
+def _check_inside(column, where: Path) -> None:
+    """Relative paths never climb out of the index folder (as
+    :func:`deepmetric.search.store.check_inside`, vectorised over the Arrow column)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not pa.types.is_string(column.type):
+        raise IndexFilesError(f"{where}: column 'path' is {column.type}, expected string")
+    climbs = pc.and_(pc.match_substring_regex(column, r"(^|[/\\])\.\.([/\\]|$)"),
+                     pc.invert(pc.starts_with(column, "/")))
+    if pc.any(climbs).as_py():
+        i = int(pc.index(climbs, True).as_py())
+        raise IndexFilesError(f"{where}: entry {i} ({column[i].as_py()!r}) leaves the index folder; relative image "
+                              "paths must lie inside it. Rebuild the index with 'deepmetric index ... --overwrite'")
+
+
 def read_metadata(folder: Path, raw: dict | None = None) -> tuple[LazyPaths, np.ndarray, list[str]]:
     """``(paths, labels, class_names)`` of an index folder written with :func:`write_metadata`:
     from the files' bytes in ``raw`` (``{file name: bytes}``, already read) where given, else
@@ -100,6 +120,7 @@ def read_metadata(folder: Path, raw: dict | None = None) -> tuple[LazyPaths, np.
     if table.schema.names != ["path", "label"] or names.schema.names != ["name"]:
         raise ValueError(f"{folder}: {METADATA_FILE} / {CLASS_NAMES_FILE} have columns {table.schema.names} / "
                          f"{names.schema.names}, expected ['path', 'label'] / ['name']")
+    _check_inside(table.column("path"), folder / METADATA_FILE)
     labels = table.column("label").to_numpy()
     return LazyPaths(table.column("path"), folder.resolve()), np.asarray(labels, np.int64), \
         [str(c) for c in names.column("name").to_pylist()]

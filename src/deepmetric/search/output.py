@@ -14,13 +14,14 @@ from PIL import Image
 __all__ = ["results_text", "results_json", "results_html", "thumbnail_png", "displayable"]
 
 
-def thumbnail_png(path: str | Path, size: int = 160) -> bytes:
+def thumbnail_png(path: str | Path, size: int = 160, max_bytes: int | None = None) -> bytes:
     """PNG bytes of the image at ``path`` scaled to fit ``size`` x ``size`` (small images are
     enlarged with nearest-neighbour so 32-pixel glyphs stay sharp). Read with the decoder
-    queries use (EXIF orientation, 8 bits, transparency onto white; grey stays grey)."""
+    queries use (EXIF orientation, 8 bits, transparency onto white; grey stays grey), under
+    the decode limit ``max_bytes`` (``deepmetric serve``: the model's, as for queries)."""
     from deepmetric.data.decode import decode_image
 
-    im = decode_image(path, mode=None)
+    im = decode_image(path, mode=None, max_bytes=max_bytes)
     scale = size / max(im.size)
     new = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
     im = im.resize(new, Image.NEAREST if scale > 1 else Image.LANCZOS)

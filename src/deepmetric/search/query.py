@@ -137,7 +137,7 @@ class Preprocessing:
                 steps.append({"op": "to_float", "scale": "divide by 255 (values in [0, 1])"})
             elif isinstance(t, v2.Grayscale):
                 steps.append({"op": "grayscale", "channels": int(t.num_output_channels)})
-            elif isinstance(t, v2.RGB):
+            elif isinstance(t, v2.RGB) or name == "RGBImage":
                 steps.append({"op": "rgb", "channels": 3})
             elif name == "RepeatChannels":
                 steps.append({"op": "repeat_channels", "channels": int(t.channels)})

@@ -30,6 +30,15 @@ Staying up (each point is tested against a real uvicorn server in tests/test_sea
 * the ``Host`` header must name an allowed host (loopback names and addresses by default,
   others with ``allowed_hosts``): a page on another site that rebinds its DNS name to 127.0.0.1
   is answered 400, so the browser cannot read the index through it;
+* requests a page on another site could make a browser send are refused with 403 (everything
+  but the page itself when ``Sec-Fetch-Site`` is not ``same-origin`` / ``none``; a POST whose
+  ``Origin`` is not this server), so a foreign page can neither reload the index nor make the
+  server decode uploads or thumbnails; responses carry ``Cross-Origin-Resource-Policy:
+  same-origin``;
+* thumbnails are decoded under the same limit as uploads (the model's), and their cache is
+  bounded in bytes (``THUMB_CACHE_BYTES``, least recently used out first);
+* connections: a header timeout, idle connections closed to make room for new ones, no
+  request cap counting idle sockets (:mod:`deepmetric.search.connections`);
 * the index is read into memory (not memory-mapped) and verified at start; replacing or
   truncating its files changes nothing until a reload, and a change is noticed and printed;
 * thumbnails are looked up by row number only, so no path from a request reaches the file
@@ -47,11 +56,15 @@ import re
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from .connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, bind, make_server, protocol_class
 
 __all__ = ["create_app", "serve", "is_loopback", "DEFAULT_MAX_UPLOAD_MB", "DEFAULT_WORKERS",
-           "DEFAULT_MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S", "MAX_K"]
+           "DEFAULT_MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S", "MAX_K", "THUMB_CACHE_BYTES"]
 
 DEFAULT_MAX_UPLOAD_MB = 10.0
 DEFAULT_WORKERS = 2
@@ -59,6 +72,8 @@ DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_TIMEOUT_S = 30.0
 MAX_K = 100
 _THUMB_IN_FLIGHT = 64  # thumbnails of indexed images: a page shows up to 100 of them
+#: bytes of thumbnail PNGs kept in memory (least recently used out first)
+THUMB_CACHE_BYTES = 32 * 2**20
 _PAGE = Path(__file__).with_name("page.html")
 _CHECK_EVERY_S = 2.0  # how often the index folder is compared with what was loaded
 
@@ -94,9 +109,29 @@ def _json_message(status: int, message: str, headers: dict | None = None):
             {"type": "http.response.body", "body": body})
 
 
+def _cross_site(method: str, path: str, headers: dict, host: str) -> str | None:
+    """Why a request a browser sent for a page of another origin is refused (None: it is not
+    one). Browsers send ``Sec-Fetch-Site`` with every request (``same-origin`` from the search
+    page, ``none`` when the user typed the address) and ``Origin`` with every cross-origin
+    POST; neither can be set by the page. Other clients (curl, scripts) send neither."""
+    if path == "/" and method in ("GET", "HEAD"):
+        return None  # the page itself: a link from anywhere may open it
+    site = headers.get(b"sec-fetch-site", b"").decode("latin-1").strip().lower()
+    if site and site not in ("same-origin", "none"):
+        return f"Sec-Fetch-Site: {site[:40]}"
+    origin = headers.get(b"origin")
+    if origin is not None and method not in ("GET", "HEAD"):
+        o = origin.decode("latin-1").strip().lower()
+        parts = urlsplit(o) if o != "null" else None
+        default = {"http": ":80", "https": ":443"}.get(parts.scheme, "") if parts else ""
+        if parts is None or parts.netloc.removesuffix(default) != host.strip().lower().removesuffix(default):
+            return f"Origin: {o[:80]}"
+    return None
+
+
 class _Guard:
-    """ASGI middleware: the Host check (400), then 413 when Content-Length or the streamed body
-    exceeds ``limit`` bytes."""
+    """ASGI middleware: the Host check (400), the cross-site check (403), then 413 when
+    Content-Length or the streamed body exceeds ``limit`` bytes."""
 
     def __init__(self, app, limit: int, allowed_hosts: tuple[str, ...]):
         self.app, self.limit = app, int(limit)
@@ -115,6 +150,12 @@ class _Guard:
         if not self.host_allowed(host):
             for m in _json_message(400, f"host {host!r} is not served here (a page on another site, or "
                                         "start deepmetric serve with --allow-host NAME)"):
+                await send(m)
+            return
+        why = _cross_site(scope["method"], scope["path"], headers, host)
+        if why is not None:
+            for m in _json_message(403, f"{scope['path'][:80]} is only answered to the search page this server "
+                                        f"serves, not to another site's page ({why})"):
                 await send(m)
             return
         length = headers.get(b"content-length")
@@ -136,6 +177,9 @@ class _Guard:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"cross-origin-resource-policy", b"same-origin"),
+                                                  (b"x-content-type-options", b"nosniff")]}
             await send(message)
 
         try:
@@ -170,7 +214,7 @@ class _Slots:
 
 
 _WATCHED = ("manifest.json", "embeddings.npy", "vectors.f16.npy", "metadata.arrow", "class_names.arrow", "labels.npy",
-            "class_names.json", "paths.json", "index.faiss")
+            "class_names.json", "paths.json", "index.faiss", "postprocess.npz")
 
 
 def _lower_priority() -> None:
@@ -220,10 +264,15 @@ def _prepare(index, *, generation: int, max_decode_mb, checkpoint=None, device: 
         index._model = previous.index._model
     _, pre = index.model(checkpoint, device)
     probe = index.embed(Image.new(pre.mode, (64, 64), 128))
-    if probe.shape[1] != index.dim or not np.isfinite(probe).all():
-        raise ValueError(f"the checkpoint makes {probe.shape[1]}-d embeddings but the index holds {index.dim}-d ones")
+    if probe.shape[1] != index.query_dim or not np.isfinite(probe).all():
+        raise ValueError(f"the checkpoint makes {probe.shape[1]}-d embeddings but the index holds {index.query_dim}-d ones")
     d = Path(index.directory) if index.directory is not None else None
     return _Loaded(index, pre, pre.decode_limit(max_decode_mb), d, _file_stats(d) if d else {}, generation)
+
+
+def _reason(exc: Exception) -> str:
+    """The part of a decode error after the file's name (no server path in an answer)."""
+    return getattr(exc, "reason", None) or type(exc).__name__
 
 
 def _load_folder(index_dir: Path, **kw) -> _Loaded:
@@ -265,7 +314,8 @@ def create_app(index, *, max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, default_k
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="deepmetric-serve",
                                                  initializer=_lower_priority)
     searches, thumbs = _Slots(max_in_flight), _Slots(_THUMB_IN_FLIGHT)
-    cache: dict[tuple[int, int, int], bytes] = {}
+    cache: OrderedDict[tuple[int, int, int], bytes] = OrderedDict()  # least recently used first
+    cached = {"bytes": 0}
     reload_lock = asyncio.Lock()
     noticed = {"generation": -1}
 
@@ -359,19 +409,25 @@ def create_app(index, *, max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, default_k
         if not 0 <= i < len(now.index) or not now.index.paths[i]:
             return error(404, f"no image {i} in this index")
         key = (now.generation, i, int(size))
-        if key not in cache:
+        png = cache.get(key)
+        if png is None:
             if not thumbs.try_acquire():
                 return busy("thumbnails", thumbs)
             try:
-                cache[key] = await run_job(thumbs, thumbnail_png, now.index.paths[i], int(size),
-                                           deadline=time.monotonic() + timeout_s)
+                png = await run_job(thumbs, thumbnail_png, now.index.paths[i], int(size), now.decode_bytes,
+                                    deadline=time.monotonic() + timeout_s)
             except asyncio.TimeoutError:
                 return error(504, f"the thumbnail took longer than the limit of {timeout_s:g} s")
-            except (OSError, ValueError):
-                return error(404, f"image {i} of the index cannot be read")
-            while len(cache) > 4096:
-                cache.pop(next(iter(cache)))
-        return Response(cache[key], media_type="image/png", headers={"cache-control": "max-age=3600"})
+            except (OSError, ValueError) as exc:
+                return error(404, f"image {i} of the index cannot be read ({_reason(exc)})")
+            if key not in cache and len(png) <= THUMB_CACHE_BYTES:
+                cache[key] = png
+                cached["bytes"] += len(png)
+            while cached["bytes"] > THUMB_CACHE_BYTES:
+                cached["bytes"] -= len(cache.popitem(last=False)[1])
+        else:
+            cache.move_to_end(key)
+        return Response(png, media_type="image/png", headers={"cache-control": "max-age=3600"})
 
     async def reload(request):
         if reload_lock.locked():
@@ -391,7 +447,7 @@ def create_app(index, *, max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, default_k
                 return error(409, f"reload refused, still serving the previous index: {exc}")
             served["now"] = new
             for key in [key for key in cache if key[0] != new.generation]:
-                cache.pop(key, None)
+                cached["bytes"] -= len(cache.pop(key))
             if default_k > len(new.index):
                 say(f"deepmetric serve: the reloaded index holds {len(new.index)} images, fewer than --k {default_k}")
             say(f"deepmetric serve: reloaded {now.directory}: {len(new.index)} images (was {len(now.index)})")
@@ -445,32 +501,42 @@ def create_app(index, *, max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, default_k
                     exception_handlers={404: not_found, 500: server_error}, lifespan=lifespan)
     guarded = _Guard(app, limit, tuple(allowed_hosts))
     guarded.served = served  # for tests and the benchmark: the loaded index
+    guarded.thumbnails = cache  # and the thumbnail cache
     return guarded
 
 
 def serve(index_dir, *, host: str = "127.0.0.1", port: int = 8000, checkpoint=None,
           max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, k: int = 10, device: str = "cpu",
           workers: int = DEFAULT_WORKERS, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-          timeout_s: float = DEFAULT_TIMEOUT_S, allow_hosts=(), max_decode_mb: float | None = None) -> None:
-    """Load the index into memory (every file's SHA-256 checked) and its checkpoint, then serve
-    until Ctrl-C; ``kill -HUP`` reloads the index folder."""
-    import uvicorn
-
+          timeout_s: float = DEFAULT_TIMEOUT_S, allow_hosts=(), max_decode_mb: float | None = None,
+          header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+    """Bind ``host:port`` (a clear error when it cannot be), load the index into memory (every
+    file's SHA-256 checked) and its checkpoint, then serve until Ctrl-C; ``kill -HUP``
+    reloads the index folder."""
     from .index import Index
 
-    index = Index.load(index_dir, verify_hashes=True)
-    index.model(checkpoint, device)
-    allowed = list(allow_hosts)
-    if not is_loopback(host) and host not in ("0.0.0.0", "::", ""):
-        allowed.append(host)  # the address it was told to bind is a name clients use
-    app = create_app(index, max_upload_mb=max_upload_mb, default_k=k, workers=workers,
-                     max_in_flight=max_in_flight, timeout_s=timeout_s, allowed_hosts=tuple(allowed),
-                     max_decode_mb=max_decode_mb, checkpoint=checkpoint, device=device, handle_sighup=True)
-    if not is_loopback(host):
-        names = ", ".join(allowed) if allowed else "none: add --allow-host NAME for the name clients use"
-        print(f"warning: serving on {host}: other machines can reach this page and everything in the index "
-              f"(host names answered besides loopback: {names})")
-    print(f"deepmetric serve: {len(index)} images ({index.kind}, d={index.dim}) on http://{host}:{port}/ "
-          f"(Ctrl-C stops; kill -HUP {os.getpid()} reloads the index)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=5,
-                limit_concurrency=int(max_in_flight) + _THUMB_IN_FLIGHT + 32)
+    protocol_class(header_timeout_s, max_connections)  # its checks, before anything is loaded
+    sock = bind(host, port)
+    try:
+        index = Index.load(index_dir, verify_hashes=True)
+        index.model(checkpoint, device)
+        allowed = list(allow_hosts)
+        if not is_loopback(host) and host not in ("0.0.0.0", "::", ""):
+            allowed.append(host)  # the address it was told to bind is a name clients use
+        app = create_app(index, max_upload_mb=max_upload_mb, default_k=k, workers=workers,
+                         max_in_flight=max_in_flight, timeout_s=timeout_s, allowed_hosts=tuple(allowed),
+                         max_decode_mb=max_decode_mb, checkpoint=checkpoint, device=device, handle_sighup=True)
+        server = make_server(app, host, port, header_timeout_s=header_timeout_s, max_connections=max_connections)
+        if not is_loopback(host):
+            names = ", ".join(allowed) if allowed else "none: add --allow-host NAME for the name clients use"
+            print(f"warning: serving on {host}: other machines can reach this page and everything in the index "
+                  f"(host names answered besides loopback: {names})")
+        print(f"deepmetric serve: {len(index)} images ({index.kind}, d={index.dim}) on http://{host}:{port}/ "
+              f"(Ctrl-C stops; kill -HUP {os.getpid()} reloads the index)", flush=True)
+        import gc
+
+        gc.collect()
+        gc.freeze()  # the loaded model, index and libraries: full collections while serving skip them
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

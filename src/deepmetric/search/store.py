@@ -22,10 +22,12 @@ import hashlib
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
-__all__ = ["index_transaction", "swap_in", "carry_file", "file_sha256", "file_entries",
-           "check_utf8", "verify_files", "IndexFilesError", "IndexBusyError"]
+__all__ = ["index_transaction", "swap_in", "carry_file", "file_sha256", "file_entries", "write_file",
+           "check_utf8", "check_listed_names", "check_inside", "plain_file", "verify_files", "files_error", "IndexFilesError",
+           "IndexBusyError"]
 
 
 class IndexFilesError(ValueError):
@@ -105,12 +107,19 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove_stale(target: Path) -> None:
-    """Temporary folders of writers of ``target`` that were killed outright."""
+    """Temporary folders of writers of ``target`` that were killed outright (and a symbolic link
+    left by an older deepmetric's swap through a linked ``--out``)."""
     prefix = f".{target.name}.tmp-"
     for p in target.parent.glob(prefix + "*"):
         pid = p.name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_symlink():
+                p.unlink()
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+_DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 @contextlib.contextmanager
@@ -136,8 +145,12 @@ def _parent_lock(parent: Path):
 @contextlib.contextmanager
 def index_transaction(target: str | Path):
     """Yield a new empty temporary folder beside ``target``; when the block ends without an
-    error it replaces ``target`` atomically, otherwise it is removed."""
-    target = Path(target).expanduser().absolute()
+    error it replaces ``target`` atomically, otherwise it is removed.
+
+    A ``target`` that is a symbolic link (or lies below one) is resolved first: the folder the
+    link points to is replaced and the link keeps pointing at it. A full disk (ENOSPC / EDQUOT)
+    is an OSError saying so and that the old index is unchanged."""
+    target = Path(target).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     with _parent_lock(target.parent):
         _remove_stale(target)
@@ -146,9 +159,22 @@ def index_transaction(target: str | Path):
         try:
             yield tmp
             swap_in(tmp, target)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+                kept = "the index there is unchanged" if target.exists() else "nothing was written"
+                raise OSError(exc.errno, f"no space left on the device while writing the index {target} "
+                                         f"({exc.strerror or exc}); {kept}. Free some space and run the "
+                                         "command again") from None
             raise
+
+
+def write_file(path: Path, data) -> None:
+    """Write ``data`` (bytes or a buffer such as a numpy array) to ``path`` and fsync it."""
+    with open(path, "wb") as f:
+        f.write(memoryview(data).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def carry_file(src: Path, dst: Path) -> None:
@@ -171,19 +197,68 @@ def file_entries(folder: Path) -> dict[str, dict]:
     return out
 
 
+def check_listed_names(folder: Path, files) -> None:
+    """The manifest's ``files`` is a mapping of plain relative paths below ``folder`` (no
+    absolute path, no ``..``, no manifest.json) with integer sizes: checked before any listed
+    file is opened, so a tampered manifest cannot make the loader touch files outside."""
+    where = f"{folder / 'manifest.json'}: 'files'"
+    if not isinstance(files, dict):
+        raise IndexFilesError(f"{where} must map file names to {{bytes, sha256}}, got {type(files).__name__}")
+    for rel, entry in files.items():
+        parts = rel.replace("\\", "/").split("/") if isinstance(rel, str) else []
+        if (not parts or os.path.isabs(rel) or rel.startswith("\\") or rel == "manifest.json"
+                or any(p in ("", ".", "..") for p in parts)):
+            raise IndexFilesError(f"{where} lists {rel!r}, which is not a file inside the index folder; "
+                                  "the manifest was edited or damaged. Rebuild it with 'deepmetric index ... "
+                                  "--overwrite'")
+        if (not isinstance(entry, dict) or isinstance(entry.get("bytes"), bool)
+                or not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str)):
+            raise IndexFilesError(f"{where}[{rel!r}] must be {{bytes: INT, sha256: HEX}}, got {entry!r}")
+
+
+def check_inside(rel_paths, what: str) -> None:
+    """Relative paths stored in an index never climb out of its folder (the writer stores only
+    paths below it as relative ones); ``what`` names the file that lists them."""
+    for i, p in enumerate(rel_paths):
+        if not isinstance(p, str):
+            raise IndexFilesError(f"{what}: entry {i} is {type(p).__name__}, expected a path string")
+        if p and not os.path.isabs(p) and ".." in p.replace("\\", "/").split("/"):
+            raise IndexFilesError(f"{what}: entry {i} ({p!r}) leaves the index folder; relative image paths "
+                                  "must lie inside it. Rebuild the index with 'deepmetric index ... --overwrite'")
+
+
+def plain_file(folder: Path, rel: str) -> os.stat_result | str:
+    """The ``lstat`` of ``folder/rel`` when it is a regular file reached without following a
+    symbolic link (a writer only ever stores plain files), else what is wrong with it."""
+    cur = folder
+    for part in rel.split("/"):
+        cur = cur / part
+        try:
+            st = os.lstat(cur)
+        except (FileNotFoundError, NotADirectoryError):
+            return "missing"
+        if stat.S_ISLNK(st.st_mode):
+            return "is a symbolic link (an index holds plain files)"
+    return st if stat.S_ISREG(st.st_mode) else "not a regular file"
+
+
 def verify_files(folder: Path, files: dict[str, dict], *, hashes: bool = False) -> None:
     """Every file of the manifest's ``files`` exists with its size (and, with ``hashes``, its
     SHA-256); IndexFilesError names the first files that do not."""
     bad = []
     for rel, entry in files.items():
-        p = folder / rel
-        if not p.is_file():
-            bad.append(f"{rel}: missing")
-        elif p.stat().st_size != entry["bytes"]:
-            bad.append(f"{rel}: {p.stat().st_size} bytes, the manifest says {entry['bytes']}")
-        elif hashes and file_sha256(p) != entry["sha256"]:
+        st = plain_file(folder, rel)
+        if isinstance(st, str):
+            bad.append(f"{rel}: {st}")
+        elif st.st_size != entry["bytes"]:
+            bad.append(f"{rel}: {st.st_size} bytes, the manifest says {entry['bytes']}")
+        elif hashes and file_sha256(folder / rel) != entry["sha256"]:
             bad.append(f"{rel}: SHA-256 differs from the manifest's")
     if bad:
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        raise IndexFilesError(f"{folder}: files changed since the index was written: {'; '.join(bad[:5])}{more}. "
-                              "Rebuild it with 'deepmetric index ... --overwrite'")
+        raise files_error(folder, bad)
+
+
+def files_error(folder: Path, bad: list[str]) -> IndexFilesError:
+    more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+    return IndexFilesError(f"{folder}: files changed since the index was written: {'; '.join(bad[:5])}{more}. "
+                           "Rebuild it with 'deepmetric index ... --overwrite'")

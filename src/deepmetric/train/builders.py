@@ -26,6 +26,7 @@ from torch import nn
 from .config import Config
 
 __all__ = ["VAL_SPLIT", "seed_everything", "build_dataset", "build_sampler", "build_model", "build_losses",
+           "resolve_model_preprocessing", "MODEL_PREPROCESSING_KEYS", "fill_model_input_size",
            "embedding_dim_of", "carve_val_classes", "class_fold", "ClassSubset"]
 
 #: The name of the validation split carved by ``data.val_classes``.
@@ -70,9 +71,12 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
 
     With ``data.val_classes`` set, ``data.train_split`` comes without the validation classes
     and ``split="val"`` is the validation classes' images (both ``ClassSubset``s of the
-    training split, labels renumbered 0..C-1)."""
+    training split, labels renumbered 0..C-1).  With ``data.val_split``, ``split="val"`` is that
+    split of the dataset (test transform)."""
     d = cfg.data
-    if not d.has_validation or split not in (d.train_split, VAL_SPLIT):
+    if d.val_split is not None and split == VAL_SPLIT:  # the dataset's own validation split
+        return _build_named_split(cfg, d.val_split, train=False)
+    if not d.carves_validation or split not in (d.train_split, VAL_SPLIT):
         return _build_named_split(cfg, split, train=train)
     full = _build_named_split(cfg, d.train_split, train=train)
     if d.val_folds is not None:
@@ -93,7 +97,10 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
 
 def build_test_sets(cfg: Config) -> dict:
     """The sets a test evaluation searches: ``query`` (``eval.split``) and, with
-    ``eval.gallery_split`` (In-shop), ``gallery``; the test transform."""
+    ``eval.gallery_split`` (In-shop), ``gallery``; the test transform.  None without a test
+    split (``eval.split: null``)."""
+    if cfg.eval.split is None:
+        return None
     sets = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
     if cfg.eval.gallery_split is not None:
         sets["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
@@ -260,17 +267,79 @@ def build_sampler(cfg: Config, labels: np.ndarray, rank: int = 0, world: int = 1
                               drop_last=True)
 
 
-def build_model(cfg: Config, num_classes: int | None = None) -> nn.Module:
+def build_model(cfg: Config, num_classes: int | None = None, *, pretrained: bool = True) -> nn.Module:
     """``create_model(cfg.model.name, **cfg.model.options)``.  ``num_classes`` is passed only
     when the model needs a classifier: one that cannot be built without (the two-head model,
-    :func:`~deepmetric.models.model_needs_num_classes`), or a loss term reading ``logits``."""
+    :func:`~deepmetric.models.model_needs_num_classes`), or a loss term reading ``logits``.
+
+    ``pretrained=False`` leaves ``model.options.pretrained`` out: the model whose weights a
+    checkpoint holds in full (embed, index, export, serve, resume never read the pretrained
+    file, or the hub, again)."""
     from deepmetric.models import create_model, model_needs_num_classes
 
     m = cfg.model
     if not (model_needs_num_classes(m.name) or any(t.input == "logits" for t in cfg.loss)):
         num_classes = None
+    options = dict(m.options)
+    if not pretrained:
+        options.pop("pretrained", None)
     # create_model accepts num_classes for every model: nothing to filter
-    return _call_filling(create_model, m.name, dict(m.options), {"num_classes": num_classes})
+    return _call_filling(create_model, m.name, options, {"num_classes": num_classes})
+
+
+def fill_model_input_size(cfg: Config, dataset) -> None:
+    """A ``timm/`` model built for one input size (a ViT: ``img_size``) without
+    ``model.options.img_size`` gets the size of the dataset's first image (its transform's
+    output), in place: the position embedding is resampled to that grid once, when the weights
+    are loaded, and the saved config rebuilds the same model."""
+    from deepmetric.models import is_timm_name, takes_img_size
+
+    m = cfg.model
+    if not is_timm_name(m.name) or "img_size" in m.options or not takes_img_size(m.name) or len(dataset) == 0:
+        return
+    x = dataset[0][0]
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return
+    m.options = {**m.options, "img_size": [int(x.shape[-2]), int(x.shape[-1])]}
+
+
+#: the ``timm`` transform's options that come from the model's pretrained configuration
+MODEL_PREPROCESSING_KEYS = ("input_size", "interpolation", "crop_pct", "crop_mode", "mean", "std")
+
+
+def resolve_model_preprocessing(cfg: Config) -> None:
+    """``data.transform: timm`` (the default for ``model.name: timm/...``): every one of
+    :data:`MODEL_PREPROCESSING_KEYS` the recipe leaves out of ``data.transform_options`` is
+    filled in from the model's pretrained configuration
+    (:func:`~deepmetric.models.model_data_config`: timm's ``resolve_model_data_config``), in
+    place, so that the run's saved config, its checkpoints and an export's preprocessing JSON
+    hold the numbers themselves."""
+    from deepmetric.models import is_timm_name, model_data_config
+
+    d = cfg.data
+    if d.transform is None and is_timm_name(cfg.model.name):
+        d.transform = "timm"
+    if d.transform != "timm":
+        return
+    missing = [k for k in MODEL_PREPROCESSING_KEYS if k not in d.transform_options]
+    if not missing:
+        return
+    data_cfg = model_data_config(cfg.model.name, cfg.model.options)
+    if data_cfg is None:
+        raise ValueError(f"config key 'data.transform': 'timm' takes its {', '.join(missing)} from the model's "
+                         f"pretrained configuration, and model {cfg.model.name!r} has none; set them in "
+                         f"data.transform_options")
+    options = dict(d.transform_options)
+    for key in missing:
+        value = data_cfg.get(key)
+        if value is None:
+            continue
+        if key == "input_size":
+            value = [int(v) for v in value[-2:]]
+        elif key in ("mean", "std"):
+            value = [float(v) for v in value]
+        options[key] = value
+    d.transform_options = options
 
 
 def build_losses(cfg: Config, num_classes: int | None = None, embedding_dim: int | None = None,

@@ -13,7 +13,15 @@ loads with ``torch.load(path, weights_only=True)``.  ``checkpoint_dict`` writes 
      "schedules": {"lr": ..., "temperature": ...}, "sampler": state_dict|None,
      "rng": [{"python": [...], "numpy": {...}, "torch": ByteTensor, "cuda": [ByteTensor]}],
      "model_args": {"num_classes", "embedding_dim", "world_size"} (what rebuilds the model),
-     "config": resolved config dict}
+     "config": resolved config dict,
+     "start_model": state_dict (only for runs that keep the model as it started: WiSE-FT, a
+                    pretrained-features teacher)}
+
+Self-contained: ``model`` holds every weight of the model, so loading a checkpoint (embed,
+index, export, serve, report, resume) builds the model without ``model.options.pretrained``
+and never reads that file (or the hub) again; a resumed run that needs the model as it started
+takes it from ``start_model``.  Checkpoints written before (no ``start_model``) load the same
+way; only resuming such a WiSE-FT / teacher run reads the pretrained file again.
 
 Version 1 files (``"epoch_loss": [sum, n]`` and ``"meta"`` instead of ``"model_args"``) are
 upgraded in memory by ``load_checkpoint``.
@@ -80,7 +88,9 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
     state = dict(state)
     state.setdefault("format", CHECKPOINT_FORMAT)
     state.setdefault("version", CHECKPOINT_VERSION)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # the PID in the name lets the next start of the run remove what a killed save left
+    # (rundir.remove_stale_temporaries) without touching a live writer's file
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -146,14 +156,12 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
 def _load_failure(exc: Exception) -> str:
     """torch.load's reason in one line, without its advice to retry with weights_only=False
     (which would run any code a tampered file holds)."""
-    text = str(exc)
-    if "WeightsUnpickler error:" in text:
-        detail = " ".join(text.split("WeightsUnpickler error:", 1)[1].split("\n\n")[:2]).strip()
-        detail = detail.split("Check the documentation")[0].strip()
-        return (f"it holds Python objects other than tensors and plain values ({detail}); deepmetric "
-                "checkpoints never do, and they are only loaded with weights_only=True")
-    first = text.split("This is an internal")[0].split("\n")[0].strip().rstrip(".")
-    return f"{type(exc).__name__}: {first[:200]}"
+    from deepmetric.models.pretrained import weights_only_reason
+
+    reason = weights_only_reason(exc)
+    if reason.startswith("it holds Python objects"):
+        reason += "; deepmetric checkpoints never do, and they are only loaded with weights_only=True"
+    return reason
 
 
 def _upgrade_v1(state: dict) -> dict:
@@ -207,10 +215,13 @@ class Trainables:
     sampler: Any                   # a deepmetric batch sampler
 
 
-def checkpoint_dict(state: TrainState, objs: Trainables, *, model_args: dict, config: dict) -> dict:
-    """Everything needed to continue the run exactly (see the module docstring)."""
+def checkpoint_dict(state: TrainState, objs: Trainables, *, model_args: dict, config: dict,
+                    extra: dict | None = None) -> dict:
+    """Everything needed to continue the run exactly (see the module docstring); ``extra``:
+    further entries (``start_model``)."""
     mid_epoch = state.batch_in_epoch > 0
     return {
+        **(extra or {}),
         **asdict(state),
         "model": objs.model.state_dict(),
         "loss": [loss.state_dict() for loss in objs.losses],
@@ -351,16 +362,18 @@ class GracefulInterrupt:
     """Context manager: the first SIGINT only sets ``.requested`` (the loop finishes the
     current step, saves a checkpoint and stops); a second SIGINT interrupts at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet: bool = False) -> None:
         self.requested = False
+        self.quiet = quiet  # the caller says what happens next (deepmetric tune: rerun the command)
         self._previous = None
 
     def _handler(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\n[deepmetric] interrupt received: finishing this step, saving a checkpoint "
-              "(press Ctrl-C again to abort immediately)", flush=True)
+        if not self.quiet:
+            print("\n[deepmetric] interrupt received: finishing this step, saving a checkpoint "
+                  "(press Ctrl-C again to abort immediately)", flush=True)
 
     def __enter__(self) -> "GracefulInterrupt":
         if threading.current_thread() is threading.main_thread():

@@ -15,7 +15,7 @@ run directory always records exactly what was trained.  The YAML layout (see
 docs/training.md for every key)::
 
     data:     {name, root, options, train_split, transform, transform_options, num_workers,
-               val_classes, val_seed, val_folds, val_fold, val_query_families}
+               val_classes, val_seed, val_folds, val_fold, val_query_families, val_split}
     model:    {name, options}
     loss:     [{name, weight, input: embedding|logits|projection, options, gather}, ...]
     optim:    {name: sgd|adam|adamw, lr, momentum, weight_decay, new_layer_lr_mult, ...}
@@ -106,10 +106,20 @@ class DataConfig:
     #: test's held-out families are searched against the training families.  Needs
     #: ``val_classes`` or ``val_folds`` and a dataset with per-image ``families``.
     val_query_families: Optional[list[str]] = None
+    #: a validation split the dataset provides itself, by name (instead of carving classes):
+    #: the emoji benchmark's closed-set ``val`` (the validation vendor's images of the training
+    #: classes). It is evaluated as validation (selects ``best.pt``; ``eval.classification`` works
+    #: on it, as its classes are the training classes).
+    val_split: Optional[str] = None
 
     @property
     def has_validation(self) -> bool:
-        """Whether a validation split is carved from the training classes."""
+        """Whether there is a validation split (carved from the training classes or ``val_split``)."""
+        return self.val_classes is not None or self.val_folds is not None or self.val_split is not None
+
+    @property
+    def carves_validation(self) -> bool:
+        """Whether the validation split is carved from the training classes (class-disjoint)."""
         return self.val_classes is not None or self.val_folds is not None
 
 
@@ -173,6 +183,12 @@ class OptimConfig:
     ``layer_decay`` (layer-wise learning-rate decay, null = off): a backbone parameter of
     stage ``s`` counted from the top (``deepmetric.models.backbone_stages``; the top stage is
     0) trains at ``lr * layer_decay ** s``; the new layers and the loss keep their multipliers.
+    ``decay_exclude`` (default none) lists the parameters that get no weight decay whatever
+    ``weight_decay`` says: ``bias`` (every parameter named ``*.bias``), ``norm`` (the weights
+    and shifts of normalisation layers: batch, layer, group, instance norm) and ``loss`` (every
+    loss parameter: proxies, class weights, centres, learnable temperatures), as is usual since
+    Goyal et al. 2017 (no decay on BN's gamma / beta) and BERT (no decay on biases and LayerNorm);
+    a ``param_groups`` entry that sets ``weight_decay`` still wins.
     """
 
     name: Literal["sgd", "adam", "adamw"] = "sgd"
@@ -187,6 +203,7 @@ class OptimConfig:
     loss_lr_mult: Optional[float] = None
     param_groups: list[ParamGroupConfig] = field(default_factory=list)
     layer_decay: Optional[float] = None
+    decay_exclude: list[Literal["bias", "norm", "loss"]] = field(default_factory=list)
 
 
 @dataclass
@@ -368,10 +385,24 @@ class EvalConfig:
     #: not evaluated (``test_every``), so that metrics.json's ``selected.test`` is always the
     #: test score of the model validation chose (one more test evaluation; off in tuning trials)
     test_selected: bool = True
+    #: false: the test split is never built nor evaluated during training (no final test
+    #: evaluation, no test_selected, no WiSE-FT test metrics, no baselines): metrics.json holds
+    #: validation only, for protocols that keep the test split out of sight until one final
+    #: step over the finished runs (``deepmetric tune``'s trials; bench/protocol_v2.py)
+    test: bool = True
+    #: the model output that is indexed and evaluated (validation, best.pt's selection, WiSE-FT,
+    #: the test split): ``embedding`` (the head's output, what ``forward_head`` returns) or
+    #: ``projection`` (the SimCLR projection head of ``model.options.projection``: the output a
+    #: ``loss.N.input: projection`` term trains)
+    embedding: Literal["embedding", "projection"] = "embedding"
     at_start: bool = False
-    split: str = "test"
+    #: the test split; ``null``: none (the run evaluates its validation split only, and a later
+    #: step tests the finished model: test out of sight while anything is chosen)
+    split: Optional[str] = "test"
     gallery_split: Optional[str] = None
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    #: retrieval / clustering metrics (null: all); ``[]``: none, only ``eval.classification``'s
+    #: (a closed-set split with one image per class has no retrieval positives)
     metrics: Optional[list[str]] = None
     best_metric: Optional[str] = None
     early_stop_patience: Optional[int] = None
@@ -400,6 +431,24 @@ class EvalConfig:
 
 
 @dataclass
+class SearchConfig:
+    """How every search of the run's embeddings is answered (docs/search.md, "Post-processing").
+
+    ``postprocess``: retrieval post-processing steps, run in the order whiten -> dba -> aqe ->
+    kreciprocal wherever a search happens: the in-training evaluation (validation and test,
+    so ``best.pt`` is chosen on the post-processed validation metric), ``deepmetric evaluate``
+    with ``--config``, ``deepmetric index`` (fitted parameters stored in the index; ``search``
+    and ``serve`` apply the query side), the report and the export's preprocessing JSON. Each
+    step is a mapping with ``name`` and its keys, e.g. ``[{name: whiten, dim: 256, fit: gallery},
+    {name: dba, k: 3, alpha: 3}, {name: aqe, k: 2, alpha: 3}]``
+    (:data:`deepmetric.evaluate.postprocess.STEPS` lists the keys and defaults). Choose them on
+    validation: ``deepmetric tune --postprocess CHECKPOINT``.
+    """
+
+    postprocess: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     """A whole run.  ``description`` is free text (recipes name their paper table row)."""
 
@@ -412,6 +461,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
 
 
 # --------------------------------------------------------------------------- validation
@@ -540,6 +590,16 @@ def _build_dataclass(cls: type, value: Any, path: str) -> Any:
 
 def _check_values(cfg: Config) -> None:
     """Cross-field checks that the types alone cannot express."""
+    from deepmetric.evaluate.postprocess import check_steps
+
+    try:
+        cfg.search.postprocess = check_steps(cfg.search.postprocess, "search.postprocess")
+    except ValueError as exc:
+        raise ConfigError(f"config key {exc}") from None
+    if any(s.get("fit") == "train" for s in cfg.search.postprocess):
+        raise ConfigError("config key search.postprocess (whiten): fit: train is not available here (the "
+                          "evaluation and the index fit on the gallery they search); use fit: gallery, or "
+                          "'deepmetric evaluate --postprocess ... --fit-embeddings TRAIN.npz' for a training-set fit")
     t = cfg.train
     if (t.epochs is None) == (t.iterations is None):
         raise ConfigError("config: give exactly one of 'train.epochs' and 'train.iterations'")
@@ -587,6 +647,17 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'eval.test_every': must be >= 0, got {cfg.eval.test_every}")
     if not cfg.eval.ks or any(k < 1 for k in cfg.eval.ks):
         raise ConfigError(f"config key 'eval.ks': expected positive ints, got {cfg.eval.ks}")
+    if not cfg.eval.test and not cfg.data.has_validation:
+        raise ConfigError("config key 'eval.test': false evaluates no split at all without a validation split; "
+                          "add data.val_classes (e.g. data.val_classes=0.2) or keep eval.test true")
+    if not cfg.eval.test and cfg.eval.train_neighbours:
+        raise ConfigError("config key 'eval.test': false, but eval.train_neighbours is measured on the test "
+                          "split; turn one of them off")
+    if cfg.eval.embedding == "projection" and not cfg.model.options.get("projection"):
+        raise ConfigError("config key 'eval.embedding': 'projection' indexes the projection head's output, but "
+                          "the model has none (set model.options.projection, e.g. {dim: 128, norm: l2})")
+    if len(set(cfg.optim.decay_exclude)) != len(cfg.optim.decay_exclude):
+        raise ConfigError(f"config key 'optim.decay_exclude': names a kind twice: {cfg.optim.decay_exclude}")
     _check_validation(cfg)
     s = cfg.schedule.lr
     if s.name == "step" and s.step_size < 1:
@@ -633,9 +704,19 @@ def _check_validation(cfg: Config) -> None:
         if not isinstance(vq, list) or not vq or not all(isinstance(f, str) and f for f in vq):
             raise ConfigError(f"config key 'data.val_query_families': expected a non-empty list of family "
                               f"names, got {vq!r}")
-        if not cfg.data.has_validation:
+        if not cfg.data.carves_validation:
             raise ConfigError("config key 'data.val_query_families': needs validation classes "
                               "(data.val_classes or data.val_folds)")
+    if cfg.data.val_split is not None and cfg.data.carves_validation:
+        raise ConfigError("config keys 'data.val_split' and 'data.val_classes' / 'data.val_folds': give one "
+                          "validation split (the dataset's own, or classes carved from training)")
+    if cfg.eval.metrics == [] and not cfg.eval.classification:
+        raise ConfigError("config key 'eval.metrics': [] evaluates no retrieval metric, so it needs "
+                          "eval.classification: true (else nothing is evaluated)")
+    if cfg.eval.split is None and (cfg.eval.gallery_split is not None or cfg.eval.wise_ft is not None
+                                   or cfg.eval.train_neighbours):
+        raise ConfigError("config key 'eval.split': null (no test split) cannot go with eval.gallery_split, "
+                          "eval.wise_ft or eval.train_neighbours, which evaluate the test split")
     if cfg.data.val_folds is not None:
         if v is not None:
             raise ConfigError("config keys 'data.val_classes' and 'data.val_folds': give one of them")
@@ -660,7 +741,7 @@ def _check_validation(cfg: Config) -> None:
         if not cfg.eval.wise_ft or bad:
             raise ConfigError(f"config key 'eval.wise_ft': expected a non-empty list of mixing coefficients in "
                               f"[0, 1] (e.g. [0.25, 0.5, 0.75]), got {cfg.eval.wise_ft}")
-    if cfg.data.has_validation and cfg.eval.classification:
+    if cfg.data.carves_validation and cfg.eval.classification:
         raise ConfigError("config keys 'data.val_classes' and 'eval.classification': validation classes "
                           "are carved out of training (class-disjoint), so a classifier cannot be "
                           "evaluated on the test split's classes; use a zero-shot protocol")

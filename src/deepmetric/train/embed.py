@@ -14,6 +14,7 @@ evaluate`` reads (``embeddings``, ``labels`` and, for query/gallery data, ``is_q
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,8 +33,9 @@ __all__ = ["autocast_context", "compute_embeddings", "evaluate_model", "evaluate
            "load_model_from_checkpoint", "dataset_query_gallery_masks", "EMBEDDING_OUTPUTS", "eval_search_device",
            "make_eval_loader", "command_search_device", "place_for_search", "SEARCH_DEVICE_CHOICES"]
 
-# compute_embeddings(output=...): forward_head(fmap) and forward_head(fmap, pre_logits=True)
-EMBEDDING_OUTPUTS = ("embedding", "features")
+# compute_embeddings(output=...): forward_head(fmap), forward_head(fmap, pre_logits=True) and the
+# projection head's output (forward's "projection", eval.embedding: projection)
+EMBEDDING_OUTPUTS = ("embedding", "features", "projection")
 
 
 def make_eval_loader(dataset: Dataset, *, batch_size: int, device: torch.device | str,
@@ -58,7 +60,8 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
     ``output`` names the model output kept as ``"embeddings"``: ``"embedding"`` (the trained
     head, ``model.forward_head(model.forward_features(x))``) or ``"features"`` (the backbone's
     pooled features, ``forward_head(..., pre_logits=True)``, e.g. ImageNet features before any
-    training).
+    training) or ``"projection"`` (the SimCLR projection head's output, ``forward(x)["projection"]``:
+    what a ``loss.N.input: projection`` term reads; ``eval.embedding: projection``).
 
     Returns ``{"embeddings": float32 [N, k], "labels": int64 [N]}`` plus ``"logits"`` when
     ``with_logits`` and the model outputs them (or ``loss_with_logits.logits(emb)`` exists).
@@ -84,8 +87,11 @@ def compute_embeddings(model: nn.Module, dataset: Dataset, *, batch_size: int = 
             if channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             with autocast_context(device, amp):
-                if with_logits:  # a model's classifier logits exist only in forward's dict
+                if with_logits or output == "projection":  # logits, projection: only in forward's dict
                     out = model(x)
+                    if output not in out:
+                        raise ValueError(f"config key 'eval.embedding': {output!r}, but the model has no "
+                                         f"projection head (set model.options.projection)")
                 else:
                     out = {output: model.forward_head(model.forward_features(x),
                                                       pre_logits=output == "features")}
@@ -167,10 +173,9 @@ def _cross_domain_metrics(cfg) -> tuple[str, ...]:
 
 def cross_domain_metric_names(cfg) -> list[str]:
     """The names :func:`cross_domain_metrics` returns without their ``cross_domain_`` prefix."""
-    out = []
-    for m in _cross_domain_metrics(cfg):
-        out += [f"recall@{k}" for k in sorted(set(cfg.eval.ks))] if m == "recall" else [m]
-    return out
+    from deepmetric.evaluate import metric_keys
+
+    return metric_keys(_cross_domain_metrics(cfg), cfg.eval.ks)
 
 
 def eval_search_device(cfg, device: torch.device | str, *, nbytes: int = 0) -> torch.device:
@@ -220,6 +225,12 @@ def place_for_search(x, device: torch.device | str | None):
     return x if device.type == "cpu" else torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
 
+def _postprocess(cfg) -> list:
+    """``search.postprocess`` of a config (an older config object may lack the section)."""
+    search = getattr(cfg, "search", None)
+    return list(getattr(search, "postprocess", None) or [])
+
+
 def cross_domain_metrics(embedded: dict, dataset, cfg, *, device: torch.device | str | None = None) -> dict[str, float]:
     """``eval.cross_domain``: ``cross_domain_<metric>``, the mean over domains of each domain's
     queries against the other domains' images (:func:`deepmetric.evaluate.evaluate_cross_domain`).
@@ -235,7 +246,8 @@ def cross_domain_metrics(embedded: dict, dataset, cfg, *, device: torch.device |
     if device is not None:
         x = place_for_search(x, eval_search_device(cfg, device, nbytes=4 * int(np.prod(x.shape))))
     res = evaluate_cross_domain(x, embedded["labels"], domains[0], domain_names=domains[1],
-                                ks=tuple(cfg.eval.ks), metrics=_cross_domain_metrics(cfg), seed=cfg.train.seed)
+                                ks=tuple(cfg.eval.ks), metrics=_cross_domain_metrics(cfg), seed=cfg.train.seed,
+                                postprocess=_postprocess(cfg))
     return {f"cross_domain_{k}": float(v) for k, v in res["mean"].items()}
 
 
@@ -272,7 +284,7 @@ def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, devi
     ec = cfg.eval
     clf_loss = next((l for l in losses if hasattr(l, "logits")), None)
     kw = dict(batch_size=ec.batch_size, device=device, amp=cfg.train.amp, channels_last=cfg.train.channels_last,
-              num_workers=cfg.data.num_workers, as_tensor=True)
+              num_workers=cfg.data.num_workers, as_tensor=True, output=ec.embedding)
     q = compute_embeddings(model, eval_sets["query"], with_logits=ec.classification, loss_with_logits=clf_loss, **kw)
     if "gallery" in eval_sets:
         g = compute_embeddings(model, eval_sets["gallery"], **kw)
@@ -285,8 +297,9 @@ def evaluate_model(model: nn.Module, eval_sets: dict[str, Dataset], cfg, *, devi
         emb, lab = q["embeddings"], q["labels"]
         masks = dataset_query_gallery_masks(eval_sets["query"])
     where = eval_search_device(cfg, device, nbytes=4 * emb.numel())
-    metrics = evaluate(place_for_search(emb, where), lab, ks=tuple(ec.ks), metrics=ec.metrics, seed=cfg.train.seed,
-                       kmeans_restarts=ec.kmeans_restarts, backend=backend, **masks)
+    metrics = {} if ec.metrics == [] else evaluate(  # []: classification only
+        place_for_search(emb, where), lab, ks=tuple(ec.ks), metrics=ec.metrics, seed=cfg.train.seed,
+        kmeans_restarts=ec.kmeans_restarts, backend=backend, postprocess=_postprocess(cfg), **masks)
     emb_np = emb.cpu().numpy()
     if "gallery" in eval_sets:
         embedded = {"embeddings": emb_np, "labels": lab, **masks}
@@ -318,13 +331,16 @@ def evaluate_split(model: nn.Module, sets: dict[str, Dataset], cfg, *, device: t
 def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
     """Rebuild the model (and loss terms) of a training checkpoint.
 
-    Returns ``(model, losses, cfg, state)``; the model is in eval mode on ``device``.
+    The checkpoint holds every weight of the model, so the model is built without
+    ``model.options.pretrained`` (the file may have moved, the hub may be out of reach) and
+    filled from the checkpoint alone.  Returns ``(model, losses, cfg, state)``; the model is in
+    eval mode on ``device``.
     """
     state = load_checkpoint(path)
     cfg = config_from_dict(state["config"])
     model_args = state.get("model_args", {})
     num_classes = model_args.get("num_classes")
-    model = build_model(cfg, num_classes=num_classes)
+    model = build_model(cfg, num_classes=num_classes, pretrained=False)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
@@ -372,7 +388,8 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
                      shard_size: int | None = None) -> Path | None:
     """Embed ``split`` of a dataset with the model of ``checkpoint`` and write ``out`` (.npz).
 
-    ``data`` / ``root`` default to the checkpoint's training config.  ``split="query+gallery"``
+    The embedding is the model output the checkpoint's ``eval.embedding`` names (the one its
+    validation chose best.pt on).  ``data`` / ``root`` default to the checkpoint's training config.  ``split="query+gallery"``
     (and ``"test"`` for In-shop) embeds the query and gallery splits and stores ``is_query``
     / ``is_gallery``; naming one of them embeds only that split. Datasets of image files add
     ``paths`` (absolute, one per row) and named classes ``class_names`` (one per label).
@@ -381,6 +398,7 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
     """
     from .distributed import resolve_device
 
+    out = npz_out_path(out)  # before any work
     dev = resolve_device(device)
     model, losses, cfg, _ = load_model_from_checkpoint(checkpoint, dev)
     if data is not None:
@@ -390,7 +408,7 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
         cfg.data.options.update(options)
     if root is not None:
         cfg.data.root = root
-    kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp,
+    kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp, output=cfg.eval.embedding,
               channels_last=cfg.train.channels_last, num_workers=num_workers, with_paths=True)
     arrays: dict[str, np.ndarray]
     if split == "query+gallery" or (split == "test" and cfg.data.name == "inshop"):
@@ -410,12 +428,29 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
         arrays = {"embeddings": r["embeddings"], "labels": r["labels"],
                   **dataset_query_gallery_masks(ds)}
         parts = [r]
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # image paths and class names, when known
     if all("paths" in p for p in parts):
         arrays["paths"] = np.concatenate([p["paths"] for p in parts])
     if "class_names" in parts[0]:
         arrays["class_names"] = parts[0]["class_names"]
-    np.savez(out, **arrays)
+    part = out.with_name(f".{out.name}.{os.getpid()}.tmp.npz")  # whole or not at all
+    try:
+        np.savez(part, **arrays)
+        os.replace(part, out)
+    finally:
+        part.unlink(missing_ok=True)
+    return out
+
+
+def npz_out_path(out: str | Path) -> Path:
+    """The ``.npz`` file ``embed`` writes for ``--out``: a folder is refused (numpy would
+    write ``FOLDER.npz`` beside it), a name without the suffix gets it (as numpy adds it)."""
+    out = Path(out)
+    if out.is_dir():
+        raise IsADirectoryError(f"--out {out} is a folder; give the .npz file to write, e.g. {out / 'embeddings.npz'}")
+    if out.suffix != ".npz":
+        out = out.with_name(out.name + ".npz")
+        if out.is_dir():
+            raise IsADirectoryError(f"--out {out} is a folder; give the .npz file to write")
     return out

@@ -57,7 +57,7 @@ from . import rundir as R
 from . import tracking as T
 from .amp import autocast_context, check_amp
 from .batches import make_train_loader
-from .builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler, build_test_sets,
+from .builders import (VAL_SPLIT, build_dataset, fill_model_input_size, resolve_model_preprocessing, build_losses, build_model, build_sampler, build_test_sets,
                        embedding_dim_of, seed_everything)
 from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
                          restore, save_checkpoint)
@@ -69,7 +69,7 @@ from .module import PretrainedTeacher, TrainingModule, init_from_class_means, in
 from .optim import build_optimizer
 from .rundir import RunDirectoryError, RunLog, prepare_run_dir
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
-from .summary import format_baseline, format_run_end, format_run_summary
+from .summary import baseline_verdict, format_baseline, format_run_end, format_run_summary, saturation_warning
 
 #: The builders' old names, still importable from here.
 build_dataset_split = build_dataset
@@ -231,7 +231,8 @@ class _Run:
     reevaluate: bool = False        # a finished run resumed without its final evaluation
     on_validation: Any = None       # callback(epoch, val_metrics) after each validation
     resume_ckpt: dict | None = None  # the --resume checkpoint, loaded (and checked) first
-    pretrained_state: dict | None = None  # eval.wise_ft: the model before the first step (CPU, rank 0)
+    pretrained_state: dict | None = None  # the model before the first step (CPU, rank 0; eval.wise_ft, a
+                                          # teacher): checkpoints' start_model
     wise_ft: dict | None = None     # eval.wise_ft: metrics.json's "wise_ft" section
     t_start: float = 0.0
     wall_before: float = 0.0
@@ -258,8 +259,9 @@ class _Run:
     def save(self, name: str) -> Path:
         """Write checkpoint ``name`` (``last.pt`` / ``best.pt``) of the run so far (rank 0)."""
         self.state.wall_time_s = self.wall_before + time.perf_counter() - self.t_start
+        extra = {"start_model": self.pretrained_state} if self.pretrained_state is not None else None
         path = save_checkpoint(checkpoint_dict(self.state, self.objs, model_args=self.model_args,
-                                               config=self.config_dict), self.out_dir / name)
+                                               config=self.config_dict, extra=extra), self.out_dir / name)
         if name == R.LAST:
             self.log.checkpointed()  # trackers take the records a resume keeps
         return path
@@ -268,6 +270,7 @@ class _Run:
 def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules."""
     tc = cfg.train
+    resolve_model_preprocessing(cfg)  # data.transform: timm: the model's numbers, saved with the config
     P.check_config(cfg)  # option and metric names: fail before anything is built
     T.check_loggers(tc.loggers)  # the trackers' libraries too
     dist_info = D.init_distributed(tc.device)
@@ -300,10 +303,15 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     if main:  # rank 0 evaluates
         if select_key is not None:
             eval_sets["val"] = {"query": build_dataset(cfg, VAL_SPLIT, train=False)}
-        eval_sets["test"] = build_test_sets(cfg)
+        if cfg.eval.test and cfg.eval.split is not None:  # eval.test false / eval.split null: no test split
+            eval_sets["test"] = build_test_sets(cfg)
 
     # 3. model and loss terms ------------------------------------------------------------
-    model = build_model(cfg, num_classes=num_classes)
+    fill_model_input_size(cfg, train_ds)  # a ViT's img_size: the data's (saved with the config)
+    start_state = resume_ckpt.get("start_model") if resume_ckpt is not None else None
+    model = build_model(cfg, num_classes=num_classes, pretrained=_reads_pretrained(cfg, resume_ckpt))
+    if start_state is not None:  # a resumed run: the model as the run started, from the checkpoint
+        model.load_state_dict(start_state)
     teacher = _pretrained_teacher(cfg, model)  # before any change: the model as built (pretrained)
     # pre-flight: image headers of every split, the model on two training images.  Rank 0 alone
     # checks the evaluation splits, so a failure is shared before the ranks meet in DDP.
@@ -334,7 +342,8 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
                                  total_epochs=total_epochs, total_steps=total_iters, out_dir=out_dir), flush=True)
         for w in run_warnings:
             print(f"[deepmetric] warning: {w}", flush=True)
-    pretrained_state = _init_head(cfg, model, device, resume=resume) if main else None  # rank 0
+    pretrained_state = (_init_head(cfg, model, device, resume=resume, restored=start_state is not None)
+                        if main else None)  # rank 0
     if resume is None and main:  # rank 0 only: DDP broadcasts rank 0's parameters below
         for term, loss in zip(cfg.loss, losses):
             if term.init == "class_means":
@@ -369,23 +378,48 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     return run
 
 
-def _pretrained_teacher(cfg: Config, model: nn.Module) -> PretrainedTeacher | None:
-    """A frozen copy of the model as built (its pretrained weights) when a loss term reads
-    ``pretrained_features`` (``similarity_distillation``); rebuilt, not saved, on resume."""
+def _wants_teacher(cfg: Config) -> bool:
+    """Whether a loss term reads ``pretrained_features`` (``similarity_distillation``)."""
     from deepmetric.losses import loss_class
 
-    wanted = any("pretrained_features" in getattr(loss_class(t.name), "extra_inputs", ()) for t in cfg.loss)
-    return PretrainedTeacher(model) if wanted else None
+    return any("pretrained_features" in getattr(loss_class(t.name), "extra_inputs", ()) for t in cfg.loss)
 
 
-def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=None) -> dict | None:
+def _needs_start(cfg: Config) -> bool:
+    """Whether the run keeps the model as it started (WiSE-FT's end point, the teacher of
+    ``pretrained_features``): checkpoints then hold it as ``start_model``."""
+    return cfg.eval.wise_ft is not None or _wants_teacher(cfg)
+
+
+def _reads_pretrained(cfg: Config, resume_ckpt: dict | None) -> bool:
+    """Whether the model is built with ``model.options.pretrained``: for a new run; a resumed one
+    takes every weight from its checkpoint (``model``, and ``start_model`` when the run keeps the
+    model as it started), so the pretrained file may have moved.  A checkpoint written before
+    ``start_model`` existed, of a run that needs it, reads the pretrained weights again."""
+    if resume_ckpt is None:
+        return True
+    return _needs_start(cfg) and resume_ckpt.get("start_model") is None
+
+
+def _pretrained_teacher(cfg: Config, model: nn.Module) -> PretrainedTeacher | None:
+    """A frozen copy of the model as built (its pretrained weights) when a loss term reads
+    ``pretrained_features`` (``similarity_distillation``); on resume, of the checkpoint's
+    ``start_model``."""
+    return PretrainedTeacher(model) if _wants_teacher(cfg) else None
+
+
+def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=None,
+               restored: bool = False) -> dict | None:
     """Before the first step (rank 0): ``model.options.head_init`` (the head from the PCA of the
     training images' pooled features), then, with ``eval.wise_ft``, a CPU copy of the model as
     it starts (WiSE-FT's pretrained end point).  A resumed run's checkpoint overwrites the head,
     so it computes the PCA only for ``eval.wise_ft_params: all`` (the head's starting value is
-    mixed).  The random streams are left as they were.  Returns that copy or None."""
+    mixed) and only when the checkpoint has no ``start_model`` (``restored``).  The random
+    streams are left as they were.  Returns that copy or None."""
     tc = cfg.train
-    needed = resume is None or (cfg.eval.wise_ft is not None and cfg.eval.wise_ft_params == "all")
+    # restored: the model already is the checkpoint's start_model (head initialised as it was)
+    needed = not restored and (resume is None or (cfg.eval.wise_ft is not None
+                                                  and cfg.eval.wise_ft_params == "all"))
     if getattr(model, "head_init", None) is not None and needed:
         with P.rng_preserved():
             info = init_head_from_pca(model, build_dataset(cfg, cfg.data.train_split, train=False), device=device,
@@ -393,7 +427,7 @@ def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=No
                                       num_workers=cfg.data.num_workers)
         print(f"[deepmetric] head_init {model.head_init}: the projection is the PCA of {info['images']} training "
               f"images' pooled features ({100 * info['explained_variance']:.1f} % of their variance kept)", flush=True)
-    if cfg.eval.wise_ft is None:
+    if not _needs_start(cfg):
         return None
     from .wise_ft import snapshot_state
 
@@ -415,7 +449,7 @@ def _wise_ft(run: _Run) -> None:
         return evaluate_split(net, run.eval_sets[split], cfg, device=run.device, losses=run.losses)[0]
 
     res = run_wise_ft(run.model, run.pretrained_state, best["model"], cfg.eval.wise_ft, cfg.eval.wise_ft_params,
-                      run.select_key, evaluate)
+                      run.select_key, evaluate, with_test=cfg.eval.test, known=_best_metrics(run, source))
     state = res.pop("state")
     res["finetuned"] = source.name
     keep = ("loss", "alphas", "model_args", "config", "epoch", "iteration")
@@ -423,10 +457,25 @@ def _wise_ft(run: _Run) -> None:
                     run.out_dir / R.WISE)
     for rec in res["val"]:
         print(f"[deepmetric] WiSE-FT a={rec['alpha']:g} val {run.select_key}={rec[run.select_key]:.4f}", flush=True)
+    tested = ("; its test metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in res["test"].items())
+              if "test" in res else "")
     print(f"[deepmetric] WiSE-FT: a={res['alpha']:g} chosen on validation {run.select_key} "
-          f"({res['value']:.4f}); its test metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in res["test"].items())
-          + f"; written to {run.out_dir / R.WISE}", flush=True)
+          f"({res['value']:.4f}){tested}; written to {run.out_dir / R.WISE}", flush=True)
     run.wise_ft = res
+
+
+def _best_metrics(run: _Run, source: Path) -> dict:
+    """The validation (and test) metrics of ``best.pt`` from this run's log, when best.pt is the
+    model of a logged evaluation (its epoch's record): WiSE-FT's a = 1 is that model exactly."""
+    epoch = run.state.best.get("epoch")
+    if source.name != R.BEST or epoch is None:
+        return {}
+    out = {}
+    for rec in R.read_log(run.out_dir):
+        if rec.get("epoch") == epoch and rec.get("type") in ("eval", "selected_eval") and rec.get("split") in ("val", "test"):
+            out[rec["split"]] = {k: v for k, v in rec.items()
+                                 if k not in ("type", "split", "epoch", "step", "eval_seconds", "alpha")}
+    return out
 
 
 def _test_selected(run: _Run) -> None:
@@ -438,7 +487,7 @@ def _test_selected(run: _Run) -> None:
 
     state, path = run.state, run.out_dir / R.BEST
     if (not run.main or not run.has_val or not run.cfg.eval.test_selected or state.best.get("value") is None
-            or state.best.get("test") is not None or not path.is_file()):
+            or state.best.get("test") is not None or not path.is_file() or "test" not in run.eval_sets):
         return
     ckpt = load_checkpoint(path, map_location=run.device)
     model, losses = copy.deepcopy(run.model), copy.deepcopy(run.losses)
@@ -478,7 +527,8 @@ def _resume(run: _Run, resume) -> None:
         # right after) it evaluates again, unless the log holds this epoch's records of every
         # split and the checkpoint already carries their test metrics.
         saved = run.main and R.final_evaluation_saved(R.read_log(run.out_dir), run.state.epoch,
-                                                      list(run.eval_sets), run.state.metrics)
+                                                      list(run.eval_sets), run.state.metrics if "test" in
+                                                      run.eval_sets else run.state.val_metrics)
         if run.main and not saved:
             R.drop_eval_records(run.out_dir, run.state.epoch)  # the partial evaluation's records
         run.reevaluate = D.any_true(run.main and not saved, run.device)
@@ -518,7 +568,7 @@ def _baselines(run: _Run, resume) -> None:
         results = run.evaluate(0, 0, run.alphas())
         state.metrics, state.val_metrics = results.get("test", {}), results.get("val", {})
         at_start = state.metrics
-    if cfg.eval.baselines and run.main:
+    if cfg.eval.baselines and run.main and "test" in run.eval_sets:
         run.baselines = P.compute_baselines(run.model, run.losses, run.eval_sets["test"], cfg, device=run.device,
                                             at_start=at_start)
         for name, b in run.baselines.items():
@@ -528,12 +578,24 @@ def _baselines(run: _Run, resume) -> None:
                            "epoch": 0, "step": 0, **extra})
 
 
+def _warn_saturated(run: _Run, value: float, epoch: int) -> None:
+    """Print and keep (metrics.json) the warning of a selection metric at 100 % from the start."""
+    val = (run.eval_sets.get("val") or {}).get("query")
+    n = len(np.unique(np.asarray(val.labels))) if val is not None else None
+    w = saturation_warning(run.select_key, float(value), epoch, n)
+    if w is not None and w not in run.warnings:
+        run.warnings.append(w)
+        print(f"[deepmetric] warning: {w}", flush=True)
+
+
 def _choose_best(run: _Run, epoch: int, test_evaluated: bool = True) -> None:
     """After a validation evaluation: update ``state.best`` and write ``best.pt``.  The test
     metrics stored with it are this epoch's (None when the test split was not evaluated)."""
     state = run.state
     _check_metric(run.select_key, "eval.best_metric", state.val_metrics)
     value = state.val_metrics[run.select_key]
+    if state.best["value"] is None and run.main:
+        _warn_saturated(run, value, epoch)
     if state.best["value"] is None or value > state.best["value"]:
         state.best = {"metric": run.select_key, "value": value, "epoch": epoch,
                       "test": dict(state.metrics) if test_evaluated else None}
@@ -668,7 +730,8 @@ def _end_of_epoch(run: _Run, epoch: int, finished: bool) -> bool:
     if run.main and last_epoch:
         run.last_ckpt = run.save(R.LAST)  # the training is safe before evaluation runs
     due = _eval_due(cfg, epoch, run.total_epochs, finished)
-    test_due = _eval_due(cfg, epoch, run.total_epochs, finished, split="test")
+    test_due = (cfg.eval.test and cfg.eval.split is not None
+                and _eval_due(cfg, epoch, run.total_epochs, finished, split="test"))
     if due or test_due:
         _evaluate(run, epoch, final=last_epoch, splits=[s for s, d in (("val", due), ("test", test_due)) if d])
     if due and run.has_val:  # choose on validation metrics only
@@ -701,14 +764,19 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
     state = run.state
     selected = None
     if run.has_val and state.best.get("value") is not None:
-        selected = {k: state.best[k] for k in ("epoch", "metric", "value", "test")}
-    final = {"test": state.metrics, **({"val": state.val_metrics} if run.has_val else {})}
+        keys = ("epoch", "metric", "value") + (("test",) if "test" in run.eval_sets else ())
+        selected = {k: state.best[k] for k in keys}
+    final = {**({"test": state.metrics} if "test" in run.eval_sets or not run.main else {}),
+             **({"val": state.val_metrics} if run.has_val else {})}
     state.wall_time_s = run.wall_before + time.perf_counter() - run.t_start
     result = TrainResult(run.out_dir, state.metrics, final, selected, state.epoch, state.iteration,
                          heat_ups=list(run.objs.temperature.history), wall_time_s=round(state.wall_time_s, 3),
                          train_images_per_s=round(state.train_images / max(state.train_seconds, 1e-9), 2),
                          interrupted=interrupted)
     if run.main and not interrupted:
+        verdict = baseline_verdict(state.metrics, run.baselines, run.select_key or "recall@1")
+        if verdict and verdict not in run.warnings:  # kept with the run, not only printed
+            run.warnings.append(verdict)
         R.write_metrics(run.out_dir, {
             "metrics": result.metrics, "final": result.final, "selected": result.selected,
             "epochs": result.epochs_completed, "steps": result.iteration, "heat_ups": result.heat_ups,
@@ -725,7 +793,7 @@ def _finish(run: _Run, interrupted: bool) -> TrainResult:
 # --------------------------------------------------------------------------- the loop
 def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bool = False,
           on_eval: Callable[[int, dict, dict], None] | None = None,
-          on_validation: Callable[[int, dict], None] | None = None) -> TrainResult:
+          on_validation: Callable[[int, dict], None] | None = None, quiet_interrupt: bool = False) -> TrainResult:
     """Train according to ``cfg``; ``resume`` continues from a checkpoint (``last.pt``).
 
     A new run refuses a non-empty ``train.out_dir`` unless ``overwrite=True`` (which
@@ -735,6 +803,9 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     demo uses it to keep embeddings for plots).  ``on_validation(epoch, val_metrics)`` is called
     after every validation evaluation, once ``best.pt`` is written; an exception it raises stops
     the run there (``deepmetric tune``'s pruner raises ``optuna.TrialPruned``).
+    ``quiet_interrupt``: a Ctrl-C still checkpoints and stops the run (``result.interrupted``)
+    but prints nothing: the caller says how to continue (``deepmetric tune``: rerun the command,
+    not ``--resume``).
     """
     run = _set_up(cfg, resume=resume, overwrite=overwrite, on_eval=on_eval)      # steps 1-4
     run.on_validation = on_validation
@@ -748,7 +819,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
         if run.reevaluate:
             _evaluate_finished_resume(run)
         interrupted = False
-        with GracefulInterrupt() as interrupt:
+        with GracefulInterrupt(quiet=quiet_interrupt) as interrupt:
             while run.state.epoch < run.total_epochs and not finished:         # steps 6-7
                 with linear_probe(run.model, active=linear_probe_epoch(run.cfg.train, run.state.epoch)):  # LP-FT
                     outcome = _train_one_epoch(run, run.state.epoch, interrupt)
@@ -756,6 +827,7 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
                     interrupted = True
                     if run.main:
                         run.save(R.LAST)
+                    if run.main and not quiet_interrupt:
                         print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
                               f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})",
                               flush=True)

@@ -89,7 +89,8 @@ class PretrainedTeacher(nn.Module):
     Its parameters have ``requires_grad=False`` (no optimiser sees them: the trainer builds the
     optimiser from the model and the losses) and it stays in eval mode whatever ``train()``
     asks (running statistics fixed, no dropout): it never changes during training.  It is not
-    saved: a resumed run rebuilds it from the pretrained weights, as the model was built."""
+    saved: a resumed run rebuilds it from the checkpoint's ``start_model`` (the model as the run
+    started)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

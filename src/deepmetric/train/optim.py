@@ -19,6 +19,11 @@ sets only ``weight_decay``) multiplied by ``layer_decay ** s``; an entry that se
 keeps it, the new layers and the loss keep theirs.  Frozen stages (``freeze_stages``) have no
 trainable parameters and so no group.
 
+``optim.decay_exclude`` then sets the weight decay of the kinds it names to 0: ``bias``
+(``*.bias``), ``norm`` (parameters of normalisation layers: ``torch.nn`` batch, layer, group,
+instance norm and any module whose class name ends in ``Norm``/``Norm2d``...) and ``loss``
+(proxies, class weights, centres, temperatures); an explicit ``param_groups`` weight decay wins.
+
 Each group stores ``lr_mult`` and ``is_backbone`` so the loop can apply schedules and the
 ``new_layers`` warm-up (backbone lr 0) without re-deriving names.
 """
@@ -32,7 +37,8 @@ from torch import nn
 
 from .config import OptimConfig
 
-__all__ = ["named_trainable_parameters", "build_param_groups", "build_optimizer", "layer_depths"]
+__all__ = ["named_trainable_parameters", "build_param_groups", "build_optimizer", "layer_depths",
+           "norm_parameter_names"]
 
 
 def named_trainable_parameters(model: nn.Module, losses: Iterable[nn.Module]):
@@ -66,10 +72,36 @@ def layer_depths(model: nn.Module) -> dict[int, int]:
     return depth
 
 
-def _classify(name: str, cfg: OptimConfig, compiled, decay: float = 1.0) -> tuple[float, float, bool]:
+_NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
+               nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm, nn.GroupNorm)
+
+
+def norm_parameter_names(model: nn.Module, losses: Iterable[nn.Module] = ()) -> set[str]:
+    """Qualified names (``model.<name>``, ``loss.<i>.<name>``) of the parameters that belong
+    directly to a normalisation layer (batch / instance norm, layer norm, group norm, or a
+    module whose class name ends in ``Norm``: timm's ``LayerNorm2d``, RMS norms)."""
+    out = set()
+    for prefix, module in [("model", model)] + [(f"loss.{i}", l) for i, l in enumerate(losses)]:
+        for mname, m in module.named_modules():
+            if isinstance(m, _NORM_TYPES) or type(m).__name__.rstrip("0123456789d").endswith("Norm"):
+                for pname, _ in m.named_parameters(recurse=False):
+                    out.add(".".join(p for p in (prefix, mname, pname) if p))
+    return out
+
+
+def _no_decay(name: str, cfg: OptimConfig, norms: set[str]) -> bool:
+    """Whether ``optim.decay_exclude`` takes the weight decay off this parameter."""
+    kinds = cfg.decay_exclude
+    return (("bias" in kinds and name.endswith(".bias")) or ("norm" in kinds and name in norms)
+            or ("loss" in kinds and name.startswith("loss.")))
+
+
+def _classify(name: str, cfg: OptimConfig, compiled, decay: float = 1.0,
+              norms: set[str] = frozenset()) -> tuple[float, float, bool]:
     """(lr_mult, weight_decay, is_backbone) for one qualified parameter name; ``decay`` is the
-    layer-wise factor of a backbone parameter (``layer_decay ** s``)."""
-    wd = cfg.weight_decay
+    layer-wise factor of a backbone parameter (``layer_decay ** s``); ``norms``: the names of
+    normalisation-layer parameters (:func:`norm_parameter_names`)."""
+    wd = 0.0 if _no_decay(name, cfg, norms) else cfg.weight_decay
     is_loss = name.startswith("loss.")
     local = name[len("model."):] if name.startswith("model.") else name
     if cfg.new_layers is None:
@@ -102,10 +134,12 @@ def build_param_groups(model: nn.Module, losses: Iterable[nn.Module], cfg: Optim
             raise ValueError(f"config key 'optim.param_groups.{i}.pattern': invalid regular "
                              f"expression {g.pattern!r} ({exc})") from None
     depth = layer_depths(model) if cfg.layer_decay is not None else {}
+    losses = list(losses)
+    norms = norm_parameter_names(model, losses) if "norm" in cfg.decay_exclude else set()
     groups: dict[tuple, dict] = {}
     for name, p in named_trainable_parameters(model, losses):
         decay = cfg.layer_decay ** depth[id(p)] if id(p) in depth else 1.0
-        key = _classify(name, cfg, compiled, decay)
+        key = _classify(name, cfg, compiled, decay, norms)
         g = groups.setdefault(key, {"params": [], "names": [], "lr_mult": key[0],
                                     "weight_decay": key[1], "is_backbone": key[2]})
         g["params"].append(p)

@@ -12,8 +12,9 @@ YAML config (``config key 'eval.best_metric'``, ``data.options.skip_missing: tru
   and ``verify()`` checks the file structure; nothing is decoded);
 * :func:`check_model_input`: the transform's channels against the model's first convolution,
   then one dry forward pass of two training images;
-* :func:`size_warnings`: small images enlarged many times by the transform, or fed to an
-  ImageNet architecture; :func:`few_classes_warning`.
+* :func:`size_warnings` (from :mod:`.image_warnings`): images enlarged more than 2x by the
+  transform, or small inputs fed to an ImageNet architecture; :func:`grey_colour_warning`:
+  colour files read as grayscale; :func:`few_classes_warning`.
 
 Baselines: :func:`raw_pixel_baseline` evaluates the flattened, l2-normalised pixels of the
 evaluation images (images up to 64 x 64) with :func:`deepmetric.evaluate.evaluate`, the
@@ -32,6 +33,7 @@ from torch import nn
 
 from ..models import pooling_note
 from .config import Config, ConfigError
+from .image_warnings import grey_colour_warning, native_size, size_warnings
 
 __all__ = [
     "FEW_CLASSES",
@@ -44,6 +46,8 @@ __all__ = [
     "check_model_input",
     "check_loss_inputs",
     "size_warnings",
+    "native_size",
+    "grey_colour_warning",
     "few_classes_warning",
     "short_input_warnings",
     "pixel_rows",
@@ -156,21 +160,14 @@ def expected_metrics(cfg: Config) -> list[str]:
     :func:`deepmetric.train.embed.evaluate_model` and :func:`~deepmetric.train.embed.cross_domain_metrics`
     compute them."""
     from deepmetric.evaluate import check_metric_names as check_evaluate_metrics
-    from deepmetric.evaluate import list_metrics
+    from deepmetric.evaluate import metric_keys
 
     e = cfg.eval
     try:
-        wanted = check_evaluate_metrics(e.metrics)
+        wanted = () if e.metrics == [] else check_evaluate_metrics(e.metrics)
     except ValueError as exc:
         raise ConfigError(f"config key 'eval.metrics': {exc}") from None
-    names = []
-    for m in list_metrics():
-        if m not in wanted:
-            continue
-        if m == "recall":
-            names += [f"recall@{k}" for k in sorted(set(e.ks))]
-        else:
-            names.append(m)
+    names = metric_keys(wanted, e.ks)
     if e.classification:
         names += ["top1", "mean_per_class"]
     if e.cross_domain:
@@ -193,7 +190,7 @@ def check_metric_names(cfg: Config) -> list[str]:
                            "eval.classification)")
 
     best = cfg.eval.best_metric
-    if best is None and getattr(cfg.data, "val_classes", None) is not None:
+    if best is None and cfg.data.has_validation:
         best = "recall@1"  # the default selection metric with a validation split
     if best is not None and best not in names:
         raise fail("eval.best_metric", best)
@@ -326,48 +323,6 @@ def check_loss_inputs(cfg: Config, outputs: list[str]) -> None:
                          "(set loss.N.input: projection on the term that should train through it)")
 
 
-def native_size(dataset) -> tuple[int, int] | None:
-    """(width, height) of the first image file of a file-based dataset (header only)."""
-    paths = getattr(dataset, "paths", None)
-    if not paths:
-        return None
-    from PIL import Image
-
-    try:
-        with Image.open(paths[0]) as im:
-            return im.size
-    except OSError:
-        return None
-
-
-def size_warnings(cfg: Config, dataset, sample_shape: tuple[int, ...]) -> list[str]:
-    """Warnings about image size vs architecture: small images (<= 64 px) that the transform
-    enlarges at least 4 times, and inputs under 64 px fed to an ImageNet architecture."""
-    if len(sample_shape) != 3:
-        return []
-    out = []
-    h, w = sample_shape[-2:]
-    native = native_size(dataset)
-    if native is not None:
-        nw, nh = native
-        if max(nw, nh) <= RAW_PIXEL_MAX_SIDE and min(h, w) >= 4 * max(nw, nh):
-            out.append(
-                f"images are {nw}x{nh} px but data.transform '{cfg.data.transform}' enlarges them to "
-                f"{w}x{h}: about {(h * w) // (nw * nh)}x the computation with no new detail; for "
-                "small images a small model at native size is faster (see recipes/own_folder.yaml)"
-            )
-    from deepmetric import models as M
-
-    name = M.model_backbone(cfg.model.name, cfg.model.options)
-    if name in M.list_backbones() and M.get_backbone_spec(name).default_in_chans == 3 and min(h, w) < 64:
-        out.append(
-            f"model '{name}' is an ImageNet architecture made for about 224x224 inputs; on {w}x{h} "
-            "inputs its last feature map is tiny (it downsamples 32x). Use model.name: glyph_resnet "
-            "(or lenet) for small images, or enlarge them"
-        )
-    return out
-
-
 #: Losses whose logits are plain inner products, with no temperature: on inputs about 1 long
 #: their softmax is nearly flat and they barely train (ALMN, Eq. 8: x_g . c against x_j . c).
 NO_TEMPERATURE_LOSSES = ("almn",)
@@ -481,7 +436,7 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     device): the search runs where :func:`~deepmetric.train.embed.eval_search_device` says (a
     CUDA run: on its GPU when the rows fit in its free memory; None: on the CPU); the limits
     above stay those of the CPU."""
-    from deepmetric.evaluate import CLUSTERING_METRICS, METRICS, evaluate
+    from deepmetric.evaluate import CLUSTERING_METRICS, DEFAULT_METRICS, evaluate
     from deepmetric.evaluate.clustering import KMEANS_NITER
 
     from .embed import dataset_query_gallery_masks, eval_search_device, place_for_search
@@ -521,7 +476,7 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
         return None, (f"{n} images x {d} pixels: an exact search would take about "
                       f"{_format_seconds(search_work)} here, more than the {_format_seconds(max_work)} "
                       f"allowed (RAW_PIXEL_MAX_SECONDS)")
-    wanted = list(e.metrics) if e.metrics is not None else list(METRICS)   # None: every metric
+    wanted = list(e.metrics) if e.metrics is not None else list(DEFAULT_METRICS)  # None: the default set
     clustering = [m for m in wanted if m in CLUSTERING_METRICS]
     retrieval = [m for m in wanted if m not in CLUSTERING_METRICS]
     kmeans_work = (float(evaluated.sum()) * len(np.unique(labels[evaluated])) * d * KMEANS_NITER
@@ -647,6 +602,9 @@ def check_run(cfg: Config, model: nn.Module, train_set, eval_sets: dict[str, Any
     with rng_preserved():
         shape = check_model_input(model, train_set, cfg)
     warns = size_warnings(cfg, train_set, shape) + short_input_warnings(cfg, model)
+    grey = grey_colour_warning(cfg, train_set)
+    if grey is not None:
+        warns.append(grey)
     n = getattr(train_set, "num_classes", None)
     if n is None:
         n = len(np.unique(np.asarray(train_set.labels)))

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+import hashlib
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -33,7 +35,7 @@ from typing import Any, Callable, Iterable
 __all__ = [
     "CONFIG", "LOG", "LAST", "BEST", "WISE", "METRICS", "TRACKING", "TENSORBOARD", "MLFLOW_DB", "MLFLOW_ARTIFACTS",
     "RUN_FILES", "RUN_DIRS", "CONFIG_NAMES",
-    "RunDirectoryError", "prepare_run_dir", "remove_run_files", "looks_like_run_dir",
+    "RunDirectoryError", "prepare_run_dir", "remove_run_files", "remove_stale_temporaries", "looks_like_run_dir",
     "RunLog", "read_log", "rewrite_log", "truncate_log", "drop_eval_records",
     "final_evaluation_saved", "baselines_from_log", "median_images_per_s",
     "read_metrics", "write_metrics", "write_text_atomic",
@@ -77,13 +79,87 @@ def remove_run_files(out_dir: Path, keep_checkpoint: bool = False) -> None:
             shutil.rmtree(out_dir / name)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+#: an untagged temporary file (written by an older deepmetric) older than this is stale
+STALE_UNTAGGED_S = 600
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[str]:
+    """Remove the ``.NAME.PID.*.tmp`` files (:func:`write_text_atomic`,
+    ``checkpoint.save_checkpoint``) whose writing process is gone: what a run killed while
+    saving leaves behind. A file of a live process is kept; one without a PID (an older
+    deepmetric) only when it is older than :data:`STALE_UNTAGGED_S`. Returns the names removed."""
+    removed = []
+    for name in RUN_FILES:
+        for tmp in out_dir.glob(f".{name}.*.tmp"):
+            tag = tmp.name[len(name) + 2:-len(".tmp")].split(".")[0]
+            if tag.isdigit():
+                stale = int(tag) != os.getpid() and not _pid_alive(int(tag))
+            else:
+                try:
+                    stale = time.time() - tmp.stat().st_mtime > STALE_UNTAGGED_S
+                except FileNotFoundError:
+                    continue
+            if stale:
+                tmp.unlink(missing_ok=True)
+                removed.append(tmp.name)
+    return removed
+
+
+def _same_run(out_dir: Path, resume) -> bool:
+    """Whether the ``resume`` checkpoint is this directory's own: it lies in ``out_dir``, or it
+    is a byte-identical copy of ``out_dir/last.pt``."""
+    ckpt = Path(resume)
+    try:
+        if ckpt.resolve().parent == out_dir.resolve():
+            return True
+        own = out_dir / LAST
+        if own.is_file() and ckpt.is_file() and own.stat().st_size == ckpt.stat().st_size:
+            return _sha256(own) == _sha256(ckpt)
+    except OSError:
+        return False
+    return False
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> None:
     """Create ``out_dir``.  A new run refuses a non-empty directory (the report would mix
-    runs) unless ``overwrite`` (the previous run's files are removed) or ``resume``."""
+    runs) unless ``overwrite`` (the previous run's files are removed) or ``resume`` of this
+    directory's own checkpoint; a ``resume`` of another run's checkpoint into a non-empty
+    directory needs ``overwrite`` too (it would replace this run's ``last.pt`` and splice the
+    logs).  Temporary files of a killed save are removed first
+    (:func:`remove_stale_temporaries`)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise RunDirectoryError(f"config key 'train.out_dir': {out_dir} is a file, not a directory")
+    if out_dir.is_dir():
+        remove_stale_temporaries(out_dir)
     existing = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
-    if existing and resume is None:
+    if existing and resume is not None and not _same_run(out_dir, resume):
+        if not overwrite:
+            shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
+            raise RunDirectoryError(
+                f"--resume {resume} is another run's checkpoint, but train.out_dir {out_dir} already holds "
+                f"a run ({shown}); continuing there would replace its last.pt and splice the two logs. "
+                f"Choose an empty train.out_dir=..., resume that run's own checkpoint "
+                f"({out_dir / LAST}), or add --overwrite to replace it")
+        remove_run_files(out_dir)
+    elif existing and resume is None:
         if not overwrite:
             shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
             hint = f" --resume {out_dir / LAST}" if (out_dir / LAST).is_file() else ""
@@ -222,12 +298,17 @@ def drop_eval_records(run_dir: str | os.PathLike, epoch: int) -> None:
 
 def final_evaluation_saved(records: list[dict], epoch: int, splits: Iterable[str], test_metrics: dict) -> bool:
     """Whether epoch ``epoch`` was evaluated on every split and the checkpoint's test metrics
-    are that evaluation's (not an earlier one's)."""
+    are that evaluation's (not an earlier one's); a run without a test split (``eval.split:
+    null``) passes its validation metrics, compared with the ``val`` record."""
     splits = list(splits)
     at = {r.get("split"): r for r in records if r.get("type") == "eval" and r.get("epoch") == epoch}
-    if not splits or not set(splits) <= set(at) or not test_metrics:
+    if not splits or not set(splits) <= set(at):
         return False
-    return all(at["test"].get(k) == v for k, v in test_metrics.items())
+    if "test" not in splits:  # eval.test false: validation alone is the final evaluation
+        return True
+    if not test_metrics:
+        return False
+    return all(at["test" if "test" in splits else splits[0]].get(k) == v for k, v in test_metrics.items())
 
 
 def baselines_from_log(records: list[dict]) -> dict[str, dict]:

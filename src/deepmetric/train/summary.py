@@ -2,7 +2,7 @@
 
 Plain functions that return text (the loop prints it), so they are easy to test::
 
-    [deepmetric] run 'own_folder' -> runs/own_folder
+    [deepmetric] run 'own_folder_small_grey' -> runs/my_digits
       data     folder 'my_digits', class_split 'half' (first half of the sorted class names = train)
         train  5 classes, 500 images: eight, five, four, nine, one
         test   5 classes, 500 images: seven, six, three, two, zero
@@ -10,7 +10,7 @@ Plain functions that return text (the loop prints it), so they are easy to test:
       loss     1 x heated_softmax
       batches  random, 32 per step; 15 steps/epoch x 5 epochs = 75 steps
       device   cpu, 2 threads, 0 loader workers
-      output   runs/own_folder
+      output   runs/my_digits
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from ..models import pooling_note
 from . import rundir as R
 from .config import Config
 
-__all__ = ["describe_split", "format_run_summary", "format_metrics", "format_baseline",
+__all__ = ["describe_split", "format_run_summary", "format_metrics", "format_baseline", "baseline_verdict",
+           "saturation_warning",
            "format_run_end", "count_parameters"]
 
 PREFIX = "[deepmetric]"
@@ -195,6 +196,31 @@ def format_baseline(name: str, metrics: dict[str, float] | None, note: str = "")
     return f"{PREFIX} baseline {name}: {format_metrics(metrics)}"
 
 
+def baseline_verdict(metrics: dict[str, float], baselines: dict[str, dict] | None, key: str) -> str | None:
+    """The warning when a baseline (the untrained network, raw pixels, ...) scores higher than
+    the trained embedding on ``key``; None when training beat every baseline (or none was run).
+    Printed at the end of a run and kept in ``metrics.json`` ``warnings`` (the report shows it)."""
+    beaten_by = [b.get("label", name) for name, b in (baselines or {}).items()
+                 if key in (b.get("metrics") or {}) and key in metrics and b["metrics"][key] > metrics[key]]
+    if not beaten_by:
+        return None
+    return (f"the trained embedding ({key} {100 * metrics[key]:.1f}%) is below the baseline of "
+            f"{' and '.join(beaten_by)}: training did not help on the test classes (more classes, more "
+            "epochs or a different model may)")
+
+
+def saturation_warning(key: str, value: float, epoch: int, val_classes: int | None) -> str | None:
+    """The warning when the selection metric is already at its ceiling (100 %) at the first
+    validation evaluation: it cannot rise, so it cannot choose ``best.pt`` (ties keep the
+    earliest epoch).  Common with few validation classes."""
+    if value < 1.0:
+        return None
+    few = f", {val_classes} validation classes" if val_classes is not None else ""
+    return (f"validation {key} is already 100% at the first evaluation (epoch {epoch}{few}): it cannot improve, "
+            f"so it cannot choose best.pt (ties keep the earliest epoch); validate on more classes "
+            f"(data.val_classes) or choose by a harder metric (eval.best_metric: map@r)")
+
+
 def format_run_end(*, metrics: dict[str, float], best: dict[str, Any], seconds: float, epochs: int,
                    steps: int, out_dir: str | Path, baselines: dict[str, dict] | None = None,
                    val_metrics: dict[str, float] | None = None, key: str | None = None,
@@ -215,17 +241,13 @@ def format_run_end(*, metrics: dict[str, float], best: dict[str, Any], seconds: 
         if best.get("test"):
             lines.append(f"  best     {format_metrics(best['test'])} (test, best.pt)")
     key = key or best.get("metric") or "recall@1"
-    beaten_by = []
     for name, b in (baselines or {}).items():
         m = b.get("metrics") or {}
         if key in m:
             lines.append(f"  baseline {b.get('label', name)}: {key} {100 * m[key]:.1f}%")
-            if key in metrics and m[key] > metrics[key]:
-                beaten_by.append(b.get("label", name))
-    if beaten_by:
-        lines.append(f"  warning: the trained embedding ({key} {100 * metrics[key]:.1f}%) is below the "
-                     f"baseline of {' and '.join(beaten_by)}: training did not help on the test classes "
-                     "(more classes, more epochs or a different model may)")
+    verdict = baseline_verdict(metrics, baselines, key)
+    if verdict:
+        lines.append(f"  warning: {verdict}")
     names = {R.LAST: "checkpoint", R.BEST: "best ckpt", R.LOG: "log", R.METRICS: "metrics"}
     for f in files:
         if (out / f).exists():

@@ -85,15 +85,23 @@ def choose_alpha(val_metrics: Mapping[float, Mapping[str, float]], key: str) -> 
 
 
 def run_wise_ft(model: nn.Module, pretrained: Mapping[str, torch.Tensor], finetuned: Mapping[str, torch.Tensor],
-                alphas, params: str, key: str, evaluate: Callable[[nn.Module, str], dict]) -> dict:
+                alphas, params: str, key: str, evaluate: Callable[[nn.Module, str], dict], *,
+                with_test: bool = True, known: Mapping[str, dict] | None = None) -> dict:
     """Evaluate theta(a) for every a of ``alphas`` (and 1) on ``"val"`` with ``evaluate(model,
-    split) -> metrics``, choose a on validation ``key`` and evaluate the chosen model on
-    ``"test"``.  ``model`` is not changed (a copy is loaded).  Returns the ``wise_ft`` section
+    split) -> metrics``, choose a on validation ``key`` and (``with_test``) evaluate the chosen
+    model on ``"test"``.  ``known``: ``{"val": metrics, "test": metrics}`` of the fine-tuned model
+    (a = 1, theta(1) is ``finetuned`` exactly) already evaluated during training: used instead of
+    evaluating it again (the evaluation is deterministic, so the numbers are the same).
+    ``model`` is not changed (a copy is loaded).  Returns the ``wise_ft`` section
     of metrics.json plus ``"state"`` (the chosen model's state dict)."""
     keys = mixed_keys(finetuned, params)
     net = copy.deepcopy(model)
     val: dict[float, dict] = {}
+    known = known or {}
     for a in wise_ft_alphas(alphas):
+        if a == 1.0 and known.get("val"):
+            val[a] = dict(known["val"])
+            continue
         net.load_state_dict(interpolate_state(pretrained, finetuned, a, keys))
         val[a] = evaluate(net, "val")
         if key not in val[a]:
@@ -102,7 +110,10 @@ def run_wise_ft(model: nn.Module, pretrained: Mapping[str, torch.Tensor], finetu
     chosen = choose_alpha(val, key)
     state = interpolate_state(pretrained, finetuned, chosen, keys)
     net.load_state_dict(state)
-    test = evaluate(net, "test")
-    return {"params": params, "metric": key, "mixed_tensors": len(keys),
-            "val": [{"alpha": a, **m} for a, m in val.items()],
-            "alpha": chosen, "value": val[chosen][key], "test": test, "state": state}
+    out = {"params": params, "metric": key, "mixed_tensors": len(keys),
+           "val": [{"alpha": a, **m} for a, m in val.items()], "alpha": chosen, "value": val[chosen][key]}
+    if with_test and chosen == 1.0 and known.get("test"):
+        out["test"] = dict(known["test"])
+    elif with_test:  # eval.test false: the chosen mixture is not evaluated on the test split here
+        out["test"] = evaluate(net, "test")
+    return {**out, "state": state}

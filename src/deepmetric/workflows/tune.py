@@ -10,8 +10,11 @@ own ``overrides``) with the trial's values of the space's parameters.  The objec
 *validation* metric (the recipe must carve validation classes, ``data.val_classes`` or
 ``data.val_folds``): at every validation evaluation the trial reports it, so the pruner can stop
 a hopeless trial after its first evaluation, and the trial's value is the best value it reached
-(the model ``best.pt`` keeps).  The test split is evaluated once, at the end of a trial that was
-not pruned, and recorded for the report; it is never given to the sampler or the pruner.
+(the model ``best.pt`` keeps).  A trial never evaluates the test split (``eval.test: false``): no
+test metric exists to reach the sampler, the pruner, the storage or any output (the writers also
+drop any ``test``-named key they are given), so nothing can be chosen, even by a person reading
+the tables, on the test split.  Evaluate the chosen recipe on test afterwards
+(``deepmetric train OUT/best.yaml``).
 
 The space file (YAML)::
 
@@ -32,14 +35,19 @@ Storage: an SQLite file in the tune directory by default (``OUT/tune.db``; nothi
 ``--storage postgresql://...`` lets the same command on several machines share one study.  The
 trials run with Optuna's heartbeat: a trial whose process died (kill -9, a lost machine) is
 marked failed once its heartbeat is stale and retried with the same parameters, resuming its
-checkpoint; a trial interrupted by Ctrl-C is failed and queued again at once.  The command stops
+checkpoint; a trial interrupted by Ctrl-C is stored as failed with the user attribute
+``interrupted`` (the tables say *interrupted*), queued again at once with its values, and the
+command stops with one line: rerun it to continue (the retry resumes the trial's checkpoint).  The command stops
 when exactly ``N`` trials have finished or been pruned: rerunning the same command after a kill
-continues the study to ``N``, and a finished study only rewrites the outputs.
+continues the study to ``N``, and a finished study only rewrites the outputs.  With ``--count
+completed`` it stops when ``N`` trials have *completed* (pruned and failed ones do not count), or
+when ``--max-trials`` (default 3 N) have finished or been pruned, whichever comes first: tunes of
+several losses then each get the same number of complete trials, and the cap is reported.
 
 Outputs in ``OUT`` (rewritten at the end of every command): ``best.yaml`` (the best trial's
 configuration as a runnable recipe), ``trials.csv`` / ``trials.md`` (every trial: state,
-parameters, validation value, wall time, the epoch a pruned trial stopped at, and the test
-metrics recorded for information), ``optimization_history.png`` and ``param_importances.png``
+parameters, validation value, wall time, the epoch a pruned trial stopped at; no test metric),
+``optimization_history.png`` and ``param_importances.png``
 (Optuna's plots), ``report.html`` (all of it on one page) and ``tune.json`` (the set-up, used to
 refuse a rerun with another recipe or space).  Each trial trains in ``OUT/trials/trial_NNNN``.
 """
@@ -48,6 +56,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import logging
 import math
 import os
 import sys
@@ -145,10 +154,30 @@ def _space_error(path, msg: str) -> TuneError:
 def _number(value: Any, where: str, path) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:
-            return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+            value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
         except (TypeError, ValueError):
             raise _space_error(path, f"{where}: expected a number, got {value!r}") from None
+    if not math.isfinite(value):
+        raise _space_error(path, f"{where}: expected a finite number, got {value!r}")
     return float(value)
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_choice(c: Any, where: str, path) -> None:
+    """A choice is a plain YAML value (text, number, true/false, null) or, for a parameter that
+    sets several keys or a list-valued key, a list of them (lists may nest); a mapping is not
+    (Optuna stores choices by value, and a mapping has no stable one)."""
+    def plain(v) -> bool:
+        return isinstance(v, _PLAIN) or (isinstance(v, list) and all(plain(x) for x in v))
+
+    if not plain(c):
+        raise _space_error(path, f"{where}.choices: {c!r} is not a plain value (text, number, true/false or "
+                                 "null) or a list of them (a mapping is not); to set several config keys at once list them "
+                                 "under 'keys' and give each choice as a list of their values")
+    if isinstance(c, float) and not math.isfinite(c):
+        raise _space_error(path, f"{where}.choices: {c!r} is not a finite number")
 
 
 def _param(name: str, spec: Any, path) -> ParamSpec:
@@ -174,6 +203,7 @@ def _param(name: str, spec: Any, path) -> ParamSpec:
         if not isinstance(choices, list) or not choices:
             raise _space_error(path, f"{where}.choices: a categorical parameter needs a non-empty list")
         for c in choices:
+            _check_choice(c, where, path)
             if len(keys) > 1 and not (isinstance(c, list) and len(c) == len(keys)):
                 raise _space_error(path, f"{where}.choices: each choice sets {len(keys)} keys {keys}, so it "
                                          f"must be a list of {len(keys)} values, got {c!r}")
@@ -191,6 +221,9 @@ def _param(name: str, spec: Any, path) -> ParamSpec:
         raise _space_error(path, f"{where}: a log scale needs low > 0, got {p.low}")
     if spec.get("step") is not None:
         p.step = _number(spec["step"], f"{where}.step", path)
+        if p.step <= 0 or (kind == "int" and p.step != int(p.step)):
+            raise _space_error(path, f"{where}.step: expected a {'whole number' if kind == 'int' else 'number'} "
+                                     f"> 0, got {spec['step']!r}")
         if p.log:
             raise _space_error(path, f"{where}: give 'step' or 'log: true', not both (Optuna refuses both)")
     if kind == "int" and (p.low != int(p.low) or p.high != int(p.high)):
@@ -252,6 +285,23 @@ class TuneSetup:
     storage: str
     study_name: str
     cli_overrides: list[str]
+    count: str = "finished"         # what --trials counts: finished | completed (pruned ones not)
+    max_trials: int | None = None   # count completed: at most this many finished or pruned
+
+    def reached(self, c: dict[str, int]) -> bool:
+        """Whether the study's counts (:func:`_counts`) meet the budget."""
+        if self.count == "completed":
+            return c["complete"] >= self.trials or c["done"] >= self.cap
+        return c["done"] >= self.trials
+
+    @property
+    def cap(self) -> int:
+        return self.max_trials if self.max_trials is not None else 3 * self.trials
+
+    def budget_text(self) -> str:
+        if self.count == "completed":
+            return f"{self.trials} completed trials (pruned and failed not counted; at most {self.cap} in all)"
+        return f"{self.trials} trials finished or pruned"
 
     def trial_config(self, values: dict[str, Any], run_dir: Path, *, threads: int | None = None):
         """The validated Config of one trial."""
@@ -265,10 +315,9 @@ class TuneSetup:
         e = raw.setdefault("eval", {})
         if self.space.direction == "maximize":
             e["best_metric"] = self.space.metric  # best.pt = the model the objective scores
-        if e.get("test_every") is None:
-            e["test_every"] = 0                   # test once, at the end (recorded, never used)
-        e.setdefault("test_selected", False)      # and not best.pt again: a trial's cost is the budget
-        e["baselines"] = False                    # the same for every trial: not a trial's business
+        e["test"] = False                         # the test split out of sight: never evaluated
+        e["test_selected"] = False
+        e["baselines"] = False                    # test-split numbers too
         return config_from_dict(raw)
 
 
@@ -284,7 +333,8 @@ def _validation_metrics(cfg) -> list[str]:
 
 def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, trials: int,
                  out: str | os.PathLike | None = None, storage: str | None = None,
-                 study_name: str | None = None, overrides: Sequence[str] = ()) -> TuneSetup:
+                 study_name: str | None = None, overrides: Sequence[str] = (), count: str = "finished",
+                 max_trials: int | None = None) -> TuneSetup:
     """Check everything that can be checked before the first trial: the recipe has validation
     classes, the objective is a metric its validation computes, every parameter names a valid
     config key and both ends of its range (every choice) give a valid config."""
@@ -292,6 +342,10 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
     space = load_space(space_path)
     if not isinstance(trials, int) or trials < 1:
         raise TuneError(f"--trials: expected a positive number of trials, got {trials!r}")
+    if count not in ("finished", "completed"):
+        raise TuneError(f"--count: expected finished or completed, got {count!r}")
+    if max_trials is not None and (count != "completed" or max_trials < trials):
+        raise TuneError(f"--max-trials {max_trials}: needs --count completed and at least --trials ({trials})")
     if not recipe.is_file():
         raise TuneError(f"recipe not found: {recipe}")
     try:
@@ -309,7 +363,7 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
     out = Path(out) if out is not None else Path("runs") / "tune" / name
     setup = TuneSetup(recipe=recipe, base=raw, space=space, space_path=Path(space_path), trials=trials,
                       out=out, storage=storage or default_storage(out), study_name=name,
-                      cli_overrides=list(overrides))
+                      cli_overrides=list(overrides), count=count, max_trials=max_trials)
     try:  # the recipe as a trial sees it (the parameters may set required keys, e.g. m x n)
         cfg = setup.trial_config({p.name: p.examples()[0] for p in space.params}, out / "check")
     except ConfigError as exc:
@@ -337,7 +391,8 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
 
 def _setup_record(setup: TuneSetup) -> dict:
     return {"recipe": str(setup.recipe), "recipe_sha256": file_sha256(setup.recipe), "space": setup.space.raw,
-            "overrides": setup.cli_overrides, "trials": setup.trials, "study_name": setup.study_name,
+            "overrides": setup.cli_overrides, "trials": setup.trials, "count": setup.count,
+            "max_trials": setup.cap if setup.count == "completed" else None, "study_name": setup.study_name,
             "storage": display_storage(setup.storage)}
 
 
@@ -470,13 +525,36 @@ class _Surplus(Exception):
     """Another worker already holds the last trial slot: this trial does not run."""
 
 
+class _Interrupted(Exception):
+    """Ctrl-C during a trial: it is stored as failed with the user attribute ``interrupted``
+    (shown as *interrupted*), its values queued again, and the worker stops."""
+
+
+class _QuietTrials(logging.Filter):
+    """Drops Optuna's "Trial N failed ... because of the following error" warnings (with their
+    traceback) of the trials in ``numbers``: an interrupted or surplus trial is no failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numbers: set[int] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not any(msg.startswith(f"Trial {n} failed") for n in self.numbers)
+
+
+_QUIET = _QuietTrials()
+logging.getLogger("optuna.study._optimize").addFilter(_QUIET)  # the logger of Optuna's _run_trial
+
+
 def _counts(study) -> dict[str, int]:
     from optuna.trial import TrialState
 
-    out = {s: 0 for s in ("done", "running", "waiting")}
+    out = {s: 0 for s in ("done", "complete", "running", "waiting")}
     for t in study.get_trials(deepcopy=False):
         if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
             out["done"] += 1
+            out["complete"] += t.state == TrialState.COMPLETE
         elif t.state == TrialState.RUNNING:
             out["running"] += 1
         elif t.state == TrialState.WAITING:
@@ -500,84 +578,105 @@ def _repeats_a_retry(study, trial) -> bool:
                == history[-1:] for t in trials)
 
 
-def _holds_a_slot(study, trial, target: int) -> bool:
+def _holds_a_slot(study, trial, setup: TuneSetup) -> bool:
     """Trial numbers are given out in order by the storage: a trial runs when fewer than
-    ``target`` trials that are finished, pruned, running or waiting come before it."""
+    ``--trials`` trials that are finished, pruned, running or waiting come before it
+    (``--count completed``: fewer than ``--trials`` complete, running or waiting ones, and fewer
+    than ``--max-trials`` of them all)."""
     from optuna.trial import TrialState
 
     live = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
-    ahead = sum(1 for t in study.get_trials(deepcopy=False) if t.state in live and t.number < trial.number)
-    return ahead < target
+    before = [t for t in study.get_trials(deepcopy=False) if t.state in live and t.number < trial.number]
+    if setup.count == "completed":
+        return (sum(t.state != TrialState.PRUNED for t in before) < setup.trials and len(before) < setup.cap)
+    return len(before) < setup.trials
 
 
-def _objective(setup: TuneSetup, study, *, threads: int | None, log: Callable[[str], None]):
+def _objective(setup: TuneSetup, study, *, threads: int | None, log: Callable[[str], None],
+               stop: dict[str, bool]):
+    """Optuna's objective: one trial.  A Ctrl-C anywhere in it (the run checkpoints when it
+    arrives during training) queues the trial's values again, marks the trial ``interrupted``,
+    sets ``stop["interrupted"]`` and raises :class:`_Interrupted` (caught by ``optimize``)."""
+
+    def objective(trial) -> float:
+        try:
+            return _run_trial(setup, study, trial, threads=threads, log=log)
+        except KeyboardInterrupt:
+            _QUIET.numbers.add(trial.number)
+            stop["interrupted"] = True
+            trial.set_user_attr("interrupted", True)
+            if trial.params:  # values drawn: the retry resumes this trial's folder with them
+                study.enqueue_trial(trial.params, user_attrs={"retry_of": _origin(trial, study)},
+                                    skip_if_exists=False)
+            raise _Interrupted() from None
+        except _Surplus:
+            _QUIET.numbers.add(trial.number)
+            raise
+
+    return objective
+
+
+def _run_trial(setup: TuneSetup, study, trial, *, threads: int | None, log: Callable[[str], None]) -> float:
     optuna = _optuna()
     from deepmetric.train.loop import NonFiniteLossError, train
 
-    def objective(trial) -> float:
-        if not _holds_a_slot(study, trial, setup.trials) or _repeats_a_retry(study, trial):
-            trial.set_user_attr("surplus", True)
-            raise _Surplus()
-        values = {p.name: p.suggest(trial) for p in setup.space.params}
-        origin = _origin(trial, study)
-        run_dir = setup.out / "trials" / f"trial_{origin:04d}"
-        cfg = setup.trial_config(values, run_dir, threads=threads)
-        resume = run_dir / rundir.LAST if (run_dir / rundir.LAST).is_file() and origin != trial.number else None
-        if resume is None and run_dir.is_dir():
-            rundir.remove_run_files(run_dir)  # a retried trial without a checkpoint starts again
-        trial.set_user_attr("run_dir", str(run_dir))
-        shown = ", ".join(f"{k}={_fmt_value(v)}" for k, v in values.items())
-        log(f"trial {trial.number}{f' (retry of {origin})' if origin != trial.number else ''}: {shown}")
-        sign = 1.0 if setup.space.direction == "maximize" else -1.0
-        best = {"value": None}
-        reported: set[int] = set()
+    if not _holds_a_slot(study, trial, setup) or _repeats_a_retry(study, trial):
+        trial.set_user_attr("surplus", True)
+        raise _Surplus()
+    values = {p.name: p.suggest(trial) for p in setup.space.params}
+    origin = _origin(trial, study)
+    run_dir = setup.out / "trials" / f"trial_{origin:04d}"
+    cfg = setup.trial_config(values, run_dir, threads=threads)
+    resume = run_dir / rundir.LAST if (run_dir / rundir.LAST).is_file() and origin != trial.number else None
+    if resume is None and run_dir.is_dir():
+        rundir.remove_run_files(run_dir)  # a retried trial without a checkpoint starts again
+    trial.set_user_attr("run_dir", str(run_dir))
+    shown = ", ".join(f"{k}={_fmt_value(v)}" for k, v in values.items())
+    log(f"trial {trial.number}{f' (retry of {origin})' if origin != trial.number else ''}: {shown}")
+    sign = 1.0 if setup.space.direction == "maximize" else -1.0
+    best = {"value": None}
+    reported: set[int] = set()
 
-        def report(epoch: int, val_metrics: dict) -> None:
-            if resume is not None:  # a resumed run: its evaluations before the checkpoint first
-                replay_log(before=epoch)
-            value = float(val_metrics[setup.space.metric])
-            reported.add(epoch)
-            if best["value"] is None or sign * value > sign * best["value"]:
-                best["value"] = value
-            trial.report(value, step=epoch)
-            if trial.should_prune():
-                trial.set_user_attr("pruned_at_epoch", epoch)
-                raise optuna.TrialPruned(f"validation {setup.space.metric}={value:.4f} at epoch {epoch}")
+    def report(epoch: int, val_metrics: dict) -> None:
+        if resume is not None:  # a resumed run: its evaluations before the checkpoint first
+            replay_log(before=epoch)
+        value = float(val_metrics[setup.space.metric])
+        reported.add(epoch)
+        if best["value"] is None or sign * value > sign * best["value"]:
+            best["value"] = value
+        trial.report(value, step=epoch)
+        if trial.should_prune():
+            trial.set_user_attr("pruned_at_epoch", epoch)
+            raise optuna.TrialPruned(f"validation {setup.space.metric}={value:.4f} at epoch {epoch}")
 
-        def replay_log(before: float = float("inf")) -> None:
-            # A retried trial resumes its original's checkpoint; the validations that run made
-            # before it are in its log (truncated to the checkpoint by the resume) and count here,
-            # or a run killed after its last evaluation would resume with nothing to report.
-            for rec in rundir.read_log(run_dir, type="eval"):
-                epoch = rec.get("epoch")
-                if rec.get("split") == "val" and epoch is not None and epoch < before and epoch not in reported \
-                        and setup.space.metric in rec:
-                    report(int(epoch), rec)
+    def replay_log(before: float = float("inf")) -> None:
+        # A retried trial resumes its original's checkpoint; the validations that run made
+        # before it are in its log (truncated to the checkpoint by the resume) and count here,
+        # or a run killed after its last evaluation would resume with nothing to report.
+        for rec in rundir.read_log(run_dir, type="eval"):
+            epoch = rec.get("epoch")
+            if rec.get("split") == "val" and epoch is not None and epoch < before and epoch not in reported \
+                    and setup.space.metric in rec:
+                report(int(epoch), rec)
 
-        t0 = time.perf_counter()
-        try:
-            result = train(cfg, resume=resume, overwrite=resume is None, on_validation=report)
-        except NonFiniteLossError as exc:  # a diverged trial is hopeless: pruned, not an error
-            trial.set_user_attr("stopped", f"non-finite loss: {str(exc).split(';')[0]}")
-            raise optuna.TrialPruned(str(exc)) from None
-        finally:
-            trial.set_user_attr("train_seconds", round(time.perf_counter() - t0, 1))
-        if result.interrupted:  # Ctrl-C: queue the same parameters again, this trial fails
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": origin}, skip_if_exists=False)
-            raise KeyboardInterrupt
-        if resume is not None:
-            replay_log()
-        value = best["value"]
-        if value is None:
-            raise RuntimeError(f"trial {trial.number}: the run evaluated no validation split")
-        # the final model's test metrics, recorded for the report only: never seen by the
-        # sampler or the pruner (the objective above is the validation value)
-        trial.set_user_attr("test", {k: float(v) for k, v in result.metrics.items()})
-        trial.set_user_attr("best_epoch", (result.selected or {}).get("epoch"))
-        trial.set_user_attr("epochs", result.epochs_completed)
-        return value
-
-    return objective
+    t0 = time.perf_counter()
+    try:
+        result = train(cfg, resume=resume, overwrite=resume is None, on_validation=report, quiet_interrupt=True)
+    except NonFiniteLossError as exc:  # a diverged trial is hopeless: pruned, not an error
+        trial.set_user_attr("stopped", f"non-finite loss: {str(exc).split(';')[0]}")
+        raise optuna.TrialPruned(str(exc)) from None
+    finally:
+        trial.set_user_attr("train_seconds", round(time.perf_counter() - t0, 1))
+    if result.interrupted:  # Ctrl-C: checkpointed; the objective queues the values again
+        raise KeyboardInterrupt
+    if resume is not None:
+        replay_log()
+    value = best["value"]
+    if value is None:
+        raise RuntimeError(f"trial {trial.number}: the run evaluated no validation split")
+    trial.set_user_attr("best_epoch", (result.selected or {}).get("epoch"))
+    trial.set_user_attr("epochs", result.epochs_completed)
+    return value
 
 
 def _fmt_value(v: Any) -> str:
@@ -585,28 +684,33 @@ def _fmt_value(v: Any) -> str:
 
 
 def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[str], None] | None = None) -> None:
-    """Run trials until ``setup.trials`` of them have finished or been pruned (counting every
-    worker of the study, on any machine)."""
+    """Run trials until the budget is met (``setup.trials`` finished or pruned, or completed
+    with ``count: completed``), counting every worker of the study, on any machine."""
     _optuna()  # a clear error when Optuna is missing, before the storage is opened
     log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
     study = open_study(setup)
-    objective = _objective(setup, study, threads=threads, log=log)
+    _QUIET.numbers.clear()  # trial numbers of this study only (a process may run several)
+    stop = {"interrupted": False}
+    objective = _objective(setup, study, threads=threads, log=log, stop=stop)
     while True:
         fail_stale_trials(study)  # a dead worker's trial: failed, queued again
         c = _counts(study)
-        if c["done"] >= setup.trials:
+        if setup.reached(c):
             return
-        if c["done"] + c["running"] >= setup.trials and not c["waiting"]:
+        ahead = {**c, "done": c["done"] + c["running"], "complete": c["complete"] + c["running"]}
+        if setup.reached(ahead) and not c["waiting"]:
             time.sleep(HEARTBEAT_S / 2)  # the last slots are running elsewhere (or were, until stale)
             continue
-        study.optimize(objective, n_trials=1, catch=(_Surplus,), callbacks=[_log_finished(log)])
+        study.optimize(objective, n_trials=1, catch=(_Surplus, _Interrupted), callbacks=[_log_finished(log)])
+        if stop["interrupted"]:
+            raise KeyboardInterrupt
 
 
 def _log_finished(log: Callable[[str], None]):
     def callback(study, trial) -> None:
         state = trial.state.name.lower()
-        if trial.user_attrs.get("surplus"):
-            return
+        if trial.user_attrs.get("surplus") or trial.user_attrs.get("interrupted"):
+            return  # an interrupted trial: the command's one message says what to do
         value = f" validation {trial.value:.4f}" if trial.value is not None else ""
         at = f" at epoch {trial.user_attrs['pruned_at_epoch']}" if "pruned_at_epoch" in trial.user_attrs else ""
         log(f"trial {trial.number} {state}{at}{value}")
@@ -616,10 +720,14 @@ def _log_finished(log: Callable[[str], None]):
 # --------------------------------------------------------------------------- workers
 def _worker_command(setup: TuneSetup) -> list[str]:
     """The command of one worker process of ``--workers K`` (the same tune, ``--worker``)."""
-    cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(setup.recipe), "--space", str(setup.space_path),
-           "--trials", str(setup.trials), "--out", str(setup.out), "--storage", setup.storage,
-           "--study-name", setup.study_name, "--worker"]
-    return cmd + list(setup.cli_overrides)
+    # the overrides right after the recipe: argparse gives a positional list only the words
+    # next to the first positional (after the options they would be "unrecognized arguments")
+    cmd = [sys.executable, "-m", "deepmetric.cli", "tune", str(setup.recipe), *setup.cli_overrides,
+           "--space", str(setup.space_path), "--trials", str(setup.trials), "--out", str(setup.out),
+           "--storage", setup.storage, "--study-name", setup.study_name, "--worker", "--count", setup.count]
+    if setup.max_trials is not None:
+        cmd += ["--max-trials", str(setup.max_trials)]
+    return cmd
 
 
 def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] | None = None) -> dict[str, Path]:
@@ -631,21 +739,26 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
     rundir.write_text_atomic(setup.out / "tune.json", json.dumps(_setup_record(setup), indent=1) + "\n")
     study = open_study(setup)
     c = _counts(study)
-    log(f"{setup.trials} trials wanted: {c['done']} finished or pruned, {c['running']} running, "
+    log(f"{setup.budget_text()} wanted: {c['done']} finished or pruned ({c['complete']} complete), "
+        f"{c['running']} running, "
         f"{c['waiting']} queued; storage {display_storage(setup.storage)}; objective validation "
         f"{setup.space.metric} ({setup.space.direction})")
-    if workers <= 1:
-        run_worker(setup, threads=None, log=log)
-    else:
-        seen: set[int] = set()
+    try:
+        if workers <= 1:
+            run_worker(setup, threads=None, log=log)
+        else:
+            seen: set[int] = set()
 
-        def poll() -> None:
-            seen.update(_report_progress(study, seen, log))
+            def poll() -> None:
+                seen.update(_report_progress(study, seen, log))
 
-        codes = run_workers(_worker_command(setup), workers, setup.out / "workers", poll=poll, log=log)
-        bad = [c for c in codes if c != 0]
-        if bad:
-            log(f"{len(bad)} worker(s) ended with an error (exit codes {bad}); see {setup.out / 'workers'}")
+            codes = run_workers(_worker_command(setup), workers, setup.out / "workers", poll=poll, log=log)
+            bad = [c for c in codes if c != 0]
+            if bad:
+                log(f"{len(bad)} worker(s) ended with an error (exit codes {bad}); see {setup.out / 'workers'}")
+    except KeyboardInterrupt:  # the tables show the interrupted trial; a second Ctrl-C skips this
+        write_outputs(setup)
+        raise
     return write_outputs(setup)
 
 
@@ -658,18 +771,26 @@ def _report_progress(study, seen: set[int], log: Callable[[str], None]) -> set[i
         seen.add(t.number)
         params = ", ".join(f"{k}={_fmt_value(v)}" for k, v in t.params.items())
         value = f" validation {t.value:.4f}" if t.value is not None else ""
-        log(f"trial {t.number} {t.state.name.lower()}{value} ({params})")
+        log(f"trial {t.number} {_state_name(t)}{value} ({params})")
     return seen
 
 
 # --------------------------------------------------------------------------- outputs
+def _state_name(t) -> str:
+    """The trial's state as the tables show it: Optuna's, except that a trial stopped by Ctrl-C
+    (stored as failed, its values queued again) is *interrupted*."""
+    if t.state.name == "FAIL" and t.user_attrs.get("interrupted"):
+        return "interrupted"
+    return t.state.name.lower()
+
+
 def trial_rows(setup: TuneSetup, study) -> list[dict]:
     """One row per trial (surplus trials, which never ran, left out)."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         if t.user_attrs.get("surplus"):
             continue
-        row: dict[str, Any] = {"trial": t.number, "state": t.state.name.lower()}
+        row: dict[str, Any] = {"trial": t.number, "state": _state_name(t)}
         if t.user_attrs.get("retry_of") is not None or _origin(t) != t.number:
             row["retry_of"] = _origin(t)
         for p in setup.space.params:
@@ -682,13 +803,18 @@ def trial_rows(setup: TuneSetup, study) -> list[dict]:
         row["pruned_at_epoch"] = t.user_attrs.get("pruned_at_epoch")
         if t.datetime_start is not None and t.datetime_complete is not None:
             row["wall_time_s"] = round((t.datetime_complete - t.datetime_start).total_seconds(), 1)
-        for k, v in (t.user_attrs.get("test") or {}).items():
-            row[f"test/{k}"] = v
         row["run_dir"] = t.user_attrs.get("run_dir")
         if t.user_attrs.get("note"):  # set by hand on a repaired study (bench/studies/README.md, the fair emoji tunes)
             row["note"] = t.user_attrs["note"]
-        rows.append(row)
+        rows.append(without_test_metrics(row))
     return rows
+
+
+def without_test_metrics(row: dict) -> dict:
+    """``row`` without any key that names a test metric (``test/...``, ``test_...``, ``test``):
+    trials never evaluate the test split, and a storage written by an older version (which
+    recorded the final test metrics) must not bring them into the outputs either."""
+    return {k: v for k, v in row.items() if not str(k).lower().startswith("test")}
 
 
 def _best_trial(setup: TuneSetup, study):
@@ -701,10 +827,37 @@ def _best_trial(setup: TuneSetup, study):
     return max(done, key=lambda t: (sign * t.value, -t.number))
 
 
+#: Overrides that only shorten or quieten the trials (``train.epochs=3``, ``train.progress=false``):
+#: best.yaml takes the recipe's own values back and says so in its header.
+SHORT_RUN_KEYS = ("train.epochs", "train.iterations", "train.progress", "eval.every")
+
+
+def _undo_short_run_settings(setup: TuneSetup, raw: dict) -> list[str]:
+    """Put the recipe's own values of :data:`SHORT_RUN_KEYS` back into ``raw`` where the tune's
+    command or space overrode them; returns a note per key (``train.epochs=3 (recipe: 30)``)."""
+    original = yaml.safe_load(setup.recipe.read_text()) or {}
+    notes = []
+    for text in [*setup.cli_overrides, *setup.space.overrides]:
+        key = text.partition("=")[0].strip()
+        if key not in SHORT_RUN_KEYS or any(n.startswith(f"{key}=") for n in notes):
+            continue
+        section, name = key.split(".")
+        own = (original.get(section) or {}).get(name) if isinstance(original.get(section), dict) else None
+        target = raw.setdefault(section, {})
+        if own is None:
+            target.pop(name, None)
+        else:
+            target[name] = own
+        notes.append(f"{text} (recipe: {'default' if own is None else own})")
+    return notes
+
+
 def _best_recipe(setup: TuneSetup, best) -> str:
-    """The recipe with the CLI and space overrides and the best values applied (validated)."""
+    """The recipe with the CLI and space overrides and the best values applied (validated),
+    except the short-run settings (:data:`SHORT_RUN_KEYS`), which go back to the recipe's."""
     values = {p.name: p.value_of(best.params) for p in setup.space.params}
     raw = copy.deepcopy(setup.base)
+    undone = _undo_short_run_settings(setup, raw)
     apply_overrides(raw, setup.space.overrides_of(values))
     raw.setdefault("train", {})["out_dir"] = str(Path("runs") / f"{setup.study_name}_best")
     raw["name"] = f"{raw.get('name') or setup.recipe.stem}_tuned"
@@ -713,8 +866,12 @@ def _best_recipe(setup: TuneSetup, best) -> str:
     head = [f"# {setup.recipe} tuned by `deepmetric tune` ({setup.space_path}, {setup.trials} trials,",
             f"# study {setup.study_name!r}): trial {best.number}, validation {setup.space.metric} = {best.value:.4f}",
             "# (chosen on validation classes; the test split was not used). Values: "
-            + ", ".join(f"{k} = {_fmt_value(v)}" for k, v in values.items()),
-            f"#   deepmetric train {setup.out / 'best.yaml'}"]
+            + ", ".join(f"{k} = {_fmt_value(v)}" for k, v in values.items())]
+    if undone:
+        head += ["# The trials were short runs: these overrides of the tune's command / space are NOT in this file",
+                 "# (the recipe's own values are): " + ", ".join(undone) + ".",
+                 "# The values above were chosen under them; add them to the command to train as the trials did."]
+    head.append(f"#   deepmetric train {setup.out / 'best.yaml'}")
     return "\n".join(head) + "\n" + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None)
 
 
@@ -737,6 +894,8 @@ def _plots(study, out: Path) -> tuple[dict[str, Path], list[str]]:
     from optuna.visualization import matplotlib as ovm
 
     paths, notes = {}, []
+    if not any(t.state.name == "COMPLETE" for t in study.get_trials(deepcopy=False)):
+        return paths, ["plots: not drawn (no trial has finished yet)"]  # Optuna would only warn
     for name, fn in (("optimization_history", ovm.plot_optimization_history),
                      ("param_importances", ovm.plot_param_importances)):
         try:
@@ -798,7 +957,7 @@ def _summary_pairs(setup: TuneSetup, rows: list[dict], best) -> list[tuple[str, 
         states[r["state"]] = states.get(r["state"], 0) + 1
     pairs = [("recipe", str(setup.recipe)), ("space", str(setup.space_path)),
              ("objective", f"validation {setup.space.metric} ({setup.space.direction})"),
-             ("budget", f"{setup.trials} trials finished or pruned"),
+             ("budget", setup.budget_text()),
              ("trials", ", ".join(f"{n} {s}" for s, n in states.items()) or "none yet"),
              ("pruner", setup.space.pruner.get("name", "median")), ("sampler", setup.space.sampler.get("name", "tpe")),
              ("storage", display_storage(setup.storage))]
@@ -813,13 +972,11 @@ def _summary_pairs(setup: TuneSetup, rows: list[dict], best) -> list[tuple[str, 
 def _trials_markdown(setup: TuneSetup, rows: list[dict], best, notes: list[str]) -> str:
     metric = f"val/{setup.space.metric}"
     params = [p.name for p in setup.space.params]
-    tests = sorted({k for r in rows for k in r if k.startswith("test/")})[:4]
-    cols = ["trial", "state", *params, metric, "pruned_at_epoch", "wall_time_s", *tests]
+    cols = ["trial", "state", *params, metric, "pruned_at_epoch", "wall_time_s"]
     lines = [f"# Tune {setup.study_name}", ""]
     lines += [f"- {k}: {v}" for k, v in _summary_pairs(setup, rows, best)]
     lines += ["", "The objective is the validation metric (the best value of the trial, the model best.pt "
-              "keeps). `test/` columns are the test split of a finished trial, recorded for information "
-              "only: never used to choose.", "",
+              "keeps). The trials never evaluated the test split: no test metric exists to choose on.", "",
               "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(_fmt_cell(r.get(c)) for c in cols) + " |")

@@ -1,0 +1,596 @@
+"""Protocol v2 of the emoji loss comparison (issue 30; the table, spaces, budgets and seeds are in
+studies/protocol_v2.py), one resumable command.  Phases, in this order by default:
+
+* ``tune``: each loss searches the same space shape on the cross-vendor validation emoji until
+  it has ``--trials`` *completed* trials (TPE, 4 trials at a time as pre-registered, median
+  pruning only in the second half); the
+  trials never evaluate the test split, and the copy of each tune's outputs is checked to hold
+  no test metric before it is written;
+* ``seeds``: each loss at its tuned settings on seeds no tune used (``SEEDS``; ``CLAIM_SEEDS``
+  for the paper claims' losses), validation only (best.pt chosen on validation);
+* ``control``: every loss at the winner's optimiser, lr, weight decay, multiplier and embedding
+  (the winner: the best validation objective of all tunes), its own tuned option kept, seed 100,
+  validation only;
+* ``almn_beta``: ALMN's beta in ``BETAS`` at almn_beta3's tuned settings, ``BETA_SEEDS``;
+* ``final``: only for the losses whose seeded runs have all finished, and only once the
+  pre-registration exists (committed, for the repository's copy): each seeded run's best.pt on
+  the test split once (cross-vendor Recall@1 and MAP@R), then ``results.csv``,
+  ``almn_beta.csv`` and ``summary.md`` (the ranked table; the pre-registered hypotheses H1-H6
+  with paired 95 % CIs, Holm over the seven tests, and the decision rule's verdicts).
+
+Runs live in ``--runs`` (runs/protocol_v2); the committed copy (``--copy-to``,
+bench/studies/protocol_v2) gets the tunes' outputs, control.csv and, from ``final`` only, the
+results, every path in them relative to the repository.  A rerun resumes every phase.
+
+    python bench/protocol_v2.py                                  # everything (tunes 4 trials at a time)
+    python bench/protocol_v2.py --phase tune seeds --only HBN BN # some phases, some losses
+    python bench/protocol_v2.py --device cuda --parallel 8       # on one GPU, 8 seeded runs at once
+    python bench/protocol_v2.py --summary                        # rewrite the copies, train nothing
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+# worker processes (deepmetric tune / study --workers) import this checkout's package too
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+_spec = importlib.util.spec_from_file_location("protocol_v2_table", ROOT / "studies" / "protocol_v2.py")
+spec = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(spec)
+
+PHASES = ("tune", "seeds", "control", "almn_beta", "final")
+TUNE_FILES = ("trials.md", "trials.csv", "best.yaml", "best_overrides.json", "tune.json", "report.html",
+              "optimization_history.png", "param_importances.png")
+RESULT_COLUMNS = ["loss", "seed", "completed_trials", "optimizer", "embedding", "epochs", "cross_domain_recall@1",
+                  "cross_domain_map@r", "wall_time_s", "best_epoch", "val_objective", "val_flattened"]
+METRICS = ("cross_domain_recall@1", "cross_domain_map@r")
+# a test metric, however written (test/recall@1, test_map@r, "test: recall@1=", a JSON record of
+# the test split, a "test" mapping of values): never in a tune's copy
+TEST_METRIC = re.compile(r'test[/_: ]+"?(cross_domain_)?(recall@|map@r|r_precision|nmi|f1)|"split"\s*:\s*"test"'
+                         r'|"test"\s*:\s*\{\s*"[\w@]+"\s*:\s*-?[\d.]', re.I)
+ABSOLUTE = re.compile(r"/(?:tmp|home|root|work|Users|mnt|var|opt|srv|scratch)/")
+
+
+class ProtocolError(RuntimeError):
+    """The protocol cannot go on as asked (a missing tune, no pre-registration, a leak)."""
+
+
+# --------------------------------------------------------------------------- set-up
+class Protocol:
+    def __init__(self, args):
+        self.args = args
+        self.runs = Path(args.runs).resolve()
+        self.copy = Path(args.copy_to).resolve()
+        self.recipe = Path(args.recipe).resolve()
+        self.epochs = args.epochs
+        self.trials = args.trials
+        self.losses = args.only or list(spec.LOSSES)
+        self.common = [f"train.epochs={self.epochs}"] + (["train.device=cuda"] if args.device == "cuda" else []) \
+            + list(args.set or [])
+
+    def tune_dir(self, loss: str) -> Path:
+        return self.runs / "tune" / loss
+
+    def tuned(self) -> list[str]:
+        """The losses (of the whole table, in order) whose tune has a best trial."""
+        return [n for n in spec.LOSSES if (self.tune_dir(n) / "best_overrides.json").is_file()]
+
+    def log(self, msg: str) -> None:
+        print(f"[protocol_v2] {msg}", flush=True)
+
+
+def sanitize(text: str, proto: Protocol) -> str:
+    """Paths relative to the repository: the run folder and the checkout become relative (a
+    recipe outside the checkout, as in the tests: its folder becomes ``RECIPE_DIR``)."""
+    pairs = [(str(proto.runs), "runs/protocol_v2"), (str(ROOT) + "/", ""), (str(ROOT), ".")]
+    if ROOT not in proto.recipe.parents:
+        pairs.insert(1, (str(proto.recipe.parent), "RECIPE_DIR"))
+    for absolute, rel in pairs:
+        text = text.replace(absolute, rel)
+    return text
+
+
+def copy_text(src: Path, dest: Path, proto: Protocol) -> None:
+    text = sanitize(src.read_text(encoding="utf-8"), proto)
+    m = ABSOLUTE.search(text)
+    if m:
+        raise ProtocolError(f"{src}: an absolute path remains after sanitizing ({text[max(0, m.start() - 40):m.end() + 40]!r})")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(text, encoding="utf-8")
+
+
+def test_metric_leaks(folder: Path) -> list[str]:
+    """Every text file under ``folder`` that holds a test metric."""
+    leaks = []
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # the storage, checkpoints, images
+            continue
+        m = TEST_METRIC.search(text)
+        if m:
+            leaks.append(f"{path}: {m.group(0)!r}")
+    return leaks
+
+
+# --------------------------------------------------------------------------- tune
+def run_tune_phase(proto: Protocol, loss: str) -> None:
+    from deepmetric.workflows.tune import prepare_tune, run_tune
+
+    spaces = spec.write_spaces(proto.runs / "spaces", proto.epochs)
+    setup = prepare_tune(proto.recipe, spaces[loss], trials=proto.trials, out=proto.tune_dir(loss),
+                         study_name=f"protocol_v2__{loss}", overrides=proto.common, count="completed",
+                         max_trials=spec.MAX_TRIALS_FACTOR * proto.trials)
+    proto.log(f"tune {loss}: {setup.budget_text()}, {proto.args.tune_parallel} trials at a time")
+    run_tune(setup, workers=proto.args.tune_parallel)
+    copy_tune(proto, loss)
+
+
+def copy_tune(proto: Protocol, loss: str) -> None:
+    src = proto.tune_dir(loss)
+    leaks = test_metric_leaks(src)
+    if leaks:
+        raise ProtocolError(f"tune {loss}: test metrics in its outputs, nothing copied: {leaks[:3]}")
+    dest = proto.copy / "tunes" / loss
+    for name in TUNE_FILES:
+        if not (src / name).is_file():
+            continue
+        if name.endswith(".png"):
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src / name, dest / name)
+        else:
+            copy_text(src / name, dest / name, proto)
+
+
+def tune_record(proto: Protocol, loss: str) -> dict:
+    """From a finished tune: its trial counts, best value and best overrides split into the
+    shared dimensions and the loss's own."""
+    d = proto.tune_dir(loss)
+    with open(d / "trials.csv", newline="") as f:
+        states = [r["state"] for r in csv.DictReader(f)]
+    best = json.loads((d / "best_overrides.json").read_text())
+    shared, own = [], []
+    for o in best["overrides"]:
+        (shared if o.split("=", 1)[0] in spec.SHARED else own).append(o)
+    return {"loss": loss, "completed": states.count("complete"), "pruned": states.count("pruned"),
+            "trials": len(states), "value": float(best["value"]), "shared": shared, "own": own}
+
+
+# --------------------------------------------------------------------------- seeded runs (studies)
+def make_study(proto: Protocol, kind: str, variants: dict, seeds: list[int]):
+    """A deepmetric study in ``runs/<kind>``, written to a file (its worker processes load it)."""
+    from deepmetric.workflows.study import load_study
+
+    raw = {"name": f"protocol_v2_{kind}", "base": str(proto.recipe), "overrides": proto.common,
+           "variants": variants, "seeds": seeds, "out_dir": str(proto.runs / kind), "workers": proto.args.parallel}
+    path = proto.runs / f"{kind}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# bench/protocol_v2.py: generated, rewritten on every run\n" + yaml.safe_dump(raw, sort_keys=False))
+    return load_study(path, out_dir=proto.runs / kind)
+
+
+def seeds_study(proto: Protocol):
+    tuned = proto.tuned()
+    variants = {n: spec.overrides(n, proto.epochs) + [{"from_tune": str(proto.tune_dir(n))}] for n in tuned}
+    return make_study(proto, "seeds", variants, spec.CLAIM_SEEDS) if variants else None
+
+
+def run_study_phase(proto: Protocol, study, only: list[str]) -> None:
+    from deepmetric.workflows.study import run_study
+
+    if study is None or not only:
+        return
+    if all(r.finished for r in study.runs if any(r.key == k or r.key.startswith(k + "/") for k in only)):
+        return  # nothing to train here (metrics.json of each): no worker processes to start
+    result = run_study(study, workers=proto.args.parallel, only=only)
+    if result["interrupted"]:
+        raise KeyboardInterrupt
+    if result["failed"]:
+        proto.log(f"{study.name}: failed runs {result['failed']} (rerun to retry)")
+
+
+def run_seeds_phase(proto: Protocol, losses: list[str]) -> None:
+    missing = [n for n in losses if n not in proto.tuned()]
+    if missing:
+        proto.log(f"seeds: no finished tune for {missing}: skipped (run --phase tune first)")
+    only = [f"{n}/seed{s}" for n in losses if n not in missing for s in spec.seeds_of(n)]
+    run_study_phase(proto, seeds_study(proto), only)
+
+
+def winner(proto: Protocol) -> dict:
+    """The loss (of those asked for) with the best validation objective of its tune.  It is
+    recorded in runs/control/winner.json: a later winner (more tunes finished since) is an
+    error, not a silent change of the control runs."""
+    records = [tune_record(proto, n) for n in proto.tuned() if n in proto.losses]
+    if not records:
+        raise ProtocolError("control: no finished tune")
+    win = max(records, key=lambda r: r["value"])
+    path = proto.runs / "control" / "winner.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if before["loss"] != win["loss"] or before["shared"] != win["shared"]:
+            raise ProtocolError(f"control: the winner is now {win['loss']} {win['shared']}, the control runs in "
+                                f"{path.parent} are at {before['loss']} {before['shared']}; move that folder away "
+                                "to run the control again")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(win, indent=1) + "\n")
+    return win
+
+
+def control_study(proto: Protocol):
+    """Every tuned loss at the winner's shared settings, its own tuned option kept."""
+    win = winner(proto)
+    variants = {n: spec.overrides(n, proto.epochs) + tune_record(proto, n)["own"] + win["shared"]
+                for n in proto.tuned()}
+    return make_study(proto, "control", variants, [spec.SEEDS[0]]), win
+
+
+def run_control_phase(proto: Protocol, losses: list[str]) -> None:
+    study, win = control_study(proto)
+    proto.log(f"control: the winner is {win['loss']} (validation {win['value']:.4f}): {win['shared']}")
+    run_study_phase(proto, study, [n for n in losses if n in proto.tuned()])
+    write_control(proto)
+
+
+def almn_study(proto: Protocol):
+    if "almn_beta3" not in proto.tuned():
+        return None
+    base = spec.overrides("almn_beta3", proto.epochs) + [{"from_tune": str(proto.tune_dir("almn_beta3"))}]
+    variants = {f"beta{b:g}": base + [f"loss.0.options.beta={b}"] for b in spec.BETAS}
+    return make_study(proto, "almn_beta", variants, spec.BETA_SEEDS)
+
+
+def run_almn_phase(proto: Protocol) -> None:
+    study = almn_study(proto)
+    if study is None:
+        proto.log("almn_beta: almn_beta3 has no finished tune: skipped")
+        return
+    run_study_phase(proto, study, list(study.variants))
+
+
+# --------------------------------------------------------------------------- final (test, once)
+def check_preregistration(proto: Protocol) -> None:
+    """The test split is read only after the pre-registration exists (in the repository's copy:
+    committed to git)."""
+    path = proto.copy / "PREREGISTRATION.md"
+    if not path.is_file():
+        raise ProtocolError(f"final: {path} does not exist; the pre-registration comes before any test number")
+    try:
+        inside = path.resolve().relative_to(ROOT)
+    except ValueError:
+        return
+    r = subprocess.run(["git", "log", "-1", "--format=%H", "--", str(inside)], cwd=ROOT, capture_output=True,
+                       text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise ProtocolError(f"final: {inside} is not committed; commit the pre-registration before the first result")
+
+
+def val_curve(run_dir: Path, key: str) -> list[float]:
+    from deepmetric.train.rundir import read_log
+
+    return [r[key] for r in read_log(run_dir, type="eval") if r.get("split") == "val" and key in r]
+
+
+def flattened(curve: list[float], points: float = 0.5) -> bool:
+    """No gain above ``points`` (percentage points) over the last two evaluations: the best of
+    the last two is at most ``points`` above the best before them (False with fewer than 3)."""
+    if len(curve) < 3:
+        return False
+    return max(curve[-2:]) - max(curve[:-2]) <= points / 100
+
+
+def test_evaluation(run_dir: Path, device: str) -> dict:
+    """best.pt of a finished run on the test split (its own config: the indexed embedding,
+    cross-vendor metrics), once: the result is kept in ``final.json`` next to the run."""
+    cache = run_dir.parent / f"{run_dir.name}.final.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    from deepmetric.train.builders import build_test_sets
+    from deepmetric.train.distributed import resolve_device
+    from deepmetric.train.embed import evaluate_split, load_model_from_checkpoint
+    from deepmetric.train.rundir import write_text_atomic
+
+    dev = resolve_device("cuda" if device == "cuda" else "cpu")
+    model, losses, cfg, _ = load_model_from_checkpoint(run_dir / "best.pt", dev)
+    cfg.eval.cross_domain = True
+    metrics, _ = evaluate_split(model, build_test_sets(cfg), cfg, device=dev, losses=losses)
+    record = {"metrics": {k: float(v) for k, v in metrics.items()}, "embedding": cfg.eval.embedding,
+              "optimizer": cfg.optim.name, "checkpoint": "best.pt"}
+    write_text_atomic(cache, json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def result_row(proto: Protocol, run, loss: str, completed: int) -> dict:
+    summary = json.loads((run.out_dir / "metrics.json").read_text())
+    test = test_evaluation(run.out_dir, proto.args.device)
+    key = spec.OBJECTIVE
+    curve = val_curve(run.out_dir, key)
+    sel = summary.get("selected") or {}
+    return {"loss": loss, "seed": run.seed, "completed_trials": completed, "optimizer": test["optimizer"],
+            "embedding": spec.EMBEDDING_NAMES[test["embedding"]], "epochs": summary.get("epochs"),
+            **{m: test["metrics"][m] for m in METRICS}, "wall_time_s": summary.get("wall_time_s"),
+            "best_epoch": sel.get("epoch"), "val_objective": sel.get("value"), "val_flattened": flattened(curve)}
+
+
+def final_rows(proto: Protocol, study, groups: dict[str, tuple[str, list[int], int]]) -> list[dict]:
+    """``groups``: variant -> (loss name in the table, its seeds, completed trials); a group is
+    evaluated only when all its seeded runs have finished."""
+    rows = []
+    by_key = {r.key: r for r in study.runs}
+    for variant, (loss, seeds, completed) in groups.items():
+        runs = [by_key[f"{variant}/seed{s}"] for s in seeds]
+        if not all(r.finished and (r.out_dir / "best.pt").is_file() for r in runs):
+            proto.log(f"final: {variant}: {sum(r.finished for r in runs)}/{len(runs)} seeded runs finished: not yet")
+            continue
+        rows += [result_row(proto, r, loss, completed) for r in runs]
+    return rows
+
+
+def run_final_phase(proto: Protocol) -> None:
+    check_preregistration(proto)
+    study = seeds_study(proto)
+    if study is not None:
+        groups = {n: (n, spec.seeds_of(n), tune_record(proto, n)["completed"]) for n in proto.tuned()}
+        write_csv(proto.runs / "results.csv", final_rows(proto, study, groups), RESULT_COLUMNS)
+    almn = almn_study(proto)
+    if almn is not None:
+        completed = tune_record(proto, "almn_beta3")["completed"]
+        groups = {v: (f"almn_sweep_{v}", spec.BETA_SEEDS, completed) for v in almn.variants}
+        write_csv(proto.runs / "almn_beta.csv", final_rows(proto, almn, groups), RESULT_COLUMNS)
+    write_summary(proto)
+    copy_results(proto)
+
+
+# --------------------------------------------------------------------------- tables
+def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    from deepmetric.train.rundir import write_text_atomic
+
+    lines = [",".join(columns)]
+    for r in rows:
+        lines.append(",".join("" if r.get(c) is None else (f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]))
+                              for c in columns))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "\n".join(lines) + "\n")
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_control(proto: Protocol) -> None:
+    study, win = control_study(proto)
+    seeds = seeds_study(proto)
+    own = {r.variant: r for r in (seeds.runs if seeds is not None else []) if r.seed == spec.SEEDS[0]}
+    rows = []
+    for run in study.runs:
+        if not run.finished:
+            continue
+        at_win = json.loads((run.out_dir / "metrics.json").read_text()).get("selected") or {}
+        mine = own.get(run.variant)
+        at_own = ((json.loads((mine.out_dir / "metrics.json").read_text()).get("selected") or {}).get("value")
+                  if mine is not None and mine.finished else None)
+        rows.append({"loss": run.variant, "seed": run.seed, "winner": win["loss"],
+                     "tune_best_val": tune_record(proto, run.variant)["value"],
+                     "val_at_own_settings": at_own, "val_at_winner_settings": at_win.get("value")})
+    cols = ["loss", "seed", "winner", "tune_best_val", "val_at_own_settings", "val_at_winner_settings"]
+    write_csv(proto.runs / "control.csv", rows, cols)
+    copy_text(proto.runs / "control.csv", proto.copy / "control.csv", proto)
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjustment (Holm 1979): the i-th smallest of m p-values becomes
+    max over j <= i of min(1, (m - j + 1) p_(j))."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    out, running = [float("nan")] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
+def paired(rows: list[dict], a: str, b: str, metric: str, key: str = "loss") -> dict:
+    """Paired difference A - B over the seeds both have: mean, 95 % t interval, two-sided
+    paired t-test p-value (NaN with fewer than 2 seeds or no spread)."""
+    from scipy import stats
+
+    from deepmetric.report.study_tables import mean_ci
+
+    x = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == a}
+    y = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == b}
+    seeds = sorted(set(x) & set(y))
+    diffs = [x[s] - y[s] for s in seeds]
+    ci = mean_ci(diffs)
+    p = float(stats.ttest_1samp(diffs, 0.0).pvalue) if len(diffs) >= 2 and ci["std"] > 0 else float("nan")
+    return {"a": a, "b": b, "n": len(seeds), **ci, "p": p}
+
+
+def verdict(test: dict, holm_p: float) -> str:
+    """The pre-registered decision rule on the primary metric (fractions; points = x 100)."""
+    if test["n"] < 2 or not math.isfinite(test["mean"]):
+        return "not resolved"
+    if holm_p < spec.ALPHA:
+        return "holds" if test["mean"] > 0 else "reversed"
+    if math.isfinite(test["ci_high"]) and test["ci_high"] < spec.MIN_GAIN_POINTS / 100:
+        return "does not hold"
+    return "not resolved"
+
+
+def best_by_tune(proto: Protocol, group: list[str], rows: list[dict]) -> str | None:
+    """The loss of ``group`` with the best tuned validation objective (among those with results)."""
+    have = {r["loss"] for r in rows}
+    tuned = [n for n in group if n in have and (proto.tune_dir(n) / "best_overrides.json").is_file()]
+    return max(tuned, key=lambda n: tune_record(proto, n)["value"]) if tuned else None
+
+
+def hypothesis_tests(proto: Protocol, rows: list[dict], metric: str) -> list[tuple[str, dict | None]]:
+    """H1-H4, H5a / H5b (two_head_accuracy.csv in the copy, its top-1 or macro accuracy) and H6:
+    the whole pre-registered family, None for a test whose runs are not there yet."""
+    have = {r["loss"] for r in rows}
+    out = [(h, paired(rows, a, b, metric) if a in have and b in have else None) for h, a, b in spec.COMPARISONS]
+    two = read_csv(proto.copy / "two_head_accuracy.csv")
+    col = "top1" if metric == spec.OBJECTIVE else "macro_accuracy"
+    out += [(h, paired(two, a, b, col, key="variant") if two else None) for h, a, b in spec.TWO_HEAD]
+    ours, pml = best_by_tune(proto, spec.OURS, rows), best_by_tune(proto, spec.PML, rows)
+    out.append(("H6", paired(rows, ours, pml, metric) if ours and pml else None))
+    return out
+
+
+def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
+    lines = []
+    for metric in METRICS:
+        tests = hypothesis_tests(proto, rows, metric)
+        # Holm over the whole family of 7: a test not run yet counts as p = 1 (never helps the others)
+        adjusted = holm([t["p"] if t is not None and math.isfinite(t["p"]) else 1.0 for _, t in tests])
+        primary = metric == spec.OBJECTIVE
+        lines += [f"### {metric}" + (" (primary: the decision rule)" if primary else " (secondary: no verdict)"), "",
+                  "| id | A - B | seeds | mean (points) | 95 % CI | p | Holm p |" + (" verdict |" if primary else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if primary else "")]
+        for (h, t), adj in zip(tests, adjusted):
+            if t is None:
+                lines.append(f"| {h} | not run yet | | | | | |" + (" |" if primary else ""))
+                continue
+            cells = (f"| {h} | {t['a']} - {t['b']} | {t['n']} | {100 * t['mean']:+.2f} | "
+                     f"[{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}] | {t['p']:.4g} | {adj:.4g} |")
+            lines.append(cells + (f" {verdict(t, adj)} |" if primary else ""))
+        lines.append("")
+    return lines
+
+
+def write_summary(proto: Protocol) -> None:
+    from deepmetric.report.study_tables import mean_ci
+    from deepmetric.train.rundir import write_text_atomic
+
+    rows = read_csv(proto.runs / "results.csv")
+    epochs = ", ".join(sorted({r["epochs"] for r in rows})) or "-"
+    budget = ", ".join(sorted({r["completed_trials"] for r in rows})) or "-"
+    stats_by = {}
+    for loss in dict.fromkeys(r["loss"] for r in rows):
+        mine = [r for r in rows if r["loss"] == loss]
+        stats_by[loss] = (*(mean_ci([float(r[m]) for r in mine]) for m in METRICS), mine)
+    ranked = sorted(stats_by, key=lambda n: -stats_by[n][0]["mean"])
+    lines = ["# Protocol v2: results (test split, evaluated once by the final step)", "",
+             f"Epochs per run: {epochs}; completed tune trials per loss: {budget}; seeds no tune used "
+             f"(the tunes trained with seed {spec.TUNE_SEED}). Points of cross-vendor Recall@1 / MAP@R.", "",
+             "| rank | loss | runs | R@1 mean | sd | 95 % CI | vs top (seeds 100-102) | MAP@R mean | sd | flattened |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, loss in enumerate(ranked, 1):
+        r1, mp, mine = stats_by[loss]
+        top = paired([r for r in rows if int(r["seed"]) in spec.SEEDS], loss, ranked[0], spec.OBJECTIVE)
+        vs = "-" if loss == ranked[0] else f"{100 * top['mean']:+.2f} [{100 * top['ci_low']:+.2f}, {100 * top['ci_high']:+.2f}]"
+        flat = sum(r["val_flattened"] == "True" for r in mine)
+        lines.append(f"| {i} | {loss} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
+                     f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {vs} | {100 * mp['mean']:.2f} | "
+                     f"{100 * mp['std']:.2f} | {flat}/{len(mine)} |")
+    lines += ["", "## The pre-registered hypotheses (paired by seed, A - B; Holm over H1-H6, seven tests)", "",
+              f"H6: the best of ours ({best_by_tune(proto, spec.OURS, rows)}) against the best "
+              f"pytorch-metric-learning loss ({best_by_tune(proto, spec.PML, rows)}), each by its tune's "
+              "validation objective.", ""]
+    lines += hypotheses_markdown(proto, rows)
+    write_text_atomic(proto.runs / "summary.md", "\n".join(lines) + "\n")
+
+
+def copy_results(proto: Protocol) -> None:
+    proto.copy.mkdir(parents=True, exist_ok=True)
+    for name in ("results.csv", "almn_beta.csv", "summary.md"):
+        if (proto.runs / name).is_file():
+            copy_text(proto.runs / name, proto.copy / name, proto)
+
+
+def commit(proto: Protocol, message: str) -> None:
+    """Commit the copy (tunes, control, results) and nothing else."""
+    subprocess.run(["git", "add", "-f", "--", str(proto.copy)], cwd=ROOT, check=False)
+    subprocess.run(["git", "commit", "-q", "-m", message, "--", str(proto.copy)], cwd=ROOT, check=False)
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--phase", nargs="+", choices=("all",) + PHASES, default=["all"])
+    ap.add_argument("--only", nargs="+", default=None, help="these losses (default: the whole table, in order)")
+    ap.add_argument("--epochs", type=int, default=spec.EPOCHS)
+    ap.add_argument("--trials", type=int, default=spec.TRIALS, help="completed trials per loss")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--parallel", type=int, default=2,
+                    help="seeded / control / sweep runs at once (worker processes; on a GPU: processes sharing it)")
+    ap.add_argument("--tune-parallel", type=int, default=spec.TUNE_WORKERS,
+                    help=f"trials at once in every tune (pre-registered: {spec.TUNE_WORKERS} on any machine; "
+                         "another value only for tests)")
+    ap.add_argument("--runs", default=str(ROOT / "runs" / "protocol_v2"))
+    ap.add_argument("--copy-to", default=str(ROOT / "bench" / "studies" / "protocol_v2"))
+    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "protocol_v2.yaml"))
+    ap.add_argument("--set", nargs="+", default=None, metavar="KEY=VALUE", help="overrides for every run")
+    ap.add_argument("--summary", action="store_true", help="train and evaluate nothing: rewrite the copies")
+    ap.add_argument("--commit", action="store_true", help="git-commit the copy after each phase")
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.only or () if n not in spec.LOSSES]
+    if unknown:
+        ap.error(f"unknown loss(es) {unknown}; the table has {list(spec.LOSSES)}")
+    if min(args.parallel, args.tune_parallel, args.trials, args.epochs) < 1:
+        ap.error("--parallel, --tune-parallel, --trials and --epochs must be >= 1")
+    return args
+
+
+def run(proto: Protocol, phases: list[str]) -> None:
+    if "tune" in phases:
+        for loss in proto.losses:
+            run_tune_phase(proto, loss)
+            if proto.args.commit:
+                commit(proto, f"bench/studies/protocol_v2: {loss} tuned ({proto.trials} completed trials, validation)")
+            if "seeds" in phases:  # the paper claims' losses first, each with its seeds
+                run_seeds_phase(proto, [loss])
+    if "seeds" in phases:
+        run_seeds_phase(proto, proto.losses)
+    if "control" in phases:
+        run_control_phase(proto, proto.losses)
+        if proto.args.commit:
+            commit(proto, "bench/studies/protocol_v2: control (every loss at the winner's settings, validation)")
+    if "almn_beta" in phases:
+        run_almn_phase(proto)
+    if "final" in phases:
+        run_final_phase(proto)
+        if proto.args.commit:
+            commit(proto, "bench/studies/protocol_v2: final test evaluation of the finished seeded runs")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    proto = Protocol(args)
+    try:
+        if args.summary:
+            for loss in proto.tuned():
+                copy_tune(proto, loss)
+            if (proto.runs / "control" / "winner.json").is_file():  # the control phase has started
+                write_control(proto)
+            if (proto.runs / "results.csv").is_file():
+                write_summary(proto)
+                copy_results(proto)
+            return 0
+        run(proto, list(PHASES) if "all" in args.phase else list(args.phase))
+    except (ProtocolError, ValueError) as exc:  # ValueError: TuneError, ConfigError (a changed set-up, a bad key)
+        print(f"protocol_v2: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("protocol_v2: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""The two-head paper's main claim on a closed-set fine-grained task (issue 30 item 5; hypotheses
+H5a / H5b of bench/studies/protocol_v2/PREREGISTRATION.md): does the triplet head raise the
+classifier's accuracy?  Softmax vs softmax + semi-hard triplet vs softmax + hard triplet
+(recipes/two_head/emoji_closed_set_{softmax,semihard,hard}.yaml: EfficientNet-Lite0 ImageNet,
+64 px, all 1,911 emoji classes), trained on five vendors and tested on the sixth (twitter).
+
+Three phases, each resumable (a finished run, one with ``metrics.json``, is skipped; an
+interrupted one continues from its ``last.pt``), in this order:
+
+1. ``lr``: per variant, each lr of ``--lrs`` (default 0.003, 0.01, 0.03) at seed 100, trained on
+   apple, google, emojione and openmoji and scored on the validation vendor facebook (top-1 of
+   the classifier at the last epoch, the model the seeded runs hand to the test). The test vendor
+   is not even loaded: the runs have no test split (``eval.split=null``). Writes ``lr/lr_runs.csv``
+   (``variant, lr, seed, epochs, val_top1, val_macro_accuracy, best_epoch, best_val_top1,
+   last_gain_points, flattened, wall_time_s, cpu_s``: the gain of validation top-1 over the last
+   two evaluations and whether it is at most 0.5 points (issue 30 item 4: the curve flattened),
+   the training's CPU seconds), ``lr/curves.csv`` (validation top-1 per epoch) and
+   ``lr/chosen_lr.json`` (per variant the lr of the highest last-epoch validation top-1; ties go
+   to the smaller lr);
+2. ``seeds``: per variant, seeds 100-104 at its chosen lr, trained on the five non-test vendors,
+   no evaluation at all during training; ``seeds/runs.csv`` (no metric of any held-out image);
+3. ``final``: the one step that looks at twitter: every finished seeded run's ``last.pt``
+   classifies the test vendor's images; ``two_head_accuracy.csv`` (``variant, seed, top1,
+   macro_accuracy``: macro = the mean over test classes of per-class accuracy) and
+   ``summary.md`` / ``summary.json`` (per variant mean, sample sd and 95 % Student-t interval;
+   per triplet variant the paired difference to softmax by seed with its 95 % interval).
+
+    python bench/two_head_accuracy.py --phase all                      # CPU, one run at a time
+    python bench/two_head_accuracy.py --phase all --device cuda --parallel 4
+    python bench/two_head_accuracy.py --phase lr --epochs 5 --out runs/two_head_probe
+
+``--parallel N`` runs N trainings at once as separate processes (``deepmetric train``; on one
+GPU they share it); ``--parallel 1`` trains in this process.  ``--set KEY=VALUE`` adds a config
+override to every run (the miniature test swaps the data root and the size with it).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+VARIANTS = ("softmax", "semihard", "hard")
+BASELINE = "softmax"
+LRS = (0.003, 0.01, 0.03)
+SEEDS = (100, 101, 102, 103, 104)
+LR_SEED = 0  # a seed no final run uses (PREREGISTRATION.md)
+VAL_VENDOR = "facebook"
+CSV_COLUMNS = ("variant", "seed", "top1", "macro_accuracy")
+LR_COLUMNS = ("variant", "lr", "seed", "epochs", "val_top1", "val_macro_accuracy", "best_epoch", "best_val_top1",
+              "last_gain_points", "flattened", "wall_time_s", "cpu_s")
+FLAT_POINTS = 0.5  # issue 30 item 4: flattened = no gain above 0.5 points over the last two evaluations
+# the lr phase: a validation vendor and no test split; the seeded runs: no evaluation at all
+LR_OVERRIDES = (f"data.options.val_vendor={VAL_VENDOR}", "data.val_split=val", "eval.split=null", "eval.every=1",
+                "eval.best_metric=top1")
+SEED_OVERRIDES = ("data.options.val_vendor=null", "data.val_split=null", "eval.split=null")
+
+
+def recipe(variant: str) -> Path:
+    return ROOT / "recipes" / "two_head" / f"emoji_closed_set_{variant}.yaml"
+
+
+@dataclass
+class Run:
+    """One training: its variant, lr, seed, folder and config overrides."""
+
+    variant: str
+    lr: float
+    seed: int
+    out_dir: Path
+    overrides: list[str]
+
+    @property
+    def done(self) -> bool:
+        return (self.out_dir / "metrics.json").is_file()
+
+    def metrics(self) -> dict:
+        return json.loads((self.out_dir / "metrics.json").read_text(encoding="utf-8"))
+
+
+def _lr_name(lr: float) -> str:
+    return f"lr{lr:g}"
+
+
+def make_run(args, phase: str, variant: str, lr: float, seed: int) -> Run:
+    out = Path(args.out) / phase / variant / (f"{_lr_name(lr)}_seed{seed}" if phase == "lr" else f"seed{seed}")
+    common = [f"optim.lr={lr}", f"train.seed={seed}", f"train.epochs={args.epochs}", f"train.out_dir={out}",
+              "train.progress=false", f"train.device={args.device}"]
+    if args.threads:
+        common.append(f"train.num_threads={args.threads}")
+    phase_keys = LR_OVERRIDES if phase == "lr" else SEED_OVERRIDES
+    return Run(variant, lr, seed, out, common + list(phase_keys) + list(args.set))
+
+
+# --------------------------------------------------------------------------- running trainings
+CPU_FILE = "cpu_seconds.json"  # per run: CPU seconds (user + system) of its trainings, summed over resumes
+
+
+def cpu_seconds(run: Run) -> float | None:
+    path = run.out_dir / CPU_FILE
+    return json.loads(path.read_text(encoding="utf-8"))["cpu_s"] if path.is_file() else None
+
+
+def _add_cpu_seconds(run: Run, seconds: float) -> None:
+    total = (cpu_seconds(run) or 0.0) + seconds
+    write_text(run.out_dir / CPU_FILE, json.dumps({"cpu_s": round(total, 1)}) + "\n")
+
+
+def _train_here(run: Run) -> None:
+    import resource
+
+    from deepmetric.train import load_config, train
+
+    last = run.out_dir / "last.pt"
+    cfg = load_config(str(recipe(run.variant)), run.overrides)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    train(cfg, resume=str(last) if last.is_file() else None, overwrite=not last.is_file())
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    _add_cpu_seconds(run, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+
+
+def _train_subprocess(run: Run, log_dir: Path) -> None:
+    last = run.out_dir / "last.pt"
+    cmd = [sys.executable, "-m", "deepmetric.cli", "train", str(recipe(run.variant)), *run.overrides]
+    cmd += ["--resume", str(last)] if last.is_file() else ["--overwrite"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{run.out_dir.parent.parent.name}_{run.variant}_{run.out_dir.name}.log"
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own CPU time
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd[2:5])} ... failed (exit {code}); see {log}")
+    _add_cpu_seconds(run, usage.ru_utime + usage.ru_stime)
+
+
+def run_all(runs: list[Run], args) -> list[str]:
+    """Train every unfinished run (``--parallel`` at once); returns the error messages."""
+    todo = [r for r in runs if not r.done]
+    print(f"[two_head_accuracy] {len(runs) - len(todo)} of {len(runs)} runs finished, {len(todo)} to train",
+          flush=True)
+    errors: list[str] = []
+
+    def one(run: Run) -> None:
+        t0 = time.perf_counter()
+        try:
+            if args.parallel > 1:
+                _train_subprocess(run, Path(args.out) / "logs")
+            else:
+                _train_here(run)
+        except Exception as exc:  # noqa: BLE001 - one failed run does not stop the others
+            errors.append(f"{run.out_dir}: {exc}")
+            print(f"[two_head_accuracy] FAILED {run.out_dir}: {exc}", flush=True)
+            return
+        print(f"[two_head_accuracy] done {run.out_dir} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    if args.parallel > 1:
+        with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            list(pool.map(one, todo))
+    else:
+        for run in todo:
+            one(run)
+    return errors
+
+
+# --------------------------------------------------------------------------- writing
+def write_csv(path: Path, rows: list[dict], columns) -> Path:
+    """Atomic CSV write (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="raise")
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def last_gain_points(top1: list[float]) -> float | None:
+    """The gain of validation top-1 (points) over the last two evaluations: the best of the last
+    two minus the one before them; None with fewer than three evaluations."""
+    if len(top1) < 3:
+        return None
+    return 100 * (max(top1[-2:]) - top1[-3])
+
+
+def _val_curve(run: Run) -> list[dict]:
+    """The validation records of a run's log, one per evaluated epoch."""
+    out = []
+    for line in (run.out_dir / "log.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "eval" and rec.get("split") == "val":
+            out.append({"variant": run.variant, "lr": run.lr, "epoch": rec["epoch"], "val_top1": rec["top1"],
+                        "val_macro_accuracy": rec["mean_per_class"]})
+    return out
+
+
+# --------------------------------------------------------------------------- the phases
+def phase_lr(args) -> int:
+    runs = [make_run(args, "lr", v, lr, args.lr_seed) for v in args.variants for lr in args.lrs]
+    errors = run_all(runs, args)
+    rows, curves = [], []
+    for run in runs:
+        if not run.done:
+            continue
+        m = run.metrics()
+        val, best, curve = m["final"]["val"], m.get("selected") or {}, _val_curve(run)
+        gain = last_gain_points([c["val_top1"] for c in curve])
+        rows.append({"variant": run.variant, "lr": run.lr, "seed": run.seed, "epochs": m["epochs"],
+                     "val_top1": val["top1"], "val_macro_accuracy": val["mean_per_class"],
+                     "best_epoch": best.get("epoch"), "best_val_top1": best.get("value"),
+                     "last_gain_points": gain, "flattened": None if gain is None else gain <= FLAT_POINTS,
+                     "wall_time_s": m["wall_time_s"], "cpu_s": cpu_seconds(run)})
+        curves += curve
+    out = Path(args.out) / "lr"
+    write_csv(out / "lr_runs.csv", rows, LR_COLUMNS)
+    write_csv(out / "curves.csv", curves, ("variant", "lr", "epoch", "val_top1", "val_macro_accuracy"))
+    chosen = {}
+    for v in args.variants:
+        mine = [r for r in rows if r["variant"] == v]
+        if len(mine) == len(args.lrs):  # every lr of the grid finished
+            best = max(mine, key=lambda r: (r["val_top1"], -r["lr"]))
+            chosen[v] = {"lr": best["lr"], "val_top1": best["val_top1"], "grid": list(args.lrs),
+                         "seed": args.lr_seed, "epochs": args.epochs, "val_vendor": VAL_VENDOR}
+    write_text(out / "chosen_lr.json", json.dumps(chosen, indent=1) + "\n")
+    print(f"[two_head_accuracy] lr phase: chosen on {VAL_VENDOR} top-1: "
+          + ", ".join(f"{v} {c['lr']:g} ({100 * c['val_top1']:.2f})" for v, c in chosen.items()), flush=True)
+    return 1 if errors else 0
+
+
+def chosen_lrs(args) -> dict[str, float]:
+    path = Path(args.out) / "lr" / "chosen_lr.json"
+    chosen = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    missing = [v for v in args.variants if v not in chosen]
+    if missing:
+        raise SystemExit(f"two_head_accuracy: {path} has no chosen lr for {', '.join(missing)}: "
+                         f"run --phase lr first (with the same --out and --variants)")
+    return {v: float(chosen[v]["lr"]) for v in args.variants}
+
+
+def seed_runs(args) -> list[Run]:
+    lrs = chosen_lrs(args)
+    return [make_run(args, "seeds", v, lrs[v], s) for v in args.variants for s in args.seeds]
+
+
+def phase_seeds(args) -> int:
+    runs = seed_runs(args)
+    errors = run_all(runs, args)
+    rows = [{"variant": r.variant, "seed": r.seed, "lr": r.lr, "epochs": r.metrics()["epochs"],
+             "wall_time_s": r.metrics()["wall_time_s"], "cpu_s": cpu_seconds(r)} for r in runs if r.done]
+    write_csv(Path(args.out) / "seeds" / "runs.csv", rows, ("variant", "seed", "lr", "epochs", "wall_time_s", "cpu_s"))
+    return 1 if errors else 0
+
+
+def test_accuracy(run_dir: Path, device: str) -> dict:
+    """Top-1 and macro accuracy of the classifier of ``run_dir/last.pt`` on the test vendor."""
+    import torch
+
+    from deepmetric.evaluate import per_class_accuracy
+    from deepmetric.train.builders import build_test_sets
+    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+
+    dev = torch.device("cuda" if device == "cuda" else "cpu")
+    model, _, cfg, _ = load_model_from_checkpoint(run_dir / "last.pt", dev)
+    cfg.eval.split = "test"
+    ds = build_test_sets(cfg)["query"]
+    out = compute_embeddings(model, ds, with_logits=True, batch_size=cfg.eval.batch_size, device=dev,
+                             amp=cfg.train.amp, num_workers=0)
+    acc = per_class_accuracy(out["logits"], out["labels"], num_classes=ds.num_classes)
+    return {"top1": acc["micro"], "macro_accuracy": acc["macro"], "test_images": acc["count"],
+            "test_classes": sum(r["count"] > 0 for r in acc["classes"])}
+
+
+def summarize(rows: list[dict], variants) -> dict:
+    """Per variant ``mean_ci`` of top-1 and macro accuracy; per triplet variant the paired
+    difference to softmax by seed (``paired_differences``)."""
+    from deepmetric.report.study_tables import mean_ci, paired_differences
+
+    metrics = ("top1", "macro_accuracy")
+    tagged = [{**r, "benchmark": "emoji_closed_set"} for r in rows]
+    per_variant = {v: {"seeds": [r["seed"] for r in rows if r["variant"] == v],
+                       **{m: mean_ci([r[m] for r in rows if r["variant"] == v]) for m in metrics}}
+                   for v in variants}
+    paired = {}
+    for v in variants:
+        if v != BASELINE and BASELINE in variants:
+            (d,) = paired_differences(tagged, v, BASELINE, metrics) or [{"seeds": [], "stats": {}}]
+            paired[f"{v} - {BASELINE}"] = {"seeds": d["seeds"], **d["stats"]}
+    return {"variants": per_variant, "paired": paired}
+
+
+def _pct(st: dict) -> str:
+    from deepmetric.report.study_tables import format_number
+
+    f = {k: (100 * st[k] if isinstance(st.get(k), float) else None) for k in ("mean", "std", "ci_low", "ci_high")}
+    return (f"{format_number(f['mean'], 2)} ± {format_number(f['std'], 2)} "
+            f"[{format_number(f['ci_low'], 2)}, {format_number(f['ci_high'], 2)}]")
+
+
+def summary_markdown(summary: dict, args, lrs: dict, runs: list[dict]) -> str:
+    lines = ["# Two-head accuracy on the closed-set emoji task (test vendor twitter)", "",
+             f"Softmax vs softmax + triplet (two-head paper), EfficientNet-Lite0 ImageNet, {args.epochs} epochs; "
+             f"lr chosen per variant on {VAL_VENDOR} top-1 (seed {args.lr_seed}, grid {', '.join(f'{x:g}' for x in args.lrs)}); "
+             "trained on the five other vendors, tested once at the end. Cells in percent: mean ± sample sd "
+             "[95 % Student-t interval] over seeds; macro = mean over test classes of per-class accuracy.", "",
+             "| variant | lr | seeds | epochs | wall time per run (s) | top-1 | macro accuracy |",
+             "|---|---|---|---|---|---|---|"]
+    for v, st in summary["variants"].items():
+        mine = [r for r in runs if r["variant"] == v]
+        epochs = sorted({r["epochs"] for r in mine})
+        wall = sum(r["wall_time_s"] for r in mine) / max(len(mine), 1)
+        lines.append(f"| {v} | {lrs[v]:g} | {len(st['seeds'])} | {', '.join(map(str, epochs))} | {wall:.0f} | "
+                     f"{_pct(st['top1'])} | {_pct(st['macro_accuracy'])} |")
+    lines += ["", "Paired differences by seed (points):", "", "| A − B | pairs | top-1 | macro accuracy |",
+              "|---|---|---|---|"]
+    for name, st in summary["paired"].items():
+        lines.append(f"| {name} | {len(st['seeds'])} | {_pct(st['top1'])} | {_pct(st['macro_accuracy'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def phase_final(args) -> int:
+    """The one step that evaluates the test vendor: every finished seeded run."""
+    runs = seed_runs(args)
+    unfinished = [str(r.out_dir) for r in runs if not r.done]
+    if unfinished:
+        print(f"[two_head_accuracy] final: {len(unfinished)} seeded run(s) not finished (run --phase seeds): "
+              + ", ".join(unfinished), flush=True)
+    rows, extra = [], []
+    for r in runs:
+        if r.done:
+            acc = test_accuracy(r.out_dir, args.device)
+            rows.append({"variant": r.variant, "seed": r.seed, "top1": acc["top1"],
+                         "macro_accuracy": acc["macro_accuracy"]})
+            m = r.metrics()
+            extra.append({**rows[-1], "lr": r.lr, "epochs": m["epochs"], "wall_time_s": m["wall_time_s"],
+                          "cpu_s": cpu_seconds(r), "test_images": acc["test_images"],
+                          "test_classes": acc["test_classes"]})
+    out = Path(args.out)
+    write_csv(out / "two_head_accuracy.csv", rows, CSV_COLUMNS)
+    summary = summarize(rows, args.variants)
+    lrs = {v: r.lr for r in runs for v in [r.variant]}
+    write_text(out / "summary.json", json.dumps({**summary, "runs": extra, "epochs": args.epochs,
+                                                 "lrs": lrs}, indent=1) + "\n")
+    text = summary_markdown(summary, args, lrs, extra)
+    write_text(out / "summary.md", text)
+    print(text, flush=True)
+    return 1 if unfinished else 0
+
+
+# --------------------------------------------------------------------------- command line
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase", choices=("lr", "seeds", "final", "all"), default="all")
+    p.add_argument("--out", default="runs/two_head_accuracy", help="output folder (default runs/two_head_accuracy)")
+    p.add_argument("--epochs", type=int, default=15, help="epochs of every run (default 15, pre-registered)")
+    p.add_argument("--lrs", type=float, nargs="+", default=list(LRS), help="the lr grid (default 0.003 0.01 0.03)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds of the final runs (100-104)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="train.device of every run")
+    p.add_argument("--parallel", type=int, default=1, help="trainings at once (separate processes when > 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="train.num_threads of every run (default: torch's; 1 on the CPU with --parallel > 1)")
+    p.add_argument("--lr-seed", type=int, default=LR_SEED, help=f"seed of the lr runs (default {LR_SEED})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run (repeatable)")
+    args = p.parse_args(argv)
+    if args.epochs < 1 or args.parallel < 1:
+        p.error("--epochs and --parallel must be >= 1")
+    if args.threads is None and args.device == "cpu" and args.parallel > 1:
+        args.threads = 1  # processes sharing the cores: spinning OpenMP threads slow each other down
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rc = 0
+    if args.phase in ("lr", "all"):
+        rc |= phase_lr(args)
+    if args.phase in ("seeds", "all") and rc == 0:
+        rc |= phase_seeds(args)
+    if args.phase in ("final", "all") and rc == 0:
+        rc |= phase_final(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Hostile command lines (issue 32, item 12), each one clear line on stderr with exit code 2 and
+no traceback: tune spaces with ``step: 0``, a dict choice or an infinite bound (refused before
+any trial); ``export --opset 7 / 99`` and a checkpoint with NaN weights (nothing written); a
+pickled ``model.options.pretrained`` file (torch's advice to load with weights_only=False is not
+repeated); ``report --queries -5`` (before any figure); ``embed --out EXISTING_DIR`` (no
+``DIR.npz`` beside it). ``evaluate`` shows its progress on large files."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from deepmetric import cli
+from deepmetric.evaluate import io as evaluate_io
+from conftest import synthetic_config
+from search_data import shapes_setup, tiny_config
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    return shapes_setup(tmp_path_factory)
+
+
+def _one_clear_line(capsys, *needles):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+# --------------------------------------------------------------------------- tune spaces
+@pytest.mark.parametrize("param, needle", [
+    ("{type: float, low: 0.001, high: 0.1, step: 0}", "params.p.step: expected a number > 0, got 0"),
+    ("{type: int, low: 1, high: 8, step: 0}", "params.p.step: expected a whole number > 0, got 0"),
+    ("{type: int, low: 1, high: 8, step: 1.5}", "params.p.step: expected a whole number > 0, got 1.5"),
+    ("{type: float, low: 0.001, high: .inf}", "params.p.high: expected a finite number, got inf"),
+    ("{type: int, low: -.inf, high: 3}", "params.p.low: expected a finite number, got -inf"),
+    ("{type: float, low: .nan, high: 1}", "params.p.low: expected a finite number, got nan"),
+    ("{type: categorical, choices: [0.1, {lr: 0.2}]}", "params.p.choices: {'lr': 0.2} is not a plain value"),
+    ("{type: categorical, choices: [[1, {a: 2}], [3, 4]]}", "is not a plain value"),
+])
+def test_a_bad_space_is_refused_up_front(tmp_path, capsys, param, needle):
+    raw = synthetic_config(classes=12, data={"val_classes": 0.3}, train={"epochs": 1})
+    recipe, space = tmp_path / "recipe.yaml", tmp_path / "space.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    key = "optim.lr" if "categorical" in param or "float" in param else "train.epochs"
+    space.write_text(f"objective: {{metric: recall@1}}\nparams:\n  p: {{keys: [{key}], {param[1:-1]}}}\n")
+    out = tmp_path / "out"
+    assert cli.main(["tune", str(recipe), "--space", str(space), "--trials", "2", "--out", str(out)]) == 2
+    _one_clear_line(capsys, str(space), needle)
+    assert not out.exists()  # no study, no trial 0
+
+
+def test_list_choices_still_work_for_one_key(tmp_path):
+    from deepmetric.workflows.tune import load_space
+
+    space = tmp_path / "space.yaml"
+    space.write_text("objective: {metric: recall@1}\nparams:\n"
+                     "  w: {keys: [model.options.widths], type: categorical, choices: [[8, 16], [16, 32]]}\n"
+                     "  s: {keys: [optim.lr], type: float, low: 0.01, high: 0.1, step: 0.01}\n"
+                     "  n: {keys: [model.options.channels, model.options.depths], type: categorical,\n"
+                     "      choices: [[[8, 16], [1, 1]], [[16, 32], [2, 2]]]}\n")
+    params = load_space(space).params
+    assert params[0].choices == [[8, 16], [16, 32]] and params[1].step == 0.01
+    assert params[2].overrides(params[2].choices[1]) == ["model.options.channels=[16, 32]", "model.options.depths=[2, 2]"]
+
+
+# --------------------------------------------------------------------------- export
+@pytest.mark.parametrize("opset", ["7", "99"])
+def test_export_with_an_opset_torch_cannot_write_is_one_line(shapes, tmp_path, capsys, opset):
+    out = tmp_path / "m.onnx"
+    capsys.readouterr()
+    assert cli.main(["export", str(shapes["checkpoint"]), "--out", str(out), "--opset", opset]) == 2
+    _one_clear_line(capsys, f"--opset {opset}: torch", "cannot export this model to ONNX", "default 17")
+    assert list(tmp_path.iterdir()) == []  # neither half a model nor a temporary file
+    assert capsys.readouterr().out == ""  # torch's graph dump is not shown
+
+
+def test_export_refuses_nan_weights(shapes, tmp_path, capsys):
+    state = torch.load(shapes["checkpoint"], weights_only=True)
+    name = next(k for k, v in state["model"].items() if v.is_floating_point() and v.ndim > 1)
+    state["model"][name].view(-1)[3] = float("nan")
+    bad = tmp_path / "diverged.pt"
+    torch.save(state, bad)
+    out = tmp_path / "m.onnx"
+    for fmt in ("onnx", "torchscript"):
+        assert cli.main(["export", str(bad), "--format", fmt, "--out", str(out)]) == 2
+        _one_clear_line(capsys, f"checkpoint {bad}: weight {name!r} holds 1 NaN or infinite value(s)")
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- weights_only
+class Payload:  # a pickled object: torch.load(weights_only=False) would run its class's code
+    pass
+
+
+def test_a_pickled_pretrained_file_is_refused_without_torch_s_advice(shapes, tmp_path, capsys):
+    evil = tmp_path / "evil.pt"
+    torch.save({"weight": Payload()}, evil)
+    raw = tiny_config(shapes["folder"], tmp_path / "run", epochs=1)
+    raw["model"]["options"]["pretrained"] = str(evil)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+    assert cli.main(["train", str(cfg)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert str(evil) in err and "Python objects other than tensors" in err and "Traceback" not in err
+    assert "weights_only=False" not in err and "set to `False" not in err and "trusted source" not in err
+    assert err.rstrip().endswith("or use .safetensors.")
+
+
+# --------------------------------------------------------------------------- report / embed
+@pytest.mark.parametrize("flag, value", [("--queries", "-5"), ("--queries", "0"), ("--top-k", "0")])
+def test_report_refuses_bad_counts_before_drawing(shapes, tmp_path, capsys, flag, value):
+    out = tmp_path / "report"
+    capsys.readouterr()
+    assert cli.main(["report", str(Path(shapes["base"]) / "run"), "--out", str(out), flag, value]) == 2
+    _one_clear_line(capsys, f"{flag} must be a whole number >= 1, got {value}")
+    assert not out.exists()
+
+
+def test_embed_out_an_existing_folder_is_refused(shapes, tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert cli.main(["embed", str(shapes["checkpoint"]), "--split", "all", "--out", str(logs)]) == 2
+    _one_clear_line(capsys, f"--out {logs} is a folder", str(logs / "embeddings.npz"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"] and list(logs.iterdir()) == []
+    # a name without .npz gets it, and the message names the file written
+    assert cli.main(["embed", str(shapes["checkpoint"]), "--split", "all", "--out", str(tmp_path / "e")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'e.npz'}"
+    assert len(np.load(tmp_path / "e.npz")["labels"]) == 32
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+# --------------------------------------------------------------------------- evaluate
+def test_evaluate_shows_progress_on_large_files(tmp_path, capsys, monkeypatch):
+    rng = np.random.default_rng(0)
+    f = tmp_path / "e.npz"
+    np.savez(f, embeddings=rng.normal(size=(60, 8)).astype(np.float32), labels=np.repeat(np.arange(6), 10))
+    assert cli.main(["evaluate", str(f), "--metrics", "recall"]) == 0
+    assert capsys.readouterr().err == ""  # small: quiet
+    monkeypatch.setattr(evaluate_io, "PROGRESS_ROWS", 50)
+    assert cli.main(["evaluate", str(f), "--metrics", "recall", "--out", str(tmp_path / "m.json")]) == 0
+    err = capsys.readouterr().err
+    assert "evaluating 60 embeddings" in err and "k-NN" in err
+    assert json.loads((tmp_path / "m.json").read_text())["recall@1"] >= 0
