@@ -75,11 +75,17 @@ def one_run(run_dir: Path, checkpoint: str, device: str) -> dict:
     metric = "cross_domain_map@r" if val["domains"] is not None else "map@r"
     choice = choose_postprocess(val["embeddings"], val["labels"], domains=val["domains"], metric=metric, ks=(1,))
     x, y, d = np.asarray(t["embeddings"], np.float32), np.asarray(t["labels"]), None if dom is None else dom[0]
-    return {"run": str(run_dir), "checkpoint": ckpt.name, "seed": cfg.train.seed, "cross_domain": d is not None,
+    return {"run": _rel(run_dir), "checkpoint": ckpt.name, "seed": cfg.train.seed, "cross_domain": d is not None,
             "chosen": choice["spelled"], "steps": choice["steps"],
             "val_without": choice["baseline"], "val_with": choice["value"],
             "test_without": metrics(x, y, d, []), "test_with": metrics(x, y, d, choice["steps"]),
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _rel(path) -> str:
+    """``path`` relative to the repository when inside it (committed results carry no absolute paths)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else Path(path).name
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -132,9 +138,7 @@ def main(argv=None) -> int:
         runs.append(one_run(Path(r), args.checkpoint, args.device))
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "steps"}), flush=True)
     summary = summarise(runs)
-    command = "python bench/postprocess_seeds.py " + " ".join(
-        str(Path(r).resolve().relative_to(ROOT)) if Path(r).resolve().is_relative_to(ROOT) else str(r)
-        for r in args.runs)
+    command = "python bench/postprocess_seeds.py " + " ".join(_rel(r) for r in args.runs)
     text = markdown(runs, summary, command)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

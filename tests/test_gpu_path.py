@@ -352,6 +352,8 @@ def test_recipes_at_batch_128_say_when_bf16_and_channels_last_pay_and_keep_float
     root = Path(__file__).resolve().parents[1] / "recipes"
     advised, plain = [], []
     for path in sorted(root.glob("*/*.yaml")):
+        if path.parent.name == "vit":  # the modern ViT protocol trains in bf16 (test below)
+            continue
         cfg = load_config(path)
         text = path.read_text()
         has = "train.amp=bf16 train.channels_last=true" in text
@@ -393,3 +395,16 @@ def test_report_searches_where_it_decided(tmp_path, monkeypatch):
     assert decided[0] == ("cpu", "auto", 0)                 # checked before any work
     assert decided[1] == ("cpu", "auto", 4 * n * 8)         # then with the embeddings' size (n x 8 float32)
     assert sorted(searched) == [("per_class_recall", CPU), ("recall_curve", CPU), ("retrieval_examples", CPU)]
+
+
+def test_vit_recipes_train_in_bf16_as_their_protocol_does():
+    """recipes/vit/ (the modern ViT protocol, batch ~900) train in bf16 mixed precision, unlike the
+    papers' float32 recipes above, which only advise it."""
+    from pathlib import Path
+
+    from deepmetric.train import load_config
+
+    paths = sorted((Path(__file__).resolve().parents[1] / "recipes" / "vit").glob("*.yaml"))
+    assert len(paths) == 6
+    for path in paths:
+        assert load_config(path).train.amp == "bf16", path

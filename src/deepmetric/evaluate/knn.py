@@ -104,7 +104,10 @@ def _budget(memory_mb: float | None) -> int:
 
 
 def _as_np(x) -> np.ndarray:
-    return x.cpu().numpy() if isinstance(x, torch.Tensor) else x
+    # np.asarray: a memory-mapped gallery (np.memmap) as a plain ndarray view, no copy; faiss's
+    # torch wrappers (faiss.contrib.torch_utils, imported by pytorch-metric-learning) take any
+    # array whose type is not exactly np.ndarray for a torch tensor
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 def _as_torch(x) -> torch.Tensor:

@@ -166,10 +166,14 @@ def fit_whitening(x, dim: int | None = None, shrinkage: float = 0.0, *,
         mean += xt[a:a + step].double().sum(0)
     mean /= n
     if n <= d and dim <= n and n * d * 8 <= _budget(memory_mb):
-        # fewer rows than dimensions (a small gallery): the SVD of the centred rows gives the same
-        # eigenpairs in O(n^2 d) instead of the d x d eigen-decomposition's O(d^3)
-        _, sv, vt = torch.linalg.svd(xt.double() - mean, full_matrices=False)
-        lam, vec = (sv ** 2 / n), vt.T
+        # fewer rows than dimensions (a small gallery): the n x n Gram matrix of the centred rows
+        # has the covariance's non-zero eigenvalues (times n); its eigenvectors u give the
+        # covariance's as Xc^T u (normalised). O(n^2 d) instead of the d x d problem's O(d^3).
+        xc = xt.double() - mean
+        lam, u = torch.linalg.eigh(xc @ xc.T)  # ascending
+        lam, u = lam.flip(0) / n, u.flip(1)
+        vec = xc.T @ u
+        vec = vec / torch.linalg.vector_norm(vec, dim=0, keepdim=True).clamp_min(1e-12)
     else:
         cov = torch.zeros((d, d), dtype=torch.float64, device=xt.device)
         for a in range(0, n, step):

@@ -201,7 +201,9 @@ def weights_only_reason(exc: Exception) -> str:
         parts = [t.strip() for t in text.split("WeightsUnpickler error:", 1)[1].split("\n\n")]
         detail = next((t for t in parts if t and not t.startswith("Check the documentation")), "")
         detail = detail.split(" Please use `torch.serialization")[0].strip()[:200]
-        if detail.startswith("Unsupported global"):
+        # "Unsupported global": a class or function; "Unsupported operand": a plain pickle (not a
+        # torch.save file) whose operations the safe loader refuses: either may run code
+        if detail.startswith(("Unsupported global", "Unsupported operand")):
             return f"it holds Python objects other than tensors and plain values ({detail})"
         return f"not a file written by torch.save, or a damaged one ({detail or type(exc).__name__})"
     first = text.split("This is an internal")[0].strip().split("\n")[0].strip().rstrip(".")
