@@ -289,3 +289,31 @@ def test_a_query_that_embeds_as_nan_is_refused(shapes, monkeypatch):
         index.search(["a.png", "b.png"], k=4)
     sims, idx = index.search(good[:1], k=4)  # embeddings: checked as before, a finite row gets k rows
     assert idx.shape == (1, 4) and (idx >= 0).all()
+
+
+def test_add_of_precomputed_vectors_refuses_a_flipped_byte(tmp_path, capsys):
+    """`index --embeddings FILE --add` (vectors a user already has) checks the old index's
+    SHA-256s like the checkpoint path: a flipped byte that still parses is never blessed."""
+    import numpy as np
+
+    from deepmetric import cli
+
+    rng = np.random.default_rng(0)
+    emb = tmp_path / "emb.npz"
+    np.savez(emb, embeddings=rng.normal(size=(40, 8)).astype(np.float32), labels=np.arange(40) % 4)
+    more = tmp_path / "more.npz"
+    np.savez(more, embeddings=rng.normal(size=(10, 8)).astype(np.float32), labels=np.arange(10) % 4)
+    out = tmp_path / "ix"
+    assert cli.main(["index", "--embeddings", str(emb), "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    name = "embeddings.npy"
+    assert name in manifest["files"]
+    raw = bytearray((out / name).read_bytes())
+    raw[-1] ^= 0x01  # the last float's lowest bit: the file still parses, only its hash tells
+    (out / name).write_bytes(bytes(raw))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert cli.main(["index", "--embeddings", str(more), "--out", str(out), "--add"]) == 2
+    err = capsys.readouterr().err
+    assert name in err and "SHA-256" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

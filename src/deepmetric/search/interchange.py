@@ -239,7 +239,7 @@ def index_from_file(path: str | Path, out: str | Path, *, approximate: str | Non
         raise ValueError("--add keeps the index's kind and settings; leave out --approximate / --memory-budget / "
                          "--postprocess")
     with index_transaction(out) as tmp:
-        index = Index.load(out)
+        index = Index.load(out, verify_hashes=True)  # never bless a damaged index with fresh hashes
         index.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
         index.meta.setdefault("added", []).append(source)
         rel_paths = index._write(tmp, out)
