@@ -291,9 +291,10 @@ def test_a_query_that_embeds_as_nan_is_refused(shapes, monkeypatch):
     assert idx.shape == (1, 4) and (idx >= 0).all()
 
 
-def test_add_of_precomputed_vectors_refuses_a_flipped_byte(tmp_path, capsys):
-    """`index --embeddings FILE --add` (vectors a user already has) checks the old index's
-    SHA-256s like the checkpoint path: a flipped byte that still parses is never blessed."""
+def test_add_migrate_and_export_refuse_a_flipped_byte(tmp_path, capsys):
+    """`index --embeddings FILE --add` (vectors a user already has), `index migrate` and `index
+    export` check the index's SHA-256s like the checkpoint path: a flipped byte that still parses
+    is never blessed with fresh hashes nor copied out."""
     import numpy as np
 
     from deepmetric import cli
@@ -313,7 +314,11 @@ def test_add_of_precomputed_vectors_refuses_a_flipped_byte(tmp_path, capsys):
     (out / name).write_bytes(bytes(raw))
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     capsys.readouterr()
-    assert cli.main(["index", "--embeddings", str(more), "--out", str(out), "--add"]) == 2
-    err = capsys.readouterr().err
-    assert name in err and "SHA-256" in err and "Traceback" not in err
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    for cmd in (["index", "--embeddings", str(more), "--out", str(out), "--add"],
+                ["index", "migrate", str(out)],
+                ["index", "export", str(out), "--to", f"parquet:{tmp_path / 'x.parquet'}"]):
+        assert cli.main(cmd) == 2, cmd
+        err = capsys.readouterr().err
+        assert name in err and "SHA-256" in err and "Traceback" not in err, (cmd, err)
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert not (tmp_path / "x.parquet").exists()

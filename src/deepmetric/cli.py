@@ -520,7 +520,7 @@ def _run_index_export(args: argparse.Namespace) -> int:
     from deepmetric.search.interchange import export_parquet, export_qdrant, parse_target
 
     scheme, where = parse_target(args.to)
-    index = Index.load(args.index_dir, mmap=True)
+    index = Index.load(args.index_dir, mmap=True, verify_hashes=True)  # never export a damaged index
     if scheme == "parquet":
         export_parquet(index, where)
     else:
@@ -536,7 +536,7 @@ def _run_index_migrate(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the "written by an older deepmetric" warning: that is the point
-        index = Index.load(args.index_dir)
+        index = Index.load(args.index_dir, verify_hashes=True)  # never bless a damaged index with fresh hashes
     index.save(args.index_dir)
     print(f"rewrote {args.index_dir} in the current format ({len(index)} images)")
     return 0
