@@ -220,6 +220,14 @@ def model_data_config(name: str, options: Mapping | None = None) -> dict | None:
     return None
 
 
+def _embedding_model(backbone, embedding_dim, norm, dropout, num_classes, kwargs) -> EmbeddingModel:
+    """A registered or timm backbone under the embedding head, with the head's defaults where
+    the config left a value out (None)."""
+    return EmbeddingModel(backbone, embedding_dim=64 if embedding_dim is None else embedding_dim,
+                          norm="bn" if norm is None else norm, dropout=0.0 if dropout is None else dropout,
+                          num_classes=num_classes, **kwargs)
+
+
 def create_model(
     name: str,
     embedding_dim: int | None = None,
@@ -274,14 +282,7 @@ def create_model(
         backbone_options = _split_backbone_options(name, kwargs)
         _check_unknown(name, kwargs, ("pool",) + _HEAD_OPTIONS + _EMBEDDING_MODEL_OPTIONS + tuple(backbone_options))
         backbone = create_backbone(name, in_chans=in_chans, **backbone_options)
-        model = EmbeddingModel(
-            backbone,
-            embedding_dim=64 if embedding_dim is None else embedding_dim,
-            norm="bn" if norm is None else norm,
-            dropout=0.0 if dropout is None else dropout,
-            num_classes=num_classes,
-            **kwargs,
-        )
+        model = _embedding_model(backbone, embedding_dim, norm, dropout, num_classes, kwargs)
         model.pretrained_report = None
         if pretrained is not None:
             _apply_pretrained(model, name, pretrained)
@@ -292,14 +293,7 @@ def create_model(
         hub = isinstance(pretrained, str) and pretrained == HUB
         backbone = create_timm_backbone(name, in_chans=in_chans, pretrained=HUB if hub else None,
                                         **backbone_options)
-        model = EmbeddingModel(
-            backbone,
-            embedding_dim=64 if embedding_dim is None else embedding_dim,
-            norm="bn" if norm is None else norm,
-            dropout=0.0 if dropout is None else dropout,
-            num_classes=num_classes,
-            **kwargs,
-        )
+        model = _embedding_model(backbone, embedding_dim, norm, dropout, num_classes, kwargs)
         model.pretrained_report = backbone.pretrained_report
         if pretrained is not None and not hub:
             _apply_timm_pretrained(model, pretrained)
