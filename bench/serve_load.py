@@ -212,6 +212,15 @@ def hostile_round(host, port, pid) -> dict:
     buf = io.BytesIO()
     Image.fromarray(a).save(buf, "PNG")
     big = buf.getvalue()
+    uploads = [(f"bomb{i}.png", bomb) for i in range(8)] + [(f"big{i}.png", big) for i in range(8)]
+    results, polls = uploads_while_polling(host, port, pid, uploads, settle_s=0.2)
+    return {"bomb_statuses": sorted(s for n, s, _ in results if n.startswith("bomb")),
+            "big_statuses": sorted(s for n, s, _ in results if n.startswith("big")), **polls}
+
+
+def uploads_while_polling(host, port, pid, uploads, *, settle_s: float) -> tuple[list, dict]:
+    """POST every ``(name, png)`` of ``uploads`` to /search at once while another process polls
+    /api/info; returns ``[(name, status, seconds)]`` and the polls' and memory's summary."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         stop = Path(tmp) / "stop"
@@ -225,8 +234,7 @@ def hostile_round(host, port, pid) -> dict:
             status, _ = http(host, port, "POST", "/search", body, headers)
             results.append((name, status, time.perf_counter() - t))
 
-        threads = [threading.Thread(target=upload, args=(f"bomb{i}.png", bomb)) for i in range(8)]
-        threads += [threading.Thread(target=upload, args=(f"big{i}.png", big)) for i in range(8)]
+        threads = [threading.Thread(target=upload, args=u) for u in uploads]
         reset_peak(pid)
         before = memory_kib(pid)["VmRSS"]
         with Sampler(pid) as sampler:
@@ -234,17 +242,15 @@ def hostile_round(host, port, pid) -> dict:
                 t.start()
             for t in threads:
                 t.join(timeout=300)
-            time.sleep(0.2)
+            time.sleep(settle_s)
         stop.touch()
         info = json.loads(poller.communicate(timeout=60)[0])
     lat = np.asarray([dt for _, dt in info]) * 1000
-    return {"bomb_statuses": sorted(s for n, s, _ in results if n.startswith("bomb")),
-            "big_statuses": sorted(s for n, s, _ in results if n.startswith("big")),
-            "uploads_s": max(dt for *_, dt in results), "info_polls": len(info),
-            "info_ok": sum(s == 200 for s, _ in info), "info_p50_ms": float(np.median(lat)),
-            "info_max_ms": float(lat.max()), "info_over_100ms": int((lat > 100).sum()),
-            "rss_before_mib": before / 1024,
-            "peak_mib": max(sampler.peak, memory_kib(pid)["VmHWM"]) / 1024}
+    return results, {"uploads_s": max(dt for *_, dt in results), "info_polls": len(info),
+                     "info_ok": sum(s == 200 for s, _ in info), "info_p50_ms": float(np.median(lat)),
+                     "info_max_ms": float(lat.max()), "info_over_100ms": int((lat > 100).sum()),
+                     "rss_before_mib": before / 1024,
+                     "peak_mib": max(sampler.peak, memory_kib(pid)["VmHWM"]) / 1024}
 
 
 def small_bomb_png(side: int, kind: str) -> bytes:
@@ -271,42 +277,14 @@ def idle_bombs_round(host, port, pid, idle: int = 200) -> dict:
     bombs are uploaded at once and /api/info is polled from another process."""
     palette, grey = small_bomb_png(8192, "palette"), small_bomb_png(5792, "grey16")
     socks = [socket.create_connection((host, port), timeout=5) for _ in range(idle)]
-    results = []
+    uploads = [(f"palette{i}.png", palette) for i in range(8)] + [(f"grey16_{i}.png", grey) for i in range(8)]
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            stop = Path(tmp) / "stop"
-            poller = subprocess.Popen([sys.executable, "-c", POLLER, host, str(port), str(stop)],
-                                      stdout=subprocess.PIPE, text=True)
-            time.sleep(0.3)
-
-            def upload(name, data):
-                body, headers = multipart(name, data, 5)
-                t = time.perf_counter()
-                status, _ = http(host, port, "POST", "/search", body, headers)
-                results.append((name, status, time.perf_counter() - t))
-
-            threads = [threading.Thread(target=upload, args=(f"palette{i}.png", palette)) for i in range(8)]
-            threads += [threading.Thread(target=upload, args=(f"grey16_{i}.png", grey)) for i in range(8)]
-            reset_peak(pid)
-            before = memory_kib(pid)["VmRSS"]
-            with Sampler(pid) as sampler:
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(timeout=300)
-                time.sleep(0.5)
-            stop.touch()
-            info = json.loads(poller.communicate(timeout=60)[0])
+        results, polls = uploads_while_polling(host, port, pid, uploads, settle_s=0.5)
     finally:
         for s in socks:
             s.close()
-    lat = np.asarray([dt for _, dt in info]) * 1000
     return {"idle_sockets": idle, "palette_statuses": sorted(s for n, s, _ in results if n.startswith("palette")),
-            "grey16_statuses": sorted(s for n, s, _ in results if n.startswith("grey16")),
-            "uploads_s": max(dt for *_, dt in results), "info_polls": len(info),
-            "info_ok": sum(s == 200 for s, _ in info), "info_p50_ms": float(np.median(lat)),
-            "info_max_ms": float(lat.max()), "info_over_100ms": int((lat > 100).sum()),
-            "rss_before_mib": before / 1024, "peak_mib": max(sampler.peak, memory_kib(pid)["VmHWM"]) / 1024}
+            "grey16_statuses": sorted(s for n, s, _ in results if n.startswith("grey16")), **polls}
 
 
 def photo_index(checkpoint: str, count: int, out: Path) -> Path:
@@ -370,12 +348,14 @@ def thumbs_round(host, port, pid, rows: int, total: int = 4000, clients: int = 4
 
 def queries_of(index_dir: Path, limit: int) -> list:
     """(row, name, bytes) of up to ``limit`` indexed images, spread over the index."""
-    paths = json.loads((index_dir / "paths.json").read_text(encoding="utf-8"))
+    from deepmetric.search import Index
+
+    paths = Index.load(index_dir, mmap=True).paths  # any index format (3: Arrow metadata), paths resolved
     rows = [i for i, p in enumerate(paths) if p]
     rows = rows[:: max(1, len(rows) // limit)][:limit]
     out = []
     for i in rows:
-        p = Path(paths[i]) if os.path.isabs(paths[i]) else index_dir / paths[i]
+        p = Path(paths[i])
         out.append((i, p.name, p.read_bytes()))
     if not out:
         raise SystemExit(f"{index_dir}: no indexed image files to send as queries")
