@@ -383,8 +383,9 @@ def _add_index_parser(sub) -> None:
         "index", help="embed images with a checkpoint into a search index folder",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Embed a dataset split with CHECKPOINT (its test transform) and write INDEX_DIR: embeddings.npy, "
-            "labels.npy, class_names.json, paths.json, index.faiss and manifest.json (checkpoint path, SHA-256 "
+            "Embed a dataset split with CHECKPOINT (its test transform) and write INDEX_DIR: embeddings.npy "
+            "(ivfpq: vectors.f16.npy), metadata.arrow and class_names.arrow (paths, labels, class names), "
+            "index.faiss and manifest.json (checkpoint path, SHA-256 "
             "and config; every file's size and SHA-256). Exact inner-product search by default. The folder "
             "is written beside the target and swapped in atomically: a failure leaves an existing index "
             "untouched. --device is where the model embeds and, unless --search-device cpu, where the exact "
