@@ -19,6 +19,8 @@ Each phase runs in its own child process and reports its own peak RSS (``ru_maxr
                queries (batches of 100), k=10, best round each; recall@10 against the exact top-10
   memory       RSS after loading (ours: ``Index.load(verify_hashes=True)``, as ``deepmetric serve``
                does) and answering the 1,000 queries; one process per system
+  serve        ``deepmetric serve`` itself on ours (127.0.0.1, a 1-epoch 256-d digit model to embed the
+               uploads), ``--queries`` image uploads one after another; the server's VmRSS and VmHWM
 
   OMP_WAIT_POLICY=PASSIVE nice -n 10 python bench/index_scale.py --n 10000000 --work /tmp/scale10m
 
@@ -189,6 +191,90 @@ def phase_memory(a) -> dict:
     return {"load_s": round(load_s, 1), "rss_after_gib": round(rss / 2 ** 30, 3), "peak_rss_gib": round(_peak_gib(), 3)}
 
 
+def _tiny_checkpoint(work: Path, d: int) -> tuple[Path, list[Path]]:
+    """A 1-epoch ``glyph_resnet`` making ``d``-d embeddings of 28 px digits (``deepmetric serve``
+    needs a model to embed an upload; its quality is beside the point here), and its images."""
+    from deepmetric.data.synthetic import write_digit_folder
+    from deepmetric.train.config import config_from_dict
+    from deepmetric.train.loop import train
+
+    digits = write_digit_folder(work / "digits", per_class=8, seed=0)
+    if not (work / "run" / "last.pt").is_file():
+        train(config_from_dict({
+            "data": {"name": "folder", "root": str(digits), "options": {"class_split": "half", "mode": "L"},
+                     "transform": "mnist", "transform_options": {"size": 28}},
+            "model": {"name": "glyph_resnet", "options": {"embedding_dim": d, "in_chans": 1, "widths": [8, 16],
+                                                          "depths": [1, 1]}},
+            "loss": [{"name": "heated_softmax", "options": {"alpha": 16.0}}],
+            "optim": {"name": "sgd", "lr": 0.05},
+            "train": {"epochs": 1, "batch_size": 16, "seed": 0, "out_dir": str(work / "run"), "progress": False},
+            "eval": {"every": 0, "baselines": False}}))
+    return work / "run" / "last.pt", sorted(digits.rglob("*.png"))
+
+
+def _post_image(url: str, path: Path) -> dict:
+    import urllib.request
+    import uuid
+
+    boundary = uuid.uuid4().hex
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{path.name}"\r\n'
+            f"Content-Type: image/png\r\n\r\n").encode() + path.read_bytes() + f"\r\n--{boundary}--\r\n".encode()
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _proc_gib(pid: int) -> dict:
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    return {k: round(int(fields[k].split()[0]) / 2 ** 20, 3) for k in ("VmRSS", "VmHWM")}
+
+
+def phase_serve(a) -> dict:
+    """``deepmetric serve`` on ours (the real server, a child process on 127.0.0.1), answering
+    ``--queries`` uploads one after another; its VmRSS after them and VmHWM (peak, load included)."""
+    import signal
+    import socket
+    import urllib.request
+
+    ckpt, images = _tiny_checkpoint(Path(a.work) / "serve", a.d)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "serve", str(Path(a.work) / "ours"),
+                               "--checkpoint", str(ckpt), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"deepmetric serve exited: {server.stderr.read()[-2000:]}")
+            if time.perf_counter() - t > 900:
+                raise SystemExit("deepmetric serve did not answer /api/info within 900 s")
+            try:
+                with urllib.request.urlopen(base + "/api/info", timeout=5) as r:
+                    info = json.loads(r.read())
+                break
+            except OSError:
+                time.sleep(1)
+        ready_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for i in range(a.queries):
+            hits = _post_image(base + "/search", images[i % len(images)])
+        mem = _proc_gib(server.pid)
+        return {"ready_s": round(ready_s, 1), "count": info.get("count"), "uploads": a.queries,
+                "uploads_per_s": round(a.queries / (time.perf_counter() - t), 1),
+                "last_answer_rows": len(hits.get("results", hits.get("neighbours", []))),
+                "server_rss_after_gib": mem["VmRSS"], "server_peak_rss_gib": mem["VmHWM"]}
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 def _child(a, phase: str, **extra) -> dict:
     argv = [sys.executable, __file__, "--phase", phase, "--n", str(a.n), "--d", str(a.d), "--work", a.work,
             "--clusters", str(a.clusters), "--queries", str(a.queries)]
@@ -224,7 +310,7 @@ def projection(ap: dict, n_measured: int, build_s: float, d: int) -> list[str]:
             "1 such machine (scaled by N * nlist) | machines for resident <= 16 GiB each |",
             "|---|---|---|---|---|---|---|"]
     nlist0 = plan_ivfpq(n_measured, d)["nlist"]
-    for n in (n_measured, 10_000_000, 100_000_000, 1_000_000_000):
+    for n in sorted({n_measured, 10_000_000, 100_000_000, 1_000_000_000}):
         plan = plan_ivfpq(n, d)
         m = ap["pq_bytes"]
         res = resident_bytes(n, d, m, plan["nlist"])
@@ -253,7 +339,7 @@ def main() -> None:
     a = p.parse_args()
     if a.phase:
         fn = {"data": phase_data, "ours-build": phase_ours_build, "raw-build": phase_raw_build,
-              "speed": phase_speed, "memory": phase_memory}[a.phase]
+              "speed": phase_speed, "memory": phase_memory, "serve": phase_serve}[a.phase]
         print(json.dumps(fn(a)))
         return
     Path(a.work).mkdir(parents=True, exist_ok=True)
@@ -266,6 +352,7 @@ def main() -> None:
                                                / res[f"speed-{threads}t"]["raw"]["queries_per_s"], 3)
     for system in ("ours", "raw"):
         res[f"memory-{system}"] = _resumable(a, f"memory-{system}", "memory", system=system)
+    res["serve"] = _resumable(a, "serve", "serve")
     res["projection"] = projection(res["ours-build"]["approximate"], a.n, res["ours-build"]["build_s"], a.d)
     print(json.dumps(res, indent=1))
     print("\n".join(res["projection"]))

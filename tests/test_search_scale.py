@@ -270,3 +270,42 @@ def test_ivfpq_vectors_file_is_checked_like_every_listed_file(pq_index, tmp_path
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ValueError, match=r"vectors\.f16\.npy: row 5 holds NaN or infinite values"):
         Index.load(d, verify_hashes=True)
+
+
+def test_refinement_reads_candidate_rows_from_the_file_not_the_mapping(tmp_path):
+    """The re-ranking gathers candidate rows with pread (a fault on the mapping maps whole large
+    folios into the process: 2.1 GiB for one search at 10 M): same rows, any order, repeats, and
+    the same answer as an exact search of the float16 vectors."""
+    import faiss
+
+    from deepmetric.search.compressed import RefinedIndex
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((500, 16)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    np.save(tmp_path / "v.npy", x.astype(np.float16))
+    flat = faiss.IndexFlatIP(16)
+    flat.add(x)
+    refined = RefinedIndex(flat, tmp_path / "v.npy", k_factor=4)
+    rows = np.array([7, 3, 499, 3, 0, 7])
+    np.testing.assert_array_equal(refined.mapped.gather(rows), x.astype(np.float16)[rows])
+    q = x[:20] + 0.01 * rng.standard_normal((20, 16)).astype(np.float32)
+    sims, idx = refined.search(q, 5)
+    exact = q @ x.astype(np.float16).astype(np.float32).T
+    np.testing.assert_array_equal(idx, np.argsort(-exact, axis=1, kind="stable")[:, :5])
+    np.testing.assert_allclose(sims, np.take_along_axis(exact, idx, 1), rtol=1e-6)
+
+
+def test_an_index_of_precomputed_vectors_embeds_uploads_with_the_given_checkpoint(tmp_path):
+    """``serve INDEX --checkpoint F`` on an ``--embeddings`` index (no preprocessing recorded) embeds
+    with F's own test preprocessing: the same vectors as ``deepmetric embed`` gave (it failed with a
+    bare KeyError 'preprocessing' before)."""
+    old = Path(__file__).parent / "data" / "checkpoint_before_run_layer"
+    then = np.load(old / "embeddings.npz")
+    np.savez(tmp_path / "v.npz", embeddings=then["embeddings"].astype(np.float32))
+    assert cli.main(["index", "--embeddings", str(tmp_path / "v.npz"), "--out", str(tmp_path / "idx")]) == 0
+    index = Index.load(tmp_path / "idx")
+    index.model(old / "last.pt")
+    got = index.embed([str(old / "images" / p) for p in then["paths"]])
+    want = then["embeddings"] / np.linalg.norm(then["embeddings"], axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, atol=1e-5)

@@ -182,12 +182,32 @@ class _MappedRows:
                                      else np.lib.format.read_array_header_2_0(f))
             offset = f.tell()
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.fd = os.dup(f.fileno())  # the same file as the mapping, even if the folder is replaced
         if fortran or len(shape) != 2:
             raise ValueError(f"{path}: expected a C-ordered 2-d array, got shape {shape}")
         self.array = np.frombuffer(self.map, dtype=dtype, count=shape[0] * shape[1], offset=offset).reshape(shape)
+        self.offset, self.row_bytes = offset, shape[1] * np.dtype(dtype).itemsize
         if hasattr(mmap, "MADV_RANDOM"):
             self.map.madvise(mmap.MADV_RANDOM)  # candidates are scattered: no read-ahead
         self.baseline = _file_backed_bytes()
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """``array[rows]`` read with ``os.pread`` (one call per distinct row), not through the
+        mapping: a page fault on the mapping maps a whole large folio of the page cache into this
+        process, and at 10 M vectors one search of 100 queries (16,000 candidate rows) grew the
+        resident set by 2.1 GiB that way (bench/RESULTS.md section 13)."""
+        uniq, inverse = np.unique(np.asarray(rows, dtype=np.int64), return_inverse=True)
+        out = np.empty((len(uniq), self.array.shape[1]), self.array.dtype)
+        views, n = [memoryview(r).cast("B") for r in out], self.row_bytes
+        for view, row in zip(views, uniq.tolist()):
+            if os.preadv(self.fd, [view], self.offset + row * n) != n:
+                raise OSError(f"short read of row {row} from the index's float16 vectors")
+        return out[inverse.reshape(-1)]
 
     def release(self) -> None:
         if not hasattr(mmap, "MADV_DONTNEED"):
@@ -243,8 +263,10 @@ class RefinedIndex:
         cand = self.candidates(q, k)
         valid = cand >= 0
         nq, c = cand.shape
-        # only the candidates' rows are read (from the page cache / disk when memory-mapped)
-        vecs = self.vectors[np.where(valid, cand, 0).ravel()].reshape(nq, c, -1).astype(np.float32)
+        # only the candidates' rows are read (from the page cache / disk when on disk)
+        rows = np.where(valid, cand, 0).ravel()
+        vecs = (self.mapped.gather(rows) if self.mapped is not None else self.vectors[rows])
+        vecs = vecs.reshape(nq, c, -1).astype(np.float32)
         sims = np.where(valid, np.matmul(vecs, q[:, :, None])[..., 0], -np.inf).astype(np.float32)
         if c > k:  # the k best, then sorted: descending cosine, ties by the smaller row
             part = np.argpartition(-sims, k - 1, axis=1)[:, :k]

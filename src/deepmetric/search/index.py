@@ -53,7 +53,7 @@ from .metadata import CLASS_NAMES_FILE, METADATA_FILE, write_metadata
 from .reading import (INDEX_FORMAT, INDEX_VERSION, KINDS, Folder, check_files, check_present, check_rows, exists,
                       load_postprocess, read_manifest, read_parts)
 from .query import (Preprocessing, approximate_search, as_query_list, embed_images, exact_search,
-                    recall_against_exact)
+                    preprocessing_from_config, recall_against_exact)
 from .store import IndexFilesError, carry_file, check_utf8, file_entries, file_sha256, index_transaction, write_file
 
 __all__ = ["Index", "EmbeddingIndex", "INDEX_FORMAT", "file_sha256", "IndexFilesError", "is_index_dir"]
@@ -381,8 +381,7 @@ class Index:
 
     # ------------------------------------------------------------------ search
     def model(self, checkpoint: str | Path | None = None, device: str = "cpu"):
-        """``(model, preprocessing)`` of the checkpoint that built the index (loaded once). The
-        checkpoint file is checked against the SHA-256 in the manifest."""
+        """``(model, preprocessing)`` of the index's checkpoint (loaded once; SHA-256 as in the manifest)."""
         if self._model is None:
             from deepmetric.train.embed import load_model_from_checkpoint
 
@@ -399,8 +398,9 @@ class Index:
                 raise ValueError(f"checkpoint {path} (sha256 {sha[:12]}) is not the one that built this index "
                                  f"(sha256 {c['sha256'][:12]}, {c.get('path')}): its embeddings would not "
                                  "be comparable")
-            model, _, _, _ = load_model_from_checkpoint(path, device)
-            self._model = (model, Preprocessing.from_dict(self.meta["preprocessing"]), device)
+            model, _, cfg, _ = load_model_from_checkpoint(path, device)
+            pre = self.meta.get("preprocessing")  # none for --embeddings vectors: the checkpoint's own
+            self._model = (model, Preprocessing.from_dict(pre) if pre else preprocessing_from_config(cfg), device)
         return self._model[:2]
 
     def embed(self, images, *, batch_size: int = 64) -> np.ndarray:
