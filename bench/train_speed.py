@@ -37,8 +37,9 @@ import numpy as np
 import torch
 import yaml
 
-from deepmetric.train.config import apply_overrides, config_from_dict
-from deepmetric.train.loop import build_dataset_split, build_losses, build_model, train
+from deepmetric.run.config_io import apply_overrides, config_from_dict
+from deepmetric.run.builders import build_dataset as build_dataset_split, build_losses, build_model
+from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer
 
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from deepmetric import cli
-from deepmetric.train.config import config_from_dict
-from deepmetric.train.builders import build_model, seed_everything
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.builders import build_model, seed_everything
 from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer
 from conftest import synthetic_config
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 def _raw(out_dir, **train_extra):

@@ -12,12 +12,13 @@ from torch import nn
 from test_data_emoji import make_tree
 
 from deepmetric.evaluate import evaluate_cross_domain
-from deepmetric.train.builders import VAL_SPLIT, build_dataset, build_losses, build_model
-from deepmetric.train.config import ConfigError, config_from_dict
-from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+from deepmetric.run.builders import VAL_SPLIT, build_dataset, build_losses, build_model
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
 from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer, build_param_groups
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 def _emoji_run(tmp_path, **eval_options) -> dict:

@@ -1,12 +1,31 @@
-"""Mixed precision, decided once: ``autocast_context(device, amp)`` for amp in none / bf16 /
-fp16.  A leaf module (imports only torch) shared by the builders, the loop and embedding."""
+"""Where and in what precision a run's model runs: ``resolve_device`` (auto / cpu / cuda /
+cuda:i, for the config's ``train.device`` and the commands' ``--device``) and mixed precision,
+decided once: ``autocast_context(device, amp)`` for amp in none / bf16 / fp16.  A leaf module
+(imports only torch) shared by the loop, embedding and the commands that load a model back."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
-__all__ = ["check_amp", "autocast_context"]
+__all__ = ["resolve_device", "check_amp", "autocast_context"]
+
+
+def resolve_device(pref: str = "auto", local_rank: int = 0, *, name: str = "device") -> torch.device:
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` (this process's GPU,
+    ``local_rank``) or ``cuda:i``; ``name`` (a flag or config key) is named in the errors."""
+    if pref == "auto":
+        pref = "cuda" if torch.cuda.is_available() else "cpu"
+    if pref.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} {pref!r} requested but CUDA is not available on this machine "
+                             f"(torch.cuda.is_available() is False); use {name} cpu or auto")
+        if pref == "cuda":
+            return torch.device("cuda", local_rank)
+    try:
+        return torch.device(pref)
+    except RuntimeError:
+        raise ValueError(f"{name} {pref!r}: expected auto, cpu, cuda or cuda:INDEX") from None
 
 
 def check_amp(device: torch.device, amp: str) -> None:

@@ -4,7 +4,7 @@
 
 1. set up the process (torchrun/DDP from the environment, device, seed, run directory);
 2. build the data: training split, batch sampler (random or m x n class-balanced, sharded
-   over ranks), evaluation split(s) (``deepmetric.train.builders``);
+   over ranks), evaluation split(s) (``deepmetric.run.builders``);
 3. build the model and the weighted loss terms (e.g. CE + lambda x triplet), wrap both in
    one ``TrainingModule`` (and in DDP when distributed, so classifier-loss parameters are
    synchronised with the model's);
@@ -23,7 +23,7 @@
    last epoch's ``last.pt`` is written before its evaluation runs, so a failing evaluation
    never loses the training (``--resume`` then only evaluates).
 
-Before the first step (``deepmetric.train.preflight``) the config's option names and metric
+Before the first step (``deepmetric.train.checks``) the config's option names and metric
 names are checked, every image of every split has its header read, and the model runs on two
 training images; rank 0 prints a summary of the run (``deepmetric.train.summary``), warnings
 (small images enlarged, very few training classes) and the baselines (``eval.baselines``: the
@@ -51,24 +51,29 @@ import numpy as np
 import torch
 from torch import nn
 
+from deepmetric.run import baselines as B
+from deepmetric.run import rundir as R
+from deepmetric.run.builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler, build_test_sets,
+                                     embedding_dim_of, fill_model_input_size, resolve_model_preprocessing,
+                                     seed_everything)
+from deepmetric.run.checkpoint import load_checkpoint, rng_preserved, save_checkpoint
+from deepmetric.run.config import Config, config_to_dict
+from deepmetric.run.config_checks import check_config
+from deepmetric.run.config_io import config_diff, save_config
+from deepmetric.run.device import autocast_context, check_amp
+from deepmetric.run.evaluation import evaluate_split, train_neighbour_metrics
+from deepmetric.run.rundir import RunDirectoryError, RunLog, prepare_run_dir
+
 from . import distributed as D
-from . import preflight as P
-from . import rundir as R
 from . import tracking as T
-from .amp import autocast_context, check_amp
 from .batches import make_train_loader
-from .builders import (VAL_SPLIT, build_dataset, fill_model_input_size, resolve_model_preprocessing, build_losses, build_model, build_sampler, build_test_sets,
-                       embedding_dim_of, seed_everything)
-from .checkpoint import (GracefulInterrupt, Trainables, TrainState, checkpoint_dict, load_checkpoint,
-                         restore, save_checkpoint)
-from .config import Config, config_diff, config_to_dict, save_config
-from .embed import evaluate_split, train_neighbour_metrics
+from .checks import check_run
 from .finetune import linear_probe, linear_probe_epoch, probed_backbone
 from .loss_stats import loss_step_stats
 from .module import PretrainedTeacher, TrainingModule, init_from_class_means, init_head_from_pca
 from .optim import build_optimizer
-from .rundir import RunDirectoryError, RunLog, prepare_run_dir
 from .schedules import LrSchedule, TemperatureSchedule, get_alpha, has_alpha
+from .state import GracefulInterrupt, Trainables, TrainState, checkpoint_dict, restore
 from .summary import baseline_verdict, format_baseline, format_run_end, format_run_summary, saturation_warning
 
 #: The builders' old names, still importable from here.
@@ -271,7 +276,7 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules."""
     tc = cfg.train
     resolve_model_preprocessing(cfg)  # data.transform: timm: the model's numbers, saved with the config
-    P.check_config(cfg)  # option and metric names: fail before anything is built
+    check_config(cfg)  # option and metric names: fail before anything is built
     T.check_loggers(tc.loggers)  # the trackers' libraries too
     dist_info = D.init_distributed(tc.device)
     device, rank, world, main = dist_info.device, dist_info.rank, dist_info.world_size, dist_info.is_main
@@ -318,7 +323,7 @@ def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> _Run:
     preflight_error: Exception | None = None
     input_shape, run_warnings = (), []
     try:
-        input_shape, run_warnings = P.check_run(cfg, model, train_ds, eval_sets)
+        input_shape, run_warnings = check_run(cfg, model, train_ds, eval_sets)
     except (ValueError, OSError) as exc:
         preflight_error = exc
     if D.any_true(preflight_error is not None, device):
@@ -421,7 +426,7 @@ def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=No
     needed = not restored and (resume is None or (cfg.eval.wise_ft is not None
                                                   and cfg.eval.wise_ft_params == "all"))
     if getattr(model, "head_init", None) is not None and needed:
-        with P.rng_preserved():
+        with rng_preserved():
             info = init_head_from_pca(model, build_dataset(cfg, cfg.data.train_split, train=False), device=device,
                                       batch_size=cfg.eval.batch_size, amp=tc.amp, channels_last=tc.channels_last,
                                       num_workers=cfg.data.num_workers)
@@ -569,7 +574,7 @@ def _baselines(run: _Run, resume) -> None:
         state.metrics, state.val_metrics = results.get("test", {}), results.get("val", {})
         at_start = state.metrics
     if cfg.eval.baselines and run.main and "test" in run.eval_sets:
-        run.baselines = P.compute_baselines(run.model, run.losses, run.eval_sets["test"], cfg, device=run.device,
+        run.baselines = B.compute_baselines(run.model, run.losses, run.eval_sets["test"], cfg, device=run.device,
                                             at_start=at_start)
         for name, b in run.baselines.items():
             print(format_baseline(b["label"], b.get("metrics"), b.get("skipped", "")), flush=True)
@@ -845,6 +850,6 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
 
 def train_from_config_file(path: str, overrides: list[str] | None = None, resume: str | None = None,
                            overwrite: bool = False) -> TrainResult:
-    from .config import load_config
+    from deepmetric.run.config_io import load_config
 
     return train(load_config(path, overrides), resume=resume, overwrite=overwrite)

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from deepmetric.train.config import apply_overrides, config_from_dict
+from deepmetric.run.config_io import apply_overrides, config_from_dict
 
 __all__ = ["DEMO_RECIPES", "QUICK_OVERRIDES", "demo_config", "demo_recipe", "recipes_dir", "run_demo"]
 
@@ -84,7 +84,7 @@ _DEFAULT_OUT = {"emoji": "runs/demo", "glyphs": "runs/demo_glyphs"}
 
 
 def demo_config(out: str | Path | None = None, *, data: str = "emoji", quick: bool = False, overrides=None):
-    """The demo's :class:`~deepmetric.train.config.Config` (``data``: "emoji" or "glyphs")."""
+    """The demo's :class:`~deepmetric.run.config.Config` (``data``: "emoji" or "glyphs")."""
     raw = yaml.safe_load(demo_recipe(data).read_text())
     out = out if out is not None else _DEFAULT_OUT[data]
     apply_overrides(raw, (QUICK_OVERRIDES[data] if quick else []) + [f"train.out_dir={out}"] + list(overrides or []))
@@ -94,14 +94,14 @@ def demo_config(out: str | Path | None = None, *, data: str = "emoji", quick: bo
 def _raw_pixels(ds, cfg) -> dict:
     """Raw pixels as embeddings: the cosine of the flattened test images as the network sees
     them (the test transform, e.g. [-1, 1] for the EfficientNet-Lite weights), the same rows
-    as every run's raw-pixel baseline (:func:`deepmetric.train.preflight.pixel_rows`); with
+    as every run's raw-pixel baseline (:func:`deepmetric.run.baselines.pixel_rows`); with
     ``eval.cross_domain`` also their cross-vendor metrics from the same rows.
 
     Retrieval metrics only: k-means (NMI, F1) on tens of thousands of pixel dimensions would
     take minutes of the demo's budget."""
     from deepmetric.evaluate import evaluate
-    from deepmetric.train.embed import cross_domain_metrics
-    from deepmetric.train.preflight import pixel_rows
+    from deepmetric.run.evaluation import cross_domain_metrics
+    from deepmetric.run.baselines import pixel_rows
 
     x, why = pixel_rows(ds)  # 0.6 GB at 96 px: made once
     if x is None:
@@ -118,7 +118,7 @@ def _test_metrics(cfg, test_ds, x, labels, steps) -> dict:
     import copy
 
     from deepmetric.evaluate import evaluate
-    from deepmetric.train.embed import cross_domain_metrics
+    from deepmetric.run.evaluation import cross_domain_metrics
 
     out = evaluate(x, labels, ks=tuple(cfg.eval.ks), metrics=("recall", "map@r", "nmi"), seed=cfg.train.seed,
                    postprocess=steps)
@@ -137,9 +137,9 @@ def _postprocessed(cfg, out: Path, test_ds, final: dict | None, features: dict |
     if getattr(cfg.data, "val_classes", None) is None or final is None:
         return {}
     from deepmetric.evaluate.postprocess_choice import choose_postprocess
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.embed import dataset_domains, load_model_from_checkpoint
-    from deepmetric.train.preflight import backbone_features_baseline
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.embed import dataset_domains, load_model_from_checkpoint
+    from deepmetric.run.baselines import backbone_features_baseline
 
     from .tune_postprocess import validation_embeddings
 
@@ -197,9 +197,9 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
     (``overwrite=False`` refuses a non-empty folder, as ``deepmetric train`` does)."""
     import torch
 
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.distributed import resolve_device
-    from deepmetric.train.embed import cross_domain_metrics
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.evaluation import cross_domain_metrics
     from deepmetric.train.loop import train
 
     t_start = time.perf_counter()
@@ -235,7 +235,7 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
     h, w = test_ds.images.shape[1:3]
     rows.append((f"raw pixels ({w}x{h})", _raw_pixels(test_ds, cfg)))
     if cfg.model.options.get("pretrained"):
-        from deepmetric.train.preflight import backbone_features_baseline
+        from deepmetric.run.baselines import backbone_features_baseline
 
         feats, _, features = backbone_features_baseline(cfg, test_ds, num_classes=train_ds.num_classes, device=device)
         if cross:

@@ -68,8 +68,9 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from deepmetric.search.store import file_sha256
-from deepmetric.train import rundir
-from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping
+from deepmetric.run import rundir
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import apply_overrides, config_from_dict, read_yaml_mapping
 
 from .engine import (HEARTBEAT_S, display_storage, fail_stale_trials, optuna_module, rdb_storage, run_workers,
                      sqlite_url)
@@ -326,7 +327,7 @@ def default_storage(out: Path) -> str:
 
 
 def _validation_metrics(cfg) -> list[str]:
-    from deepmetric.train.preflight import expected_metrics
+    from deepmetric.run.evaluation import expected_metrics
 
     return expected_metrics(cfg)
 
