@@ -98,7 +98,7 @@ class StepClock:
 
 def deepmetric_images_per_s(cfg, warmup: int) -> tuple[float, float]:
     """(wall, CPU) images/s of ``train(cfg)``: the model built by the loop gets a StepClock."""
-    import deepmetric.train.loop as loop
+    import deepmetric.train.setup as loop
 
     clock = StepClock()
     original = loop.build_model

@@ -19,7 +19,7 @@ from deepmetric.data.synthetic import write_digit_folder
 from deepmetric.losses import build_loss
 from deepmetric.models import batchnorm_layers, create_model, model_options
 from deepmetric.models.heads import EmbeddingHead
-from deepmetric.train import loop as loop_module
+from deepmetric.train import setup as loop_module
 from deepmetric.train import wise_ft as W
 from deepmetric.run.builders import build_dataset, build_losses, build_model
 from deepmetric.run.checkpoint import load_checkpoint

@@ -38,7 +38,7 @@ def _emoji_run(tmp_path, **eval_options) -> dict:
 
 @pytest.mark.filterwarnings("ignore:.*no same-label reference")
 def test_eval_test_false_never_builds_nor_evaluates_the_test_split(tmp_path, monkeypatch):
-    import deepmetric.train.loop as loop
+    import deepmetric.train.setup as loop
 
     def refuse(cfg):
         raise AssertionError("eval.test false built the test split")
@@ -149,7 +149,7 @@ def test_wise_ft_reuses_the_logged_evaluations_of_best_pt_with_the_same_result(t
     """WiSE-FT's a = 1 is best.pt exactly: its validation metrics (and, when a = 1 is chosen, its
     test metrics) come from the run's log instead of being evaluated again (bench/RESULTS.md, the
     profile of an emoji run); the wise_ft section is what evaluating them again gives."""
-    import deepmetric.train.loop as loop
+    import deepmetric.train.evaluator as loop
     import deepmetric.train.wise_ft as wise
 
     calls = []

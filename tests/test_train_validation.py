@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from deepmetric.train import loop
+from deepmetric.train import evaluator as loop
 from deepmetric.run.builders import VAL_SPLIT, ClassSubset, build_dataset, carve_val_classes
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict

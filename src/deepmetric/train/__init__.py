@@ -10,7 +10,8 @@ Quick use::
 The config, the run directory, checkpoints and loading a trained model back are the run's
 (:mod:`deepmetric.run`).  See docs/training.md.
 """
-from .loop import NonFiniteLossError, TrainingModule, TrainResult, train
+from .loop import NonFiniteLossError, TrainResult, train
+from .module import TrainingModule
 from .schedules import LrSchedule, TemperatureSchedule
 
 __all__ = ["train", "TrainResult", "TrainingModule", "NonFiniteLossError", "LrSchedule", "TemperatureSchedule"]
