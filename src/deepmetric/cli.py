@@ -698,6 +698,7 @@ def _add_study_parser(sub) -> None:
 
 
 def _run_study(args: argparse.Namespace) -> int:
+    from deepmetric.run import rundir
     from deepmetric.workflows.study import load_study, run_study, write_results
 
     from deepmetric.workflows.study import default_storage, open_trials, run_worker, sync_finished
@@ -714,7 +715,7 @@ def _run_study(args: argparse.Namespace) -> int:
     if args.list:
         sync_finished(study, open_trials(study, storage).get_trials(deepcopy=False))
         for run in study.runs:
-            state = "finished" if run.finished else ("partial" if (run.out_dir / "last.pt").is_file() else "-")
+            state = "finished" if run.finished else ("partial" if (run.out_dir / rundir.LAST).is_file() else "-")
             print(f"{run.key:40s} {state:9s} {run.out_dir}")
         return 0
     if args.summary:

@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from deepmetric.run.config_io import apply_overrides, config_from_dict
+from deepmetric.run import rundir as R
+from deepmetric.run.config_io import apply_overrides, config_from_dict, read_yaml_mapping
 
 __all__ = ["DEMO_RECIPES", "QUICK_OVERRIDES", "demo_config", "demo_recipe", "recipes_dir", "run_demo"]
 
@@ -85,7 +85,7 @@ _DEFAULT_OUT = {"emoji": "runs/demo", "glyphs": "runs/demo_glyphs"}
 
 def demo_config(out: str | Path | None = None, *, data: str = "emoji", quick: bool = False, overrides=None):
     """The demo's :class:`~deepmetric.run.config.Config` (``data``: "emoji" or "glyphs")."""
-    raw = yaml.safe_load(demo_recipe(data).read_text())
+    raw = read_yaml_mapping(demo_recipe(data), "demo recipe")
     out = out if out is not None else _DEFAULT_OUT[data]
     apply_overrides(raw, (QUICK_OVERRIDES[data] if quick else []) + [f"train.out_dir={out}"] + list(overrides or []))
     return config_from_dict(raw)
@@ -143,7 +143,7 @@ def _postprocessed(cfg, out: Path, test_ds, final: dict | None, features: dict |
 
     from .tune_postprocess import validation_embeddings
 
-    model, _, _, _ = load_model_from_checkpoint(out / "last.pt", device)
+    model, _, _, _ = load_model_from_checkpoint(out / R.LAST, device)
     sources = {"trained": (validation_embeddings(model, cfg, device=device), final)}
     if features is not None:
         val_ds = build_dataset(cfg, "val", train=False)
@@ -177,7 +177,7 @@ def _pictures(out: Path, cfg, snapshots: dict, final: dict | None, test_ds, titl
                                          class_names=names,
                                          title=f"{title}: unseen test queries (left) and their 8 nearest "
                                                "neighbours; green = same class, red = other class"))
-    paths.append(plot_training_curves(out / "log.jsonl", out / "training_curves.png", title=curves_title))
+    paths.append(plot_training_curves(out / R.LOG, out / "training_curves.png", title=curves_title))
     hists, curves = {}, {}
     for name, snap in snapshots.items():
         hists[name] = pair_cosine_histograms(snap["embeddings"], snap["labels"], max_pairs=300_000)
@@ -326,8 +326,8 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
                                               for k in keys))
     print(f"\n[demo] total {summary['seconds']['total']:.0f} s (data {t_data:.0f} s, baselines {t_base:.0f} s, "
           f"training+evaluation {t_train:.0f} s, post-processing {t_post:.0f} s, pictures {t_pics:.0f} s)")
-    print(f"[demo] checkpoint: {out / 'last.pt'}")
-    print(f"[demo] metrics:    {out / 'demo_metrics.json'} (log: {out / 'log.jsonl'})")
+    print(f"[demo] checkpoint: {out / R.LAST}")
+    print(f"[demo] metrics:    {out / 'demo_metrics.json'} (log: {out / R.LOG})")
     for p in pictures:
         print(f"[demo] picture:    {p}")
     print(f"[demo] next: deepmetric report {out}   (one HTML page with retrieval grids)")
