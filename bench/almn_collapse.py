@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from deepmetric.data.synthetic import GaussianClusters
-from deepmetric.train.config import config_from_dict
-from deepmetric.train.embed import load_model_from_checkpoint
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.embed import load_model_from_checkpoint
 from deepmetric.train.loop import train
 
 DATA = {"num_classes": 100, "per_class": 20, "dim": 32, "noise": 0.15, "seed": 1}

@@ -24,7 +24,7 @@ R1, MAP = "cross_domain_recall@1", "cross_domain_map@r"
 
 
 def row(name: str, run: Path) -> dict:
-    from deepmetric.train.rundir import read_log
+    from deepmetric.run.rundir import read_log
 
     val = [r for r in read_log(run, type="eval", strict=True) if r.get("split") == "val"]
     if not val:

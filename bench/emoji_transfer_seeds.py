@@ -53,7 +53,7 @@ def _xv(metrics: dict) -> dict:
 
 
 def _test_set(cfg):
-    from deepmetric.train.builders import build_dataset
+    from deepmetric.run.builders import build_dataset
 
     return build_dataset(cfg, cfg.eval.split, train=False)
 
@@ -73,9 +73,10 @@ def baselines(cfg, threads: int) -> dict:
     ImageNet features with average pooling and, if the recipe pools otherwise, with its pooling."""
     import torch
 
-    from deepmetric.train.config import apply_overrides, config_from_dict, config_to_dict
-    from deepmetric.train.embed import cross_domain_metrics
-    from deepmetric.train.preflight import backbone_features_baseline, pixel_rows
+    from deepmetric.run.config import config_to_dict
+    from deepmetric.run.config_io import apply_overrides, config_from_dict
+    from deepmetric.run.evaluation import cross_domain_metrics
+    from deepmetric.run.baselines import backbone_features_baseline, pixel_rows
 
     def changed(*overrides):
         raw = config_to_dict(cfg)
@@ -108,7 +109,8 @@ def run_numbers(run: Path, threads: int) -> dict:
     """The recipe's embedding and its own backbone's pooled features, cross-vendor on test."""
     import torch
 
-    from deepmetric.train.embed import compute_embeddings, cross_domain_metrics, load_model_from_checkpoint
+    from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
+    from deepmetric.run.evaluation import cross_domain_metrics
 
     m = json.loads((run / "metrics.json").read_text())
     ckpt = run / ("wise.pt" if (run / "wise.pt").is_file() else "best.pt" if (run / "best.pt").is_file()
@@ -194,7 +196,7 @@ def markdown(runs: list[dict], base: dict, cmp: dict, seconds: float) -> str:
 
 
 def main() -> None:
-    from deepmetric.train.config import load_config
+    from deepmetric.run.config_io import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="finished runs of recipes/emoji_transfer.yaml")

@@ -43,8 +43,8 @@ def features(model, cfg, split: str) -> tuple[np.ndarray, object]:
     """The l2-normalised pooled features of ``split`` (the test transform) and its dataset."""
     import torch
 
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.embed import compute_embeddings
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.embed import compute_embeddings
 
     ds = build_dataset(cfg, split, train=False)
     with torch.no_grad():
@@ -54,7 +54,7 @@ def features(model, cfg, split: str) -> tuple[np.ndarray, object]:
 
 def cross_vendor(x: np.ndarray, ds, cfg) -> tuple[float, float]:
     """Cross-vendor Recall@1 and MAP@R in points, as the runs compute them."""
-    from deepmetric.train.embed import cross_domain_metrics
+    from deepmetric.run.evaluation import cross_domain_metrics
 
     m = cross_domain_metrics({"embeddings": x.astype(np.float32), "labels": np.asarray(ds.labels)}, ds, cfg)
     return 100 * m["cross_domain_recall@1"], 100 * m["cross_domain_map@r"]
@@ -73,8 +73,8 @@ def table(model, cfg) -> list[tuple[str, float, float]]:
 def main() -> None:
     import torch
 
-    from deepmetric.train.builders import build_model
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.builders import build_model
+    from deepmetric.run.embed import load_model_from_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", type=Path, help="a checkpoint of recipes/emoji_transfer.yaml (e.g. last.pt)")

@@ -28,8 +28,8 @@ import torch
 from deepmetric.data import build_dataset, build_transform, predict_events
 from deepmetric.evaluate import format_per_class_table, per_class_accuracy
 from deepmetric.train import train
-from deepmetric.train.config import config_from_dict
-from deepmetric.train.embed import load_model_from_checkpoint
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.embed import load_model_from_checkpoint
 
 METHODS = ("softmax", "two_head_semihard")
 

@@ -2,7 +2,7 @@
 
 Part ``train``: training steps per second of the paper recipes' models on CUDA, for every
 ``train.amp`` (none / bf16 / fp16) x ``train.channels_last`` (off / on), the way
-``deepmetric.train`` runs them (``autocast_context`` from deepmetric.train.amp, the fp16
+``deepmetric.train`` runs them (``autocast_context`` from deepmetric.run.device, the fp16
 ``GradScaler``, the model and the batch in channels_last memory format). Per model: a random
 batch already on the GPU (no loader: this is the model's ceiling), cross-entropy on the
 model's logits (the losses cost nothing next to the backbones), SGD with momentum. After
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from deepmetric.models import create_model
-from deepmetric.train.amp import autocast_context
+from deepmetric.run.device import autocast_context
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_speed import sop_like  # noqa: E402  (same synthetic SOP as the CPU benchmark)
@@ -186,7 +186,7 @@ def eval_device_runs(recipe: str, overrides: list[str], out_dir: Path, devices=(
     and return per run: the evaluations (count, seconds in all and per evaluation, from the
     ``eval_seconds`` of log.jsonl), the wall time of the whole run, and every evaluation's
     metrics (``evals``: ``(split, epoch) -> metrics``)."""
-    from deepmetric.train import rundir
+    from deepmetric.run import rundir
     from deepmetric.train.loop import train_from_config_file
 
     rows = []

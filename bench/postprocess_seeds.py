@@ -57,9 +57,9 @@ def one_run(run_dir: Path, checkpoint: str, device: str) -> dict:
     import torch
 
     from deepmetric.evaluate.postprocess_choice import choose_postprocess
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.distributed import resolve_device
-    from deepmetric.train.embed import compute_embeddings, dataset_domains, load_model_from_checkpoint
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.embed import compute_embeddings, dataset_domains, load_model_from_checkpoint
     from deepmetric.workflows.tune_postprocess import validation_embeddings
 
     t0 = time.perf_counter()

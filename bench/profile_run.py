@@ -24,22 +24,22 @@ sys.path.insert(0, str(ROOT / "src"))
 
 #: (label, file suffix, function name): the parts of a run, in the order of a run
 PARTS = [
-    ("set-up: data arrays, splits (build_dataset)", "train/builders.py", "build_dataset"),
-    ("set-up: pre-flight checks", "train/preflight.py", "check_run"),
-    ("set-up: head initialisation (PCA)", "train/loop.py", "_init_head"),
+    ("set-up: data arrays, splits (build_dataset)", "run/builders.py", "build_dataset"),
+    ("set-up: pre-flight checks", "train/checks.py", "check_run"),
+    ("set-up: head initialisation (PCA)", "train/setup.py", "_init_head"),
     ("train: images decoded + augmented (dataset __getitem__)", "data/emoji.py", "__getitem__"),
     ("train: batch collation", "_utils/collate.py", "default_collate"),
     ("train: forward, model + loss (TrainingModule.forward)", "train/module.py", "forward"),
     ("train: backward", "torch/_tensor.py", "backward"),
     ("train: optimiser step", "amp/grad_scaler.py", "step"),
-    ("eval: all evaluations (Evaluator, every epoch)", "train/loop.py", "__call__"),
-    ("eval:   embedding the split (compute_embeddings, all calls)", "train/embed.py", "compute_embeddings"),
+    ("eval: all evaluations (Evaluator, every epoch)", "train/evaluator.py", "__call__"),
+    ("eval:   embedding the split (compute_embeddings, all calls)", "run/embed.py", "compute_embeddings"),
     ("eval:   k-NN + metrics, all vs all (evaluate)", "evaluate/engine.py", "evaluate"),
     ("eval:   k-NN + metrics, cross-vendor (evaluate_cross_domain)", "evaluate/cross_domain.py",
      "evaluate_cross_domain"),
-    ("after: best.pt on test (test_selected)", "train/loop.py", "_test_selected"),
+    ("after: best.pt on test (test_selected)", "train/evaluator.py", "test_selected"),
     ("after: WiSE-FT (4 mixtures on validation + test)", "train/wise_ft.py", "run_wise_ft"),
-    ("checkpoints written (save_checkpoint)", "train/checkpoint.py", "save_checkpoint"),
+    ("checkpoints written (save_checkpoint)", "run/checkpoint.py", "save_checkpoint"),
 ]
 
 
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", default=None, help="also write the raw profile here (pstats)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
-    from deepmetric.train.config import load_config
+    from deepmetric.run.config_io import load_config
     from deepmetric.train.loop import train
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -280,7 +280,7 @@ def check_preregistration(proto: Protocol) -> None:
 
 
 def val_curve(run_dir: Path, key: str) -> list[float]:
-    from deepmetric.train.rundir import read_log
+    from deepmetric.run.rundir import read_log
 
     return [r[key] for r in read_log(run_dir, type="eval") if r.get("split") == "val" and key in r]
 
@@ -299,10 +299,11 @@ def test_evaluation(run_dir: Path, device: str) -> dict:
     cache = run_dir.parent / f"{run_dir.name}.final.json"
     if cache.is_file():
         return json.loads(cache.read_text())
-    from deepmetric.train.builders import build_test_sets
-    from deepmetric.train.distributed import resolve_device
-    from deepmetric.train.embed import evaluate_split, load_model_from_checkpoint
-    from deepmetric.train.rundir import write_text_atomic
+    from deepmetric.run.builders import build_test_sets
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.embed import load_model_from_checkpoint
+    from deepmetric.run.evaluation import evaluate_split
+    from deepmetric.run.rundir import write_text_atomic
 
     dev = resolve_device("cuda" if device == "cuda" else "cpu")
     model, losses, cfg, _ = load_model_from_checkpoint(run_dir / "best.pt", dev)
@@ -357,7 +358,7 @@ def run_final_phase(proto: Protocol) -> None:
 
 # --------------------------------------------------------------------------- tables
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
-    from deepmetric.train.rundir import write_text_atomic
+    from deepmetric.run.rundir import write_text_atomic
 
     lines = [",".join(columns)]
     for r in rows:
@@ -475,7 +476,7 @@ def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
 
 def write_summary(proto: Protocol) -> None:
     from deepmetric.report.study_tables import mean_ci
-    from deepmetric.train.rundir import write_text_atomic
+    from deepmetric.run.rundir import write_text_atomic
 
     rows = read_csv(proto.runs / "results.csv")
     epochs = ", ".join(sorted({r["epochs"] for r in rows})) or "-"

@@ -1,5 +1,5 @@
 """What the raw-pixel baseline costs on the emoji test split: wall time and peak memory of
-``deepmetric.train.preflight.raw_pixel_baseline`` (reading the pixels, then
+``deepmetric.run.baselines.raw_pixel_baseline`` (reading the pixels, then
 ``deepmetric.evaluate``: the memory-bounded k-NN, k-means for NMI / F1) at a given image size,
 with the metrics of the emoji study, next to the estimate its limits (``RAW_PIXEL_MAX_*``)
 are decided on.
@@ -62,9 +62,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from deepmetric.train import preflight as P
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run import baselines as P
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.config_io import config_from_dict
 
     cfg = config_from_dict({
         "data": {"name": "emoji", "options": {"protocol": "zero_shot", "size": args.size},

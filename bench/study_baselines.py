@@ -7,7 +7,7 @@ exact search is large: glyphs cross-family has ~63,000 test images).
 Uses the first run's config (every variant of a study shares the data), the test split as the
 training loop evaluates it (its queries against its gallery where the split marks them):
 
-* ``raw_pixels``: :func:`deepmetric.train.preflight.raw_pixel_baseline` without its size limit;
+* ``raw_pixels``: :func:`deepmetric.run.baselines.raw_pixel_baseline` without its size limit;
 * ``pretrained_features`` (a pretrained backbone, or any with ``--features``): the backbone's
   pooled features before any training (e.g. EfficientNet-Lite0's 1,280 ImageNet features), what a user gets from the
   ImageNet network without metric learning;
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 
 def _with_cross_domain(metrics: dict, embeddings, dataset, cfg) -> dict:
-    from deepmetric.train.embed import cross_domain_metrics
+    from deepmetric.run.evaluation import cross_domain_metrics
 
     if not cfg.eval.cross_domain:
         return metrics
@@ -42,9 +42,9 @@ def _with_cross_domain(metrics: dict, embeddings, dataset, cfg) -> dict:
 def main() -> None:
     import torch
 
-    from deepmetric.train.builders import build_test_sets
-    from deepmetric.train.config import config_from_dict
-    from deepmetric.train.preflight import backbone_features_baseline, pixel_rows, raw_pixel_baseline
+    from deepmetric.run.builders import build_test_sets
+    from deepmetric.run.config_io import config_from_dict
+    from deepmetric.run.baselines import backbone_features_baseline, pixel_rows, raw_pixel_baseline
     from deepmetric.workflows.study import load_study
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -27,9 +27,11 @@ def reevaluate_run(run_dir: Path, overrides: list[str], metrics: list[str]) -> d
     """``final/<metric>`` of the run's ``last.pt`` on its test split with ``eval`` overrides."""
     import torch
 
-    from deepmetric.train.builders import build_test_sets
-    from deepmetric.train.config import apply_overrides, config_from_dict, config_to_dict
-    from deepmetric.train.embed import evaluate_model, load_model_from_checkpoint
+    from deepmetric.run.builders import build_test_sets
+    from deepmetric.run.config import config_to_dict
+    from deepmetric.run.config_io import apply_overrides, config_from_dict
+    from deepmetric.run.embed import load_model_from_checkpoint
+    from deepmetric.run.evaluation import evaluate_model
 
     model, losses, cfg, _ = load_model_from_checkpoint(run_dir / "last.pt", "cpu")
     raw = config_to_dict(cfg)

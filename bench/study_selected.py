@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 def pending_runs(root: Path) -> list[Path]:
     """Run folders under ``root`` (itself included) whose best.pt has no test metrics yet."""
-    from deepmetric.train import rundir as R
+    from deepmetric.run import rundir as R
 
     out = []
     for metrics in sorted(Path(root).rglob(R.METRICS)):
@@ -46,9 +46,10 @@ def fill_selected_test(run: Path, device: str = "cpu") -> dict[str, float]:
     """Evaluate ``run/best.pt`` on its test split and write the metrics into ``selected.test``."""
     import torch
 
-    from deepmetric.train import rundir as R
-    from deepmetric.train.builders import build_test_sets
-    from deepmetric.train.embed import evaluate_split, load_model_from_checkpoint
+    from deepmetric.run import rundir as R
+    from deepmetric.run.builders import build_test_sets
+    from deepmetric.run.embed import load_model_from_checkpoint
+    from deepmetric.run.evaluation import evaluate_split
 
     model, losses, cfg, state = load_model_from_checkpoint(run / R.BEST, device)
     summary = R.read_metrics(run)

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 import yaml
 
-from deepmetric.train.config import apply_overrides, config_from_dict
-from deepmetric.train.loop import build_dataset_split, build_losses, build_model, train
+from deepmetric.run.config_io import apply_overrides, config_from_dict
+from deepmetric.run.builders import build_dataset as build_dataset_split, build_losses, build_model
+from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer
 
 
@@ -97,7 +98,7 @@ class StepClock:
 
 def deepmetric_images_per_s(cfg, warmup: int) -> tuple[float, float]:
     """(wall, CPU) images/s of ``train(cfg)``: the model built by the loop gets a StepClock."""
-    import deepmetric.train.loop as loop
+    import deepmetric.train.setup as loop
 
     clock = StepClock()
     original = loop.build_model

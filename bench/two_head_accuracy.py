@@ -118,7 +118,8 @@ def _add_cpu_seconds(run: Run, seconds: float) -> None:
 def _train_here(run: Run) -> None:
     import resource
 
-    from deepmetric.train import load_config, train
+    from deepmetric.run.config_io import load_config
+    from deepmetric.train import train
 
     last = run.out_dir / "last.pt"
     cfg = load_config(str(recipe(run.variant)), run.overrides)
@@ -275,8 +276,8 @@ def test_accuracy(run_dir: Path, device: str) -> dict:
     import torch
 
     from deepmetric.evaluate import per_class_accuracy
-    from deepmetric.train.builders import build_test_sets
-    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+    from deepmetric.run.builders import build_test_sets
+    from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
 
     dev = torch.device("cuda" if device == "cuda" else "cpu")
     model, _, cfg, _ = load_model_from_checkpoint(run_dir / "last.pt", dev)

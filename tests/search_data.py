@@ -71,7 +71,7 @@ def tiny_config(folder: Path, out_dir: Path, epochs: int = 20) -> dict:
 
 def train_tiny_checkpoint(folder: Path, out_dir: Path) -> Path:
     """Train :func:`tiny_config` and return the path of its ``last.pt``."""
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
     from deepmetric.train.loop import train
 
     train(config_from_dict(tiny_config(folder, out_dir)))

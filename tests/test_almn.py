@@ -13,7 +13,7 @@ from degenerate import NUM_CLASSES, degenerate_batches
 from conftest import synthetic_config
 
 from deepmetric.losses.almn import ALMNLoss, virtual_points
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 # ----------------------------------------------------------------------------- references
@@ -326,7 +326,7 @@ def test_centre_rate_lr_in_the_training_loop_follows_the_schedule(tmp_path, monk
     """deepmetric train pushes the scheduled base lr (multistep x 0.8, as the paper's
     schedule) into the loss before every step; every centre update uses that step's lr."""
 
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
     from deepmetric.train.loop import train
 
     rates = []
@@ -617,7 +617,7 @@ def test_solver_centres_move_by_sgd_with_momentum_at_the_loss_lr(rng):
     """build_optimizer puts the centres in the loss group (optim.lr x optim.loss_lr_mult, the
     new-layer multiplier by default); two SGD steps with momentum and weight decay equal the
     solver's recurrence on the Eq. 2 steps, as Caffe applies it to the layer's blob."""
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
     from deepmetric.train.optim import build_optimizer
 
     n_cls, k = 4, 3
@@ -664,7 +664,7 @@ def test_solver_options_and_errors():
 
 
 def _solver_run(out, loss_lr_mult=0.1, **train_extra):
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
 
     return config_from_dict(synthetic_config(
         out, per_class=12, hidden=16, loss=[{"name": "almn", "options": {"beta": 3.0, "centre_mode": "solver"}}],

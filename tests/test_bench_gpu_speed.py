@@ -49,7 +49,7 @@ def test_eval_part_trains_once_per_eval_device_and_compares_the_metrics(tmp_path
     import yaml
 
     from conftest import synthetic_config
-    from deepmetric.train import rundir
+    from deepmetric.run import rundir
 
     recipe = tmp_path / "run.yaml"
     recipe.write_text(yaml.safe_dump(synthetic_config(tmp_path / "unused")))
@@ -73,8 +73,8 @@ def test_eval_part_trains_once_per_eval_device_and_compares_the_metrics(tmp_path
 
 
 def test_eval_part_default_run_is_a_valid_config():
-    from deepmetric.train import load_config
-    from deepmetric.train.preflight import check_config
+    from deepmetric.run.config_io import load_config
+    from deepmetric.run.config_checks import check_config
 
     for device in ("auto", "cpu"):
         cfg = load_config(ROOT / gs.EVAL_RECIPE, gs.EVAL_OVERRIDES + [f"eval.device={device}"])

@@ -8,7 +8,7 @@ import pytest
 from scipy import stats
 
 from conftest import synthetic_config
-from deepmetric.train.config import config_from_dict
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -40,8 +40,8 @@ def test_postprocess_seeds_pairs_the_seeds(tmp_path):
     assert d["mean"] == pytest.approx(np.mean(diffs)) and d["ci_low"] == pytest.approx(np.mean(diffs) - half)
     # the "with" numbers are the test metrics after the chosen steps, recomputed here
     from deepmetric.evaluate import evaluate
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
 
     model, _, cfg, _ = load_model_from_checkpoint(Path(runs[0]) / "best.pt", "cpu")
     t = compute_embeddings(model, build_dataset(cfg, "test", train=False))

@@ -29,8 +29,8 @@ def test_raw_pixels_and_features_of_a_study(tmp_path, monkeypatch):
     from PIL import Image
 
     from deepmetric.data.synthetic import write_digit_folder
-    from deepmetric.train.builders import build_dataset, build_model, seed_everything
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.builders import build_dataset, build_model, seed_everything
+    from deepmetric.run.config_io import config_from_dict
 
     root = write_digit_folder(tmp_path / "digits", per_class=6, seed=0)
     base = yaml.safe_load((ROOT / "recipes" / "own_folder_small_grey.yaml").read_text())

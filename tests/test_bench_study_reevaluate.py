@@ -22,8 +22,8 @@ BASE = synthetic_config(train={"epochs": 1, "num_threads": 1},
 def test_reevaluation_reproduces_then_changes_the_clustering(tmp_path, monkeypatch):
     from deepmetric.evaluate import kmeans
     from deepmetric.evaluate.clustering import nmi_from_clusters
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
     from deepmetric.workflows.study import load_study, run_study
 
     path = tmp_path / "study.yaml"
@@ -51,7 +51,7 @@ def test_reevaluation_reproduces_then_changes_the_clustering(tmp_path, monkeypat
     rows = json.loads((out / "reevaluated_k5.json").read_text())["rows"]
     run = tmp_path / "runs" / "a4" / "seed1"
     model, *_ = load_model_from_checkpoint(run / "last.pt")
-    from deepmetric.train.config import load_config
+    from deepmetric.run.config_io import load_config
 
     cfg = load_config(run / "config.yaml")
     e = compute_embeddings(model, build_dataset(cfg, "test", train=False))

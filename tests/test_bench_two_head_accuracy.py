@@ -75,8 +75,8 @@ def test_final_csv_matches_an_independent_evaluation(study):
     import torch
 
     from deepmetric.evaluate import classification_accuracy
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.embed import load_model_from_checkpoint
 
     base, out, _ = study
     with open(out / "two_head_accuracy.csv") as fh:

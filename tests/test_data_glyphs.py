@@ -9,7 +9,7 @@ import torch
 
 from deepmetric.data import build_dataset
 from deepmetric.data.glyphs import build_glyph_dataset, find_cjk_faces, gb2312_level1_chars
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 FACES = find_cjk_faces()
 needs_fonts = pytest.mark.skipif(not FACES, reason="no CJK fonts installed (see docs/offline-data.md)")
@@ -336,9 +336,9 @@ def test_validation_families_mirror_the_cross_family_test(tmp_path):
     family, as the test searches the held-out families against the training families."""
 
     from deepmetric.train import train
-    from deepmetric.train.builders import build_dataset as build_split
-    from deepmetric.train.config import config_from_dict
-    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+    from deepmetric.run.builders import build_dataset as build_split
+    from deepmetric.run.config_io import config_from_dict
+    from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
 
     fonts = _three_families()
     run = tmp_path / "run"

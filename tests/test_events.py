@@ -357,12 +357,12 @@ def test_synthetic_events_deterministic_long_tailed_and_split():
 @pytest.mark.filterwarnings("ignore:.*no same-label reference")
 def test_synthetic_events_train_and_predict_end_to_end(tmp_path):
     from deepmetric.train import train
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
 
     cfg = config_from_dict(synthetic_events_config(tmp_path))
     res = train(cfg)
     assert {"top1", "mean_per_class"} <= set(res.metrics)
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.embed import load_model_from_checkpoint
 
     model, *_ = load_model_from_checkpoint(tmp_path / "last.pt")
     ds = build_dataset("synthetic_events", split="test", num_train=40, num_test=20, size=16, test_windows=3)

@@ -12,12 +12,14 @@ from conftest import synthetic_config
 from deepmetric import cli
 from deepmetric.evaluate import choose_search_device, evaluate
 from deepmetric.evaluate.knn import resolve_backend
-from deepmetric.train.embed import command_search_device
+from deepmetric.run.evaluation import command_search_device
 from deepmetric.search.query import exact_search
-from deepmetric.train import rundir, train
-from deepmetric.train.builders import build_dataset, build_model
-from deepmetric.train.config import ConfigError, config_from_dict
-from deepmetric.train import embed as E
+from deepmetric.run import rundir
+from deepmetric.train import train
+from deepmetric.run.builders import build_dataset, build_model
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run import evaluation as E
 
 CPU = torch.device("cpu")
 
@@ -193,7 +195,7 @@ def test_raw_pixel_baseline_searched_for_a_cpu_run_equals_the_default(tmp_path, 
     from PIL import Image
 
     from deepmetric.data import build_dataset as build_data, build_transform
-    from deepmetric.train.preflight import raw_pixel_baseline
+    from deepmetric.run.baselines import raw_pixel_baseline
 
     for c in range(3):
         (tmp_path / "d" / f"c{c}").mkdir(parents=True)
@@ -347,7 +349,7 @@ def test_index_search_device_reaches_the_recall_measurement(rng, monkeypatch):
 def test_recipes_at_batch_128_say_when_bf16_and_channels_last_pay_and_keep_float32():
     from pathlib import Path
 
-    from deepmetric.train import load_config
+    from deepmetric.run.config_io import load_config
 
     root = Path(__file__).resolve().parents[1] / "recipes"
     advised, plain = [], []
@@ -402,7 +404,7 @@ def test_vit_recipes_train_in_bf16_as_their_protocol_does():
     papers' float32 recipes above, which only advise it."""
     from pathlib import Path
 
-    from deepmetric.train import load_config
+    from deepmetric.run.config_io import load_config
 
     paths = sorted((Path(__file__).resolve().parents[1] / "recipes" / "vit").glob("*.yaml"))
     assert len(paths) == 6

@@ -7,8 +7,9 @@ import torch
 pml = pytest.importorskip("pytorch_metric_learning.losses")
 
 from deepmetric.losses import build_loss  # noqa: E402
-from deepmetric.train.config import config_from_dict  # noqa: E402
-from deepmetric.train.loop import build_losses, build_model, train  # noqa: E402
+from deepmetric.run.config_io import config_from_dict  # noqa: E402
+from deepmetric.run.builders import build_losses, build_model  # noqa: E402
+from deepmetric.train.loop import train  # noqa: E402
 from deepmetric.train.optim import build_optimizer  # noqa: E402
 from conftest import synthetic_config  # noqa: E402
 
@@ -65,7 +66,7 @@ def test_training_loop_fills_sizes_and_trains_the_proxies(tmp_path):
     assert trained["loss"][0]["loss.proxies"].shape == (6, 8)
     assert not torch.allclose(trained["loss"][0]["loss.proxies"], init)
     # the frozen run's proxies are the initial ones: rebuild them with the loop's seeding
-    from deepmetric.train.loop import seed_everything
+    from deepmetric.run.builders import seed_everything
 
     seed_everything(0)
     build_model(cfg(tmp_path), num_classes=6)

@@ -213,7 +213,7 @@ def test_freeze_stages_freezes_parameters_and_bn_statistics():
     assert not torch.equal(after["blocks.3.0.bn1.running_mean"], before["blocks.3.0.bn1.running_mean"])
     assert not bb.bn1.training and bb.blocks[3].training
     # the optimiser groups skip frozen parameters
-    from deepmetric.train.config import OptimConfig
+    from deepmetric.run.config import OptimConfig
     from deepmetric.train.optim import build_param_groups
 
     grouped = {id(p) for g in build_param_groups(model, [], OptimConfig()) for p in g["params"]}
@@ -233,8 +233,8 @@ def test_two_head_with_efficientnet_lite_backbone():
 
 
 def test_training_config_builds_pretrained_frozen_model_and_optimizer():
-    from deepmetric.train.config import config_from_dict
-    from deepmetric.train.loop import build_model
+    from deepmetric.run.config_io import config_from_dict
+    from deepmetric.run.builders import build_model
     from deepmetric.train.optim import build_optimizer
 
     cfg = config_from_dict({

@@ -13,7 +13,7 @@ from PIL import Image
 from deepmetric.cli import main
 from deepmetric.data.synthetic import DIGIT_NAMES, write_digit_folder
 from deepmetric.evaluate import evaluate
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "own_folder_small_grey.yaml")
 TRAIN = ["eight", "five", "four", "nine", "one"]   # first half of the sorted names

@@ -13,7 +13,7 @@ from PIL import Image
 from conftest import synthetic_config
 
 from deepmetric.cli import main
-from deepmetric.train.config import load_config
+from deepmetric.run.config_io import load_config
 from deepmetric.train.summary import baseline_verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ def test_baseline_verdict_names_every_baseline_above_the_trained_embedding():
 def _run_below_its_baseline(tmp_path, monkeypatch):
     """A synthetic run whose epoch-0 baseline is made to score above anything training reaches
     (recall@1 of 1.5): the verdict must land in metrics.json, not only on the console."""
-    from deepmetric.train import preflight
+    from deepmetric.run import baselines as preflight
 
     real = preflight.compute_baselines
 
@@ -144,7 +144,7 @@ def test_the_verdict_is_kept_in_metrics_json_and_shown_in_the_report(tmp_path, m
 def test_a_validation_split_at_100_percent_from_the_first_evaluation_warns(tmp_path, capsys):
     """2 well-separated validation classes: recall@1 is 1.0 at epoch 1 and cannot choose best.pt."""
     from deepmetric.train import train
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
 
     raw = synthetic_config(tmp_path / "run", classes=8, data={"val_classes": 2, "options": {"noise": 0.02}},
                            eval={"baselines": False}, train={"epochs": 2})

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from deepmetric.train import load_config
+from deepmetric.run.config_io import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml"))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 pytest.importorskip("timm")
-from deepmetric.train import load_config  # noqa: E402
-from deepmetric.train.builders import build_dataset, build_model, resolve_model_preprocessing  # noqa: E402
+from deepmetric.run.config_io import load_config  # noqa: E402
+from deepmetric.run.builders import build_dataset, build_model, resolve_model_preprocessing  # noqa: E402
 from test_data_benchmarks import make_cars, make_cub, make_sop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_recipe_builds_with_random_weights_on_a_miniature_tree(path, trees):
 def test_dino_cub_recipe_trains_a_step(trees, tmp_path):
     pytest.importorskip("pytorch_metric_learning")
     from deepmetric.train import train
-    from deepmetric.train.checkpoint import load_checkpoint
+    from deepmetric.run.checkpoint import load_checkpoint
 
     cfg = load_config(ROOT / "recipes" / "vit" / "vit_dino_vits16_cub.yaml", [
         f"data.root={trees['cub'][0]}", "data.num_workers=0", "data.transform_options.input_size=[32, 32]",

@@ -28,10 +28,11 @@ from deepmetric.models import registry as model_registry
 from deepmetric.models import (create_model, list_models, model_backbone, model_needs_num_classes, model_options,
                                register_model)
 from deepmetric.models.synthetic import SyntheticMLP
-from deepmetric.train.builders import build_dataset as build_split
-from deepmetric.train.builders import build_losses, build_model
-from deepmetric.train.config import ConfigError, config_from_dict
-from deepmetric.train.preflight import check_config_options
+from deepmetric.run.builders import build_dataset as build_split
+from deepmetric.run.builders import build_losses, build_model
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.config_checks import check_config_options
 
 
 @pytest.fixture

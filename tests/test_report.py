@@ -368,7 +368,9 @@ def test_cli_report(tmp_path, rng, capsys):
 
 def test_report_of_a_real_training_run(tmp_path):
     """The report reads what the training loop and `deepmetric embed` actually write."""
-    from deepmetric.train import embed_checkpoint, load_config, train
+    from deepmetric.run.config_io import load_config
+    from deepmetric.run.embed import embed_checkpoint
+    from deepmetric.train import train
 
     cfg = load_config(None, [
         "data.name=synthetic", "data.options={num_classes: 6, per_class: 8, dim: 12}",
@@ -565,7 +567,9 @@ def test_report_embeds_with_the_checkpoint_when_no_npz(tmp_path):
     import re
 
     from deepmetric.evaluate import evaluate
-    from deepmetric.train import embed_checkpoint, load_config, train
+    from deepmetric.run.config_io import load_config
+    from deepmetric.run.embed import embed_checkpoint
+    from deepmetric.train import train
 
     cfg = load_config(None, [
         "data.name=synthetic", "data.options={num_classes: 5, per_class: 6, dim: 10}",
@@ -605,7 +609,8 @@ def test_report_html_escapes_class_names(tmp_path, rng):
 def test_report_without_the_dataset_still_reports_the_log(tmp_path, rng):
     """A run whose data is not on this machine: the page says why there are no grids."""
     import torch  # noqa: F401
-    from deepmetric.train import load_config, train
+    from deepmetric.run.config_io import load_config
+    from deepmetric.train import train
 
     cfg = load_config(None, [
         "data.name=synthetic", "data.options={num_classes: 4, per_class: 5, dim: 6}",
@@ -633,7 +638,8 @@ def test_report_of_a_query_gallery_run(tmp_path):
     """In-shop style runs (eval.gallery_split): queries ranked against the gallery only."""
     import re
 
-    from deepmetric.train import load_config, train
+    from deepmetric.run.config_io import load_config
+    from deepmetric.train import train
 
     cfg = load_config(None, [
         "data.name=synthetic", "data.options={num_classes: 4, per_class: 6, dim: 6}",

@@ -40,7 +40,8 @@ def _make_images(root, rng):
 
 
 def _train(tmp, out, data_overrides, extra=()):
-    from deepmetric.train import load_config, train
+    from deepmetric.run.config_io import load_config
+    from deepmetric.train import train
 
     cfg = load_config(None, [
         "data.name=folder", f"data.root={tmp / 'images'}", *data_overrides,
@@ -78,9 +79,9 @@ def classifier_run(image_folder):
 
 
 def _embed(run, split):
-    from deepmetric.train import load_model_from_checkpoint
-    from deepmetric.train.embed import compute_embeddings
-    from deepmetric.train.loop import build_dataset_split
+    from deepmetric.run.embed import load_model_from_checkpoint
+    from deepmetric.run.embed import compute_embeddings
+    from deepmetric.run.builders import build_dataset as build_dataset_split
 
     model, losses, cfg, _ = load_model_from_checkpoint(run / "last.pt")
     r = compute_embeddings(model, build_dataset_split(cfg, split, train=False), with_logits=True,

@@ -12,7 +12,7 @@ from deepmetric import cli
 from deepmetric.search import Index
 from deepmetric.search.export import EmbeddingOnly, preprocessing_path
 from deepmetric.search.query import Preprocessing
-from deepmetric.train.embed import load_model_from_checkpoint
+from deepmetric.run.embed import load_model_from_checkpoint
 from search_data import shapes_setup
 
 
@@ -69,7 +69,7 @@ def test_torchscript_matches_pytorch_and_raw_output(shapes, tmp_path):
 
 def test_export_json_names_the_configs_postprocessing(shapes):
     from deepmetric.search.export import postprocess_entry
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
 
     cfg = config_from_dict({"train": {"epochs": 1}, "search": {"postprocess": [{"name": "whiten", "dim": 4},
                                                                                {"name": "aqe"}]}})

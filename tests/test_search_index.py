@@ -184,7 +184,7 @@ def test_add_with_another_checkpoint_is_refused(shapes, tmp_path, capsys):
 def test_glyph_checkpoint_index_writes_png_copies_and_finds_them(tmp_path):
     """The demo's kind of checkpoint: an in-memory benchmark (glyphs) gets PNG copies in
     INDEX_DIR/images, and searching one of them finds it first; larger queries are resized to the glyph size."""
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
     from deepmetric.train.loop import train
 
     cache = tmp_path / "cache"

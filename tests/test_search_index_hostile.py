@@ -248,7 +248,7 @@ def test_disk_full_during_add_is_one_line_and_the_old_index_is_intact(shapes, tm
 
 
 def test_split_all_indexes_one_class_with_a_class_split_checkpoint(tmp_path, capsys):
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
     from deepmetric.train.loop import train
 
     folder = make_shapes_folder(tmp_path / "four", per_class=4)

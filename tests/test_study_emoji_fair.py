@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 pytest.importorskip("optuna")
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_every_tuned_loss_option_changes_the_loss(tmp_path, name):
     gradient).  Same network, same batch, same initial loss parameters at both ends."""
     import torch
 
-    from deepmetric.train.builders import build_losses, build_model
+    from deepmetric.run.builders import build_losses, build_model
     from deepmetric.workflows.tune import prepare_tune
 
     setup = prepare_tune(ROOT / "recipes" / "emoji_fair.yaml", ROOT / "spaces" / "emoji_fair" / f"{name}.yaml",
@@ -135,7 +135,7 @@ def test_the_proxy_lr_diagnostic_differs_from_the_fair_proxy_anchor_tune_only_in
     optimiser as the proxies' learning rate."""
     import yaml
 
-    from deepmetric.train.loop import build_losses, build_model
+    from deepmetric.run.builders import build_losses, build_model
     from deepmetric.train.optim import build_optimizer
     from deepmetric.workflows.tune import prepare_tune
 

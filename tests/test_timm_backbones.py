@@ -18,8 +18,8 @@ timm = pytest.importorskip("timm")
 from safetensors.torch import save_file  # noqa: E402
 
 from deepmetric.models import create_model, takes_img_size  # noqa: E402
-from deepmetric.train.builders import resolve_model_preprocessing  # noqa: E402
-from deepmetric.train.config import config_from_dict  # noqa: E402
+from deepmetric.run.builders import resolve_model_preprocessing  # noqa: E402
+from deepmetric.run.config_io import config_from_dict  # noqa: E402
 from search_data import make_shapes_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,8 +71,8 @@ def _without_head(weights: Path, net) -> dict:
 
 
 def test_checkpoint_stands_alone_and_holds_the_preprocessing(trained):
-    from deepmetric.train.checkpoint import load_checkpoint
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.checkpoint import load_checkpoint
+    from deepmetric.run.embed import load_model_from_checkpoint
 
     state = load_checkpoint(trained["ckpt"])
     opts = state["config"]["data"]["transform_options"]
@@ -101,7 +101,7 @@ def test_embed_export_index_and_serve_without_the_weights_file(trained, tmp_path
     from deepmetric.search import Index
     from deepmetric.search.export import EmbeddingOnly, preprocessing_path
     from deepmetric.search.query import Preprocessing
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.embed import load_model_from_checkpoint
 
     ckpt = trained["ckpt"]
     assert cli.main(["embed", str(ckpt), "--out", str(tmp_path / "e.npz"), "--split", "train"]) == 0
@@ -203,7 +203,7 @@ def test_token_pooling_against_numpy():
 
 def test_stages_freeze_layer_decay_and_unused_head_parameters():
     from deepmetric.models import backbone_stages
-    from deepmetric.train.config import OptimConfig
+    from deepmetric.run.config import OptimConfig
     from deepmetric.train.optim import layer_depths
 
     model = create_model("timm/vit_tiny_patch16_224", embedding_dim=8, freeze_stages=3)

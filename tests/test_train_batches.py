@@ -8,7 +8,7 @@ import torch
 from deepmetric.data import RandomBatchSampler
 from deepmetric.data.synthetic import build_synthetic_dataset
 from deepmetric.train.batches import make_train_loader, sample_seed
-from deepmetric.train.config import config_from_dict
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
 from conftest import synthetic_config
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 import yaml
 
-from deepmetric.train import checkpoint as ck
-from deepmetric.train.config import config_from_dict
+from deepmetric.run import checkpoint as ck
+from deepmetric.train.state import TrainState
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import NonFiniteLossError, train
 from conftest import synthetic_config
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 def _raw(out_dir, **train_extra):
@@ -206,7 +207,7 @@ def _as_version_1(state: dict) -> dict:
 def test_version_1_checkpoints_still_resume_and_rebuild(tmp_path):
     """A version-1 file (upgraded in memory by load_checkpoint) resumes to the same weights as
     an uninterrupted run, and ``load_model_from_checkpoint`` rebuilds its model."""
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.embed import load_model_from_checkpoint
 
     ref = train(config_from_dict(_raw(tmp_path / "ref", epochs=3)))
     train(config_from_dict(_raw(tmp_path / "first", epochs=2)))
@@ -240,7 +241,7 @@ def test_train_state_is_what_a_checkpoint_saves_and_restores(tmp_path):
 
     train(config_from_dict(_raw(tmp_path / "run", epochs=1)))
     saved = ck.load_checkpoint(tmp_path / "run" / "last.pt")
-    fields = asdict(ck.TrainState())
+    fields = asdict(TrainState())
     assert set(fields) <= set(saved)
     assert (saved["epoch"], saved["batch_in_epoch"], saved["epoch_loss_n"]) == (1, 0, 0)
     assert saved["best"]["value"] is None and saved["metrics"]["recall@1"] > 0  # no validation split

@@ -8,8 +8,8 @@ from torch import nn
 from deepmetric.data.synthetic import build_synthetic_dataset
 from deepmetric.losses import HeatedSoftmaxLoss
 from deepmetric.models.heads import EmbeddingHead
-from deepmetric.train.checkpoint import load_checkpoint
-from deepmetric.train.config import config_from_dict
+from deepmetric.run.checkpoint import load_checkpoint
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
 from deepmetric.train.module import init_from_class_means
 from conftest import synthetic_config
@@ -80,7 +80,7 @@ def test_training_loop_applies_class_mean_init(tmp_path):
 
 
 def test_config_rejects_unknown_init():
-    from deepmetric.train.config import ConfigError
+    from deepmetric.run.config import ConfigError
 
     with pytest.raises(ConfigError, match="loss.0.init"):
         config_from_dict({"loss": [{"name": "heated_softmax", "init": "class_mean"}], "train": {"epochs": 1}})

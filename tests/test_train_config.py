@@ -1,11 +1,11 @@
-"""deepmetric.train.config: typed YAML configs, key suggestions, overrides, round trips."""
+"""deepmetric.run.config: typed YAML configs, key suggestions, overrides, round trips."""
 from pathlib import Path
 
 import pytest
 import yaml
 
-from deepmetric.train.config import (Config, ConfigError, apply_overrides, config_from_dict,
-                                     config_to_dict, load_config, save_config)
+from deepmetric.run.config import Config, ConfigError, config_to_dict
+from deepmetric.run.config_io import apply_overrides, config_from_dict, load_config, save_config
 
 REPO = Path(__file__).resolve().parents[1]
 

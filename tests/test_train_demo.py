@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepmetric import cli
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 def _check_summary(out, printed, pictures, *, heated):
@@ -84,7 +84,7 @@ def test_demo_emoji_quick(tmp_path, capsys):
     for r in summary["rows"]:
         assert 0.0 <= r["cross_domain_recall@1"] <= 1.0 and 0.0 <= r["cross_domain_map@r"] <= 1.0
     from deepmetric.evaluate import evaluate_cross_domain
-    from deepmetric.train.builders import build_dataset
+    from deepmetric.run.builders import build_dataset
     from deepmetric.workflows.demo import demo_config
 
     cfg = demo_config(out, quick=True)

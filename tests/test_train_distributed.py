@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from deepmetric.data.synthetic import SyntheticMLP
 from deepmetric.losses import build_loss
-from deepmetric.train.config import LossTermConfig
+from deepmetric.run.config import LossTermConfig
 from deepmetric.train.module import TrainingModule
 
 B, C, DIM, K = 8, 4, 16, 8

@@ -10,9 +10,10 @@ import torch
 
 from deepmetric.evaluate import misclassified_neighbour_agreement
 from deepmetric.train import train
-from deepmetric.train.builders import build_dataset
-from deepmetric.train.config import ConfigError, config_from_dict
-from deepmetric.train.embed import compute_embeddings, dataset_domains, load_model_from_checkpoint
+from deepmetric.run.builders import build_dataset
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.embed import compute_embeddings, dataset_domains, load_model_from_checkpoint
 from events_data import synthetic_events_config
 
 
@@ -131,8 +132,8 @@ def test_validation_is_searched_cross_vendor_and_selects_best_pt(tmp_path):
     from test_data_emoji import make_tree
 
     from deepmetric.evaluate import evaluate_cross_domain
-    from deepmetric.train.builders import VAL_SPLIT
-    from deepmetric.train.rundir import read_log
+    from deepmetric.run.builders import VAL_SPLIT
+    from deepmetric.run.rundir import read_log
 
     make_tree(tmp_path / "tree")
     raw = {
@@ -163,7 +164,7 @@ def test_validation_is_searched_cross_vendor_and_selects_best_pt(tmp_path):
 
 
 def test_class_subset_keeps_each_samples_domain():
-    from deepmetric.train.builders import ClassSubset
+    from deepmetric.run.builders import ClassSubset
 
     class Vendored(torch.utils.data.Dataset):
         labels = np.array([0, 1, 2, 1, 0, 2])
@@ -239,7 +240,7 @@ def test_best_pt_is_evaluated_on_test_when_its_epoch_was_not(tmp_path):
     from test_data_emoji import make_tree
 
     from deepmetric.evaluate import evaluate_cross_domain
-    from deepmetric.train.rundir import read_log
+    from deepmetric.run.rundir import read_log
 
     make_tree(tmp_path / "tree")
     raw = {

@@ -11,12 +11,13 @@ from torch import nn
 from deepmetric.models import backbone_stages, create_backbone, create_model, list_backbones, register_model
 from deepmetric.models import registry as model_registry
 from deepmetric.models.synthetic import SyntheticMLP
-from deepmetric.train.builders import build_model, seed_everything
-from deepmetric.train.config import ConfigError, config_from_dict
+from deepmetric.run.builders import build_model, seed_everything
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.finetune import linear_probe
 from deepmetric.train.loop import set_learning_rates, train
 from deepmetric.train.optim import build_optimizer
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 from conftest import synthetic_config
 
 STEPS_PER_EPOCH = 6  # synthetic_config: 6 classes x 16 images, batch 16
@@ -246,7 +247,7 @@ def _ddp_probe_worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
     from deepmetric.losses import build_loss
-    from deepmetric.train.config import LossTermConfig
+    from deepmetric.run.config import LossTermConfig
     from deepmetric.train.module import TrainingModule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 import torch
 import torch.nn.functional as F
 from sklearn.decomposition import PCA
@@ -19,12 +19,13 @@ from deepmetric.data.synthetic import write_digit_folder
 from deepmetric.losses import build_loss
 from deepmetric.models import batchnorm_layers, create_model, model_options
 from deepmetric.models.heads import EmbeddingHead
-from deepmetric.train import loop as loop_module
+from deepmetric.train import setup as loop_module
 from deepmetric.train import wise_ft as W
-from deepmetric.train.builders import build_dataset, build_losses, build_model
-from deepmetric.train.checkpoint import load_checkpoint
-from deepmetric.train.config import ConfigError, config_from_dict
-from deepmetric.train.embed import compute_embeddings, embed_checkpoint, load_model_from_checkpoint
+from deepmetric.run.builders import build_dataset, build_losses, build_model
+from deepmetric.run.checkpoint import load_checkpoint
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.embed import compute_embeddings, embed_checkpoint, load_model_from_checkpoint
 from deepmetric.train.loop import train
 from deepmetric.train.module import PretrainedTeacher, TrainingModule
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from deepmetric import cli
-from deepmetric.train.config import config_from_dict
-from deepmetric.train.builders import build_model, seed_everything
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.builders import build_model, seed_everything
 from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer
 from conftest import synthetic_config
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 def _raw(out_dir, **train_extra):
@@ -138,7 +138,8 @@ def test_imports_run_one_way():
     import ast
     from pathlib import Path
 
-    import deepmetric.train as pkg
+    import deepmetric.run as pkg
+    import deepmetric.train as train_pkg
 
     root = Path(pkg.__file__).parent
 
@@ -153,8 +154,10 @@ def test_imports_run_one_way():
         return mods
 
     builders = {m for m in imported("builders.py") if m.startswith((".", "deepmetric"))}
-    assert builders <= {".config", "deepmetric.data", "deepmetric.data.synthetic", "deepmetric.models",
-                        "deepmetric.losses"}, builders
-    for name in ("builders.py", "embed.py", "amp.py", "checkpoint.py", "module.py"):
+    assert builders <= {".config", ".config_checks", "deepmetric.data", "deepmetric.data.synthetic",
+                        "deepmetric.models", "deepmetric.losses"}, builders
+    for name in ("builders.py", "embed.py", "device.py", "checkpoint.py"):
         assert not {".loop", "deepmetric.train.loop"} & imported(name), name
-    assert ".builders" in imported("embed.py") and ".builders" in imported("loop.py")
+    root = Path(train_pkg.__file__).parent
+    assert not {".loop", "deepmetric.train.loop"} & imported("module.py")
+    assert "deepmetric.run.builders" in imported("setup.py")

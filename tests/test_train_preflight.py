@@ -6,11 +6,15 @@ from PIL import Image
 
 from deepmetric.data import build_dataset, build_transform
 from deepmetric.evaluate import evaluate
-from deepmetric.train import preflight as P
-from deepmetric.train.config import ConfigError, config_from_dict
-from deepmetric.train.preflight import (check_config_options, check_images_readable, check_metric_names,
-                                        check_model_input, expected_metrics, few_classes_warning,
-                                        raw_pixel_baseline, size_warnings)
+from deepmetric.run import baselines as P
+from deepmetric.train.checks import short_input_warnings
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.baselines import raw_pixel_baseline
+from deepmetric.run.config_checks import check_config_options, check_metric_names
+from deepmetric.run.evaluation import expected_metrics
+from deepmetric.train.checks import check_images_readable, check_model_input, few_classes_warning
+from deepmetric.train.image_warnings import size_warnings
 from deepmetric.train.summary import describe_split, format_run_end, format_run_summary
 
 
@@ -145,7 +149,7 @@ def test_model_input_check_applies_the_batched_augmentation(tmp_path):
     collate finishes them (float, augmentation, channels); the dry forward pass must see
     what the loader gives the model, also through a validation ClassSubset."""
     from deepmetric.models import create_model
-    from deepmetric.train.builders import ClassSubset
+    from deepmetric.run.builders import ClassSubset
 
     root = _digits(tmp_path / "d", size=(28, 28))
     cfg = _cfg(data={"name": "folder", "root": str(root), "transform": "glyph",
@@ -224,7 +228,7 @@ def test_few_classes_warning():
 def test_few_classes_warning_only_for_unseen_test_classes(tmp_path):
     """A classification protocol tests the training classes themselves: no zero-shot warning."""
     from deepmetric.models import create_model
-    from deepmetric.train.preflight import check_run
+    from deepmetric.train.checks import check_run
 
     root = _digits(tmp_path / "d", size=(28, 28))
     ds = build_dataset("folder", root, split="all", transform=build_transform("mnist", train=False))
@@ -408,8 +412,8 @@ def test_every_recipe_passes_the_config_checks():
     """The option and metric checks accept every shipped recipe (no false alarms)."""
     from pathlib import Path
 
-    from deepmetric.train import load_config
-    from deepmetric.train.preflight import check_config
+    from deepmetric.run.config_io import load_config
+    from deepmetric.run.config_checks import check_config
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.yaml"))
     assert len(recipes) > 100
@@ -433,7 +437,7 @@ def test_almn_on_a_unit_length_input_is_warned(options, input_, warned):
     model = create_model("glyph_resnet", embedding_dim=16, in_chans=1, widths=[8, 32], depths=[1, 1], **options)
     for name, expect in (("almn", warned), ("heated_softmax", None)):
         cfg = _cfg(loss=[{"name": name, "input": input_}], model={"name": "glyph_resnet", "options": options})
-        w = P.short_input_warnings(cfg, model)
+        w = short_input_warnings(cfg, model)
         if expect is None:
             assert w == [], (name, options)
         else:

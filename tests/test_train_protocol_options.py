@@ -12,12 +12,13 @@ from torch import nn
 from test_data_emoji import make_tree
 
 from deepmetric.evaluate import evaluate_cross_domain
-from deepmetric.train.builders import VAL_SPLIT, build_dataset, build_losses, build_model
-from deepmetric.train.config import ConfigError, config_from_dict
-from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+from deepmetric.run.builders import VAL_SPLIT, build_dataset, build_losses, build_model
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
 from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer, build_param_groups
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 def _emoji_run(tmp_path, **eval_options) -> dict:
@@ -37,7 +38,7 @@ def _emoji_run(tmp_path, **eval_options) -> dict:
 
 @pytest.mark.filterwarnings("ignore:.*no same-label reference")
 def test_eval_test_false_never_builds_nor_evaluates_the_test_split(tmp_path, monkeypatch):
-    import deepmetric.train.loop as loop
+    import deepmetric.train.setup as loop
 
     def refuse(cfg):
         raise AssertionError("eval.test false built the test split")
@@ -148,7 +149,7 @@ def test_wise_ft_reuses_the_logged_evaluations_of_best_pt_with_the_same_result(t
     """WiSE-FT's a = 1 is best.pt exactly: its validation metrics (and, when a = 1 is chosen, its
     test metrics) come from the run's log instead of being evaluated again (bench/RESULTS.md, the
     profile of an emoji run); the wise_ft section is what evaluating them again gives."""
-    import deepmetric.train.loop as loop
+    import deepmetric.train.evaluator as loop
     import deepmetric.train.wise_ft as wise
 
     calls = []

@@ -13,10 +13,11 @@ import pytest
 import yaml
 
 from deepmetric import cli
-from deepmetric.train import checkpoint as ck
-from deepmetric.train.config import config_from_dict
-from deepmetric.train.loop import RunDirectoryError, train
-from deepmetric.train.rundir import STALE_UNTAGGED_S, read_log
+from deepmetric.run import checkpoint as ck
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.rundir import RunDirectoryError
+from deepmetric.train.loop import train
+from deepmetric.run.rundir import STALE_UNTAGGED_S, read_log
 from conftest import synthetic_config
 
 

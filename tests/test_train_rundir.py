@@ -10,11 +10,13 @@ import torch
 import yaml
 
 from deepmetric import cli
-from deepmetric.train import checkpoint as ck
-from deepmetric.train.config import config_diff, config_from_dict
-from deepmetric.train.loop import RunDirectoryError, train
+from deepmetric.run import checkpoint as ck
+from deepmetric.train.state import CheckpointMismatchError
+from deepmetric.run.config_io import config_diff, config_from_dict
+from deepmetric.run.rundir import RunDirectoryError
+from deepmetric.train.loop import train
 from conftest import synthetic_config
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 def _raw(out_dir, **model_options):
@@ -71,7 +73,7 @@ def test_cli_refuses_then_overwrites(tmp_path, capsys):
 def test_resume_with_another_model_names_the_differing_keys(tmp_path):
     train(config_from_dict(_raw(tmp_path / "run")))
     cfg = config_from_dict(_raw(tmp_path / "other", embedding_dim=16))
-    with pytest.raises(ck.CheckpointMismatchError) as exc:
+    with pytest.raises(CheckpointMismatchError) as exc:
         train(cfg, resume=tmp_path / "run" / "last.pt")
     msg = str(exc.value)
     assert "\n" not in msg and len(msg) < 1200, msg  # one paragraph, not a traceback of 80 keys
@@ -84,7 +86,7 @@ def test_resume_with_other_classes_names_the_loss_state(tmp_path):
     train(config_from_dict(_raw(tmp_path / "run")))
     raw = _raw(tmp_path / "other")
     raw["data"]["options"]["num_classes"] = 5
-    with pytest.raises(ck.CheckpointMismatchError, match=r"data.options.num_classes 6 -> 5.*loss term 0.*weight \[6, 8\] -> \[5, 8\]"):
+    with pytest.raises(CheckpointMismatchError, match=r"data.options.num_classes 6 -> 5.*loss term 0.*weight \[6, 8\] -> \[5, 8\]"):
         train(config_from_dict(raw), resume=tmp_path / "run" / "last.pt")
 
 

@@ -5,11 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from deepmetric.train.config import LrScheduleConfig, config_from_dict
+from deepmetric.run.config import LrScheduleConfig
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
 from deepmetric.train.schedules import LrSchedule, TemperatureSchedule
 from conftest import synthetic_config
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 class FixedAlpha(nn.Module):

@@ -10,9 +10,9 @@ import torch
 
 from deepmetric.data.synthetic import write_digit_folder
 from deepmetric.models import create_model
-from deepmetric.train.checkpoint import load_checkpoint, save_checkpoint
-from deepmetric.train.config import config_from_dict
-from deepmetric.train.embed import embed_checkpoint, load_model_from_checkpoint
+from deepmetric.run.checkpoint import load_checkpoint, save_checkpoint
+from deepmetric.run.config_io import config_from_dict
+from deepmetric.run.embed import embed_checkpoint, load_model_from_checkpoint
 from deepmetric.train.loop import train
 
 GLYPH = {"in_chans": 1, "widths": [8, 16], "depths": [1, 1]}

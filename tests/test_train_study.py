@@ -15,11 +15,11 @@ import pytest
 import yaml
 
 from deepmetric import cli
-from deepmetric.train.config import ConfigError
+from deepmetric.run.config import ConfigError
 from deepmetric.report.study_tables import mean_ci, paired_differences, summarize
 from deepmetric.workflows.study import StudyRun, collect_rows, load_study, run_row, run_study
 from conftest import synthetic_config
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -192,7 +192,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path):
     reference = run_study(load_study(path, out_dir=tmp_path / "ref"), log=lambda m: None)
     assert reference["finished"] == ["a16/seed0"]
     # A "killed" run: one epoch of the two trained, last.pt written, no metrics.json.
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
     from deepmetric.train.loop import train
 
     study = load_study(path)
@@ -274,7 +274,7 @@ def test_repository_study_files_are_valid(name):
     from deepmetric.data.transforms import list_transforms
     from deepmetric.losses import list_losses
     from deepmetric.models import list_models
-    from deepmetric.train.config import DataConfig
+    from deepmetric.run.config import DataConfig
 
     if "val_classes" not in DataConfig.__dataclass_fields__:
         pytest.skip("needs the validation split (data.val_classes) of the training package")

@@ -23,9 +23,10 @@ from tensorboard.plugins.hparams import metadata as hp_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import synthetic_config
-from deepmetric.train.config import ConfigError, config_from_dict
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
-from deepmetric.train.rundir import read_log, read_metrics
+from deepmetric.run.rundir import read_log, read_metrics
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -206,7 +207,7 @@ CHILD = r"""
 import gc, json, os, signal, sys
 from torch.utils.tensorboard import SummaryWriter
 import deepmetric.train.tracking as T
-from deepmetric.train.config import config_from_dict
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
 
 raw, mode = json.loads(sys.argv[1]), sys.argv[2]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from deepmetric.train import train
-from deepmetric.train.config import ConfigError, config_from_dict
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
 
 
 def _raw(tree, out, **eval_keys):
@@ -38,9 +39,9 @@ def tree(tmp_path):
 
 def test_dataset_validation_split_without_test_split(tmp_path, tree):
     from deepmetric.evaluate import classification_accuracy
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
-    from deepmetric.train.rundir import read_log
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
+    from deepmetric.run.rundir import read_log
 
     out = tmp_path / "run"
     res = train(config_from_dict(_raw(tree, out)))

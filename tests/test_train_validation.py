@@ -8,12 +8,13 @@ import pytest
 import torch
 from PIL import Image
 
-from deepmetric.train import loop
-from deepmetric.train.builders import VAL_SPLIT, ClassSubset, build_dataset, carve_val_classes
-from deepmetric.train.config import ConfigError, config_from_dict
+from deepmetric.train import evaluator as loop
+from deepmetric.run.builders import VAL_SPLIT, ClassSubset, build_dataset, carve_val_classes
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
 from conftest import synthetic_config
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 
 
 def _raw(out_dir, val_classes=0.25, **train_extra):
@@ -49,7 +50,7 @@ def test_pick_last_takes_the_end_of_the_label_order_like_the_zero_shot_split():
 
 
 def test_val_pick_last_in_a_run_carves_the_last_training_classes(tmp_path):
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
 
     raw = _raw(tmp_path, val_classes=2)
     raw["data"]["val_pick"] = "last"
@@ -172,7 +173,7 @@ def test_class_subset_gives_per_sample_arrays_of_its_own_samples():
 
 
 def test_val_query_families_hold_a_family_out_of_training_and_query_with_it(monkeypatch):
-    from deepmetric.train import builders
+    from deepmetric.run import builders
 
     labels = np.repeat(np.arange(6), 3)  # class c drawn in families x, y, z
     fams = np.tile(np.array(["x", "y", "z"]), 6)
@@ -190,7 +191,7 @@ def test_val_query_families_hold_a_family_out_of_training_and_query_with_it(monk
     assert set(labels[va.indices].tolist()) == set(val.tolist())
     np.testing.assert_array_equal(va.is_query, fams[va.indices] == "z")
     np.testing.assert_array_equal(va.is_gallery, ~va.is_query)
-    from deepmetric.train.embed import dataset_query_gallery_masks
+    from deepmetric.run.embed import dataset_query_gallery_masks
 
     assert set(dataset_query_gallery_masks(va)) == {"is_query", "is_gallery"}
     # errors name the key, the unknown family and the families there are
@@ -296,7 +297,7 @@ def test_real_run_with_validation_logs_both_splits(tmp_path):
 
 
 def test_k_folds_partition_the_training_classes():
-    from deepmetric.train.builders import class_fold
+    from deepmetric.run.builders import class_fold
 
     labels = np.repeat(np.arange(10), 2)
     vals = [class_fold(labels, 4, k, seed=2)[1] for k in range(4)]

@@ -235,7 +235,7 @@ def test_128_px_through_the_emoji_transform_and_the_model():
 
 def test_a_128_px_emoji_run_with_style_augmentation(tmp_path):
     """A one-epoch run on a miniature emoji tree at 128 px with every style option."""
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
     from deepmetric.train.loop import train
     from test_data_emoji import make_tree
 

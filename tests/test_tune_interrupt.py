@@ -14,7 +14,7 @@ import yaml
 
 from conftest import synthetic_config
 
-from deepmetric.train.rundir import read_log
+from deepmetric.run.rundir import read_log
 from deepmetric.workflows.tune import open_study, prepare_tune
 
 optuna = pytest.importorskip("optuna")

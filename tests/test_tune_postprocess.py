@@ -8,7 +8,7 @@ import yaml
 from conftest import synthetic_config
 from deepmetric import cli
 from deepmetric.evaluate import evaluate
-from deepmetric.train.config import config_from_dict
+from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
 
 
@@ -22,7 +22,7 @@ def run_with_val(tmp_path_factory):
 
 
 def test_tune_postprocess_chooses_on_validation(run_with_val, tmp_path, capsys, monkeypatch):
-    import deepmetric.train.builders as builders
+    import deepmetric.run.builders as builders
 
     seen = []
     real = builders.build_dataset
@@ -38,7 +38,7 @@ def test_tune_postprocess_chooses_on_validation(run_with_val, tmp_path, capsys, 
     assert res["split"] == "val" and not any("test" in k for k in res)  # validation numbers only
     # the chosen steps load as a config block and reproduce the reported validation value
     cfg = config_from_dict({"train": {"epochs": 1}, "search": {"postprocess": chosen}})
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.embed import load_model_from_checkpoint
     from deepmetric.workflows.tune_postprocess import validation_embeddings
 
     model, _, run_cfg, _ = load_model_from_checkpoint(ckpt, "cpu")
@@ -49,7 +49,7 @@ def test_tune_postprocess_chooses_on_validation(run_with_val, tmp_path, capsys, 
 
 
 def test_tune_postprocess_refuses_test_and_runs_without_validation(run_with_val, tmp_path, capsys):
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.embed import load_model_from_checkpoint
     from deepmetric.workflows.tune_postprocess import validation_embeddings
 
     model, _, cfg, _ = load_model_from_checkpoint(run_with_val / "last.pt", "cpu")

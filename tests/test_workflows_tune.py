@@ -20,8 +20,8 @@ import yaml
 from conftest import synthetic_config
 
 from deepmetric import cli
-from deepmetric.train.config import load_config
-from deepmetric.train.rundir import read_log
+from deepmetric.run.config_io import load_config
+from deepmetric.run.rundir import read_log
 from deepmetric.workflows.tune import TuneError, load_space, open_study, prepare_tune
 
 optuna = pytest.importorskip("optuna")

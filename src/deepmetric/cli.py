@@ -90,7 +90,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- report
 def _add_model_device_arguments(p, searches: str) -> None:
     """--device and --search-device of a command that runs a model, then searches (report,
-    index); train.embed.command_search_device decides from them."""
+    index); run.evaluation.command_search_device decides from them."""
     p.add_argument("--device", default="auto",
                    help=f"where the model runs: auto (CUDA when available), cpu, cuda or cuda:INDEX; {searches} "
                         "runs there too unless --search-device cpu")
@@ -273,8 +273,8 @@ def _add_embed_parser(sub) -> None:
 
 
 def _run_embed(args: argparse.Namespace) -> int:
-    from deepmetric.train.distributed import resolve_device
-    from deepmetric.train.embed import embed_checkpoint
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.embed import embed_checkpoint
 
     device = resolve_device(args.device, name="--device")  # errors name the flag
     out = embed_checkpoint(args.checkpoint, args.out, data=args.data, root=args.root, split=args.split,
@@ -365,7 +365,7 @@ def _run_emoji(args: argparse.Namespace) -> int:
     elif args.emoji_command == "counts":
         print(json.dumps(emoji.emoji_counts(args.root, size=args.size, vendors=args.vendors, verbose=True), indent=1))
     else:
-        from deepmetric.train.preflight import emoji_pixel_baseline
+        from deepmetric.run.baselines import emoji_pixel_baseline
 
         res = emoji_pixel_baseline(args.split, args.root, size=args.size, vendors=args.vendors)
         pct = lambda d: {k: round(100 * v, 1) if isinstance(v, float) else v for k, v in d.items()}  # noqa: E731
@@ -698,6 +698,7 @@ def _add_study_parser(sub) -> None:
 
 
 def _run_study(args: argparse.Namespace) -> int:
+    from deepmetric.run import rundir
     from deepmetric.workflows.study import load_study, run_study, write_results
 
     from deepmetric.workflows.study import default_storage, open_trials, run_worker, sync_finished
@@ -714,7 +715,7 @@ def _run_study(args: argparse.Namespace) -> int:
     if args.list:
         sync_finished(study, open_trials(study, storage).get_trials(deepcopy=False))
         for run in study.runs:
-            state = "finished" if run.finished else ("partial" if (run.out_dir / "last.pt").is_file() else "-")
+            state = "finished" if run.finished else ("partial" if (run.out_dir / rundir.LAST).is_file() else "-")
             print(f"{run.key:40s} {state:9s} {run.out_dir}")
         return 0
     if args.summary:

@@ -1,7 +1,7 @@
 """The ``timm`` transform: a timm model's own preprocessing (its ``pretrained_cfg``), as timm's
 ``transforms_imagenet_eval`` / ``transforms_imagenet_train`` build it, on torchvision v2
 (:func:`deepmetric.data.build_transform`; the trainer fills the options a recipe leaves out from
-the model, ``deepmetric.train.builders.resolve_model_preprocessing``)."""
+the model, ``deepmetric.run.builders.resolve_model_preprocessing``)."""
 from __future__ import annotations
 
 import math

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from deepmetric.losses.temperature import get_alpha, set_alpha
-from deepmetric.train.embed import place_for_search
+from deepmetric.run.evaluation import place_for_search
 
 __all__ = [
     "read_log",
@@ -152,7 +152,7 @@ class TrainingLog:
 
 def read_log(path: str | Path) -> TrainingLog:
     """Read the training loop's JSON-lines log (``RUN_DIR/log.jsonl``) through
-    :func:`deepmetric.train.rundir.read_log` (strict: a truncated last line, a run killed while
+    :func:`deepmetric.run.rundir.read_log` (strict: a truncated last line, a run killed while
     writing, is skipped with a warning; any other malformed line is an error naming the file
     and line number).
 
@@ -160,7 +160,7 @@ def read_log(path: str | Path) -> TrainingLog:
     evaluation; records without ``type`` (older logs) are classified by their keys (a ``loss``
     -> step; any ``recall@``/``nmi`` key -> eval).
     """
-    from deepmetric.train.rundir import read_log as read_records
+    from deepmetric.run.rundir import read_log as read_records
 
     steps: list[dict] = []
     evals: list[dict] = []

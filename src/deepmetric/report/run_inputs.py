@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from deepmetric.train import rundir
+from deepmetric.run import rundir
 
 from .page import image_data_uri
 
@@ -77,9 +77,9 @@ def embed_run(checkpoint: Path, *, split: str | None = None, device: str = "auto
     a loss term has a classifier) - ``train_embeddings`` / ``train_labels`` and, for a
     heated-softmax loss, its ``class_weights``.
     """
-    from deepmetric.train.distributed import resolve_device
-    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
-    from deepmetric.train.builders import build_dataset as build_dataset_split
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
+    from deepmetric.run.builders import build_dataset as build_dataset_split
 
     dev = resolve_device(device, name="--device")
     model, losses, cfg, _ = load_model_from_checkpoint(checkpoint, dev)
@@ -173,7 +173,7 @@ def image_source_for(cfg, labels: np.ndarray, *, has_gallery: bool, split: str |
     embeddings array, rebuilt from the run's config. Returns ``(source, note)``; ``source``
     is None (and ``note`` says why) when the dataset cannot be built or its labels do not
     match ``labels`` row for row (an ``.npz`` of another split or order)."""
-    from deepmetric.train.builders import build_dataset as build_dataset_split
+    from deepmetric.run.builders import build_dataset as build_dataset_split
 
     c = _display_cfg(cfg)
     if train:

@@ -45,9 +45,9 @@ import numpy as np
 from . import diagnostics as dg
 from . import page as pg
 from . import plots
-from deepmetric.train import rundir
+from deepmetric.run import rundir
 
-from deepmetric.train.embed import command_search_device
+from deepmetric.run.evaluation import command_search_device
 
 from .run_inputs import check_run_dir, embed_run, find_checkpoint, image_source_for
 
@@ -321,7 +321,7 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     on ``device``. ``out_dir`` defaults to ``RUN_DIR/report``. ``max_pairs`` bounds the
     pairs per histogram (exact below it). ``images``: show dataset images in the grids;
     ``n_queries`` random and ``n_queries`` worst queries with their ``top_k`` neighbours.
-    ``search_device``: where the neighbour searches run (:func:`~deepmetric.train.embed.command_search_device`:
+    ``search_device``: where the neighbour searches run (:func:`~deepmetric.run.evaluation.command_search_device`:
     ``auto`` = ``device``, ``cpu`` = faiss on the CPU).
     """
     run_dir = Path(run_dir)
@@ -445,12 +445,12 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
 
 
 def _config_object(raw: dict | None):
-    """The run's :class:`~deepmetric.train.config.Config` (to rebuild its data), or None
+    """The run's :class:`~deepmetric.run.config.Config` (to rebuild its data), or None
     with a note when the file does not describe a current config."""
     if raw is None:
         return None, "no config.yaml"
     try:
-        from deepmetric.train.config import config_from_dict
+        from deepmetric.run.config_io import config_from_dict
 
         return config_from_dict(copy.deepcopy(raw)), ""
     except Exception as exc:  # noqa: BLE001 - only the images depend on it

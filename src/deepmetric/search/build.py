@@ -16,7 +16,7 @@ _FILE_DATASETS_ALL = ("folder", "csv")
 
 def _dataset_builder():
     """The training package's split builder (``build_dataset(cfg, split, *, train)``)."""
-    from deepmetric.train.builders import build_dataset
+    from deepmetric.run.builders import build_dataset
 
     return build_dataset
 
@@ -55,8 +55,8 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
     from tqdm.auto import tqdm
     from PIL import Image
 
-    from deepmetric.train.distributed import resolve_device
-    from deepmetric.train.embed import compute_embeddings, load_model_from_checkpoint
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
 
     if not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} not found (expected last.pt / best.pt of 'deepmetric train')")
@@ -136,7 +136,7 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
 def _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, preprocessing, split, n, *,
                   batch_size, num_workers, progress) -> dict | None:
     """The torchrun branch of :func:`embed_dataset_for_index` (see its ``shards``)."""
-    from deepmetric.train.embed import compute_embeddings
+    from deepmetric.run.embed import compute_embeddings
 
     if paths is None:
         raise ValueError(f"embedding over torchrun needs a dataset of image files (folder, csv), not "

@@ -1,6 +1,6 @@
 """``deepmetric export``: the embedding network of a checkpoint as ONNX or TorchScript.
 
-The model is rebuilt with :func:`deepmetric.train.embed.load_model_from_checkpoint` and exported
+The model is rebuilt with :func:`deepmetric.run.embed.load_model_from_checkpoint` and exported
 as ``forward_head(forward_features(x))`` (timm's model contract), the embedding alone: input
 ``image`` float32 ``[batch, C, H, W]`` (already preprocessed), output ``embedding`` float32
 ``[batch, d]``, l2-normalised unless ``normalize=False`` (cosine = dot product, as the index
@@ -125,7 +125,7 @@ def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
     """Write the embedding network of ``checkpoint`` to ``out`` and its preprocessing JSON
     beside it; returns both paths. A checkpoint with NaN / infinite weights and an opset the
     installed torch cannot export to are ValueErrors; ``out`` is written whole or not at all."""
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.embed import load_model_from_checkpoint
 
     if fmt not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")

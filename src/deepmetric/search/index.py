@@ -229,7 +229,7 @@ class Index:
         in ``out`` is refused unless ``add`` or ``overwrite``; a non-empty folder that is not an
         index always is. The model runs on ``device``; the exact searches (an approximate
         index's recall against exact search) where
-        :func:`~deepmetric.train.embed.command_search_device` says. ``postprocess``: steps
+        :func:`~deepmetric.run.evaluation.command_search_device` says. ``postprocess``: steps
         (:func:`deepmetric.search.postprocess.check_steps`; default the checkpoint's
         ``search.postprocess``; ``[]`` for none) fitted on the indexed gallery.
         """
@@ -237,7 +237,7 @@ class Index:
             raise ValueError("add=True needs out=INDEX_DIR, the index to add to")
         if approximate not in (None,) + KINDS:
             raise ValueError(f"approximate must be 'ivf', 'hnsw' or 'ivfpq' (or None for exact), got {approximate!r}")
-        from deepmetric.train.embed import command_search_device
+        from deepmetric.run.evaluation import command_search_device
 
         command_search_device(device, search_device)  # bad values are refused before any work
         if postprocess is not None:
@@ -255,7 +255,7 @@ class Index:
         out = Path(out)
         if not add:
             check_out_dir(out, overwrite=overwrite)
-        from deepmetric.train.shards import DEFAULT_SHARD_SIZE, torchrun_world
+        from deepmetric.run.shards import DEFAULT_SHARD_SIZE, torchrun_world
 
         if torchrun_world() is not None:  # under torchrun: shards, then rank 0 assembles (shards.py)
             return cls._build_sharded(checkpoint, out, approximate=approximate, add=add,
@@ -271,7 +271,7 @@ class Index:
         """``build`` on every torchrun rank: each embeds its shards; rank 0 builds and writes the
         index from all of them (the others return ``None``)."""
         from .build import embed_dataset_for_index
-        from deepmetric.train.shards import ShardPlan, torchrun_group
+        from deepmetric.run.shards import ShardPlan, torchrun_group
 
         with torchrun_group() as (rank, world):
             skip = set(cls.load(out).paths) if kw["add"] else set()
@@ -313,7 +313,7 @@ class Index:
                                       batch_size=batch_size, device=device, num_workers=num_workers,
                                       progress=progress, skip_paths=skip, images_dir=images_dir,
                                       first_image_number=len(old) if old is not None else 0)
-        from deepmetric.train.embed import command_search_device
+        from deepmetric.run.evaluation import command_search_device
 
         where = command_search_device(device, search_device, nbytes=got["embeddings"].nbytes)
         if old is not None:
@@ -383,7 +383,7 @@ class Index:
     def model(self, checkpoint: str | Path | None = None, device: str = "cpu"):
         """``(model, preprocessing)`` of the index's checkpoint (loaded once; SHA-256 as in the manifest)."""
         if self._model is None:
-            from deepmetric.train.embed import load_model_from_checkpoint
+            from deepmetric.run.embed import load_model_from_checkpoint
 
             c = self.meta.get("checkpoint") or {}
             path = checkpoint or c.get("path")

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from deepmetric.run.device import resolve_device
+
 __all__ = [
     "DistInfo",
     "convert_sync_batchnorm",
@@ -52,23 +54,6 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def resolve_device(pref: str = "auto", local_rank: int = 0, *, name: str = "device") -> torch.device:
-    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` (this process's GPU,
-    ``local_rank``) or ``cuda:i``; ``name`` (a flag or config key) is named in the errors."""
-    if pref == "auto":
-        pref = "cuda" if torch.cuda.is_available() else "cpu"
-    if pref.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"{name} {pref!r} requested but CUDA is not available on this machine "
-                             f"(torch.cuda.is_available() is False); use {name} cpu or auto")
-        if pref == "cuda":
-            return torch.device("cuda", local_rank)
-    try:
-        return torch.device(pref)
-    except RuntimeError:
-        raise ValueError(f"{name} {pref!r}: expected auto, cpu, cuda or cuda:INDEX") from None
 
 
 def init_distributed(device: str = "auto") -> DistInfo:

@@ -27,7 +27,7 @@ from typing import Iterator
 
 from torch import nn
 
-from .config import TrainConfig
+from deepmetric.run.config import TrainConfig
 
 __all__ = ["linear_probe_epoch", "linear_probe", "probed_backbone"]
 

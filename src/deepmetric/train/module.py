@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from . import distributed as D
-from .amp import autocast_context
+from deepmetric.run.device import autocast_context
 
 __all__ = ["TrainingModule", "PretrainedTeacher", "init_from_class_means", "is_pair_based"]
 
@@ -156,7 +156,7 @@ def init_head_from_pca(model: nn.Module, dataset, *, device: torch.device, batch
     (:meth:`deepmetric.models.EmbeddingHead.init_from_pca`).  Returns a summary for the logs:
     ``{"images", "explained_variance"}`` (the share of the features' variance the k
     directions keep)."""
-    from .embed import compute_embeddings
+    from deepmetric.run.embed import compute_embeddings
 
     head = getattr(model, "head", None)
     if not callable(getattr(head, "init_from_pca", None)):

@@ -35,7 +35,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .config import OptimConfig
+from deepmetric.run.config import OptimConfig
 
 __all__ = ["named_trainable_parameters", "build_param_groups", "build_optimizer", "layer_depths",
            "norm_parameter_names"]

@@ -28,7 +28,7 @@ from torch import nn
 
 from deepmetric.losses.temperature import get_alpha, has_alpha, scale_alpha, set_alpha
 
-from .config import HEATING_DEFAULTS, LrScheduleConfig, heating_factors, TemperatureScheduleConfig
+from deepmetric.run.config import HEATING_DEFAULTS, LrScheduleConfig, heating_factors, TemperatureScheduleConfig
 
 __all__ = ["LrSchedule", "TemperatureSchedule", "get_alpha", "set_alpha", "scale_alpha", "has_alpha",
            "gradual_default_events"]

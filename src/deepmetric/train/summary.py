@@ -20,8 +20,8 @@ from typing import Any, Sequence
 from torch import nn
 
 from ..models import pooling_note
-from . import rundir as R
-from .config import Config
+from deepmetric.run import rundir as R
+from deepmetric.run.config import Config
 
 __all__ = ["describe_split", "format_run_summary", "format_metrics", "format_baseline", "baseline_verdict",
            "saturation_warning",
@@ -118,7 +118,7 @@ def format_run_summary(cfg: Config, *, train_set, eval_sets: dict[str, Any], mod
     t = cfg.train
     lines = [f"{PREFIX} run '{cfg.name}' -> {out_dir if out_dir is not None else t.out_dir}"]
     lines.append(f"  data     {_describe_data(cfg)}")
-    from .preflight import split_names
+    from deepmetric.run.evaluation import split_names
 
     rows = [(cfg.data.train_split, train_set)]
     for name, ds in (splits or {}).items():

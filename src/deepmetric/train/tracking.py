@@ -16,7 +16,7 @@ of ``metrics.json`` as the final metrics (:func:`final_scalars`).  MLflow also s
 it exists) as artifacts.  ``log.jsonl`` stays the source of truth: the trackers are views of it.
 
 Resume.  On resume ``log.jsonl`` loses what a killed run wrote after its last checkpoint
-(:func:`~deepmetric.train.rundir.truncate_log`), and the trackers follow it:
+(:func:`~deepmetric.run.rundir.truncate_log`), and the trackers follow it:
 
 * TensorBoard gets its event files rewritten from the kept log (new file first, then the old
   files are removed), so the ``tensorboard/`` folder holds exactly ``log.jsonl``'s points;
@@ -47,8 +47,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from . import rundir as R
-from .config import Config, flatten_config
+from deepmetric.run import rundir as R
+from deepmetric.run.config import Config
+from deepmetric.run.config_io import flatten_config
 
 __all__ = ["LOGGERS", "SYNC_METRIC", "TRACKING_EXTRA", "MlflowTracker", "TensorBoardTracker", "check_loggers",
            "ensure_mlflow_experiment", "final_scalars", "hyperparameters", "log_report", "mlflow_key",
@@ -132,7 +133,7 @@ def _warn(message: str) -> None:
 
 
 class _Tracker:
-    """What :class:`~deepmetric.train.rundir.RunLog` calls.  A failure during training prints
+    """What :class:`~deepmetric.run.rundir.RunLog` calls.  A failure during training prints
     one warning and switches the tracker off (``log.jsonl`` has every record anyway)."""
 
     name = "tracker"
@@ -448,7 +449,7 @@ def log_report(run_dir: str | os.PathLike, report_dir: str | os.PathLike | None 
 
 # --------------------------------------------------------------------------- opening
 def open_trackers(cfg: Config, out_dir: Path, *, resumed: bool) -> list[_Tracker]:
-    """The trackers of ``train.loggers`` for rank 0's :class:`~deepmetric.train.rundir.RunLog`,
+    """The trackers of ``train.loggers`` for rank 0's :class:`~deepmetric.run.rundir.RunLog`,
     caught up with ``log.jsonl`` (a resumed run's kept records)."""
     if not cfg.train.loggers:
         return []

@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from deepmetric.train.config import apply_overrides, config_from_dict
+from deepmetric.run import rundir as R
+from deepmetric.run.config_io import apply_overrides, config_from_dict, read_yaml_mapping
 
 __all__ = ["DEMO_RECIPES", "QUICK_OVERRIDES", "demo_config", "demo_recipe", "recipes_dir", "run_demo"]
 
@@ -84,8 +84,8 @@ _DEFAULT_OUT = {"emoji": "runs/demo", "glyphs": "runs/demo_glyphs"}
 
 
 def demo_config(out: str | Path | None = None, *, data: str = "emoji", quick: bool = False, overrides=None):
-    """The demo's :class:`~deepmetric.train.config.Config` (``data``: "emoji" or "glyphs")."""
-    raw = yaml.safe_load(demo_recipe(data).read_text())
+    """The demo's :class:`~deepmetric.run.config.Config` (``data``: "emoji" or "glyphs")."""
+    raw = read_yaml_mapping(demo_recipe(data), "demo recipe")
     out = out if out is not None else _DEFAULT_OUT[data]
     apply_overrides(raw, (QUICK_OVERRIDES[data] if quick else []) + [f"train.out_dir={out}"] + list(overrides or []))
     return config_from_dict(raw)
@@ -94,14 +94,14 @@ def demo_config(out: str | Path | None = None, *, data: str = "emoji", quick: bo
 def _raw_pixels(ds, cfg) -> dict:
     """Raw pixels as embeddings: the cosine of the flattened test images as the network sees
     them (the test transform, e.g. [-1, 1] for the EfficientNet-Lite weights), the same rows
-    as every run's raw-pixel baseline (:func:`deepmetric.train.preflight.pixel_rows`); with
+    as every run's raw-pixel baseline (:func:`deepmetric.run.baselines.pixel_rows`); with
     ``eval.cross_domain`` also their cross-vendor metrics from the same rows.
 
     Retrieval metrics only: k-means (NMI, F1) on tens of thousands of pixel dimensions would
     take minutes of the demo's budget."""
     from deepmetric.evaluate import evaluate
-    from deepmetric.train.embed import cross_domain_metrics
-    from deepmetric.train.preflight import pixel_rows
+    from deepmetric.run.evaluation import cross_domain_metrics
+    from deepmetric.run.baselines import pixel_rows
 
     x, why = pixel_rows(ds)  # 0.6 GB at 96 px: made once
     if x is None:
@@ -118,7 +118,7 @@ def _test_metrics(cfg, test_ds, x, labels, steps) -> dict:
     import copy
 
     from deepmetric.evaluate import evaluate
-    from deepmetric.train.embed import cross_domain_metrics
+    from deepmetric.run.evaluation import cross_domain_metrics
 
     out = evaluate(x, labels, ks=tuple(cfg.eval.ks), metrics=("recall", "map@r", "nmi"), seed=cfg.train.seed,
                    postprocess=steps)
@@ -137,13 +137,13 @@ def _postprocessed(cfg, out: Path, test_ds, final: dict | None, features: dict |
     if getattr(cfg.data, "val_classes", None) is None or final is None:
         return {}
     from deepmetric.evaluate.postprocess_choice import choose_postprocess
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.embed import dataset_domains, load_model_from_checkpoint
-    from deepmetric.train.preflight import backbone_features_baseline
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.embed import dataset_domains, load_model_from_checkpoint
+    from deepmetric.run.baselines import backbone_features_baseline
 
     from .tune_postprocess import validation_embeddings
 
-    model, _, _, _ = load_model_from_checkpoint(out / "last.pt", device)
+    model, _, _, _ = load_model_from_checkpoint(out / R.LAST, device)
     sources = {"trained": (validation_embeddings(model, cfg, device=device), final)}
     if features is not None:
         val_ds = build_dataset(cfg, "val", train=False)
@@ -177,7 +177,7 @@ def _pictures(out: Path, cfg, snapshots: dict, final: dict | None, test_ds, titl
                                          class_names=names,
                                          title=f"{title}: unseen test queries (left) and their 8 nearest "
                                                "neighbours; green = same class, red = other class"))
-    paths.append(plot_training_curves(out / "log.jsonl", out / "training_curves.png", title=curves_title))
+    paths.append(plot_training_curves(out / R.LOG, out / "training_curves.png", title=curves_title))
     hists, curves = {}, {}
     for name, snap in snapshots.items():
         hists[name] = pair_cosine_histograms(snap["embeddings"], snap["labels"], max_pairs=300_000)
@@ -197,9 +197,9 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
     (``overwrite=False`` refuses a non-empty folder, as ``deepmetric train`` does)."""
     import torch
 
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.distributed import resolve_device
-    from deepmetric.train.embed import cross_domain_metrics
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.evaluation import cross_domain_metrics
     from deepmetric.train.loop import train
 
     t_start = time.perf_counter()
@@ -235,7 +235,7 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
     h, w = test_ds.images.shape[1:3]
     rows.append((f"raw pixels ({w}x{h})", _raw_pixels(test_ds, cfg)))
     if cfg.model.options.get("pretrained"):
-        from deepmetric.train.preflight import backbone_features_baseline
+        from deepmetric.run.baselines import backbone_features_baseline
 
         feats, _, features = backbone_features_baseline(cfg, test_ds, num_classes=train_ds.num_classes, device=device)
         if cross:
@@ -326,8 +326,8 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
                                               for k in keys))
     print(f"\n[demo] total {summary['seconds']['total']:.0f} s (data {t_data:.0f} s, baselines {t_base:.0f} s, "
           f"training+evaluation {t_train:.0f} s, post-processing {t_post:.0f} s, pictures {t_pics:.0f} s)")
-    print(f"[demo] checkpoint: {out / 'last.pt'}")
-    print(f"[demo] metrics:    {out / 'demo_metrics.json'} (log: {out / 'log.jsonl'})")
+    print(f"[demo] checkpoint: {out / R.LAST}")
+    print(f"[demo] metrics:    {out / 'demo_metrics.json'} (log: {out / R.LOG})")
     for p in pictures:
         print(f"[demo] picture:    {p}")
     print(f"[demo] next: deepmetric report {out}   (one HTML page with retrieval grids)")

@@ -76,9 +76,10 @@ from typing import Any, Callable, Sequence
 
 from deepmetric.report.study_tables import (metric_columns, paired_differences, plot_summary,
                                             summarize, summary_markdown)
-from deepmetric.train import rundir
-from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping, save_config
-from deepmetric.train.rundir import write_text_atomic
+from deepmetric.run import rundir
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import apply_overrides, config_from_dict, read_yaml_mapping, save_config
+from deepmetric.run.rundir import write_text_atomic
 
 from .engine import (HEARTBEAT_S, Heartbeat, display_storage, fail_stale_trials, optuna_module, rdb_storage,
                      run_workers, sqlite_url)

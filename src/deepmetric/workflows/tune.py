@@ -68,8 +68,9 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from deepmetric.search.store import file_sha256
-from deepmetric.train import rundir
-from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping
+from deepmetric.run import rundir
+from deepmetric.run.config import ConfigError
+from deepmetric.run.config_io import apply_overrides, config_from_dict, read_yaml_mapping
 
 from .engine import (HEARTBEAT_S, display_storage, fail_stale_trials, optuna_module, rdb_storage, run_workers,
                      sqlite_url)
@@ -326,7 +327,7 @@ def default_storage(out: Path) -> str:
 
 
 def _validation_metrics(cfg) -> list[str]:
-    from deepmetric.train.preflight import expected_metrics
+    from deepmetric.run.evaluation import expected_metrics
 
     return expected_metrics(cfg)
 
@@ -349,7 +350,7 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
     if not recipe.is_file():
         raise TuneError(f"recipe not found: {recipe}")
     try:
-        raw = yaml.safe_load(recipe.read_text()) or {}
+        raw = read_yaml_mapping(recipe, "recipe")
         if not isinstance(raw, dict):
             raise TuneError(f"{recipe}: top level must be a mapping (a training recipe)")
         apply_overrides(raw, list(overrides) + space.overrides)
@@ -835,7 +836,7 @@ SHORT_RUN_KEYS = ("train.epochs", "train.iterations", "train.progress", "eval.ev
 def _undo_short_run_settings(setup: TuneSetup, raw: dict) -> list[str]:
     """Put the recipe's own values of :data:`SHORT_RUN_KEYS` back into ``raw`` where the tune's
     command or space overrode them; returns a note per key (``train.epochs=3 (recipe: 30)``)."""
-    original = yaml.safe_load(setup.recipe.read_text()) or {}
+    original = read_yaml_mapping(setup.recipe, "recipe")
     notes = []
     for text in [*setup.cli_overrides, *setup.space.overrides]:
         key = text.partition("=")[0].strip()

@@ -29,8 +29,8 @@ def validation_embeddings(model, cfg, *, split: str = "val", device="cpu", batch
     gives the backbone's pooled features instead of the embedding."""
     import torch
 
-    from deepmetric.train.builders import build_dataset
-    from deepmetric.train.embed import compute_embeddings, dataset_domains
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.embed import compute_embeddings, dataset_domains
 
     if split in TEST_SPLITS:
         raise ValueError(f"post-processing is chosen on validation, never on the test split; got split {split!r} "
@@ -52,8 +52,8 @@ def tune_postprocess(checkpoint: str | Path, *, split: str = "val", metric: str 
     """Choose the post-processing of ``checkpoint`` on ``split`` (module docstring); returns the
     choice (validation numbers only) and writes it under ``out`` (default: beside the checkpoint)."""
     from deepmetric.evaluate.postprocess_choice import choose_postprocess
-    from deepmetric.train.distributed import resolve_device
-    from deepmetric.train.embed import load_model_from_checkpoint
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.embed import load_model_from_checkpoint
 
     checkpoint = Path(checkpoint)
     if not checkpoint.is_file():

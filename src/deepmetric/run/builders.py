@@ -3,7 +3,7 @@
 Shared by the training loop, ``deepmetric embed`` (rebuilding a checkpoint's model), the
 demo and other commands, so every one of them builds exactly what training built.  This
 module imports only the config, ``deepmetric.data``, ``deepmetric.models`` and
-``deepmetric.losses``; ``loop``, ``embed`` and ``demo`` import it, never the reverse.
+``deepmetric.losses``; the loop, ``embed`` and ``demo`` import it, never the reverse.
 
 * ``build_dataset(cfg, split, *, train)``: one split of ``cfg.data`` with the train (augmenting)
   or test transform.  With ``data.val_classes`` the training split loses the validation
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .config import Config
+from .config_checks import loss_term_options
 
 __all__ = ["VAL_SPLIT", "seed_everything", "build_dataset", "build_sampler", "build_model", "build_losses",
            "resolve_model_preprocessing", "MODEL_PREPROCESSING_KEYS", "fill_model_input_size",
@@ -348,14 +349,11 @@ def build_losses(cfg: Config, num_classes: int | None = None, embedding_dim: int
     to the losses that accept them (classifier losses) unless the options set them.  A term
     reading ``input: projection`` gets ``projection_dim`` (the model's ``projection_dim``) as
     its ``embedding_dim``."""
-    from deepmetric.losses import build_loss, loss_options
+    from deepmetric.losses import build_loss
 
     terms = []
     for i, term in enumerate(cfg.loss):
-        try:
-            accepted = loss_options(term.name)
-        except ValueError as exc:
-            raise ValueError(f"config key 'loss.{i}.name': {exc}") from None
+        accepted = loss_term_options(cfg, i)  # an unknown name: a ConfigError naming loss.i.name
         dim = projection_dim if term.input == "projection" else embedding_dim
         terms.append(_call_filling(build_loss, term.name, dict(term.options),
                                    {"num_classes": num_classes, "embedding_dim": dim}, accepted))

@@ -9,7 +9,7 @@ A run directory (``train.out_dir``) holds:
   evaluation, ``{"type": "heat_up"}`` per temperature event, ``{"type": "early_stop"}``,
   ``{"type": "baseline"}`` per baseline;
 * ``last.pt`` / ``best.pt`` (:data:`LAST`, :data:`BEST`): checkpoints (``best.pt`` only with a
-  validation split), written atomically by :mod:`deepmetric.train.checkpoint`;
+  validation split), written atomically by :mod:`deepmetric.run.checkpoint`;
 * ``wise.pt`` (:data:`WISE`): with ``eval.wise_ft``, the WiSE-FT mixture chosen on validation
   (weights only: embed / index / export load it like ``last.pt``; it does not resume);
 * ``metrics.json`` (:data:`METRICS`): the run's summary, written last (a run is finished when
