@@ -195,7 +195,7 @@ def _tiny_checkpoint(work: Path, d: int) -> tuple[Path, list[Path]]:
     """A 1-epoch ``glyph_resnet`` making ``d``-d embeddings of 28 px digits (``deepmetric serve``
     needs a model to embed an upload; its quality is beside the point here), and its images."""
     from deepmetric.data.synthetic import write_digit_folder
-    from deepmetric.train.config import config_from_dict
+    from deepmetric.run.config_io import config_from_dict
     from deepmetric.train.loop import train
 
     digits = write_digit_folder(work / "digits", per_class=8, seed=0)
