@@ -6,6 +6,7 @@ unknown name raises the same error everywhere, that a decorator refuses a name t
 that a newly registered entry is built and checked by the config checks without any other
 edit (preflight keeps no list of its own).
 """
+import contextlib
 import re
 import subprocess
 import sys
@@ -18,13 +19,13 @@ from torch import nn
 from deepmetric.data import (build_dataset, build_transform, canonical_dataset_name, dataset_options,
                              is_event_dataset, list_datasets, list_transforms, register_dataset,
                              register_transform, transform_options)
-from deepmetric.data import registry as data_registry
-from deepmetric.data import transforms as transforms_module
+from deepmetric.data.registry import DATASETS
+from deepmetric.data.transforms import TRANSFORMS
 from deepmetric.data.synthetic import GaussianClusters
 from deepmetric.evaluate import check_metric_names, evaluate, list_metrics, metric_keys
 from deepmetric.losses import build_loss, list_losses, loss_class, loss_options, register_loss
-from deepmetric.losses import registry as loss_registry
-from deepmetric.models import registry as model_registry
+from deepmetric.losses.registry import LOSSES
+from deepmetric.models.registry import MODELS
 from deepmetric.models import (create_model, list_models, model_backbone, model_needs_num_classes, model_options,
                                register_model)
 from deepmetric.models.synthetic import SyntheticMLP
@@ -38,13 +39,10 @@ from deepmetric.train.preflight import check_config_options
 def scratch_registries():
     """Registrations made in a test are undone after it (the registries are module state,
     restored in place: every module holding a reference sees the restored table)."""
-    tables = [data_registry._DATASETS, data_registry._ALIASES, transforms_module._BUILDERS,
-              model_registry._MODELS, model_registry._NEEDS_NUM_CLASSES, loss_registry._LOSSES]
-    saved = [table.copy() for table in tables]
-    yield
-    for table, copy in zip(tables, saved, strict=True):
-        table.clear()
-        table.update(copy)
+    with contextlib.ExitStack() as stack:
+        for registry in (DATASETS, TRANSFORMS, MODELS, LOSSES):
+            stack.enter_context(registry.scratch())
+        yield
 
 
 def _cfg(**sections):
