@@ -615,9 +615,7 @@ def test_registry_names_aliases_and_options(trees):
 def test_registry_dispatches_to_the_registered_builder(monkeypatch):
     # build_dataset hands split, transform, root and the options to the builder registered
     # under the name the argument means (case, '_' and aliases normalised)
-    import dataclasses
-
-    from deepmetric.data import registry
+    from deepmetric.data.registry import DATASETS
 
     calls = []
 
@@ -629,7 +627,7 @@ def test_registry_dispatches_to_the_registered_builder(monkeypatch):
 
     for name in ("glyphs", "fashion-mnist"):
         fake = fake_builder(name)
-        monkeypatch.setitem(registry._DATASETS, name, dataclasses.replace(registry._DATASETS[name], build=fake))
+        monkeypatch.setitem(DATASETS._entries, name, fake)
     assert build_dataset("glyphs", split="test", size=16) == "glyphs"
     assert build_dataset("Fashion_MNIST", root="/x", split="train") == "fashion-mnist"
     assert build_dataset("fashionmnist") == "fashion-mnist"

@@ -6,6 +6,7 @@ unknown name raises the same error everywhere, that a decorator refuses a name t
 that a newly registered entry is built and checked by the config checks without any other
 edit (preflight keeps no list of its own).
 """
+import contextlib
 import re
 import subprocess
 import sys
@@ -18,13 +19,13 @@ from torch import nn
 from deepmetric.data import (build_dataset, build_transform, canonical_dataset_name, dataset_options,
                              is_event_dataset, list_datasets, list_transforms, register_dataset,
                              register_transform, transform_options)
-from deepmetric.data import registry as data_registry
-from deepmetric.data import transforms as transforms_module
+from deepmetric.data.registry import DATASETS
+from deepmetric.data.transforms import TRANSFORMS
 from deepmetric.data.synthetic import GaussianClusters
 from deepmetric.evaluate import check_metric_names, evaluate, list_metrics, metric_keys
 from deepmetric.losses import build_loss, list_losses, loss_class, loss_options, register_loss
-from deepmetric.losses import registry as loss_registry
-from deepmetric.models import registry as model_registry
+from deepmetric.losses.registry import LOSSES
+from deepmetric.models.registry import MODELS
 from deepmetric.models import (create_model, list_models, model_backbone, model_needs_num_classes, model_options,
                                register_model)
 from deepmetric.models.synthetic import SyntheticMLP
@@ -39,13 +40,10 @@ from deepmetric.run.config_checks import check_config_options
 def scratch_registries():
     """Registrations made in a test are undone after it (the registries are module state,
     restored in place: every module holding a reference sees the restored table)."""
-    tables = [data_registry._DATASETS, data_registry._ALIASES, transforms_module._BUILDERS,
-              model_registry._MODELS, model_registry._NEEDS_NUM_CLASSES, loss_registry._LOSSES]
-    saved = [table.copy() for table in tables]
-    yield
-    for table, copy in zip(tables, saved, strict=True):
-        table.clear()
-        table.update(copy)
+    with contextlib.ExitStack() as stack:
+        for registry in (DATASETS, TRANSFORMS, MODELS, LOSSES):
+            stack.enter_context(registry.scratch())
+        yield
 
 
 def _cfg(**sections):
@@ -362,3 +360,116 @@ def test_pair_based_losses_declare_it_on_their_class():
 
     assert {n for n in list_losses() if is_pair_based(loss_class(n))} == {"triplet", "npair", "almn", "contrastive",
                                                                           "lifted"}
+
+
+# ----------------------------------------------------------------------------- the Registry class itself
+def test_registry_register_aliases_and_normalisation():
+    from deepmetric.registry import Registry
+
+    reg = Registry("widget", normalize=lambda s: s.lower().replace("_", "-"))
+
+    @reg.register("big-box", aliases=("Crate",), colour="red")
+    def big_box(size=1, *, lid=False):
+        return ("box", size, lid)
+
+    reg.add("small-box", lambda: "small")
+    assert reg.names() == ["big-box", "small-box"] and len(reg) == 2
+    assert list(reg) == ["big-box", "small-box"]  # registration order
+    for spelling in ("big-box", "BIG_BOX", "crate", "CRATE"):
+        assert spelling in reg and reg.canonical(spelling) == "big-box" and reg.get(spelling) is big_box
+    assert 3 not in reg and "crate-2" not in reg
+    assert reg.info("crate") == {"colour": "red"}
+    reg.info("crate")["colour"] = "blue"  # a copy: the registry keeps its own
+    assert reg.info("big-box") == {"colour": "red"}
+
+
+def test_registry_refuses_a_name_or_alias_twice():
+    from deepmetric.registry import Registry
+
+    reg = Registry("widget", normalize=str.lower)
+    reg.add("box", object, aliases=("crate",))
+    for name, aliases in (("BOX", ()), ("bin", ("Crate",)), ("crate", ())):
+        with pytest.raises(ValueError, match="widget '.*' is already registered"):
+            reg.add(name, object, aliases=aliases)
+    with pytest.raises(ValueError, match="non-empty string"):
+        reg.add("", object)
+    assert reg.names() == ["box"] and "bin" not in reg
+
+
+def test_registry_unknown_name_names_the_closest():
+    from deepmetric.registry import Registry, did_you_mean
+
+    reg = Registry("widget")
+    reg.add("gadget", object, aliases=("gizmo",))
+    reg.add("sprocket", object)
+    with pytest.raises(ValueError) as err:
+        reg.get("gadgte")
+    assert str(err.value) == "unknown widget 'gadgte' (did you mean 'gadget'?); available: gadget, sprocket"
+    with pytest.raises(ValueError) as err:  # an alias is matched, the name it stands for suggested
+        reg.canonical("gizmos")
+    assert "(did you mean 'gadget'?)" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        reg.get("zzzzzz")
+    assert str(err.value) == "unknown widget 'zzzzzz'; available: gadget, sprocket"
+    custom = Registry("widget", unknown="no {kind} {name!r}.{Hint} Known: {names}")
+    custom.add("gadget", object)
+    with pytest.raises(ValueError) as err:
+        custom.get("gadgte")
+    assert str(err.value) == "no widget 'gadgte'. Did you mean 'gadget'? Known: ['gadget']"
+    assert did_you_mean("lrr", ["lr", "momentum"], prefix="optim.") == " (did you mean 'optim.lr'?)"
+    assert did_you_mean("xyz", ["lr"]) == ""
+
+
+def test_registry_options_build_and_check_options():
+    from deepmetric.registry import Registry, signature_options
+
+    reg = Registry("widget")
+
+    @reg.register("box")
+    class Box:
+        def __init__(self, size, *, lid=False, colour="red"):
+            self.size, self.lid, self.colour = size, lid, colour
+
+    @reg.register("anything")
+    def anything(**options):
+        return options
+
+    assert reg.options("box") == {"size", "lid", "colour"}
+    assert reg.options("box", skip=("size",)) == {"lid", "colour"}
+    assert reg.options("anything") is None and signature_options(anything) is None
+    box = reg.build("box", 3, lid=True)
+    assert (box.size, box.lid, box.colour) == (3, True, "red")
+    assert reg.build("anything", zzz=1) == {"zzz": 1}  # **options: it checks its own
+    with pytest.raises(TypeError) as err:
+        reg.build("box", 3, lidd=True)
+    assert str(err.value) == "widget 'box': unknown option 'lidd' (did you mean 'lid'?)"
+    with pytest.raises(TypeError) as err:
+        reg.check_options("box", ["zzz"], skip=("size",), where="my box")
+    assert str(err.value) == "my box: unknown option 'zzz'; accepted: colour, lid"
+    reg.check_options("box", ["size", "colour"])
+
+
+def test_registry_scratch_undoes_registrations():
+    from deepmetric.registry import Registry
+
+    reg = Registry("widget")
+    reg.add("box", object)
+    with reg.scratch():
+        reg.add("crate", object, aliases=("bin",))
+        assert reg.names() == ["box", "crate"]
+    assert reg.names() == ["box"] and "bin" not in reg
+    reg.add("crate", object)  # free again
+
+
+# ----------------------------------------------------------------------------- metric keys read from the registry
+def test_evaluation_keys_are_the_declared_keys():
+    from deepmetric.evaluate import evaluation_keys
+
+    assert evaluation_keys(None, (4, 1)) == ["recall@1", "recall@4", "map@r", "r_precision", "nmi", "f1"]
+    assert evaluation_keys([], (1,), classification=True) == ["top1", "mean_per_class"]
+    assert evaluation_keys(["nmi", "map@k"], (2,), cross_domain=True) == [
+        "map@2", "nmi", "cross_domain_map@2"]  # the retrieval metrics of the selection
+    assert evaluation_keys(["ami"], (1, 2), cross_domain=True) == [
+        "ami", "cross_domain_recall@1", "cross_domain_recall@2", "cross_domain_map@r"]  # none: recall, map@r
+    with pytest.raises(ValueError, match=r"unknown metric\(s\) \['top1'\]; choose from recall, map@r"):
+        evaluation_keys(["top1"], (1,))  # a classification key is no evaluate() metric

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from deepmetric.models import backbone_stages, create_backbone, create_model, list_backbones, register_model
-from deepmetric.models import registry as model_registry
+from deepmetric.models.registry import MODELS
 from deepmetric.models.synthetic import SyntheticMLP
 from deepmetric.run.builders import build_model, seed_everything
 from deepmetric.run.config import ConfigError
@@ -62,10 +62,10 @@ class BatchNormMLP(SyntheticMLP):
 
 @pytest.fixture
 def bn_mlp():
-    register_model("bn_mlp")(BatchNormMLP)
-    BatchNormMLP.records, BatchNormMLP.interrupt_at = [], None
-    yield BatchNormMLP
-    model_registry._MODELS.pop("bn_mlp")  # module state: leave the registry as other tests expect it
+    with MODELS.scratch():  # module state: leave the registry as other tests expect it
+        register_model("bn_mlp")(BatchNormMLP)
+        BatchNormMLP.records, BatchNormMLP.interrupt_at = [], None
+        yield BatchNormMLP
     BatchNormMLP.records, BatchNormMLP.interrupt_at = [], None
 
 

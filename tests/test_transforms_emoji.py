@@ -11,7 +11,8 @@ from scipy import ndimage
 from torchvision.transforms import v2
 
 from deepmetric.data import RandomBatchSampler
-from deepmetric.data.transforms import build_transform, white_background_mask
+from deepmetric.data.emoji_transform import white_background_mask
+from deepmetric.data.transforms import build_transform
 from deepmetric.train.batches import make_train_loader
 
 ALL_STYLE = dict(hue=0.05, hue_rotate_p=0.5, grayscale_p=0.3, posterize_bits=4, posterize_p=0.3, blur_p=0.3,

@@ -12,19 +12,28 @@ signature), and an unknown name or option is a ValueError / TypeError with the c
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 __all__ = ["Registry", "did_you_mean", "signature_options"]
 
 
-def did_you_mean(word: object, choices: Iterable[str], *, prefix: str = "", cutoff: float = 0.6) -> str:
+def did_you_mean(word: object, choices: Iterable[str] | Mapping[str, str], *, prefix: str = "",
+                 cutoff: float = 0.6, sentence: bool = False) -> str:
     """``" (did you mean 'x'?)"`` for the choice closest to ``word`` (``difflib``), or ``""`` when
-    none is close. ``prefix`` is put before the suggestion (``'optim.'`` for a nested key)."""
+    none is close. ``prefix`` is put before the suggestion (``'optim.'`` for a nested key).
+
+    ``choices`` may map spellings to what they stand for (an alias to its name): the closest
+    spelling is searched, the name it stands for suggested.  ``sentence``: the form that ends
+    a sentence of its own, ``" Did you mean 'x'?"``."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=cutoff)
-    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+    if not close:
+        return ""
+    suggestion = f"'{prefix}{choices[close[0]] if isinstance(choices, Mapping) else close[0]}'"
+    return f" Did you mean {suggestion}?" if sentence else f" (did you mean {suggestion}?)"
 
 
 def signature_options(fn: Callable, *, skip: Iterable[str] = ()) -> set[str] | None:
@@ -42,11 +51,16 @@ class Registry:
     ``info`` per entry (a dataset's ``event`` flag, a metric's ``needs`` and ``keys``).
 
     ``normalize`` maps a user's spelling to the stored key (datasets ignore case and read ``_``
-    as ``-``); names are stored and listed as registered."""
+    as ``-``); names are stored and listed as registered.  ``unknown`` is the message of an
+    unknown name, a ``str.format`` template of ``kind``, ``name``, ``names`` (the sorted list),
+    ``available`` (the same, comma-separated), ``hint`` (:func:`did_you_mean`) and ``Hint``
+    (its sentence form)."""
 
-    def __init__(self, kind: str, *, normalize: Callable[[str], str] | None = None):
+    def __init__(self, kind: str, *, normalize: Callable[[str], str] | None = None,
+                 unknown: str = "unknown {kind} {name!r}{hint}; available: {available}"):
         self.kind = kind
         self._normalize = normalize or (lambda s: s)
+        self._unknown = unknown
         self._entries: dict[str, Any] = {}
         self._info: dict[str, dict] = {}
         self._aliases: dict[str, str] = {}  # normalised alias or name -> registered name
@@ -83,7 +97,8 @@ class Registry:
         return isinstance(name, str) and self._normalize(name) in self._aliases
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
+        """The registered names in the order they were registered (metrics keep that order)."""
+        return iter(list(self._entries))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,8 +107,10 @@ class Registry:
         """The registered name that ``name`` (or an alias, in any accepted spelling) stands for;
         ValueError naming the closest one and the list otherwise."""
         if name not in self:
-            raise ValueError(f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; "
-                             f"available: {', '.join(self.names())}")
+            spelling = self._normalize(name) if isinstance(name, str) else name
+            raise ValueError(self._unknown.format(
+                kind=self.kind, name=name, names=self.names(), available=", ".join(self.names()),
+                hint=did_you_mean(spelling, self._aliases), Hint=did_you_mean(spelling, self._aliases, sentence=True)))
         return self._aliases[self._normalize(name)]
 
     def get(self, name: object) -> Any:
@@ -119,6 +136,17 @@ class Registry:
             if key not in accepted:
                 hint = did_you_mean(key, accepted) or f"; accepted: {', '.join(sorted(accepted)) or 'none'}"
                 raise TypeError(f"{where or f'{self.kind} {name!r}'}: unknown option {key!r}{hint}")
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[Registry]:
+        """Registrations made inside the ``with`` block are undone at its end (tests)."""
+        saved = dict(self._entries), dict(self._info), dict(self._aliases)
+        try:
+            yield self
+        finally:
+            for table, copy in zip((self._entries, self._info, self._aliases), saved, strict=True):
+                table.clear()
+                table.update(copy)
 
     def build(self, name: object, /, *args, **options) -> Any:
         """``registered(*args, **options)`` after checking the option names."""

@@ -16,35 +16,30 @@ is ``synthetic-events``), and through aliases (``cub200`` is ``cub``).
 """
 from __future__ import annotations
 
-import difflib
 import functools
-import inspect
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
+
+from deepmetric.registry import Registry, signature_options
 
 from .benchmarks import BENCHMARKS, load_benchmark
 from .folder import load_csv, load_folder
 from .image_list import ImageListDataset
 
-__all__ = ["build_dataset", "register_dataset", "list_datasets", "canonical_dataset_name", "dataset_options",
-           "is_event_dataset"]
+__all__ = ["DATASETS", "build_dataset", "register_dataset", "list_datasets", "canonical_dataset_name",
+           "dataset_options", "is_event_dataset"]
 
-
-@dataclass(frozen=True)
-class _Dataset:
-    build: Callable  # build(split=..., transform=..., root=..., **options) -> Dataset
-    options: frozenset[str] | None  # what data.options accepts; None: the builder checks its own
-    event: bool  # a video-event dataset (a random window per access on its "train" split)
-
-
-_DATASETS: dict[str, _Dataset] = {}
-_ALIASES: dict[str, str] = {}
 #: builder parameters that are not options: build_dataset passes them itself
 _BUILD_ARGUMENTS = ("split", "transform", "root")
 
 
 def _key(name: str) -> str:
     return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+#: name -> builder(split=..., transform=..., root=..., **options); info: ``options`` (what
+#: data.options accepts, None: the builder checks its own) and ``event`` (a video-event dataset,
+#: a random window per access on its "train" split)
+DATASETS = Registry("dataset", normalize=_key, unknown="unknown {kind} {name!r}. Known: {available}.{Hint}")
 
 
 def register_dataset(name: str, *, aliases: Iterable[str] = (), options: Iterable[str] | None = None,
@@ -68,18 +63,12 @@ def register_dataset(name: str, *, aliases: Iterable[str] = (), options: Iterabl
         raise ValueError(f"register_dataset: name {name!r} must be lower case with '-' between words ({key!r})")
 
     def deco(builder: Callable) -> Callable:
-        accepted = options
-        if accepted is None:
-            params = inspect.signature(builder).parameters
-            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-                accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                            and n not in _BUILD_ARGUMENTS]
-        new_aliases = {_key(a) for a in aliases} - {key}
-        taken = sorted(n for n in new_aliases | {key} if n in _DATASETS or n in _ALIASES)
+        accepted = signature_options(builder, skip=_BUILD_ARGUMENTS) if options is None else options
+        taken = sorted({_key(n) for n in (name, *aliases) if n in DATASETS})
         if taken:
             raise ValueError(f"dataset name(s) {taken} already registered")
-        _DATASETS[key] = _Dataset(builder, None if accepted is None else frozenset(accepted), bool(event))
-        _ALIASES.update(dict.fromkeys(new_aliases, key))
+        DATASETS.add(name, builder, aliases=aliases, event=bool(event),
+                     options=None if accepted is None else frozenset(accepted))
         return builder
 
     return deco
@@ -88,37 +77,28 @@ def register_dataset(name: str, *, aliases: Iterable[str] = (), options: Iterabl
 def list_datasets() -> list[str]:
     """Every name :func:`build_dataset` accepts, sorted (aliases such as 'cub200' are also
     accepted)."""
-    return sorted(_DATASETS)
+    return DATASETS.names()
 
 
 def canonical_dataset_name(name: str) -> str:
     """The registered name ``name`` means (``"CUB_200_2011"`` -> ``"cub"``); an unknown name
-    raises ``ValueError`` with the closest names, a non-string ``TypeError``."""
+    raises ``ValueError`` with the closest name, a non-string ``TypeError``."""
     if not isinstance(name, str):
         raise TypeError(f"dataset name must be a string, got {type(name).__name__}")
-    key = _key(name)
-    key = _ALIASES.get(key, key)
-    if key not in _DATASETS:
-        close = difflib.get_close_matches(key, list(_DATASETS) + list(_ALIASES), n=3, cutoff=0.6)
-        hint = f" Did you mean {', '.join(repr(_ALIASES.get(c, c)) for c in close)}?" if close else ""
-        raise ValueError(f"unknown dataset {name!r}. Known: {', '.join(list_datasets())}.{hint}")
-    return key
+    return DATASETS.canonical(name)
 
 
 def dataset_options(name: str) -> set[str] | None:
     """The options (``data.options``) dataset ``name`` accepts, or None when its builder
     takes ``**options`` and checks them itself (fashion-mnist, events, hdd).  Raises as
     :func:`canonical_dataset_name` for an unknown name."""
-    options = _DATASETS[canonical_dataset_name(name)].options
+    options = DATASETS.info(canonical_dataset_name(name))["options"]
     return None if options is None else set(options)
 
 
 def is_event_dataset(name: str) -> bool:
     """Whether ``name`` (or an alias) is a video-event dataset; unknown names are not."""
-    try:
-        return _DATASETS[canonical_dataset_name(name)].event
-    except (TypeError, ValueError):
-        return False
+    return name in DATASETS and DATASETS.info(name)["event"]
 
 
 def build_dataset(name: str, root=None, split: str = "train", transform: Callable | None = None, **options):
@@ -144,7 +124,7 @@ def build_dataset(name: str, root=None, split: str = "train", transform: Callabl
 
     Returns: a Dataset with ``labels`` (int64, 0..C-1), ``num_classes``, ``class_names``.
     """
-    return _DATASETS[canonical_dataset_name(name)].build(split=split, transform=transform, root=root, **options)
+    return DATASETS.get(canonical_dataset_name(name))(split=split, transform=transform, root=root, **options)
 
 
 # --------------------------------------------------------------------------- file-based datasets

@@ -13,13 +13,12 @@ models.
 """
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from deepmetric.models.synthetic import SyntheticMLP
+from deepmetric.registry import signature_options
 
 from .registry import register_dataset
 
@@ -71,8 +70,7 @@ class GaussianClusters(Dataset):
         return x, int(self.labels[i])
 
 
-@register_dataset("synthetic", options=[n for n in inspect.signature(GaussianClusters).parameters
-                                       if n not in ("split", "transform")])
+@register_dataset("synthetic", options=signature_options(GaussianClusters, skip=("split", "transform")))
 def build_synthetic_dataset(split: str = "train", transform=None, root=None, **options) -> GaussianClusters:
     """``GaussianClusters(split, transform=transform, **options)``, registered as dataset
     ``synthetic``; ``root`` is not used (the data is generated)."""

@@ -25,6 +25,7 @@ image tensor (``uint8 [C, H, W]``) and returns a normalised ``float32 [C, H, W]`
   an approximation since the cache keeps no alpha), a hue jitter (``hue``), a full hue
   rotation (``hue_rotate_p``), grayscale (``grayscale_p``), posterize (``posterize_p``,
   ``posterize_bits``) and a Gaussian blur (``blur_p``, ``blur_sigma``, ``blur_kernel``).
+  Built in :mod:`deepmetric.data.emoji_transform`.
 
 * ``"timm"`` - a timm model's own preprocessing (its ``pretrained_cfg``: input size,
   interpolation, crop fraction, mean, std), filled in from ``model.name: timm/...`` by the
@@ -53,18 +54,18 @@ the channel for ImageNet backbones.
 """
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
-__all__ = ["build_transform", "list_transforms", "register_transform", "transform_options", "StrokeWidth", "RepeatChannels", "normalization",
-           "StackOfDifferences", "to_grayscale_uint8", "GlyphBatchAugment", "BatchedTransform",
-           "affine_inverse_matrices", "RandomBackground", "RandomHueRotation", "RandomPosterize",
-           "RandomResizedCropSameSize", "white_background_mask"]
+from deepmetric.registry import Registry
+
+__all__ = ["TRANSFORMS", "build_transform", "list_transforms", "register_transform", "transform_options",
+           "StrokeWidth", "RepeatChannels", "normalization", "StackOfDifferences", "to_grayscale_uint8",
+           "GlyphBatchAugment", "BatchedTransform", "affine_inverse_matrices"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -148,22 +149,15 @@ def normalization(name, channels: int = 3):
     )
 
 
-# name -> builder(train, **options); builders register with @register_transform where defined
-_BUILDERS: dict[str, Callable[..., Callable]] = {}
+#: name -> builder(train, **options); builders register with @register_transform where defined
+TRANSFORMS = Registry("transform", unknown="unknown {kind} {name!r}; choose one of {names}")
 
 
 def register_transform(name: str):
     """Decorator registering ``builder(train: bool, **options)`` as transform ``name``
     (:func:`build_transform`; a config's ``data.transform``); its keyword parameters are the
     transform's options.  A second transform of the same name is an error."""
-
-    def deco(builder):
-        if name in _BUILDERS:
-            raise ValueError(f"transform {name!r} is already registered")
-        _BUILDERS[name] = builder
-        return builder
-
-    return deco
+    return TRANSFORMS.register(name)
 
 
 def _finish(steps, normalize, channels):
@@ -375,166 +369,6 @@ def _mnist(train, translate=0.08, flip=False, channels=1, normalize="minus_one_o
     return _finish(steps, normalize, channels)
 
 
-def white_background_mask(x: torch.Tensor, tolerance: float = 0.06) -> torch.Tensor:
-    """``bool [H, W]``: the background of an image drawn on white, ``float [C, H, W]`` in [0, 1].
-
-    A pixel is background when every channel is at least ``1 - tolerance`` *and* it is
-    connected (4-neighbourhood) to the image border through such pixels
-    (``scipy.ndimage.label``), so white parts enclosed by the drawing (eyes, teeth, a white
-    flag's field inside its outline) stay drawing."""
-    import numpy as np
-    from scipy import ndimage
-
-    near_white = (x >= 1.0 - tolerance).all(dim=0).numpy()
-    components, _ = ndimage.label(near_white)
-    border = np.unique(np.concatenate([components[0], components[-1], components[:, 0], components[:, -1]]))
-    return torch.from_numpy(np.isin(components, border[border > 0]))
-
-
-class RandomBackground(torch.nn.Module):
-    """With probability ``p``, replace the white background of an image by one colour drawn
-    uniformly from the RGB cube (:func:`white_background_mask` finds the background).
-
-    The emoji cache holds RGB composited on white, not the alpha channel, so this is an
-    approximation of compositing the artwork on another colour: anti-aliased outline pixels
-    that blend the drawing with white (lighter than the drawing, darker than ``1 - tolerance``)
-    keep their white share, a light fringe; white drawing parts that touch the border or the
-    background (through a gap in the outline) change colour too.  Expects ``float [3, H, W]``."""
-
-    def __init__(self, p: float = 0.5, tolerance: float = 0.06):
-        super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"RandomBackground: p must be in [0, 1], got {p}")
-        if not 0.0 <= tolerance < 1.0:
-            raise ValueError(f"RandomBackground: tolerance must be in [0, 1), got {tolerance}")
-        self.p, self.tolerance = float(p), float(tolerance)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.rand(()) >= self.p:
-            return x
-        colour = torch.rand(x.shape[-3], dtype=x.dtype)
-        return torch.where(white_background_mask(x, self.tolerance), colour[:, None, None], x)
-
-
-class RandomHueRotation(torch.nn.Module):
-    """With probability ``p``, rotate the hue of every pixel by one angle drawn uniformly
-    from [-180, 180) degrees (``v2.functional.adjust_hue`` with ``hue_factor = angle / 360``);
-    saturation and value stay.  ``ColorJitter(hue=h)`` is the small version, at most
-    ``h x 360`` degrees."""
-
-    def __init__(self, p: float = 0.5):
-        super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"RandomHueRotation: p must be in [0, 1], got {p}")
-        self.p = float(p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.rand(()) >= self.p:
-            return x
-        return v2.functional.adjust_hue(x, float(torch.empty(()).uniform_(-0.5, 0.5)))
-
-
-class RandomPosterize(torch.nn.Module):
-    """With probability ``p``, keep the ``bits`` high bits of each 8-bit channel value
-    (``v2.functional.posterize`` on ``round(255 x)``, back to [0, 1]).  torchvision's own
-    ``RandomPosterize`` takes uint8 images only, and its float version quantises to ``2**bits``
-    levels of [0, 1] instead of masking the 8-bit values."""
-
-    def __init__(self, bits: int = 4, p: float = 0.5):
-        super().__init__()
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(f"RandomPosterize: bits must be an int in 1..8, got {bits!r}")
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"RandomPosterize: p must be in [0, 1], got {p}")
-        self.bits, self.p = bits, float(p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.rand(()) >= self.p:
-            return x
-        q = x.mul(255.0).round_().clamp_(0, 255).to(torch.uint8)
-        return v2.functional.posterize(q, self.bits).to(x.dtype).div_(255.0)
-
-
-class RandomResizedCropSameSize(torch.nn.Module):
-    """``v2.RandomResizedCrop`` back to the input's own size (a box of ``scale`` x the area and
-    aspect ratio in ``ratio``, resized with antialiasing), for pipelines whose size is the
-    dataset's."""
-
-    def __init__(self, scale=(0.6, 1.0), ratio=(3 / 4, 4 / 3)):
-        super().__init__()
-        scale, ratio = tuple(float(v) for v in scale), tuple(float(v) for v in ratio)
-        if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
-            raise ValueError(f"random resized crop: scale must be (min, max) with 0 < min <= max <= 1, got {scale}")
-        if len(ratio) != 2 or not 0.0 < ratio[0] <= ratio[1]:
-            raise ValueError(f"random resized crop: ratio must be (min, max) with 0 < min <= max, got {ratio}")
-        self.scale, self.ratio = scale, ratio
-        self._crops: dict[tuple, torch.nn.Module] = {}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size = tuple(x.shape[-2:])
-        if size not in self._crops:
-            self._crops[size] = v2.RandomResizedCrop(size, scale=self.scale, ratio=self.ratio, antialias=True)
-        return self._crops[size](x)
-
-
-def _style_steps(*, hue_rotate_p, grayscale_p, posterize_bits, posterize_p, blur_p, blur_sigma, blur_kernel):
-    """The emoji transform's style augmentation after the colour jitter (all off by default)."""
-    steps = []
-    if hue_rotate_p > 0:
-        steps.append(RandomHueRotation(hue_rotate_p))
-    if grayscale_p > 0:
-        steps.append(v2.RandomGrayscale(grayscale_p))
-    if posterize_p > 0:
-        steps.append(RandomPosterize(posterize_bits, posterize_p))
-    if blur_p > 0:
-        steps.append(v2.RandomApply([v2.GaussianBlur(blur_kernel, sigma=tuple(blur_sigma))], p=blur_p))
-    return steps
-
-
-@register_transform("emoji")
-def _emoji(train, size=None, degrees=8.0, translate=0.06, scale=(0.85, 1.1), brightness=0.15,
-           contrast=0.15, saturation=0.15, flip=False, normalize="imagenet", mean=None, std=None,
-           hue=0.0, hue_rotate_p=0.0, grayscale_p=0.0, posterize_bits=4, posterize_p=0.0, blur_p=0.0,
-           blur_sigma=(0.1, 1.0), blur_kernel=5, crop_scale=None, crop_ratio=(3 / 4, 4 / 3),
-           background_p=0.0, background_tolerance=0.06):
-    for key, p in (("hue_rotate_p", hue_rotate_p), ("grayscale_p", grayscale_p), ("posterize_p", posterize_p),
-                   ("blur_p", blur_p), ("background_p", background_p)):
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-            raise ValueError(f"emoji transform: {key} is a probability in [0, 1], got {p!r}")
-    if not isinstance(hue, (int, float)) or not 0.0 <= hue <= 0.5:
-        raise ValueError(f"emoji transform: hue (the colour jitter's largest hue shift, a fraction of the "
-                         f"colour circle) must be in [0, 0.5], got {hue!r}")
-    if isinstance(posterize_bits, bool) or not isinstance(posterize_bits, int) or not 1 <= posterize_bits <= 8:
-        raise ValueError(f"emoji transform: posterize_bits must be an int in 1..8, got {posterize_bits!r}")
-    if not isinstance(background_tolerance, (int, float)) or not 0.0 <= background_tolerance < 1.0:
-        raise ValueError(f"emoji transform: background_tolerance must be in [0, 1), got {background_tolerance!r}")
-    steps = [v2.ToImage(), v2.RGB(), v2.ToDtype(torch.float32, scale=True)]
-    if size is not None:
-        steps.append(v2.Resize((size, size), antialias=True))
-    if train:
-        if crop_scale is not None:
-            steps.append(RandomResizedCropSameSize(crop_scale, crop_ratio))
-        steps.append(v2.RandomAffine(degrees=degrees, translate=(translate, translate), scale=scale,
-                                     interpolation=v2.InterpolationMode.BILINEAR, fill=1.0))
-        if background_p > 0:  # after the affine: its white fill is background too
-            steps.append(RandomBackground(background_p, background_tolerance))
-        if brightness or contrast or saturation or hue:
-            steps += [v2.ColorJitter(brightness=brightness, contrast=contrast, saturation=saturation, hue=hue),
-                      _Clamp01()]
-        steps += _style_steps(hue_rotate_p=hue_rotate_p, grayscale_p=grayscale_p, posterize_bits=posterize_bits,
-                              posterize_p=posterize_p, blur_p=blur_p, blur_sigma=blur_sigma, blur_kernel=blur_kernel)
-        if flip:
-            steps.append(v2.RandomHorizontalFlip())
-    if (mean is None) != (std is None):
-        raise ValueError("emoji transform: give both mean and std (per-channel), or neither")
-    if mean is not None:
-        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
-            raise ValueError(f"emoji transform: mean and std need 3 values (std > 0), got {mean}, {std}")
-        steps.append(v2.Normalize(list(mean), list(std)))
-        return v2.Compose(steps)
-    return _finish(steps, normalize, 3)
-
-
 def to_grayscale_uint8(frame):
     """One frame -> uint8 ``[H, W]`` luma, with PIL's ITU-R 601-2 conversion
     ``L = (19595 R + 38470 G + 7471 B + 2**15) >> 16`` (i.e. 0.299 R + 0.587 G + 0.114 B,
@@ -627,25 +461,18 @@ def _sod(train, size=None, crop=None, scale=1 / 255):
 
 def list_transforms() -> list[str]:
     """The names :func:`build_transform` accepts, sorted."""
-    return sorted(_BUILDERS)
-
-
-def _builder(name: str):
-    if not isinstance(name, str) or name not in _BUILDERS:
-        raise ValueError(f"unknown transform {name!r}; choose one of {list_transforms()}")
-    return _BUILDERS[name]
+    return TRANSFORMS.names()
 
 
 def transform_options(name: str) -> set[str]:
     """The options (``data.transform_options``) transform ``name`` accepts: its builder's
     keyword parameters besides ``train``.  An unknown name raises as :func:`build_transform`."""
-    params = inspect.signature(_builder(name)).parameters
-    return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"train"}
+    return TRANSFORMS.options(name, skip=("train",))
 
 
 def build_transform(name: str, train: bool, **opts) -> v2.Compose:
     """Build a named transform pipeline (see module docstring for names and options)."""
-    builder = _builder(name)
+    builder = TRANSFORMS.get(name)
     if not isinstance(train, bool):
         raise TypeError(f"build_transform: train must be a bool, got {train!r}")
     allowed = transform_options(name)

@@ -6,7 +6,9 @@ See docs/evaluation.md. Public API::
              metrics=None, seed=0, chunk_size=None, backend="auto") -> dict
     recall_at_k, map_at_r, r_precision, nmi, pairwise_f1, knn, kmeans, classification_accuracy
     list_metrics() -> the metric names; check_metric_names(metrics) validates a selection;
-    metric_keys(metrics, ks) -> the result keys of a selection
+    metric_keys(metrics, ks) -> the result keys of a selection; evaluation_keys(metrics, ks,
+    classification=, cross_domain=) -> every metric name a run's evaluation gives (the
+    registered metrics, deepmetric.evaluate.metrics, declare their keys)
     postprocess: whitening, DBA, alpha-QE, k-reciprocal re-ranking (deepmetric.evaluate.postprocess)
     check_embeddings(x) -> validated, l2-normalised (N, d) float32 embeddings
     evaluate_cross_domain(embeddings, labels, domains, domain_names=None, ...) -> {domain: metrics, "mean": ...}
@@ -22,8 +24,10 @@ from deepmetric.evaluate.clustering import (
     pairwise_f1,
     pairwise_f1_from_clusters,
 )
-from deepmetric.evaluate.engine import (CLUSTERING_METRICS, DEFAULT_METRICS, METRICS, RETRIEVAL_METRICS, check_metric_names,
-                                        evaluate, list_metrics, map_at_r, metric_keys, r_precision, recall_at_k)
+from deepmetric.evaluate.engine import evaluate, map_at_r, r_precision, recall_at_k
+from deepmetric.evaluate.metrics import (CLUSTERING_METRICS, DEFAULT_METRICS, METRICS, RETRIEVAL_METRICS,
+                                         check_metric_names, cross_domain_metrics, evaluation_keys, list_metrics,
+                                         metric_keys, register_metric)
 from deepmetric.evaluate.cross_domain import evaluate_cross_domain
 from deepmetric.evaluate.knn import BACKENDS, SEARCH_DEVICES, choose_search_device, knn
 
@@ -34,6 +38,9 @@ __all__ = [
     "METRICS",
     "DEFAULT_METRICS",
     "metric_keys",
+    "evaluation_keys",
+    "cross_domain_metrics",
+    "register_metric",
     "RETRIEVAL_METRICS",
     "CLUSTERING_METRICS",
     "check_embeddings",

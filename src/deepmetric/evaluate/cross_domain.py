@@ -17,7 +17,8 @@ from typing import Sequence
 import numpy as np
 
 from deepmetric.evaluate._checks import check_embeddings, to_numpy_labels
-from deepmetric.evaluate.engine import CLUSTERING_METRICS, evaluate
+from deepmetric.evaluate.engine import evaluate
+from deepmetric.evaluate.metrics import CLUSTERING_METRICS
 
 __all__ = ["evaluate_cross_domain"]
 

@@ -10,59 +10,20 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from sklearn.metrics import adjusted_mutual_info_score
 
 from deepmetric.evaluate._checks import check_embeddings, to_mask, to_numpy_labels
-from deepmetric.evaluate.clustering import kmeans, nmi_from_clusters, pairwise_f1_from_clusters
+from deepmetric.evaluate.clustering import kmeans
 from deepmetric.evaluate.knn import (
     APPROXIMATE_BACKENDS,
     first_positive_rank,
     iter_knn,
     resolve_backend,
 )
+from deepmetric.evaluate.metrics import (CLUSTERING_METRICS, METRICS, RETRIEVAL_METRICS, check_metric_names,
+                                         clustering_metric_values, neighbour_metric_values)
 from deepmetric.evaluate.retrieval import RetrievalAccumulator
 
-#: metrics read from each query's ranked neighbours (one k-NN pass) ...
-RETRIEVAL_METRICS = ("recall", "map@r", "r_precision", "mrr", "map@k", "recall_class_avg", "map@r_class_avg")
-#: ... and metrics of a k-means clustering of the whole set
-CLUSTERING_METRICS = ("nmi", "f1", "ami")
-METRICS = RETRIEVAL_METRICS + CLUSTERING_METRICS
-#: what ``metrics=None`` computes (the others are asked for by name)
-DEFAULT_METRICS = ("recall", "map@r", "r_precision", "nmi", "f1")
 RECALL_LIST_CAP = 32  # longest k-NN list kept for Recall@K alone (see evaluate)
-
-
-def list_metrics() -> list[str]:
-    """The metric names :func:`evaluate` takes in ``metrics`` (``recall`` gives one
-    ``recall@K`` per K, ``map@k`` one ``map@K`` per K, ``recall_class_avg`` one
-    ``recall@K_class_avg`` per K)."""
-    return list(METRICS)
-
-
-def metric_keys(metrics, ks) -> list[str]:
-    """The result keys :func:`evaluate` gives for ``metrics`` (checked names) and ``ks``."""
-    ks = sorted({int(k) for k in ks})
-    per_k = {"recall": "recall@{}", "map@k": "map@{}", "recall_class_avg": "recall@{}_class_avg"}
-    out = []
-    for m in METRICS:
-        if m in metrics:
-            out += [per_k[m].format(k) for k in ks] if m in per_k else [m]
-    return out
-
-
-def check_metric_names(metrics) -> tuple[str, ...]:
-    """``metrics`` (None: :data:`DEFAULT_METRICS`, a name, or names) as a tuple of
-    :func:`list_metrics` names; an unknown name or an empty list raises ``ValueError`` listing
-    the choices."""
-    if metrics is None:
-        return DEFAULT_METRICS
-    if isinstance(metrics, str):
-        metrics = [metrics]
-    metrics = tuple(metrics)
-    bad = [m for m in metrics if m not in METRICS]
-    if bad or not metrics:
-        raise ValueError(f"unknown metric(s) {bad or metrics}; choose from {', '.join(METRICS)}")
-    return metrics
 
 
 def _check_ks(ks) -> tuple[int, ...]:
@@ -157,12 +118,7 @@ def evaluate(embeddings, labels, *, is_query=None, is_gallery=None,
         else:
             xe = _numpy(_rows(x, ev))
         clusters = kmeans(xe, n_classes, seed=seed, restarts=kmeans_restarts)
-        if "nmi" in metrics:
-            out["nmi"] = nmi_from_clusters(y[ev], clusters, average=nmi_average)
-        if "f1" in metrics:
-            out["f1"] = pairwise_f1_from_clusters(y[ev], clusters)
-        if "ami" in metrics:
-            out["ami"] = float(adjusted_mutual_info_score(y[ev], clusters))
+        out.update(clustering_metric_values(y[ev], clusters, metrics, nmi_average=nmi_average))
     return out
 
 
@@ -177,9 +133,8 @@ def _retrieval(qx, gx, q_labels, g_labels, self_pos, metrics, ks, backend, post,
     where = np.clip(np.searchsorted(classes, q_labels), 0, len(classes) - 1)
     r = np.where(classes[where] == q_labels, counts[where], 0) - (self_pos >= 0)
     approximate = backend in APPROXIMATE_BACKENDS
-    want_rank = any(m in metrics for m in ("recall", "mrr", "recall_class_avg"))
-    want_map = any(m in metrics for m in ("map@r", "r_precision", "map@r_class_avg"))
-    want_map_k = "map@k" in metrics
+    reads = set().union(*(METRICS.info(m)["reads"] for m in metrics if m in RETRIEVAL_METRICS))
+    want_rank, want_map, want_map_k = "rank" in reads, "map" in reads, "map_k" in reads
     # One k-NN pass serves every metric. MAP@R / R-Precision need the first R neighbours,
     # mAP@K the first K; Recall@K and MRR only need the rank of the first positive, so for large
     # K (e.g. 1000) the list stops at RECALL_LIST_CAP and the few queries whose first positive
@@ -191,7 +146,8 @@ def _retrieval(qx, gx, q_labels, g_labels, self_pos, metrics, ks, backend, post,
     k = max(k_recall if want_rank else 1, int(r.max()) if want_map else 1, max(ks) if want_map_k else 1,
             post.list_length, 1)
     acc = RetrievalAccumulator(ks, want_map=want_map, want_rank=want_rank, want_map_k=want_map_k)
-    need_rank_fn = want_rank and ("mrr" in metrics or "recall_class_avg" in metrics or max(ks) > k)
+    exact_rank = any(METRICS.info(m)["exact_rank"] for m in metrics if m in RETRIEVAL_METRICS)
+    need_rank_fn = want_rank and (exact_rank or max(ks) > k)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -213,26 +169,12 @@ def _retrieval(qx, gx, q_labels, g_labels, self_pos, metrics, ks, backend, post,
             bar.update(len(idx))
     if bar is not None:
         bar.close()
-    out = acc.result("_approx" if approximate else "", mrr="mrr" in metrics, recall="recall" in metrics,
-                     class_avg="recall_class_avg" in metrics or "map@r_class_avg" in metrics)
-    out = {key: v for key, v in out.items() if _wanted(key, metrics)}
+    out = neighbour_metric_values(acc.per_query(), metrics, ks, "_approx" if approximate else "")
     if acc.n_no_positive:
         warnings.warn(f"{acc.n_no_positive} queries have no same-label reference in the "
                       "gallery; they are excluded from the retrieval metrics", stacklevel=3)
         out["queries_without_positive"] = acc.n_no_positive
     return out
-
-
-def _wanted(key: str, metrics) -> bool:
-    """Whether result ``key`` belongs to one of the selected ``metrics``."""
-    name = key.removesuffix("_approx")
-    if name.endswith("_class_avg"):
-        return ("recall_class_avg" if name.startswith("recall@") else name) in metrics
-    if name.startswith("recall@"):
-        return "recall" in metrics
-    if name.startswith("map@") and name != "map@r":
-        return "map@k" in metrics
-    return name in metrics
 
 
 def _subset(embeddings, labels, metrics, **kw):

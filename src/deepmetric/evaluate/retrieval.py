@@ -91,35 +91,6 @@ class RetrievalAccumulator:
             self._keep("rp", rel.sum(axis=1) / r)
 
     def per_query(self) -> dict[str, np.ndarray]:
-        """The kept per-query arrays (``labels``, ``rank``, ``ap_r``, ``rp``, ``ap@K``)."""
+        """The kept per-query arrays (``labels``, ``rank``, ``ap_r``, ``rp``, ``ap@K``), which the
+        registered metrics (:mod:`deepmetric.evaluate.metrics`) turn into values."""
         return {k: np.concatenate(v) for k, v in self.parts.items()}
-
-    def result(self, suffix: str = "", *, mrr: bool = False, class_avg: bool = False,
-               recall: bool | None = None) -> dict[str, float]:
-        pq = self.per_query()
-        if not len(pq.get("labels", [])):
-            raise ValueError("no query has a positive (same-label) reference in the gallery; "
-                             "retrieval metrics are undefined")
-        lab = pq["labels"]
-        _, inv = np.unique(lab, return_inverse=True)
-
-        def class_mean(v):  # mean within each query class, then over classes
-            return float(np.mean(np.bincount(inv, weights=v) / np.bincount(inv)))
-
-        out = {}
-        if recall if recall is not None else bool(self.ks):
-            out.update({f"recall@{k}{suffix}": float(np.mean(pq["rank"] < k)) for k in self.ks})
-        if self.want_map:
-            out[f"map@r{suffix}"] = float(np.mean(pq["ap_r"]))
-            out[f"r_precision{suffix}"] = float(np.mean(pq["rp"]))
-        if mrr:
-            out[f"mrr{suffix}"] = float(np.mean(1.0 / (pq["rank"] + 1)))
-        if self.want_map_k:
-            out.update({f"map@{k}{suffix}": float(np.mean(pq[f"ap@{k}"])) for k in self.ks})
-        if class_avg:
-            if "rank" in pq:
-                out.update({f"recall@{k}_class_avg{suffix}": class_mean((pq["rank"] < k).astype(float))
-                            for k in self.ks})
-            if self.want_map:
-                out[f"map@r_class_avg{suffix}"] = class_mean(pq["ap_r"])
-        return out

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from .heated_softmax import _check_positive_int, check_embeddings_labels, compute_dtype
+from .heated_softmax import _check_positive_int, check_class_batch, compute_dtype
 from .registry import register_loss
 
 __all__ = ["ALMNLoss", "virtual_points"]
@@ -299,7 +299,7 @@ class ALMNLoss(nn.Module):
 
     # ------------------------------------------------------------------ loss
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        embeddings, labels = check_embeddings_labels(
+        embeddings, labels = check_class_batch(
             embeddings, labels, self.embedding_dim, self.num_classes, "ALMNLoss")
         if embeddings.shape[0] == 0:
             raise ValueError("ALMNLoss: empty batch")

@@ -57,9 +57,10 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
                                 for t in tensors) else torch.float32
 
 
-def check_embeddings_labels(embeddings: Any, labels: Any, embedding_dim: int, num_classes: int,
-                            who: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``(embeddings [B, k], labels [B] in [0, num_classes))`` with clear errors."""
+def check_class_batch(embeddings: Any, labels: Any, embedding_dim: int, num_classes: int,
+                      who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``(embeddings [B, k], labels [B] in [0, num_classes))`` of a classification loss with
+    clear errors (the pair losses check theirs with :func:`.distances.check_embeddings_labels`)."""
     if not isinstance(embeddings, torch.Tensor):
         raise TypeError(f"{who}: embeddings must be a torch.Tensor, got {type(embeddings).__name__}")
     if embeddings.ndim != 2 or embeddings.shape[1] != embedding_dim:
@@ -283,7 +284,7 @@ class HeatedSoftmaxLoss(nn.Module):
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean softmax cross-entropy of the tempered logits (Eq. 1-2)."""
-        embeddings, labels = check_embeddings_labels(
+        embeddings, labels = check_class_batch(
             embeddings, labels, self.embedding_dim, self.num_classes, "HeatedSoftmaxLoss")
         if embeddings.shape[0] == 0:
             raise ValueError("HeatedSoftmaxLoss: empty batch")
@@ -303,7 +304,7 @@ class HeatedSoftmaxLoss(nn.Module):
         """
         if isinstance(embeddings, np.ndarray):
             embeddings = torch.from_numpy(embeddings)
-        embeddings, labels = check_embeddings_labels(
+        embeddings, labels = check_class_batch(
             embeddings, labels, self.embedding_dim, self.num_classes,
             "HeatedSoftmaxLoss.init_from_class_means")
         f = self._features(embeddings.to(self.weight.device), torch.float64)

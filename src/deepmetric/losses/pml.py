@@ -16,11 +16,12 @@ pytorch-metric-learning is an optional dependency (``pip install deepmetric[benc
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 
 import torch
 from torch import nn
+
+from deepmetric.registry import did_you_mean
 
 from .distances import check_embeddings_labels
 from .registry import register_loss
@@ -96,8 +97,7 @@ class PMLLoss(nn.Module):
         losses = _pml_losses()
         names = pml_loss_names()
         if loss not in names:
-            close = difflib.get_close_matches(str(loss), names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f"; available: {', '.join(names)}"
+            hint = did_you_mean(loss, names) or f"; available: {', '.join(names)}"
             raise ValueError(f"pml: unknown pytorch-metric-learning loss {loss!r}{hint}")
         cls = getattr(losses, loss)
         params = constructor_parameters(cls)

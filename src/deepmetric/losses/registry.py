@@ -9,51 +9,36 @@ The loss's options are its constructor's keyword parameters (:func:`loss_options
 """
 from __future__ import annotations
 
-import difflib
-import inspect
-
 import torch.nn as nn
 
-__all__ = ["register_loss", "list_losses", "loss_class", "loss_options", "build_loss"]
+from deepmetric.registry import Registry
 
-_LOSSES: dict[str, type[nn.Module]] = {}
+__all__ = ["LOSSES", "register_loss", "list_losses", "loss_class", "loss_options", "build_loss"]
+
+LOSSES = Registry("loss", unknown="unknown {kind} {name!r}; expected one of {names}")
 
 
 def register_loss(name: str):
     """Class decorator registering a loss under ``name``; a second loss of the same name is
     an error."""
-
-    def deco(cls: type[nn.Module]) -> type[nn.Module]:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"register_loss: the name must be a non-empty string, got {name!r}")
-        if name in _LOSSES:
-            raise ValueError(f"loss {name!r} is already registered (by {_LOSSES[name].__qualname__})")
-        _LOSSES[name] = cls
-        return cls
-
-    return deco
+    return LOSSES.register(name)
 
 
 def list_losses() -> list[str]:
     """Names accepted by :func:`build_loss`, sorted."""
-    return sorted(_LOSSES)
+    return LOSSES.names()
 
 
 def loss_class(name: str) -> type[nn.Module]:
     """The loss class registered under ``name``."""
-    if not isinstance(name, str) or name not in _LOSSES:
-        raise ValueError(f"unknown loss {name!r}; expected one of {list_losses()}")
-    return _LOSSES[name]
+    return LOSSES.get(name)
 
 
 def loss_options(name: str) -> set[str] | None:
     """The options (constructor keywords) loss ``name`` accepts; None when it takes
     ``**options`` and checks them itself (``pml``).  An unknown name raises as
     :func:`loss_class`."""
-    params = inspect.signature(loss_class(name)).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None
-    return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return LOSSES.options(name)
 
 
 def build_loss(name: str, **kwargs) -> nn.Module:
@@ -64,14 +49,7 @@ def build_loss(name: str, **kwargs) -> nn.Module:
     Unknown names or options raise ValueError / TypeError naming the loss and the option.
     """
     cls = loss_class(name)
-    accepted = loss_options(name)
-    if accepted is not None:
-        accepted = sorted(accepted)
-        for key in kwargs:
-            if key not in accepted:
-                close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]!r}?)" if close else f"; accepted: {', '.join(accepted)}"
-                raise TypeError(f"build_loss({name!r}): unknown option {key!r}{hint}")
+    LOSSES.check_options(name, kwargs, where=f"build_loss({name!r})")
     try:
         return cls(**kwargs)
     except TypeError as err:

@@ -13,16 +13,17 @@ every model accepts.
 """
 from __future__ import annotations
 
-import difflib
-import inspect
 import os
 from typing import Mapping
 
 from torch import nn
 
+from deepmetric.registry import did_you_mean, signature_options
+
 from .backbones import (
     IMAGENET,
     FeatureBackbone,
+    backbone_options,
     check_pretrained_arg,
     create_backbone,
     get_backbone_spec,
@@ -33,7 +34,7 @@ from .backbones import (
 from .embedding_model import FREEZE_BN, EmbeddingModel, batchnorm_layers, global_pool, pooling_note
 from .heads import HEAD_INITS, NORMS, EmbeddingHead, ProjectionHead, ShiftOnlyBatchNorm1d, pca_directions
 from .pretrained import LoadReport, clean_state_dict, load_pretrained, read_state_dict
-from .registry import _MODELS, _NEEDS_NUM_CLASSES, _unknown_model, list_models, register_model
+from .registry import MODELS, _unknown_model, list_models, register_model
 from .small import GlyphResNet, LeNet
 from .stages import backbone_stages
 from .synthetic import SyntheticMLP
@@ -98,13 +99,6 @@ _EMBEDDING_MODEL_OPTIONS = ("projection", "freeze_bn", "head_init")
 _TWO_HEAD_BACKBONE = "resnet50"  # two_head's default backbone
 
 
-def _keywords(fn) -> tuple[set[str], bool]:
-    """(keyword parameter names, takes **kwargs) of a function or class."""
-    params = inspect.signature(fn).parameters
-    names = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return names, any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 def model_backbone(name: str, options: Mapping | None = None) -> str | None:
     """The backbone ``create_model(name, **options)`` builds: ``name`` for a backbone model,
     ``options["backbone"]`` (default ``"resnet50"``) for ``two_head``, None for a model
@@ -113,7 +107,7 @@ def model_backbone(name: str, options: Mapping | None = None) -> str | None:
         return name
     if name == "two_head":
         return (options or {}).get("backbone", _TWO_HEAD_BACKBONE)
-    if name not in _MODELS:
+    if name not in MODELS:
         raise _unknown_model(name)
     return None
 
@@ -130,16 +124,15 @@ def model_options(name: str, options: Mapping | None = None) -> set[str] | None:
     common = set(_COMMON_ARGS) | {"pool"} | set(_HEAD_OPTIONS)
     backbone = model_backbone(name, options)
     if name in list_backbones():
-        return common | set(_EMBEDDING_MODEL_OPTIONS) | _keywords(get_backbone_spec(name).builder)[0]
+        return common | set(_EMBEDDING_MODEL_OPTIONS) | backbone_options(name)
     if is_timm_name(name):
         return common | set(_EMBEDDING_MODEL_OPTIONS) | set(TIMM_OPTIONS)
     if name == "two_head":
         accepted = common | {"backbone", "input_size", "feature_shape", "embedding_head", "freeze_bn"}
         if backbone in list_backbones():
-            accepted |= _keywords(get_backbone_spec(backbone).builder)[0]
+            accepted |= backbone_options(backbone)
         return accepted
-    names, takes_kwargs = _keywords(_MODELS[name])
-    return None if takes_kwargs else names
+    return MODELS.options(name)
 
 
 def model_needs_num_classes(name: str) -> bool:
@@ -147,13 +140,13 @@ def model_needs_num_classes(name: str) -> bool:
     (``two_head``); other models add one only when given ``num_classes``.  An unknown name
     raises as :func:`create_model`."""
     model_backbone(name)  # raises for an unknown name
-    return name in _NEEDS_NUM_CLASSES
+    return name in MODELS and MODELS.info(name)["needs_num_classes"]
 
 
 def _split_backbone_options(backbone: str, kwargs: dict) -> dict:
     """Pop the options that ``backbone``'s builder takes (e.g. ``widths``) out of ``kwargs``."""
-    params = inspect.signature(get_backbone_spec(backbone).builder).parameters
-    return {k: kwargs.pop(k) for k in list(kwargs) if k in params and k != "in_chans"}
+    params = backbone_options(backbone)
+    return {k: kwargs.pop(k) for k in list(kwargs) if k in params}
 
 
 def _check_unknown(name: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
@@ -164,8 +157,7 @@ def _check_unknown(name: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
         if name == "two_head":
             candidates += ["backbone", "input_size"]
         for key in unknown:
-            close = difflib.get_close_matches(key, candidates, n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hints.append(f"{key!r}{did_you_mean(key, candidates)}")
         raise TypeError(f"create_model({name!r}) got unknown argument(s): {', '.join(hints)}")
 
 
@@ -273,10 +265,10 @@ def create_model(
     if isinstance(pretrained, str) and pretrained == HUB and not is_timm_name(name):
         raise ValueError(f"pretrained={HUB!r} (timm's loading from the Hugging Face hub) is for timm/<name> models, "
                          f"not {name!r}; pass 'imagenet' (EfficientNet-Lite) or the path of a local weights file")
-    if name in _MODELS:
+    if name in MODELS:
         common = dict(embedding_dim=embedding_dim, norm=norm, num_classes=num_classes, pretrained=pretrained,
                       in_chans=in_chans, dropout=dropout)
-        model = _MODELS[name](**{k: v for k, v in common.items() if v is not None}, **kwargs)
+        model = MODELS.get(name)(**{k: v for k, v in common.items() if v is not None}, **kwargs)
     elif name in list_backbones():
         kwargs = dict(kwargs)
         backbone_options = _split_backbone_options(name, kwargs)

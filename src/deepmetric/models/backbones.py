@@ -26,14 +26,14 @@ are ignored).
 """
 from __future__ import annotations
 
-import difflib
-import inspect
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
+
+from deepmetric.registry import Registry, signature_options
 
 from .pretrained import LoadReport, load_pretrained
 from .small import GlyphResNet, LeNet
@@ -115,7 +115,8 @@ class BackboneSpec:
     pretrained_cfg: dict | None = None
 
 
-_BACKBONES: dict[str, BackboneSpec] = {}
+#: name -> its BackboneSpec
+BACKBONES = Registry("backbone", unknown="unknown {kind} {name!r}.{Hint} Available: {available}")
 
 
 def register_backbone(
@@ -129,11 +130,9 @@ def register_backbone(
     """Decorator adding ``builder(in_chans, **options)`` to the backbone registry under ``name``."""
 
     def deco(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        if name in _BACKBONES:
-            raise ValueError(f"backbone {name!r} is already registered")
-        _BACKBONES[name] = BackboneSpec(
+        BACKBONES.add(name, BackboneSpec(
             fn, tuple(ignore_prefixes), default_in_chans, imagenet, convert_state_dict, pretrained_cfg
-        )
+        ))
         return fn
 
     return deco
@@ -159,7 +158,7 @@ def read_backbone_weights(name: str, pretrained, state: dict | None = None) -> t
     spec = get_backbone_spec(name)
     if isinstance(pretrained, str) and pretrained == IMAGENET:
         if spec.imagenet is None:
-            have = [n for n in list_backbones() if _BACKBONES[n].imagenet is not None]
+            have = [n for n in list_backbones() if BACKBONES.get(n).imagenet is not None]
             raise ValueError(
                 f"backbone {name!r} has no offline ImageNet weights (pretrained={IMAGENET!r} works for "
                 f"{', '.join(have)}); pass the path of a local weights file instead"
@@ -175,15 +174,16 @@ def read_backbone_weights(name: str, pretrained, state: dict | None = None) -> t
 
 
 def list_backbones() -> list[str]:
-    return sorted(_BACKBONES)
+    return BACKBONES.names()
 
 
 def get_backbone_spec(name: str) -> BackboneSpec:
-    if not isinstance(name, str) or name not in _BACKBONES:
-        close = difflib.get_close_matches(str(name), list(_BACKBONES), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown backbone {name!r}.{hint} Available: {', '.join(list_backbones())}")
-    return _BACKBONES[name]
+    return BACKBONES.get(name)
+
+
+def backbone_options(name: str) -> set[str]:
+    """The options of backbone ``name``: its builder's keyword parameters besides ``in_chans``."""
+    return signature_options(get_backbone_spec(name).builder, skip=("in_chans",))
 
 
 def create_backbone(
@@ -216,7 +216,7 @@ def create_backbone(
         in_chans = spec.default_in_chans
     if not isinstance(in_chans, int) or in_chans < 1:
         raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
-    allowed = [p for p in inspect.signature(spec.builder).parameters if p != "in_chans"]
+    allowed = sorted(backbone_options(name))
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise TypeError(
@@ -366,4 +366,4 @@ for _name in ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2"):
     _register_efficientnet_lite(_name)
 
 
-__all__ += ["get_backbone_spec", "LoadReport", "IMAGENET", "read_backbone_weights", "check_pretrained_arg"]
+__all__ += ["BACKBONES", "backbone_options", "get_backbone_spec", "LoadReport", "IMAGENET", "read_backbone_weights", "check_pretrained_arg"]

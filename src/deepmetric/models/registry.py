@@ -5,17 +5,14 @@ factory, or its class, with :func:`register_model` where it is defined (timm's
 """
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable
-
-from torch import nn
+from deepmetric.registry import Registry, did_you_mean
 
 from .backbones import list_backbones
 
-__all__ = ["register_model", "list_models"]
+__all__ = ["MODELS", "register_model", "list_models"]
 
-_MODELS: dict[str, Callable[..., nn.Module]] = {}
-_NEEDS_NUM_CLASSES: set[str] = set()  # registered models that cannot be built without num_classes
+#: the registered model factories (info ``needs_num_classes``); the backbones are models too
+MODELS = Registry("model")
 
 
 def register_model(name: str, *, needs_num_classes: bool = False):
@@ -27,25 +24,18 @@ def register_model(name: str, *, needs_num_classes: bool = False):
     model has a classifier and must be built with ``num_classes``
     (:func:`~deepmetric.models.model_needs_num_classes`).  A second model of the same name
     (or a backbone's name) is an error."""
-
-    def deco(fn):
-        if name in _MODELS or name in list_backbones():
-            raise ValueError(f"model {name!r} is already registered")
-        _MODELS[name] = fn
-        if needs_num_classes:
-            _NEEDS_NUM_CLASSES.add(name)
-        return fn
-
-    return deco
+    if name in list_backbones():
+        raise ValueError(f"model {name!r} is already registered (a backbone)")
+    return MODELS.register(name, needs_num_classes=needs_num_classes)
 
 
 def list_models() -> list[str]:
     """All names :func:`~deepmetric.models.create_model` accepts: every backbone, plus
     ``"two_head"`` etc."""
-    return sorted(set(list_backbones()) | set(_MODELS))
+    return sorted(set(list_backbones()) | set(MODELS.names()))
 
 
 def _unknown_model(name) -> ValueError:
-    close = difflib.get_close_matches(str(name), list_models(), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"unknown model {name!r}.{hint} Available: {', '.join(list_models())}")
+    """The error of a name that is neither a backbone nor a registered model, with the closest."""
+    return ValueError(f"unknown model {name!r}.{did_you_mean(name, list_models(), sentence=True)} "
+                      f"Available: {', '.join(list_models())}")

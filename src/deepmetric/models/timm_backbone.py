@@ -31,7 +31,6 @@ each block (the final norm in the last block's group); for a ConvNeXt: stem, the
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import os
@@ -39,6 +38,8 @@ import sys
 
 import torch
 from torch import nn
+
+from deepmetric.registry import did_you_mean
 
 from .pretrained import LoadReport, load_pretrained
 
@@ -62,8 +63,7 @@ def timm_model_name(name: str) -> str:
 
     arch = name[len(TIMM_PREFIX):] if is_timm_name(name) else str(name)
     if not timm.is_model(arch.split(".")[0]):
-        close = difflib.get_close_matches(arch.split(".")[0], timm.list_models(), n=3)
-        hint = f" Did you mean {', '.join(TIMM_PREFIX + c for c in close)}?" if close else ""
+        hint = did_you_mean(arch.split(".")[0], timm.list_models(), prefix=TIMM_PREFIX, sentence=True)
         raise ValueError(f"unknown timm model {arch!r} (model.name {name!r}).{hint} "
                          f"timm.list_models() lists the names")
     return arch

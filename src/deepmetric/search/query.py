@@ -27,7 +27,7 @@ from PIL import Image
 
 from deepmetric.data.decode import decode_image as _decode, decode_limit, prepare_image
 
-__all__ = ["Preprocessing", "preprocessing_from_config", "load_image", "decode_image",
+__all__ = ["Preprocessing", "preprocessing_from_config", "load_image",
            "embed_images", "exact_search", "approximate_search"]
 
 # in-memory benchmarks: PIL mode, the option naming their square side, its default, and the
@@ -161,14 +161,6 @@ def preprocessing_from_config(cfg) -> Preprocessing:
         return Preprocessing(d.transform, dict(d.transform_options), mode=mode, input_size=size,
                              background=background)
     return Preprocessing(d.transform, dict(d.transform_options), mode=d.options.get("mode", "RGB"))
-
-
-def decode_image(data: bytes, name: str = "upload", *, mode: str | None = "RGB",
-                 max_bytes: int | None = None) -> Image.Image:
-    """Decode image bytes with :func:`deepmetric.data.decode.decode_image` (fully, so truncated
-    files fail here); errors are ``ImageDecodeError`` (a ValueError) naming ``name``, and
-    ``ImageSizeError`` when the decoded size is over ``max_bytes`` (checked before decoding)."""
-    return _decode(data, name=name, mode=mode, max_bytes=max_bytes)
 
 
 def load_image(path: str | Path, *, mode: str | None = "RGB", max_bytes: int | None = None) -> Image.Image:
