@@ -11,7 +11,7 @@ from deepmetric.train.checks import short_input_warnings
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict
 from deepmetric.run.baselines import raw_pixel_baseline
-from deepmetric.run.config_checks import check_config_options, check_metric_names
+from deepmetric.run.config_checks import check_config_options, check_monitored_metrics
 from deepmetric.run.evaluation import expected_metrics
 from deepmetric.train.checks import check_images_readable, check_model_input, few_classes_warning
 from deepmetric.train.image_warnings import size_warnings
@@ -50,15 +50,15 @@ def test_best_metric_typo_fails_before_training():
     val = {"val_classes": 0.2}  # best.pt is chosen on a validation split
     with pytest.raises(ConfigError, match=r"config key 'eval.best_metric': 'recal@1' is not a metric this run "
                                           r"computes \(did you mean 'recall@1'\?\); the evaluation gives recall@1"):
-        check_metric_names(_cfg(data=val, eval={"best_metric": "recal@1"}))
+        check_monitored_metrics(_cfg(data=val, eval={"best_metric": "recal@1"}))
     with pytest.raises(ConfigError, match=r"'recall@16' is not a metric"):
-        check_metric_names(_cfg(data=val, eval={"best_metric": "recall@16"}))  # K not in eval.ks
+        check_monitored_metrics(_cfg(data=val, eval={"best_metric": "recall@16"}))  # K not in eval.ks
     with pytest.raises(ConfigError, match=r"'eval.best_metric': 'recall@1' is not a metric"):
-        check_metric_names(_cfg(data=val, eval={"ks": [2, 4]}))  # the default selection metric
-    check_metric_names(_cfg(eval={"ks": [2, 4]}))  # without a validation split nothing is selected
+        check_monitored_metrics(_cfg(data=val, eval={"ks": [2, 4]}))  # the default selection metric
+    check_monitored_metrics(_cfg(eval={"ks": [2, 4]}))  # without a validation split nothing is selected
     with pytest.raises(ConfigError, match=r"config key 'schedule.temperature.monitor': 'map@R'.*did you mean 'map@r'"):
-        check_metric_names(_cfg(data=val, schedule={"temperature": {"name": "auto_plateau", "monitor": "map@R"}}))
-    assert "top1" in check_metric_names(_cfg(eval={"metrics": ["recall"], "classification": True}))
+        check_monitored_metrics(_cfg(data=val, schedule={"temperature": {"name": "auto_plateau", "monitor": "map@R"}}))
+    assert "top1" in check_monitored_metrics(_cfg(eval={"metrics": ["recall"], "classification": True}))
 
 
 # ----------------------------------------------------------------------------- options

@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["Registry", "did_you_mean", "signature_options"]
+__all__ = ["Registry", "did_you_mean", "suggest", "signature_options"]
 
 
 def did_you_mean(word: object, choices: Iterable[str] | Mapping[str, str], *, prefix: str = "",
@@ -32,7 +32,11 @@ def did_you_mean(word: object, choices: Iterable[str] | Mapping[str, str], *, pr
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=cutoff)
     if not close:
         return ""
-    suggestion = f"'{prefix}{choices[close[0]] if isinstance(choices, Mapping) else close[0]}'"
+    return suggest(f"'{prefix}{choices[close[0]] if isinstance(choices, Mapping) else close[0]}'", sentence=sentence)
+
+
+def suggest(suggestion: str, *, sentence: bool = False) -> str:
+    """The one wording of a suggestion: ``" (did you mean X?)"`` (``sentence``: ``" Did you mean X?"``)."""
     return f" Did you mean {suggestion}?" if sentence else f" (did you mean {suggestion}?)"
 
 

@@ -26,7 +26,7 @@ from deepmetric.evaluate.clustering import (
 )
 from deepmetric.evaluate.engine import evaluate, map_at_r, r_precision, recall_at_k
 from deepmetric.evaluate.metrics import (CLUSTERING_METRICS, DEFAULT_METRICS, METRICS, RETRIEVAL_METRICS,
-                                         check_metric_names, cross_domain_metrics, evaluation_keys, list_metrics,
+                                         check_metric_names, cross_domain_selection, evaluation_keys, list_metrics,
                                          metric_keys, register_metric)
 from deepmetric.evaluate.cross_domain import evaluate_cross_domain
 from deepmetric.evaluate.knn import BACKENDS, SEARCH_DEVICES, choose_search_device, knn
@@ -39,7 +39,7 @@ __all__ = [
     "DEFAULT_METRICS",
     "metric_keys",
     "evaluation_keys",
-    "cross_domain_metrics",
+    "cross_domain_selection",
     "register_metric",
     "RETRIEVAL_METRICS",
     "CLUSTERING_METRICS",

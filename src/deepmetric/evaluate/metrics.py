@@ -21,7 +21,7 @@ from deepmetric.evaluate.clustering import nmi_from_clusters, pairwise_f1_from_c
 from deepmetric.registry import Registry
 
 __all__ = ["METRICS", "register_metric", "list_metrics", "metric_keys", "check_metric_names", "evaluation_keys",
-           "cross_domain_metrics", "neighbour_metric_values", "clustering_metric_values", "RETRIEVAL_METRICS",
+           "cross_domain_selection", "neighbour_metric_values", "clustering_metric_values", "RETRIEVAL_METRICS",
            "CLUSTERING_METRICS", "DEFAULT_METRICS"]
 
 #: name -> its function; info: ``needs``, ``keys``, ``reads``, ``exact_rank``, ``default``
@@ -149,7 +149,7 @@ def check_metric_names(metrics) -> tuple[str, ...]:
     return metrics
 
 
-def cross_domain_metrics(metrics) -> tuple[str, ...]:
+def cross_domain_selection(metrics) -> tuple[str, ...]:
     """The metrics of a selection (a config's ``eval.metrics``: None or [] for the default)
     that have a cross-domain form, the retrieval ones; recall and map@r when it has none."""
     wanted = tuple(m for m in (metrics or ()) if m in RETRIEVAL_METRICS)
@@ -160,12 +160,12 @@ def evaluation_keys(metrics, ks, *, classification: bool = False, cross_domain: 
     """Every metric name one evaluation of a run produces: :func:`metric_keys` of ``metrics``
     (None: the default ones, []: none; an unknown name raises as :func:`check_metric_names`),
     then ``top1`` / ``mean_per_class`` (``classification``), then ``cross_domain_<key>`` of
-    :func:`cross_domain_metrics` (``cross_domain``)."""
+    :func:`cross_domain_selection` (``cross_domain``)."""
     names = metric_keys(() if metrics == [] else check_metric_names(metrics), ks)
     if classification:
         names += metric_keys(("classification",), ks)
     if cross_domain:
-        names += [f"cross_domain_{key}" for key in metric_keys(cross_domain_metrics(metrics), ks)]
+        names += [f"cross_domain_{key}" for key in metric_keys(cross_domain_selection(metrics), ks)]
     return names
 
 

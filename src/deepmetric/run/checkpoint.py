@@ -44,6 +44,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from deepmetric.registry import suggest
+
 from . import rundir
 
 __all__ = [
@@ -125,7 +127,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     path = Path(path)
     if path.is_dir():
         last = path / rundir.LAST
-        hint = (f"; did you mean {last}?" if last.is_file() else f" (it holds no {rundir.LAST})")
+        hint = suggest(str(last)) if last.is_file() else f" (it holds no {rundir.LAST})"
         raise IsADirectoryError(f"checkpoint {path} is a run directory, not a checkpoint file{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")

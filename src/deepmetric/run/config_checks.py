@@ -6,7 +6,7 @@ place a config's values and option names are checked.
 * :func:`check_config_options` (before a run is built): unknown keys inside the free-form
   ``options`` mappings of ``data``, ``data.transform_options``, ``model`` and ``loss.i``, with
   the closest valid name (``unknown option 'alpah'`` and ``alpha``), against the registries;
-* :func:`check_metric_names`: ``eval.best_metric`` and ``schedule.temperature.monitor``
+* :func:`check_monitored_metrics`: ``eval.best_metric`` and ``schedule.temperature.monitor``
   against :func:`~deepmetric.run.evaluation.expected_metrics`, the metric names the
   evaluation will produce.
 
@@ -22,7 +22,7 @@ from deepmetric.registry import did_you_mean
 from .config import Config, ConfigError, heating_factors
 from .config_types import describe_value
 
-__all__ = ["check_values", "check_config", "check_config_options", "check_metric_names", "loss_term_options",
+__all__ = ["check_values", "check_config", "check_config_options", "check_monitored_metrics", "loss_term_options",
            "unknown_option_error"]
 
 
@@ -298,7 +298,7 @@ def loss_term_options(cfg: Config, i: int) -> set[str] | None:
         raise _unknown_name_error(f"loss.{i}.name", "loss", name, list_losses()) from None
 
 
-def check_metric_names(cfg: Config) -> list[str]:
+def check_monitored_metrics(cfg: Config) -> list[str]:
     """``eval.best_metric`` (and an evaluation metric as ``schedule.temperature.monitor``) must
     be among :func:`~deepmetric.run.evaluation.expected_metrics`; returns those names."""
     from .evaluation import expected_metrics
@@ -325,5 +325,5 @@ def check_metric_names(cfg: Config) -> list[str]:
 def check_config(cfg: Config) -> None:
     """Everything checkable from the config alone (before data or model are built)."""
     check_config_options(cfg)
-    check_metric_names(cfg)
+    check_monitored_metrics(cfg)
 

@@ -24,30 +24,22 @@ from .config import Config, ConfigError
 from .device import resolve_device
 from .embed import compute_embeddings, dataset_domains, dataset_query_gallery_masks
 
-__all__ = ["expected_metrics", "split_names", "cross_domain_metric_names", "cross_domain_metrics",
+__all__ = ["expected_metrics", "split_names", "cross_domain_metrics",
            "eval_search_device", "SEARCH_DEVICE_CHOICES", "command_search_device", "place_for_search",
            "train_neighbour_metrics", "evaluate_model", "evaluate_split"]
 
 
 def expected_metrics(cfg: Config) -> list[str]:
-    """The metric names one evaluation with ``cfg.eval`` produces (``recall@K`` for each K,
-    ``map@r``, ``r_precision``, ``nmi``, ``f1``, ``top1`` / ``mean_per_class`` with
-    ``eval.classification``, ``cross_domain_<retrieval metric>`` with ``eval.cross_domain``), as
-    :func:`evaluate_model` and :func:`cross_domain_metrics` compute them."""
-    from deepmetric.evaluate import check_metric_names as check_evaluate_metrics
-    from deepmetric.evaluate import metric_keys
+    """The metric names one evaluation with ``cfg.eval`` produces, read from the metric registry
+    (:func:`deepmetric.evaluate.evaluation_keys`): what :func:`evaluate_model` and
+    :func:`cross_domain_metrics` compute."""
+    from deepmetric.evaluate import evaluation_keys
 
     e = cfg.eval
     try:
-        wanted = () if e.metrics == [] else check_evaluate_metrics(e.metrics)
+        return evaluation_keys(e.metrics, e.ks, classification=e.classification, cross_domain=e.cross_domain)
     except ValueError as exc:
         raise ConfigError(f"config key 'eval.metrics': {exc}") from None
-    names = metric_keys(wanted, e.ks)
-    if e.classification:
-        names += ["top1", "mean_per_class"]
-    if e.cross_domain:
-        names += [f"cross_domain_{m}" for m in cross_domain_metric_names(cfg)]
-    return names
 
 
 def split_names(cfg: Config, eval_sets: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -66,22 +58,6 @@ def split_names(cfg: Config, eval_sets: dict[str, Any]) -> list[tuple[str, Any]]
                 name = group if key == "query" else f"{group} {key}"
             out.append((name, ds))
     return out
-
-
-
-def _cross_domain_metrics(cfg) -> tuple[str, ...]:
-    """The retrieval metrics of ``eval.metrics`` that have a cross-domain form (default recall, map@r)."""
-    from deepmetric.evaluate import RETRIEVAL_METRICS
-
-    wanted = tuple(m for m in (cfg.eval.metrics or ("recall", "map@r")) if m in RETRIEVAL_METRICS)
-    return wanted or ("recall", "map@r")
-
-
-def cross_domain_metric_names(cfg) -> list[str]:
-    """The names :func:`cross_domain_metrics` returns without their ``cross_domain_`` prefix."""
-    from deepmetric.evaluate import metric_keys
-
-    return metric_keys(_cross_domain_metrics(cfg), cfg.eval.ks)
 
 
 def eval_search_device(cfg, device: torch.device | str, *, nbytes: int = 0) -> torch.device:
@@ -140,7 +116,7 @@ def cross_domain_metrics(embedded: dict, dataset, cfg, *, device: torch.device |
     queries against the other domains' images (:func:`deepmetric.evaluate.evaluate_cross_domain`).
     ``device``: the training device; the searches run where :func:`eval_search_device` says
     (None: on the CPU)."""
-    from deepmetric.evaluate import evaluate_cross_domain
+    from deepmetric.evaluate import cross_domain_selection, evaluate_cross_domain
 
     domains = dataset_domains(dataset)
     if domains is None:
@@ -149,8 +125,8 @@ def cross_domain_metrics(embedded: dict, dataset, cfg, *, device: torch.device |
     x = embedded["embeddings"]
     if device is not None:
         x = place_for_search(x, eval_search_device(cfg, device, nbytes=4 * int(np.prod(x.shape))))
-    res = evaluate_cross_domain(x, embedded["labels"], domains[0], domain_names=domains[1],
-                                ks=tuple(cfg.eval.ks), metrics=_cross_domain_metrics(cfg), seed=cfg.train.seed,
+    res = evaluate_cross_domain(x, embedded["labels"], domains[0], domain_names=domains[1], ks=tuple(cfg.eval.ks),
+                                metrics=cross_domain_selection(cfg.eval.metrics), seed=cfg.train.seed,
                                 postprocess=_postprocess(cfg))
     return {f"cross_domain_{k}": float(v) for k, v in res["mean"].items()}
 
