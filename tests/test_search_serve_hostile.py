@@ -30,7 +30,8 @@ pytest.importorskip("uvicorn")
 
 from deepmetric import cli  # noqa: E402
 from deepmetric.search import Index  # noqa: E402
-from deepmetric.search.serve import create_app, is_loopback  # noqa: E402
+from deepmetric.search.guard import is_loopback  # noqa: E402
+from deepmetric.search.serve import create_app  # noqa: E402
 from odd_images import long_thin_png, png_bytes  # noqa: E402
 from search_data import make_shapes_folder, shapes_setup  # noqa: E402
 from serving import memory_kib, multipart, request, serve_in_thread, serve_subprocess  # noqa: E402

@@ -29,7 +29,7 @@ pytest.importorskip("uvicorn")
 
 from deepmetric import cli  # noqa: E402
 from deepmetric.search import Index  # noqa: E402
-from deepmetric.search import serve as serve_module  # noqa: E402
+from deepmetric.search import limits as serve_limits  # noqa: E402
 from deepmetric.search.serve import create_app  # noqa: E402
 from odd_images import small_bomb_png  # noqa: E402
 from search_data import shapes_setup  # noqa: E402
@@ -208,7 +208,7 @@ def test_thumbnails_use_the_models_limit_and_a_cache_bounded_in_bytes(shapes, tm
     shutil.copytree(shapes["index_dir"], d)
     index = Index.load(d)
     app = create_app(index, default_k=4)
-    monkeypatch.setattr(serve_module, "THUMB_CACHE_BYTES", 40_000)
+    monkeypatch.setattr(serve_limits, "THUMB_CACHE_BYTES", 40_000)
     with serve_in_thread(app) as url:
         sizes = {}
         for size in range(16, 400, 7):
