@@ -122,3 +122,46 @@ def serve_subprocess(index_dir, *args, host: str = "127.0.0.1", start_timeout: f
                 proc.kill()
                 proc.wait(timeout=30)
         log.close()
+
+
+# /api/info timed from a separate process (in the test's process the upload threads would hold
+# the GIL and add their own delays to the measurement); it polls every 20 ms until the stop file
+# exists or 120 s have passed, then prints the latencies as JSON
+_POLLER = r"""
+import http.client, json, os, sys, time
+host, port, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out, end = [], time.monotonic() + 120
+while not os.path.exists(stop) and time.monotonic() < end:
+    t = time.perf_counter()
+    c = http.client.HTTPConnection(host, port, timeout=10)
+    c.request("GET", "/api/info")
+    r = c.getresponse()
+    r.read()
+    c.close()
+    out.append([r.status, time.perf_counter() - t])
+    time.sleep(0.02)
+print(json.dumps(out))
+"""
+
+
+def info_latencies_during(url, stop, jobs, join_timeout: float = 60) -> list:
+    """Run ``jobs`` (callables, each in a thread of its own, all at once) while ``GET /api/info``
+    of the server at ``url`` is polled from a separate process; ``[status, seconds]`` of every
+    answer. The poller stops when the file ``stop`` is created, once the jobs are done."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    poller = subprocess.Popen([sys.executable, "-c", _POLLER, host, port, str(stop)], stdout=subprocess.PIPE,
+                              text=True)
+    threads = [threading.Thread(target=job) for job in jobs]
+    time.sleep(0.3)  # a few answers before the jobs start
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=join_timeout)
+    time.sleep(0.3)  # and a few after they end
+    stop.touch()
+    return json.loads(poller.communicate(timeout=60)[0])
