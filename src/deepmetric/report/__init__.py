@@ -7,7 +7,10 @@
 * :mod:`~deepmetric.report.run_report` - ``make_report(run_dir, embeddings)``, used by
   ``deepmetric report RUN_DIR [--embeddings EMB.npz]``: ``report.html`` (one
   self-contained page, built with :mod:`~deepmetric.report.page`), the PNGs and
-  ``report.md``; :mod:`~deepmetric.report.run_inputs` reads the run (metrics.json,
+  ``report.md``, written section by section by :mod:`~deepmetric.report.run_sections` (the
+  configuration, metrics.json and the training log) and
+  :mod:`~deepmetric.report.embedding_sections` (Recall@K, histograms, embedding, retrieval
+  grids, classification); :mod:`~deepmetric.report.run_inputs` reads the run (metrics.json,
   checkpoint embeddings, the dataset images behind the retrieval grids).
 """
 from .diagnostics import (
