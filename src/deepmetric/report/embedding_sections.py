@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from . import diagnostics as dg
+from . import gradient_norm
 from . import page as pg
 from . import plots
 from .run_inputs import image_source_for
@@ -136,11 +137,11 @@ def _embedding_section(report: Report, data, names, *, seed: int) -> None:
     if "class_weights" in data and "train_embeddings" in data:
         w = data["class_weights"]
         xtr, ytr = data["train_embeddings"], dg._as_labels(data["train_labels"], len(data["train_embeddings"]))
-        picked = dg.select_paper_samples(xtr, ytr, w)
+        picked = gradient_norm.select_paper_samples(xtr, ytr, w)
         curves = {}
         for kind, i in picked.items():
             if i is not None:
-                curves[kind] = dg.gradient_norm_vs_alpha(xtr[i:i + 1], ytr[i:i + 1], _ALPHAS, weights=w)[0]
+                curves[kind] = gradient_norm.gradient_norm_vs_alpha(xtr[i:i + 1], ytr[i:i + 1], _ALPHAS, weights=w)[0]
         if curves:
             plots.plot_grad_norm_vs_alpha(_ALPHAS, curves, report.out / "grad_norm_alpha.png")
             report.figures.append(("gradient norm vs alpha (heated-up Fig. 1)", "grad_norm_alpha.png"))
