@@ -124,24 +124,18 @@ def serve_subprocess(index_dir, *args, host: str = "127.0.0.1", start_timeout: f
         log.close()
 
 
-# /api/info timed from a separate process (in the test's process the upload threads would hold
-# the GIL and add their own delays to the measurement); it polls every 20 ms until the stop file
-# exists or 120 s have passed, then prints the latencies as JSON
-_POLLER = r"""
-import http.client, json, os, sys, time
-host, port, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-out, end = [], time.monotonic() + 120
-while not os.path.exists(stop) and time.monotonic() < end:
-    t = time.perf_counter()
-    c = http.client.HTTPConnection(host, port, timeout=10)
-    c.request("GET", "/api/info")
-    r = c.getresponse()
-    r.read()
-    c.close()
-    out.append([r.status, time.perf_counter() - t])
-    time.sleep(0.02)
-print(json.dumps(out))
-"""
+def _poller_program() -> str:
+    """bench/serve_load.py's ``POLLER``: a program that times ``GET /api/info`` from a process of
+    its own (in the test's process the upload threads would hold the GIL and add their own
+    delays to the measurement), every 20 ms until the stop file exists or 120 s have passed,
+    then prints the latencies as JSON. One program for the bench and the tests."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parents[1] / "bench" / "serve_load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.POLLER
 
 
 def info_latencies_during(url, stop, jobs, join_timeout: float = 60) -> list:
@@ -154,7 +148,7 @@ def info_latencies_during(url, stop, jobs, join_timeout: float = 60) -> list:
     import threading
 
     host, port = url.removeprefix("http://").rsplit(":", 1)
-    poller = subprocess.Popen([sys.executable, "-c", _POLLER, host, port, str(stop)], stdout=subprocess.PIPE,
+    poller = subprocess.Popen([sys.executable, "-c", _poller_program(), host, port, str(stop)], stdout=subprocess.PIPE,
                               text=True)
     threads = [threading.Thread(target=job) for job in jobs]
     time.sleep(0.3)  # a few answers before the jobs start
