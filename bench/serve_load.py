@@ -381,7 +381,7 @@ def main(argv=None) -> int:
                          "1600 x 1200 JPEG photos built with the index's checkpoint (default 0: skip)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
-    from deepmetric.search.serve import is_loopback
+    from deepmetric.search.guard import is_loopback
 
     if not is_loopback(a.host):
         raise SystemExit(f"--host {a.host}: this benchmark only serves on loopback addresses")

@@ -54,3 +54,24 @@ def synthetic_raw(tmp_path):
     def make(out_dir=None, **kw):
         return synthetic_config(out_dir if out_dir is not None else tmp_path / "run", **kw)
     return make
+
+
+# --------------------------------------------------------------------------- served search app
+@pytest.fixture(scope="module")
+def serve_shapes(tmp_path_factory):
+    """deepmetric serve's app over the shapes index (tests/search_data.py), in a thread on a free
+    loopback port: ``serve_shapes(**create_app_options)`` starts one and returns ``(url, shapes,
+    index)``; the servers stop after the module's tests."""
+    import contextlib
+
+    from deepmetric.search import Index
+    from deepmetric.search.serve import create_app
+    from search_data import shapes_setup
+    from serving import serve_in_thread
+
+    with contextlib.ExitStack() as servers:
+        def start(**options):
+            shapes = shapes_setup(tmp_path_factory)
+            index = Index.load(shapes["index_dir"])
+            return servers.enter_context(serve_in_thread(create_app(index, **options))), shapes, index
+        yield start

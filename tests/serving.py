@@ -122,3 +122,40 @@ def serve_subprocess(index_dir, *args, host: str = "127.0.0.1", start_timeout: f
                 proc.kill()
                 proc.wait(timeout=30)
         log.close()
+
+
+def _poller_program() -> str:
+    """bench/serve_load.py's ``POLLER``: a program that times ``GET /api/info`` from a process of
+    its own (in the test's process the upload threads would hold the GIL and add their own
+    delays to the measurement), every 20 ms until the stop file exists or 120 s have passed,
+    then prints the latencies as JSON. One program for the bench and the tests."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parents[1] / "bench" / "serve_load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.POLLER
+
+
+def info_latencies_during(url, stop, jobs, join_timeout: float = 60) -> list:
+    """Run ``jobs`` (callables, each in a thread of its own, all at once) while ``GET /api/info``
+    of the server at ``url`` is polled from a separate process; ``[status, seconds]`` of every
+    answer. The poller stops when the file ``stop`` is created, once the jobs are done."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    poller = subprocess.Popen([sys.executable, "-c", _poller_program(), host, port, str(stop)], stdout=subprocess.PIPE,
+                              text=True)
+    threads = [threading.Thread(target=job) for job in jobs]
+    time.sleep(0.3)  # a few answers before the jobs start
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=join_timeout)
+    time.sleep(0.3)  # and a few after they end
+    stop.touch()
+    return json.loads(poller.communicate(timeout=60)[0])

@@ -10,18 +10,11 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from browser import broken_images, open_page, requires_chromium  # noqa: E402
-from deepmetric.search import Index  # noqa: E402
-from deepmetric.search.serve import create_app  # noqa: E402
-from search_data import shapes_setup  # noqa: E402
-from serving import serve_in_thread  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    shapes = shapes_setup(tmp_path_factory)
-    index = Index.load(shapes["index_dir"])
-    with serve_in_thread(create_app(index, default_k=6)) as url:
-        yield url, shapes, index
+def served(serve_shapes):
+    return serve_shapes(default_k=6)
 
 
 def _shot(tmp_path, name) -> str:

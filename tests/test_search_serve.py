@@ -13,18 +13,10 @@ from PIL import Image
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from serving import serve_in_thread  # noqa: E402
-from deepmetric.search import Index  # noqa: E402
-from deepmetric.search.serve import create_app  # noqa: E402
-from search_data import shapes_setup  # noqa: E402
-
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    shapes = shapes_setup(tmp_path_factory)
-    index = Index.load(shapes["index_dir"])
-    with serve_in_thread(create_app(index, max_upload_mb=0.25, default_k=4)) as url:
-        yield url, shapes, index
+def server(serve_shapes):
+    return serve_shapes(max_upload_mb=0.25, default_k=4)
 
 
 def _request(url, method, path, body=None, headers=None):

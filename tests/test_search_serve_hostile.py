@@ -19,6 +19,7 @@ import shutil
 import signal
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +31,11 @@ pytest.importorskip("uvicorn")
 
 from deepmetric import cli  # noqa: E402
 from deepmetric.search import Index  # noqa: E402
-from deepmetric.search.serve import create_app, is_loopback  # noqa: E402
+from deepmetric.search.guard import is_loopback  # noqa: E402
+from deepmetric.search.serve import create_app  # noqa: E402
 from odd_images import long_thin_png, png_bytes  # noqa: E402
 from search_data import make_shapes_folder, shapes_setup  # noqa: E402
-from serving import memory_kib, multipart, request, serve_in_thread, serve_subprocess  # noqa: E402
+from serving import info_latencies_during, memory_kib, multipart, request, serve_in_thread, serve_subprocess  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,55 +56,21 @@ def _gradient_png(side: int) -> bytes:
     return png_bytes(Image.fromarray(a))
 
 
-# /api/info timed from a separate process (in this one the upload threads would hold the GIL
-# and add their own delays to the measurement); it polls every 20 ms until the stop file exists
-# or 120 s have passed, then prints the latencies as JSON
-_POLLER = r"""
-import http.client, json, os, sys, time
-host, port, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-out, end = [], time.monotonic() + 120
-while not os.path.exists(stop) and time.monotonic() < end:
-    t = time.perf_counter()
-    c = http.client.HTTPConnection(host, port, timeout=10)
-    c.request("GET", "/api/info")
-    r = c.getresponse()
-    r.read()
-    c.close()
-    out.append([r.status, time.perf_counter() - t])
-    time.sleep(0.02)
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.slow
 def test_bomb_uploads_keep_memory_bounded_and_info_fast(shapes, tmp_path):
-    import subprocess
-    import sys
-
     bomb = long_thin_png(1, 40_000_000)  # 78 KB that claims 40 M pixels
     big = _gradient_png(3500)  # 145 KB, 36.8 MB decoded: under the limit, so it is decoded
     # all 16 are accepted at once (--max-in-flight 16); the 2 workers bound the decoding
     with serve_subprocess(shapes["index_dir"], "--max-in-flight", "16") as (url, proc, output):
         before = memory_kib(proc.pid)
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        stop = tmp_path / "stop"
-        poller = subprocess.Popen([sys.executable, "-c", _POLLER, host, port, str(stop)], stdout=subprocess.PIPE,
-                                  text=True)
         results = []
 
         def upload(data, name):
             results.append((name, *_search(url, data, name)))
 
-        threads = [threading.Thread(target=upload, args=(bomb, f"bomb{i}.png")) for i in range(8)]
-        threads += [threading.Thread(target=upload, args=(big, f"big{i}.png")) for i in range(8)]
-        time.sleep(0.3)
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        time.sleep(0.2)
-        stop.touch()
-        latencies = json.loads(poller.communicate(timeout=60)[0])
+        uploads = [partial(upload, bomb, f"bomb{i}.png") for i in range(8)]
+        uploads += [partial(upload, big, f"big{i}.png") for i in range(8)]
+        latencies = info_latencies_during(url, tmp_path / "stop", uploads, join_timeout=120)
         peak = memory_kib(proc.pid)
         assert proc.poll() is None, output()
     assert len(results) == 16

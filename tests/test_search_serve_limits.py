@@ -15,10 +15,8 @@ serve`` in a subprocess); every loop is bounded by a count or a deadline.
 import json
 import shutil
 import socket
-import subprocess
-import sys
-import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +27,11 @@ pytest.importorskip("uvicorn")
 
 from deepmetric import cli  # noqa: E402
 from deepmetric.search import Index  # noqa: E402
-from deepmetric.search import serve as serve_module  # noqa: E402
+from deepmetric.search import limits as serve_limits  # noqa: E402
 from deepmetric.search.serve import create_app  # noqa: E402
 from odd_images import small_bomb_png  # noqa: E402
 from search_data import shapes_setup  # noqa: E402
-from serving import free_port, memory_kib, multipart, request, serve_in_thread, serve_subprocess  # noqa: E402
+from serving import free_port, info_latencies_during, memory_kib, multipart, request, serve_in_thread, serve_subprocess  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -140,23 +138,6 @@ def test_when_every_connection_is_busy_a_new_one_gets_503(shapes):
         assert request(url, "GET", "/api/info")[0] == 200
 
 
-_POLLER = r"""
-import http.client, json, os, sys, time
-host, port, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-out, end = [], time.monotonic() + 120
-while not os.path.exists(stop) and time.monotonic() < end:
-    t = time.perf_counter()
-    c = http.client.HTTPConnection(host, port, timeout=10)
-    c.request("GET", "/api/info")
-    r = c.getresponse()
-    r.read()
-    c.close()
-    out.append([r.status, time.perf_counter() - t])
-    time.sleep(0.02)
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.slow
 def test_idle_sockets_and_palette_bombs_at_once_keep_memory_and_info_bounded(shapes, tmp_path):
     """Done-when of issue 32: 200 idle connections and 8 concurrent 64 KB palette + tRNS
@@ -166,25 +147,13 @@ def test_idle_sockets_and_palette_bombs_at_once_keep_memory_and_info_bounded(sha
     with serve_subprocess(shapes["index_dir"]) as (url, proc, output):
         idle = _idle_sockets(url, 200)
         try:
-            host, port = _address(url)
-            stop = tmp_path / "stop"
-            poller = subprocess.Popen([sys.executable, "-c", _POLLER, host, str(port), str(stop)],
-                                      stdout=subprocess.PIPE, text=True)
             results = []
 
             def upload(i):
                 body, headers = multipart({"k": "3"}, {"image": (f"palette{i}.png", bomb)})
                 results.append(request(url, "POST", "/search", body, headers, timeout=60))
 
-            threads = [threading.Thread(target=upload, args=(i,)) for i in range(8)]
-            time.sleep(0.3)
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=60)
-            time.sleep(0.3)
-            stop.touch()
-            latencies = json.loads(poller.communicate(timeout=60)[0])
+            latencies = info_latencies_during(url, tmp_path / "stop", [partial(upload, i) for i in range(8)])
             peak = memory_kib(proc.pid)
             assert proc.poll() is None, output()
         finally:
@@ -208,7 +177,7 @@ def test_thumbnails_use_the_models_limit_and_a_cache_bounded_in_bytes(shapes, tm
     shutil.copytree(shapes["index_dir"], d)
     index = Index.load(d)
     app = create_app(index, default_k=4)
-    monkeypatch.setattr(serve_module, "THUMB_CACHE_BYTES", 40_000)
+    monkeypatch.setattr(serve_limits, "THUMB_CACHE_BYTES", 40_000)
     with serve_in_thread(app) as url:
         sizes = {}
         for size in range(16, 400, 7):

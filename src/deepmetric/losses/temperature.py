@@ -3,7 +3,7 @@ losses): the one place that knows how, whether alpha is a float or a learnable p
 
 A loss has a temperature when it exposes a settable ``alpha``.  The heating-up schedule
 (:mod:`deepmetric.train.schedules`), checkpoints and the gradient-norm diagnostic of the
-heated-up paper's Fig. 1 (:mod:`deepmetric.report.diagnostics`) all go through these four
+heated-up paper's Fig. 1 (:mod:`deepmetric.report.gradient_norm`) all go through these four
 functions.
 """
 from __future__ import annotations

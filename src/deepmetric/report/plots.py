@@ -113,51 +113,9 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
         flat[0].set_axis_off()
     for ax, (label, (kind, key)) in zip(flat, panels):
         if kind == "step":
-            y = log.column("step", key)
-            ok = np.isfinite(y)
-            if key == "loss":
-                w = max(1, int(ok.sum()) // 50)
-                if w > 1:  # noisy per-step values plus a moving average
-                    ax.plot(xs[ok], y[ok], lw=0.6, alpha=0.35, color="C0", label="per step")
-                    ax.plot(xs[ok], _smooth(y, w)[ok], lw=1.6, color="C0", label=f"mean of {w} steps")
-                    ax.legend(fontsize=8, loc="best")  # the corner the curve leaves free
-                else:
-                    ax.plot(xs[ok], y[ok], lw=1.4, color="C0")
-            else:  # schedules change in steps: draw them as steps
-                ax.plot(xs[ok], y[ok], lw=1.4, color="C1" if key == "lr" else "C3", drawstyle="steps-post")
-                if key == "lr" and np.all(y[ok] > 0) and y[ok].max() / y[ok].min() > 20:
-                    ax.set_yscale("log")
-            if xname == "step":
-                for i, h in enumerate(log.heat_up_steps()):  # mark heating-up events
-                    ax.axvline(h, color="grey", ls="--", lw=1, label="heat-up" if i == 0 else None)
-            ax.set_xlabel(xname)
+            _step_panel(ax, log, key, xs, xname)
         else:
-            ex, exname = log.x_axis("eval")
-            epoch = log.column("eval", "epoch")
-            if np.isfinite(epoch).all() and epoch.size:
-                ex, exname = epoch, "epoch"
-            splits = log.splits()
-            split_of = np.array([str(r.get("split")) for r in log.evals])
-            for i, k in enumerate(key):
-                y = log.column("eval", k)
-                for s in splits:  # validation dashed, test solid: never confuse the two
-                    ok = np.isfinite(y) & (split_of == str(s))
-                    if ok.any():
-                        ax.plot(ex[ok], y[ok], marker="o" if s != "val" else "s", ms=3.5, lw=1.3,
-                                color=f"C{i}", ls="--" if s in ("val", "validation") else "-",
-                                label=k if len(splits) == 1 or s is None else f"{k} ({s})")
-            for b in log.baselines():  # reference levels: epoch-0 model, raw pixels, ...
-                v = b.get(key[0])
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    what = b.get("label") or b.get("name") or b.get("baseline") or "baseline"
-                    ax.axhline(float(v), color="grey", ls=":", lw=1.2,
-                               label=f"{key[0]}: {what}" + (f" ({b['split']})" if b.get("split") else ""))
-            if exname == "epoch":  # evaluations happen at whole epochs: no 4.25, 4.5 ticks
-                from matplotlib.ticker import MaxNLocator
-
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel(exname)
-            legend_beside(ax, ncol=2 if len(ax.get_lines()) > 12 else 1)
+            _eval_panel(ax, log, key)
         ax.set_title(label)
         ax.grid(alpha=0.3)
     for ax in flat[len(panels) or 1:]:
@@ -166,6 +124,59 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
         fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, out)
+
+
+def _step_panel(ax, log: dg.TrainingLog, key: str, xs: np.ndarray, xname: str) -> None:
+    """One per-step value (loss, lr, alpha) against steps, heating-up events dashed."""
+    y = log.column("step", key)
+    ok = np.isfinite(y)
+    if key == "loss":
+        w = max(1, int(ok.sum()) // 50)
+        if w > 1:  # noisy per-step values plus a moving average
+            ax.plot(xs[ok], y[ok], lw=0.6, alpha=0.35, color="C0", label="per step")
+            ax.plot(xs[ok], _smooth(y, w)[ok], lw=1.6, color="C0", label=f"mean of {w} steps")
+            ax.legend(fontsize=8, loc="best")  # the corner the curve leaves free
+        else:
+            ax.plot(xs[ok], y[ok], lw=1.4, color="C0")
+    else:  # schedules change in steps: draw them as steps
+        ax.plot(xs[ok], y[ok], lw=1.4, color="C1" if key == "lr" else "C3", drawstyle="steps-post")
+        if key == "lr" and np.all(y[ok] > 0) and y[ok].max() / y[ok].min() > 20:
+            ax.set_yscale("log")
+    if xname == "step":
+        for i, h in enumerate(log.heat_up_steps()):  # mark heating-up events
+            ax.axvline(h, color="grey", ls="--", lw=1, label="heat-up" if i == 0 else None)
+    ax.set_xlabel(xname)
+
+
+def _eval_panel(ax, log: dg.TrainingLog, keys: list[str]) -> None:
+    """The evaluation metrics ``keys`` against epochs (validation dashed, test solid) with the
+    baselines of the first key dotted."""
+    ex, exname = log.x_axis("eval")
+    epoch = log.column("eval", "epoch")
+    if np.isfinite(epoch).all() and epoch.size:
+        ex, exname = epoch, "epoch"
+    splits = log.splits()
+    split_of = np.array([str(r.get("split")) for r in log.evals])
+    for i, k in enumerate(keys):
+        y = log.column("eval", k)
+        for s in splits:  # validation dashed, test solid: never confuse the two
+            ok = np.isfinite(y) & (split_of == str(s))
+            if ok.any():
+                ax.plot(ex[ok], y[ok], marker="o" if s != "val" else "s", ms=3.5, lw=1.3,
+                        color=f"C{i}", ls="--" if s in ("val", "validation") else "-",
+                        label=k if len(splits) == 1 or s is None else f"{k} ({s})")
+    for b in log.baselines():  # reference levels: epoch-0 model, raw pixels, ...
+        v = b.get(keys[0])
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            what = b.get("label") or b.get("name") or b.get("baseline") or "baseline"
+            ax.axhline(float(v), color="grey", ls=":", lw=1.2,
+                       label=f"{keys[0]}: {what}" + (f" ({b['split']})" if b.get("split") else ""))
+    if exname == "epoch":  # evaluations happen at whole epochs: no 4.25, 4.5 ticks
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(exname)
+    legend_beside(ax, ncol=2 if len(ax.get_lines()) > 12 else 1)
 
 
 # --------------------------------------------------------------------------- Fig. 1

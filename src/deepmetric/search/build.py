@@ -44,25 +44,9 @@ def class_names_of(ds) -> list[str] | None:
     return [str(c) for c in ids] if ids else None
 
 
-def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, options=None,
-                            batch_size: int = 256, device: str = "auto", num_workers: int = 0,
-                            progress: bool = True, skip_paths=frozenset(), images_dir=None,
-                            first_image_number: int = 0, shards=None) -> dict | None:
-    """Embed a split for an index: ``{"embeddings", "labels", "paths", "class_names", ...}``.
-    ``shards`` (a :class:`deepmetric.search.shards.ShardPlan`, under torchrun): this process
-    embeds only its contiguous run of shards into the shard folder (skipping finished ones);
-    rank 0 returns the whole split read back from the shards, other ranks ``None``."""
-    from tqdm.auto import tqdm
-    from PIL import Image
-
-    from deepmetric.run.device import resolve_device
-    from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
-
-    if not Path(checkpoint).is_file():
-        raise FileNotFoundError(f"checkpoint {checkpoint} not found (expected last.pt / best.pt of 'deepmetric train')")
-    dev = resolve_device(device, name="--device")
-    model, _, cfg, state = load_model_from_checkpoint(checkpoint, dev)
-    preprocessing = preprocessing_from_config(cfg)  # before the data is overridden: the model's input
+def _point_at_data(cfg, *, data, options, root, split) -> str:
+    """Point the checkpoint's config at the data to index (another dataset, more options,
+    another root); the split to read (default: every image of a folder or csv, else "test")."""
     if data is not None and data != cfg.data.name:
         cfg.data.name = data
         cfg.data.options = {k: v for k, v in (cfg.data.options or {}).items() if k == "mode"}
@@ -72,6 +56,85 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
         cfg.data.root = str(root)
     if split is None:
         split = "all" if cfg.data.name in _FILE_DATASETS_ALL else "test"
+    return split
+
+
+def _embed_in_chunks(model, ds, keep, labels, dev, *, batch_size, num_workers, progress):
+    """``(embeddings, labels)`` of the rows ``keep`` of ``ds``, in chunks under one progress bar
+    (``labels``, when None, are those the embedding pass reads)."""
+    from tqdm.auto import tqdm
+
+    from deepmetric.run.embed import compute_embeddings
+
+    embs = []
+    chunk = max(batch_size, 1024)
+    with tqdm(total=len(keep), desc="embedding", unit="img", disable=not progress, leave=False) as bar:
+        for a in range(0, len(keep), chunk):
+            part = torch.utils.data.Subset(ds, keep[a:a + chunk])
+            r = compute_embeddings(model, part, batch_size=batch_size, device=dev, amp="none",
+                                   num_workers=num_workers)
+            embs.append(r["embeddings"])
+            if labels is None:
+                labels = r["labels"]
+            bar.update(len(part))
+    return (np.concatenate(embs) if embs else np.zeros((0, 0), np.float32)), labels
+
+
+def _check_finite(emb, checkpoint, keep, paths) -> None:
+    bad = ~np.isfinite(emb).all(axis=1) if emb.size else np.zeros(0, bool)
+    if bad.any():  # a diverged checkpoint, or an image that drives it there: name the image
+        i = int(np.flatnonzero(bad)[0])
+        which = paths[keep[i]] if paths is not None else f"image {keep[i]} of the split"
+        raise ValueError(f"checkpoint {checkpoint} embeds {int(bad.sum())} image(s) as NaN / inf, the first "
+                         f"{which}; nothing was indexed (a diverged run? index with an earlier checkpoint)")
+
+
+def _indexed_paths(ds, keep, paths, in_memory: bool, images_dir, first_image_number: int, progress) -> list[str]:
+    """The image file of every indexed row: its own, a PNG copy written into ``images_dir`` for
+    an in-memory benchmark, or "" (no file)."""
+    from tqdm.auto import tqdm
+    from PIL import Image
+
+    if paths is not None:
+        return [paths[i] for i in keep]
+    if not (in_memory and images_dir is not None):
+        return [""] * len(keep)
+    images_dir = Path(images_dir)
+    images_dir.mkdir(parents=True, exist_ok=True)
+    out_paths = []
+    for j, i in enumerate(tqdm(keep, desc="writing images", unit="img", disable=not progress, leave=False)):
+        p = images_dir / f"{first_image_number + j:06d}.png"
+        Image.fromarray(np.asarray(ds.images[i])).save(p)  # [H, W] grey or [H, W, 3] RGB
+        out_paths.append(str(p.resolve()))
+    return out_paths
+
+
+def _index_input(emb, labels, out_paths, names, cfg, state, preprocessing, split, n, keep) -> dict:
+    """What :meth:`Index.build` writes: the embeddings with their rows and where they came from."""
+    return {"embeddings": emb, "labels": labels, "paths": out_paths, "class_names": names,
+            "config": state["config"], "preprocessing": preprocessing.to_dict(),
+            "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
+                     "options": dict(cfg.data.options), "images": len(keep)},
+            "skipped": n - len(keep)}
+
+
+def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, options=None,
+                            batch_size: int = 256, device: str = "auto", num_workers: int = 0,
+                            progress: bool = True, skip_paths=frozenset(), images_dir=None,
+                            first_image_number: int = 0, shards=None) -> dict | None:
+    """Embed a split for an index: ``{"embeddings", "labels", "paths", "class_names", ...}``.
+    ``shards`` (a :class:`deepmetric.search.shards.ShardPlan`, under torchrun): this process
+    embeds only its contiguous run of shards into the shard folder (skipping finished ones);
+    rank 0 returns the whole split read back from the shards, other ranks ``None``."""
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.embed import load_model_from_checkpoint
+
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint} not found (expected last.pt / best.pt of 'deepmetric train')")
+    dev = resolve_device(device, name="--device")
+    model, _, cfg, state = load_model_from_checkpoint(checkpoint, dev)
+    preprocessing = preprocessing_from_config(cfg)  # before the data is overridden: the model's input
+    split = _point_at_data(cfg, data=data, options=options, root=root, split=split)
     ds = _dataset_builder()(cfg, split, train=False)
     n = len(ds)
     if n == 0:
@@ -95,42 +158,11 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
     if shards is not None:
         return _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, preprocessing, split, n,
                              batch_size=batch_size, num_workers=num_workers, progress=progress)
-    embs = []
-    chunk = max(batch_size, 1024)
-    with tqdm(total=len(keep), desc="embedding", unit="img", disable=not progress, leave=False) as bar:
-        for a in range(0, len(keep), chunk):
-            part = torch.utils.data.Subset(ds, keep[a:a + chunk])
-            r = compute_embeddings(model, part, batch_size=batch_size, device=dev, amp="none",
-                                   num_workers=num_workers)
-            embs.append(r["embeddings"])
-            if labels is None:
-                labels = r["labels"]
-            bar.update(len(part))
-    emb = np.concatenate(embs) if embs else np.zeros((0, 0), np.float32)
-    bad = ~np.isfinite(emb).all(axis=1) if emb.size else np.zeros(0, bool)
-    if bad.any():  # a diverged checkpoint, or an image that drives it there: name the image
-        i = int(np.flatnonzero(bad)[0])
-        which = paths[keep[i]] if paths is not None else f"image {keep[i]} of the split"
-        raise ValueError(f"checkpoint {checkpoint} embeds {int(bad.sum())} image(s) as NaN / inf, the first "
-                         f"{which}; nothing was indexed (a diverged run? index with an earlier checkpoint)")
-
-    if paths is not None:
-        out_paths = [paths[i] for i in keep]
-    elif in_memory and images_dir is not None:
-        images_dir = Path(images_dir)
-        images_dir.mkdir(parents=True, exist_ok=True)
-        out_paths = []
-        for j, i in enumerate(tqdm(keep, desc="writing images", unit="img", disable=not progress, leave=False)):
-            p = images_dir / f"{first_image_number + j:06d}.png"
-            Image.fromarray(np.asarray(ds.images[i])).save(p)  # [H, W] grey or [H, W, 3] RGB
-            out_paths.append(str(p.resolve()))
-    else:
-        out_paths = [""] * len(keep)
-    return {"embeddings": emb, "labels": labels, "paths": out_paths, "class_names": names,
-            "config": state["config"], "preprocessing": preprocessing.to_dict(),
-            "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
-                     "options": dict(cfg.data.options), "images": len(keep)},
-            "skipped": n - len(keep)}
+    emb, labels = _embed_in_chunks(model, ds, keep, labels, dev, batch_size=batch_size, num_workers=num_workers,
+                                   progress=progress)
+    _check_finite(emb, checkpoint, keep, paths)
+    out_paths = _indexed_paths(ds, keep, paths, in_memory, images_dir, first_image_number, progress)
+    return _index_input(emb, labels, out_paths, names, cfg, state, preprocessing, split, n, keep)
 
 
 def _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, preprocessing, split, n, *,
@@ -149,9 +181,6 @@ def _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, prepro
     emb = shards.run(keep, [paths[i] for i in keep], embed, progress=progress)
     if emb is None:
         return None
-    return {"embeddings": emb, "labels": np.asarray(ds.labels, dtype=np.int64)[keep],
-            "paths": [paths[i] for i in keep], "class_names": names,
-            "config": state["config"], "preprocessing": preprocessing.to_dict(),
-            "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
-                     "options": dict(cfg.data.options), "images": len(keep)},
-            "skipped": n - len(keep), "shards": shards.summary()}
+    return {**_index_input(emb, np.asarray(ds.labels, dtype=np.int64)[keep], [paths[i] for i in keep], names, cfg,
+                           state, preprocessing, split, n, keep),
+            "shards": shards.summary()}
