@@ -14,7 +14,7 @@ from deepmetric.report import (
     make_report,
     misclassified_neighbours,
     pair_cosine_histograms,
-    read_log,
+    read_training_log as read_log,
     select_paper_samples,
     synthetic_paper_samples,
 )
@@ -473,7 +473,7 @@ def test_report_marks_validation_test_and_baselines(tmp_path):
     assert html.count('<span class="badge val">val</span>') == 2 + 1 + 1  # log x2, final, selected
     assert '<tr class="baseline" data-split="test">' in html
     # the curves draw val dashed and test solid, labelled by split
-    from deepmetric.report import read_log
+    from deepmetric.report import read_training_log as read_log
     import matplotlib.pyplot as plt
 
     captured = {}

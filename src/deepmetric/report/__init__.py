@@ -20,7 +20,7 @@ from .diagnostics import (
     misclassified_neighbours,
     pair_cosine_histograms,
     per_class_recall,
-    read_log,
+    read_training_log,
     recall_curve,
     retrieval_examples,
 )
@@ -35,7 +35,7 @@ __all__ = [
     "misclassified_neighbours",
     "pair_cosine_histograms",
     "per_class_recall",
-    "read_log",
+    "read_training_log",
     "recall_curve",
     "retrieval_examples",
     "select_paper_samples",

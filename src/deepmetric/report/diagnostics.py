@@ -15,7 +15,7 @@ heated-up paper's Fig. 1, the gradient norm against alpha, is in
 * :func:`misclassified_neighbours` - two-head paper, Sec. 4.3 / Fig. 10: for misclassified
   test images the nearest training image, and the share whose neighbour carries the
   predicted label (79.34% on Flowers-102 in the paper).
-* :func:`read_log` - the training loop's JSON-lines log, tolerant of missing keys.
+* :func:`read_training_log` - the training loop's JSON-lines log, tolerant of missing keys.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 from deepmetric.run.evaluation import place_for_search
 
 __all__ = [
-    "read_log",
+    "read_training_log",
     "TrainingLog",
     "pair_cosine_histograms",
     "embedding_2d",
@@ -141,7 +141,7 @@ class TrainingLog:
         return np.arange(n, dtype=float), "record"
 
 
-def read_log(path: str | Path) -> TrainingLog:
+def read_training_log(path: str | Path) -> TrainingLog:
     """Read the training loop's JSON-lines log (``RUN_DIR/log.jsonl``) through
     :func:`deepmetric.run.rundir.read_log` (strict: a truncated last line, a run killed while
     writing, is skipped with a warning; any other malformed line is an error naming the file

@@ -89,7 +89,7 @@ def plot_training_curves(log: dg.TrainingLog | str | Path, out: str | Path, *,
     every ``recall@K`` plus ``nmi``, ``map@r``, ``f1`` and ``top1`` present).
     """
     if not isinstance(log, dg.TrainingLog):
-        log = dg.read_log(log)
+        log = dg.read_training_log(log)
     panels: list[tuple[str, Any]] = []
     xs, xname = log.x_axis("step")
     for key, label in (("loss", "training loss"), ("lr", "learning rate"), ("alpha", "alpha (1/T)")):

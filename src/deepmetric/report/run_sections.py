@@ -283,7 +283,7 @@ def training_section(report: Report, log_path: Path, title: str, eval_split: str
         report.md += ["## Training", "", f"- no `{log_path.name}` in the run directory", ""]
         report.html.add("training", "Training curves", f'<p class="note">no {log_path.name} in the run directory</p>')
         return []
-    log = dg.read_log(log_path)
+    log = dg.read_training_log(log_path)
     plots.plot_training_curves(log, report.out / "training_curves.png", title=title)
     report.figures.append(("training curves", "training_curves.png"))
     report.md += _log_section(log)
