@@ -19,6 +19,7 @@ from deepmetric.train import train
 from deepmetric.run.builders import build_dataset, build_model
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict
+from deepmetric.run import embed as EMB
 from deepmetric.run import evaluation as E
 
 CPU = torch.device("cpu")
@@ -139,7 +140,7 @@ def test_evaluate_model_keeps_tensors_and_the_torch_path_equals_faiss(tmp_path, 
     m_faiss, emb_faiss = E.evaluate_model(model, {"query": ds}, cfg, device=CPU, backend="faiss")
     assert seen == [(torch.Tensor, CPU, "torch"), (torch.Tensor, CPU, "faiss")]
     monkeypatch.setattr(ev, "evaluate", real)
-    old = E.compute_embeddings(model, ds, batch_size=cfg.eval.batch_size)
+    old = EMB.compute_embeddings(model, ds, batch_size=cfg.eval.batch_size)
     assert isinstance(old["embeddings"], np.ndarray)
     ref = evaluate(old["embeddings"], old["labels"], ks=(1, 2, 4, 32), seed=cfg.train.seed)
     assert set(m_torch) == set(ref) >= {"recall@1", "recall@32", "map@r", "r_precision", "nmi", "f1"}
@@ -215,18 +216,18 @@ def test_raw_pixel_baseline_searched_for_a_cpu_run_equals_the_default(tmp_path, 
 def test_eval_loader_pins_memory_exactly_on_cuda(tmp_path, monkeypatch):
     _, model, ds = _model_and_sets(tmp_path)
     for device, pinned in (("cuda", True), ("cuda:1", True), (CPU, False), ("cpu", False)):
-        loader = E.make_eval_loader(ds, batch_size=8, device=device, num_workers=0)
+        loader = EMB.make_eval_loader(ds, batch_size=8, device=device, num_workers=0)
         assert loader.pin_memory is pinned, device
         assert not loader.persistent_workers  # one pass per evaluation: nothing to keep alive
     made = []
-    real = E.make_eval_loader
+    real = EMB.make_eval_loader
 
     def spy(dataset, **kw):
         made.append(kw)
         return real(dataset, **kw)
 
-    monkeypatch.setattr(E, "make_eval_loader", spy)
-    out = E.compute_embeddings(model, ds, batch_size=8, device="cpu", as_tensor=True)
+    monkeypatch.setattr(EMB, "make_eval_loader", spy)
+    out = EMB.compute_embeddings(model, ds, batch_size=8, device="cpu", as_tensor=True)
     assert made == [{"batch_size": 8, "device": CPU, "num_workers": 0}]
     assert isinstance(out["embeddings"], torch.Tensor) and out["embeddings"].device == CPU
     assert out["embeddings"].shape == (len(ds), 8) and out["embeddings"].dtype == torch.float32
