@@ -64,6 +64,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .files import file_digest
 from .glyphs import cached_npz  # one atomic .npz cache for both benchmarks
 from .emoji_splits import CLOSED_SET_PROTOCOL, check_protocol_options, closed_set_selection, zero_shot_selection
 from .registry import register_dataset
@@ -177,11 +178,7 @@ def _check_package(pkg: EmojiPackage, root) -> Path:
 
 # --------------------------------------------------------------------------- installation
 def _sha512_integrity(path: Path) -> str:
-    h = hashlib.sha512()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return "sha512-" + base64.b64encode(h.digest()).decode()
+    return "sha512-" + base64.b64encode(file_digest(path, "sha512").digest()).decode()
 
 
 def _wanted(member: str, members: Sequence[str]) -> bool:

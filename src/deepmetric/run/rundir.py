@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 import os
-import hashlib
 import shutil
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+from deepmetric.data.files import file_digest
 
 __all__ = [
     "CONFIG", "LOG", "LAST", "BEST", "WISE", "METRICS", "TRACKING", "TENSORBOARD", "MLFLOW_DB", "MLFLOW_ARTIFACTS",
@@ -124,18 +125,10 @@ def _same_run(out_dir: Path, resume) -> bool:
             return True
         own = out_dir / LAST
         if own.is_file() and ckpt.is_file() and own.stat().st_size == ckpt.stat().st_size:
-            return _sha256(own) == _sha256(ckpt)
+            return file_digest(own).digest() == file_digest(ckpt).digest()
     except OSError:
         return False
     return False
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> None:

@@ -18,12 +18,13 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import hashlib
 import os
 import secrets
 import shutil
 import stat
 from pathlib import Path
+
+from deepmetric.data.files import file_digest
 
 __all__ = ["index_transaction", "swap_in", "carry_file", "file_sha256", "file_entries", "write_file",
            "check_utf8", "check_listed_names", "check_inside", "plain_file", "verify_files", "files_error", "IndexFilesError",
@@ -39,11 +40,7 @@ class IndexBusyError(OSError):
 
 
 def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_digest(path).hexdigest()
 
 
 def check_utf8(text: str, what: str) -> None:
