@@ -133,15 +133,19 @@ def ref_pipeline(gal, qry, self_pos, dim, k_dba, k_qe, alpha):
     p = vec[:, :dim] / np.sqrt(lam[:dim])
     g, q = unit((gal - mu) @ p), unit((qry - mu) @ p)
 
-    def expand(v, base, k, excl):
-        out = []
-        for i in range(len(v)):
-            s = base @ v[i]
-            order = sorted((j for j in range(len(base)) if j != excl[i]), key=lambda j: (-s[j], j))[:k]
-            out.append(v[i] + sum(max(s[j], 0) ** alpha * base[j] for j in order))
-        return unit(np.array(out))
-    g = expand(g, g, k_dba - 1, np.arange(len(g)))
-    return g, expand(q, g, k_qe, self_pos)
+    g = ref_expand(g, g, k_dba - 1, alpha, np.arange(len(g)))
+    return g, ref_expand(q, g, k_qe, alpha, self_pos)
+
+
+def ref_expand(v, base, k, alpha, excl):
+    """DBA / alpha-QE by the definition: each row plus its k nearest rows of ``base`` (``excl[i]``
+    left out) weighted by their cosine ** alpha, l2-normalised again."""
+    out = []
+    for i in range(len(v)):
+        s = base @ v[i]
+        order = sorted((j for j in range(len(base)) if j != excl[i]), key=lambda j: (-s[j], j))[:k]
+        out.append(v[i] + sum(max(s[j], 0) ** alpha * base[j] for j in order))
+    return unit(np.array(out))
 
 
 @pytest.mark.parametrize("backend", ["faiss", "torch"])
@@ -167,16 +171,8 @@ def test_evaluate_with_postprocess_query_gallery(rng):
     lam, vec = np.linalg.eigh(np.cov((gal - mu).T, bias=True))
     p = vec[:, ::-1][:, :8] / np.sqrt(np.maximum(lam[::-1], 1e-6 * lam[-1])[:8])
     g, qq = unit((gal - mu) @ p), unit((qry - mu) @ p)
-
-    def expand(v, base, k, alpha, excl):
-        out = []
-        for i in range(len(v)):
-            s = base @ v[i]
-            order = sorted((j for j in range(len(base)) if j != excl[i]), key=lambda j: (-s[j], j))[:k]
-            out.append(v[i] + sum(max(s[j], 0) ** alpha * base[j] for j in order))
-        return unit(np.array(out))
-    g = expand(g, g, 1, 1.0, np.arange(60))
-    qq = expand(qq, g, 3, 2.0, -np.ones(30, int))
+    g = ref_expand(g, g, 1, 1.0, np.arange(60))
+    qq = ref_expand(qq, g, 3, 2.0, -np.ones(30, int))
     ref = ref_metrics(qq, g, y[q], y[~q], -np.ones(30, int), (1, 5))
     for k in ("recall@1", "recall@5", "map@r"):
         assert got[k] == pytest.approx(ref[k], abs=1e-5), k
