@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from deepmetric import cli
-from deepmetric.evaluate import io as evaluate_io
+from deepmetric.cli import evaluate as evaluate_io
 from conftest import synthetic_config
 from search_data import shapes_setup, tiny_config
 
