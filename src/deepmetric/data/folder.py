@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from deepmetric.registry import did_you_mean
+
 from .image_list import IMAGE_EXTENSIONS, ImageList, remap_labels
 
 __all__ = ["load_folder", "load_csv", "SPLIT_NAMES"]
@@ -240,10 +242,7 @@ def _explicit_class_split(class_split: dict, names: list[str], root: Path) -> di
         for c in listed:
             c = str(c)
             if c not in known:
-                import difflib
-
-                close = difflib.get_close_matches(c, names, n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else f"; the classes are {names[:20]}"
+                hint = did_you_mean(c, names) or f"; the classes are {names[:20]}"
                 raise ValueError(f"folder: {where} names '{c}', which is not a class folder with images "
                                  f"under '{root}'{hint}")
             if c in assign:

@@ -79,6 +79,7 @@ from deepmetric.report.study_tables import (metric_columns, paired_differences, 
 from deepmetric.train import rundir
 from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping, save_config
 from deepmetric.train.rundir import write_text_atomic
+from deepmetric.registry import did_you_mean
 
 from .engine import (HEARTBEAT_S, Heartbeat, display_storage, fail_stale_trials, optuna_module, rdb_storage,
                      run_workers, sqlite_url)
@@ -231,10 +232,7 @@ def load_study(path: str | os.PathLike | None = None, *, raw: dict | None = None
     study_dir = study_path.parent if study_path is not None else Path(".")
     unknown = sorted(set(raw) - set(_STUDY_KEYS))
     if unknown:
-        import difflib
-
-        hints = [f"{k!r}" + (f" (did you mean {c[0]!r}?)" if (c := difflib.get_close_matches(k, _STUDY_KEYS, 1))
-                             else "") for k in unknown]
+        hints = [f"{k!r}{did_you_mean(k, _STUDY_KEYS)}" for k in unknown]
         raise _err(where, f"unknown study key(s) {', '.join(hints)}; valid keys: {', '.join(_STUDY_KEYS)}")
     name = str(raw.get("name") or (study_path.stem if study_path else "study"))
 

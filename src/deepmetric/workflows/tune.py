@@ -70,6 +70,7 @@ import yaml
 from deepmetric.search.store import file_sha256
 from deepmetric.train import rundir
 from deepmetric.train.config import ConfigError, apply_overrides, config_from_dict, read_yaml_mapping
+from deepmetric.registry import did_you_mean
 
 from .engine import (HEARTBEAT_S, display_storage, fail_stale_trials, optuna_module, rdb_storage, run_workers,
                      sqlite_url)
@@ -373,11 +374,8 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
         raise TuneError(f"{recipe}: {exc}") from None
     names = _validation_metrics(cfg)
     if space.metric not in names:
-        import difflib
-
-        close = difflib.get_close_matches(space.metric, names, n=1)
         raise TuneError(f"{space_path}: objective.metric {space.metric!r} is not a metric this recipe's "
-                        f"validation computes{' (did you mean ' + repr(close[0]) + '?)' if close else ''}; "
+                        f"validation computes{did_you_mean(space.metric, names)}; "
                         f"it gives {', '.join(names)} (see eval.metrics, eval.ks, eval.cross_domain)")
     for p in space.params:
         for v in p.examples():
