@@ -55,7 +55,7 @@ def test_a_bad_space_is_refused_up_front(tmp_path, capsys, param, needle):
 
 
 def test_list_choices_still_work_for_one_key(tmp_path):
-    from deepmetric.workflows.tune import load_space
+    from deepmetric.workflows.tune_space import load_space
 
     space = tmp_path / "space.yaml"
     space.write_text("objective: {metric: recall@1}\nparams:\n"

@@ -148,7 +148,9 @@ def _run_tune_postprocess(args: argparse.Namespace) -> int:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    from deepmetric.workflows.tune import TuneError, prepare_tune, run_tune, run_worker, write_outputs
+    from deepmetric.workflows.tune import prepare_tune, run_tune, run_worker
+    from deepmetric.workflows.tune_outputs import write_outputs
+    from deepmetric.workflows.tune_space import TuneError
 
     if args.postprocess:
         return _run_tune_postprocess(args)
