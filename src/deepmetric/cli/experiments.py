@@ -48,9 +48,8 @@ def add_study_parser(sub) -> None:
 
 
 def _run_study(args: argparse.Namespace) -> int:
-    from deepmetric.workflows.study import load_study, run_study, write_results
-
-    from deepmetric.workflows.study import default_storage, open_trials, run_worker, sync_finished
+    from deepmetric.workflows.study import default_storage, open_trials, run_study, run_worker, sync_finished, write_results
+    from deepmetric.workflows.study_file import load_study
 
     study = load_study(args.study, out_dir=args.out, overrides=args.overrides)
     if args.workers is not None and args.workers < 1:
