@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "studies"))
 
 import emoji_fair as spec  # noqa: E402
 
-from deepmetric.workflows.study import load_study, run_study, write_results  # noqa: E402
+from deepmetric.workflows.study import run_study, write_results  # noqa: E402
+from deepmetric.workflows.study_file import load_study  # noqa: E402
 
 RUNS = ROOT / "runs"
 TUNES = RUNS / "tune" / "emoji_fair"

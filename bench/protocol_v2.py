@@ -172,7 +172,7 @@ def tune_record(proto: Protocol, loss: str) -> dict:
 # --------------------------------------------------------------------------- seeded runs (studies)
 def make_study(proto: Protocol, kind: str, variants: dict, seeds: list[int]):
     """A deepmetric study in ``runs/<kind>``, written to a file (its worker processes load it)."""
-    from deepmetric.workflows.study import load_study
+    from deepmetric.workflows.study_file import load_study
 
     raw = {"name": f"protocol_v2_{kind}", "base": str(proto.recipe), "overrides": proto.common,
            "variants": variants, "seeds": seeds, "out_dir": str(proto.runs / kind), "workers": proto.args.parallel}

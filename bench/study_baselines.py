@@ -45,7 +45,7 @@ def main() -> None:
     from deepmetric.run.builders import build_test_sets
     from deepmetric.run.config_io import config_from_dict
     from deepmetric.run.baselines import backbone_features_baseline, pixel_rows, raw_pixel_baseline
-    from deepmetric.workflows.study import load_study
+    from deepmetric.workflows.study_file import load_study
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("study", help="a study file (studies/*.yaml)")

@@ -51,7 +51,7 @@ def main() -> None:
     import torch
 
     from deepmetric.report.study_tables import mean_ci, paired_differences
-    from deepmetric.workflows.study import load_study
+    from deepmetric.workflows.study_file import load_study
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("study", help="a study file (studies/*.yaml)")

@@ -24,7 +24,8 @@ def test_reevaluation_reproduces_then_changes_the_clustering(tmp_path, monkeypat
     from deepmetric.evaluate.clustering import nmi_from_clusters
     from deepmetric.run.builders import build_dataset
     from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
-    from deepmetric.workflows.study import load_study, run_study
+    from deepmetric.workflows.study import run_study
+    from deepmetric.workflows.study_file import load_study
 
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump({"name": "tiny", "base": BASE, "seeds": [0, 1],

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from deepmetric import cli
-from deepmetric.evaluate import io as evaluate_io
+from deepmetric.cli import evaluate as evaluate_io
 from conftest import synthetic_config
 from search_data import shapes_setup, tiny_config
 
@@ -55,7 +55,7 @@ def test_a_bad_space_is_refused_up_front(tmp_path, capsys, param, needle):
 
 
 def test_list_choices_still_work_for_one_key(tmp_path):
-    from deepmetric.workflows.tune import load_space
+    from deepmetric.workflows.tune_space import load_space
 
     space = tmp_path / "space.yaml"
     space.write_text("objective: {metric: recall@1}\nparams:\n"

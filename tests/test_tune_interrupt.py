@@ -15,7 +15,8 @@ import yaml
 from conftest import synthetic_config
 
 from deepmetric.run.rundir import read_log
-from deepmetric.workflows.tune import open_study, prepare_tune
+from deepmetric.workflows.tune import prepare_tune
+from deepmetric.workflows.tune_study import open_study
 
 optuna = pytest.importorskip("optuna")
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -22,7 +22,9 @@ from conftest import synthetic_config
 from deepmetric import cli
 from deepmetric.run.config_io import load_config
 from deepmetric.run.rundir import read_log
-from deepmetric.workflows.tune import TuneError, load_space, open_study, prepare_tune
+from deepmetric.workflows.tune import prepare_tune
+from deepmetric.workflows.tune_space import TuneError, load_space
+from deepmetric.workflows.tune_study import open_study
 
 optuna = pytest.importorskip("optuna")
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from .benchmark_files import LAYOUTS, as_int, extract_hint, id_map, read_rows, resolve_root
 from .image_list import ImageList, remap_labels
 
 __all__ = [
@@ -93,177 +94,6 @@ OFFICIAL_COUNTS: dict[str, dict] = {
     },
 }
 
-# What a correct root looks like, shown in every layout error.
-LAYOUTS: dict[str, str] = {
-    "cub": (
-        "CUB_200_2011/            <- root (from CUB_200_2011.tgz)\n"
-        "  images.txt             '<image_id> <class_folder>/<file>.jpg'\n"
-        "  image_class_labels.txt '<image_id> <class_id>'\n"
-        "  train_test_split.txt   '<image_id> <is_training_image>'\n"
-        "  classes.txt            '<class_id> <class_name>'\n"
-        "  images/<class_folder>/<file>.jpg"
-    ),
-    "cars196": (
-        "cars196/                 <- root\n"
-        "  cars_annos.mat         struct 'annotations' (relative_im_path, bbox_*, class, test), 'class_names'\n"
-        "  car_ims/000001.jpg ... (from car_ims.tgz)"
-    ),
-    "sop": (
-        "Stanford_Online_Products/   <- root (from Stanford_Online_Products.zip)\n"
-        "  Ebay_train.txt            header 'image_id class_id super_class_id path'\n"
-        "  Ebay_test.txt             same header\n"
-        "  bicycle_final/ cabinet_final/ ... (image folders named in 'path')"
-    ),
-    "inshop": (
-        "In-shop Clothes Retrieval Benchmark/   <- root\n"
-        "  Eval/list_eval_partition.txt   (or list_eval_partition.txt next to img/)\n"
-        "      line 1: number of images; line 2: 'image_name item_id evaluation_status'\n"
-        "  Img/img/WOMEN/... and Img/img/MEN/...   (from Img/img.zip; or img/ directly under root)"
-    ),
-    "flowers102": (
-        "flowers102/              <- root\n"
-        "  imagelabels.mat        'labels' (1 x 8189, values 1..102)\n"
-        "  setid.mat              'trnid', 'valid', 'tstid' (1-based image indices)\n"
-        "  jpg/image_00001.jpg ... (from 102flowers.tgz)"
-    ),
-    "aircraft": (
-        "fgvc-aircraft-2013b/     <- root (from fgvc-aircraft-2013b.tar.gz)\n"
-        "  data/variants.txt      one variant name per line (class order)\n"
-        "  data/images_variant_{train,val,test}.txt   '<image_id> <variant name>'\n"
-        "  data/images/<image_id>.jpg"
-    ),
-    "dogs": (
-        "stanford_dogs/           <- root\n"
-        "  train_list.mat, test_list.mat  (from lists.tar: 'file_list', 'labels')\n"
-        "  Images/n02085620-Chihuahua/n02085620_10074.jpg ... (from images.tar)"
-    ),
-    "nabirds": (
-        "nabirds/                 <- root (from nabirds.tar.gz)\n"
-        "  images.txt             '<image_uuid> <class_folder>/<file>.jpg'\n"
-        "  image_class_labels.txt '<image_uuid> <class_id>'\n"
-        "  train_test_split.txt   '<image_uuid> <is_training_image>'\n"
-        "  classes.txt            '<class_id> <class_name>'\n"
-        "  images/<class_folder>/<file>.jpg"
-    ),
-}
-
-_ARCHIVE_SUFFIXES = (".tgz", ".tar", ".tar.gz", ".gz", ".zip", ".tar.bz2", ".tbz", ".tar.xz", ".7z", ".rar")
-
-
-def _is_archive(p: Path) -> bool:
-    return p.name.lower().endswith(_ARCHIVE_SUFFIXES)
-
-
-def _extract_hint(p: Path) -> str:
-    n = p.name.lower()
-    if n.endswith(".zip"):
-        return f"unzip '{p}' -d '{p.parent}'"
-    return f"tar -xf '{p}' -C '{p.parent}'"
-
-
-def _find_below(root: Path, relname: str, depth: int = 3) -> list[Path]:
-    """Folders up to ``depth`` levels below ``root`` that contain ``relname``."""
-    found = []
-    frontier = [root]
-    for _ in range(depth):
-        nxt = []
-        for d in frontier:
-            try:
-                subs = sorted(e for e in d.iterdir() if e.is_dir())
-            except OSError:
-                continue
-            for s in subs:
-                if (s / relname).exists():
-                    found.append(s)
-                nxt.append(s)
-        frontier = nxt[:200]  # keep the search cheap on huge trees
-        if found:
-            break
-    return found
-
-
-def _resolve_root(name: str, root, required: list[str | tuple[str, ...]]) -> Path:
-    """Check ``root`` and the required entries (a tuple lists alternatives); friendly errors."""
-    layout = LAYOUTS[name]
-    if root is None or str(root) == "":
-        raise ValueError(
-            f"{name}: no root given. Pass root=<folder of the extracted dataset>; it should look like:\n{layout}"
-        )
-    p = Path(os.fspath(root)).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"{name}: root '{p}' does not exist. A correct root looks like:\n{layout}")
-    if p.is_file():
-        if _is_archive(p):
-            raise FileNotFoundError(
-                f"{name}: root '{p}' is an archive that has not been extracted. Extract it first "
-                f"({_extract_hint(p)}) and pass the extracted folder, which should look like:\n{layout}"
-            )
-        raise NotADirectoryError(f"{name}: root '{p}' is a file, not a folder. A correct root looks like:\n{layout}")
-    for entry in required:
-        alts = entry if isinstance(entry, tuple) else (entry,)
-        if any((p / a).exists() for a in alts):
-            continue
-        want = alts[0]
-        msg = f"{name}: expected '{p / want}' but it does not exist (root='{p}')."
-        if len(alts) > 1:
-            msg += " Also looked for: " + ", ".join(f"'{p / a}'" for a in alts[1:]) + "."
-        below = []
-        for a in alts:
-            below += _find_below(p, a)
-        archives = sorted(e for e in p.iterdir() if e.is_file() and _is_archive(e))
-        if below:
-            msg += (
-                f"\nRoot looks like a parent folder: '{want}' is in '{below[0]}'. "
-                f"Pass root='{below[0]}' (in a YAML config: data.root: {below[0]})."
-            )
-        elif archives:
-            msg += (
-                "\nThe folder holds archive(s) not yet extracted: "
-                + ", ".join(e.name for e in archives[:5])
-                + f". Extract them (e.g. {_extract_hint(archives[0])})."
-            )
-        msg += f"\nA correct root looks like:\n{layout}"
-        raise FileNotFoundError(msg)
-    return p
-
-
-def _read_rows(path: Path, ncols: int, name: str, skip: int = 0) -> list[tuple[int, list[str]]]:
-    """Whitespace-separated rows; the last column keeps inner spaces. Returns (line_no, fields)."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, start=1):
-            if no <= skip:
-                continue
-            line = line.strip()
-            if not line:
-                continue
-            parts = line.split(maxsplit=ncols - 1)
-            if len(parts) != ncols:
-                raise ValueError(
-                    f"{name}: {path}:{no}: expected {ncols} fields, got {len(parts)}: {line!r}"
-                )
-            rows.append((no, parts))
-    if not rows:
-        raise ValueError(f"{name}: '{path}' contains no entries")
-    return rows
-
-
-def _as_int(value: str, path: Path, no: int, name: str, what: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}: {path}:{no}: {what} must be an integer, got {value!r}") from None
-
-
-def _id_map(rows, path: Path, name: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for no, (key, value) in rows:
-        if key in out:
-            raise ValueError(f"{name}: {path}:{no}: image id {key!r} is listed twice")
-        out[key] = value
-    return out
-
-
 def _check_counts(name, check_counts, total, protocol, split, image_list: ImageList, source: str):
     """Compare with OFFICIAL_COUNTS (see module docstring for the three modes)."""
     if check_counts is False:
@@ -311,15 +141,15 @@ def _zero_shot_select(split: str, cids: list, train_classes: set) -> np.ndarray:
 # ----------------------------------------------------------------------------- CUB / NABirds
 def _load_cub_like(name, root, split, protocol, check_counts):
     """CUB-200-2011 and NABirds share the file format (NABirds ids are UUID strings)."""
-    r = _resolve_root(
+    r = resolve_root(
         name, root,
         ["images.txt", "image_class_labels.txt", "train_test_split.txt", "images"],
     )
     f_img, f_lab, f_split = r / "images.txt", r / "image_class_labels.txt", r / "train_test_split.txt"
-    images = _id_map(_read_rows(f_img, 2, name), f_img, name)
-    labels_rows = _read_rows(f_lab, 2, name)
-    labels = {k: _as_int(v, f_lab, no, name, "class id") for no, (k, v) in labels_rows}
-    split_rows = _read_rows(f_split, 2, name)
+    images = id_map(read_rows(f_img, 2, name), f_img, name)
+    labels_rows = read_rows(f_lab, 2, name)
+    labels = {k: as_int(v, f_lab, no, name, "class id") for no, (k, v) in labels_rows}
+    split_rows = read_rows(f_split, 2, name)
     is_train = {}
     for no, (k, v) in split_rows:
         if v not in ("0", "1"):
@@ -338,8 +168,8 @@ def _load_cub_like(name, root, split, protocol, check_counts):
     f_cls = r / "classes.txt"
     if f_cls.exists():
         names_of = {}
-        for no, (k, v) in _read_rows(f_cls, 2, name):
-            names_of[_as_int(k, f_cls, no, name, "class id")] = v
+        for no, (k, v) in read_rows(f_cls, 2, name):
+            names_of[as_int(k, f_cls, no, name, "class id")] = v
     keys = list(images)
     cids = [labels[k] for k in keys]
     if protocol == "zero_shot":
@@ -423,7 +253,7 @@ def load_cars196(root, split="train", protocol="zero_shot", check_counts=None) -
     split, protocol = _check_split("cars196", split, protocol)
     name = "cars196"
     try:
-        r = _resolve_root(name, root, ["cars_annos.mat"])
+        r = resolve_root(name, root, ["cars_annos.mat"])
     except FileNotFoundError as e:
         p = Path(os.fspath(root)).expanduser() if root else None
         if p is not None and p.is_dir() and ((p / "devkit").is_dir() or (p / "cars_train").is_dir()):
@@ -450,7 +280,7 @@ def load_cars196(root, split="train", protocol="zero_shot", check_counts=None) -
         except (ValueError, TypeError) as e:
             raise ValueError(f"{name}: '{f}' annotation {i + 1} is malformed: {e}") from None
     if not (r / "car_ims").is_dir() and paths and paths[0].startswith("car_ims/"):
-        _resolve_root(name, r, ["car_ims"])  # raises the layout error (mentions car_ims.tgz if present)
+        resolve_root(name, r, ["car_ims"])  # raises the layout error (mentions car_ims.tgz if present)
     names_of = None
     if "class_names" in mat:
         cn = np.asarray(mat["class_names"]).reshape(-1)
@@ -479,8 +309,8 @@ def _read_sop(path: Path, name: str):
         raise ValueError(
             f"{name}: '{path}' line 1 must be the header {' '.join(_SOP_HEADER)!r}, got {' '.join(header)!r}"
         )
-    rows = _read_rows(path, 4, name, skip=1)
-    return [(no, _as_int(c, path, no, name, "class_id"), p) for no, (_, c, _s, p) in rows]
+    rows = read_rows(path, 4, name, skip=1)
+    return [(no, as_int(c, path, no, name, "class_id"), p) for no, (_, c, _s, p) in rows]
 
 
 def load_sop(root, split="train", protocol="zero_shot", check_counts=None) -> ImageList:
@@ -488,7 +318,7 @@ def load_sop(root, split="train", protocol="zero_shot", check_counts=None) -> Im
     11,318 classes) and ``Ebay_test.txt`` (60,502 images, 11,316 classes)."""
     split, protocol = _check_split("sop", split, protocol)
     name = "sop"
-    r = _resolve_root(name, root, ["Ebay_train.txt", "Ebay_test.txt"])
+    r = resolve_root(name, root, ["Ebay_train.txt", "Ebay_test.txt"])
     tr, te = _read_sop(r / "Ebay_train.txt", name), _read_sop(r / "Ebay_test.txt", name)
     shared = {c for _, c, _ in tr} & {c for _, c, _ in te}
     if shared:
@@ -520,7 +350,7 @@ def load_inshop(root, split="train", protocol="zero_shot", check_counts=None) ->
     """
     split, protocol = _check_split("inshop", split, protocol)
     name = "inshop"
-    r = _resolve_root(name, root, [("Eval/list_eval_partition.txt", "list_eval_partition.txt")])
+    r = resolve_root(name, root, [("Eval/list_eval_partition.txt", "list_eval_partition.txt")])
     f = r / "Eval" / "list_eval_partition.txt"
     if not f.exists():
         f = r / "list_eval_partition.txt"
@@ -532,7 +362,7 @@ def load_inshop(root, split="train", protocol="zero_shot", check_counts=None) ->
         raise ValueError(f"{name}: {f}:1 must be the number of images, got {first!r}") from None
     if second != _INSHOP_HEADER:
         raise ValueError(f"{name}: {f}:2 must be the header {' '.join(_INSHOP_HEADER)!r}, got {' '.join(second)!r}")
-    rows = _read_rows(f, 3, name, skip=2)
+    rows = read_rows(f, 3, name, skip=2)
     if len(rows) != declared:
         raise ValueError(f"{name}: {f}:1 declares {declared} images but {len(rows)} entries follow")
     for no, (_, _, status) in rows:
@@ -547,7 +377,7 @@ def load_inshop(root, split="train", protocol="zero_shot", check_counts=None) ->
             break
     if base is None:
         zips = [p for p in (r / "Img" / "img.zip", r / "img.zip") if p.exists()]
-        hint = f" Extract {zips[0]} first ({_extract_hint(zips[0])})." if zips else ""
+        hint = f" Extract {zips[0]} first ({extract_hint(zips[0])})." if zips else ""
         raise FileNotFoundError(
             f"{name}: image folder '{top}/' not found under '{r}' or '{r / 'Img'}' "
             f"(the names in {f.name} start with '{top}/').{hint}\nA correct root looks like:\n{LAYOUTS[name]}"
@@ -577,7 +407,7 @@ def load_flowers102(root, split="train", protocol="zero_shot", check_counts=None
     """
     split, protocol = _check_split("flowers102", split, protocol)
     name = "flowers102"
-    r = _resolve_root(name, root, ["imagelabels.mat", "setid.mat", "jpg"])
+    r = resolve_root(name, root, ["imagelabels.mat", "setid.mat", "jpg"])
     f_lab, f_set = r / "imagelabels.mat", r / "setid.mat"
     labels = _int_vector(_loadmat(f_lab, name, ["labels"]), "labels", f_lab, name)
     setid = _loadmat(f_set, name, ["trnid", "valid", "tstid"])
@@ -620,11 +450,11 @@ def load_aircraft(root, split="train", protocol="zero_shot", check_counts=None) 
     name = "aircraft"
     root_p = Path(os.fspath(root)).expanduser() if root else root
     if root_p and (root_p / "images_variant_train.txt").exists() and not (root_p / "data").is_dir():
-        r = _resolve_root(name, root_p, ["variants.txt", "images_variant_train.txt",
+        r = resolve_root(name, root_p, ["variants.txt", "images_variant_train.txt",
                                          "images_variant_val.txt", "images_variant_test.txt", "images"])
         d = r
     else:
-        r = _resolve_root(name, root, ["data/variants.txt", "data/images_variant_train.txt",
+        r = resolve_root(name, root, ["data/variants.txt", "data/images_variant_train.txt",
                                        "data/images_variant_val.txt", "data/images_variant_test.txt", "data/images"])
         d = r / "data"
     f_var = d / "variants.txt"
@@ -637,7 +467,7 @@ def load_aircraft(root, split="train", protocol="zero_shot", check_counts=None) 
     for s in ("train", "val", "test"):
         fp = d / f"images_variant_{s}.txt"
         rows = []
-        for no, (img, var) in _read_rows(fp, 2, name):
+        for no, (img, var) in read_rows(fp, 2, name):
             if var not in vid:
                 raise ValueError(f"{name}: {fp}:{no}: variant {var!r} is not listed in '{f_var}'")
             rows.append((f"{fp.name}:{no}", img, vid[var]))
@@ -674,7 +504,7 @@ def load_dogs(root, split="train", protocol="classification", check_counts=None)
     with images under ``Images/``: 12,000 train / 8,580 test."""
     split, protocol = _check_split("dogs", split, protocol)
     name = "dogs"
-    r = _resolve_root(name, root, ["train_list.mat", "test_list.mat", "Images"])
+    r = resolve_root(name, root, ["train_list.mat", "test_list.mat", "Images"])
     tr = _read_dogs_list(r / "train_list.mat", name)
     te = _read_dogs_list(r / "test_list.mat", name)
     files, labels = tr if split == "train" else te

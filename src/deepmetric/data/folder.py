@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from deepmetric.registry import did_you_mean
+
 from .image_list import IMAGE_EXTENSIONS, ImageList, remap_labels
 
 __all__ = ["load_folder", "load_csv", "SPLIT_NAMES"]
@@ -240,10 +242,7 @@ def _explicit_class_split(class_split: dict, names: list[str], root: Path) -> di
         for c in listed:
             c = str(c)
             if c not in known:
-                import difflib
-
-                close = difflib.get_close_matches(c, names, n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else f"; the classes are {names[:20]}"
+                hint = did_you_mean(c, names) or f"; the classes are {names[:20]}"
                 raise ValueError(f"folder: {where} names '{c}', which is not a class folder with images "
                                  f"under '{root}'{hint}")
             if c in assign:
@@ -259,14 +258,53 @@ def _explicit_class_split(class_split: dict, names: list[str], root: Path) -> di
     return assign
 
 
+def _existing_path(value, *, no_value: str, what: str, expected: str) -> Path:
+    """``value`` (a folder's or a file's path, ``~`` expanded) when it exists; else the error
+    ``no_value`` (nothing given) or ``"<what> '<path>' does not exist. <expected>"``."""
+    if value is None or str(value) == "":
+        raise ValueError(no_value)
+    path = Path(os.fspath(value)).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{what} '{path}' does not exist. {expected}")
+    return path
+
+
+def _class_split_assignment(class_split, names: list[str], r: Path, seed: int) -> dict[str, str]:
+    """Class name -> "train" / "test" (or an explicit list's split) under ``class_split``: 'half',
+    a fraction of the classes drawn with ``seed``, or lists of class names."""
+    if len(names) < 2:
+        raise ValueError(f"folder: class_split needs at least 2 classes, '{r}' has {len(names)}: {names}")
+    if isinstance(class_split, dict):
+        return _explicit_class_split(class_split, names, r)
+    if isinstance(class_split, str):
+        if class_split != "half":
+            raise ValueError(f"folder: class_split must be 'half', a fraction in (0, 1) or lists of class names "
+                             f"({{train: [...], test: [...]}}), got {class_split!r}")
+        train_names = set(names[: len(names) // 2])
+    else:
+        try:
+            frac = float(class_split)
+        except (TypeError, ValueError):
+            raise ValueError(f"folder: class_split must be 'half', a fraction in (0, 1) or lists of class names "
+                             f"({{train: [...], test: [...]}}), got {class_split!r}") from None
+        if not 0.0 < frac < 1.0:
+            raise ValueError(f"folder: class_split fraction must lie strictly between 0 and 1, got {frac}")
+        n_train = int(round(frac * len(names)))
+        if n_train < 1 or n_train > len(names) - 1:
+            raise ValueError(
+                f"folder: class_split={frac} of {len(names)} classes leaves {n_train} train and "
+                f"{len(names) - n_train} test classes; both need at least one"
+            )
+        perm = np.random.default_rng(seed).permutation(len(names))
+        train_names = {names[i] for i in perm[:n_train]}
+    return {c: ("train" if c in train_names else "test") for c in names}
+
+
 def load_folder(root, split: str = "all", *, class_split=None, split_file=None, seed: int = 0,
                 extensions=IMAGE_EXTENSIONS, allow_empty_classes: bool = False) -> ImageList:
     """Read ``root/<class>/<image>``; see the module docstring for the split options."""
-    if root is None or str(root) == "":
-        raise ValueError(f"folder: no root given. Pass root=<folder with one sub-folder per class>:\n{_FOLDER_LAYOUT}")
-    r = Path(os.fspath(root)).expanduser()
-    if not r.exists():
-        raise FileNotFoundError(f"folder: root '{r}' does not exist. Expected:\n{_FOLDER_LAYOUT}")
+    r = _existing_path(root, no_value="folder: no root given. Pass root=<folder with one sub-folder per class>:\n"
+                       + _FOLDER_LAYOUT, what="folder: root", expected="Expected:\n" + _FOLDER_LAYOUT)
     if r.is_file():
         if r.suffix.lower() in (".csv", ".tsv", ".txt"):
             raise ValueError(f"folder: root '{r}' is a file list; load it with name='csv' (build_dataset('csv', root='{r}'); in a YAML config: data.name: csv).")
@@ -289,33 +327,7 @@ def load_folder(root, split: str = "all", *, class_split=None, split_file=None, 
         per_image = assign
         assign_class = None
     else:
-        if len(names) < 2:
-            raise ValueError(f"folder: class_split needs at least 2 classes, '{r}' has {len(names)}: {names}")
-        if isinstance(class_split, dict):
-            assign_class = _explicit_class_split(class_split, names, r)
-        elif isinstance(class_split, str):
-            if class_split != "half":
-                raise ValueError(f"folder: class_split must be 'half', a fraction in (0, 1) or lists of class names "
-                                 f"({{train: [...], test: [...]}}), got {class_split!r}")
-            train_names = set(names[: len(names) // 2])
-        else:
-            try:
-                frac = float(class_split)
-            except (TypeError, ValueError):
-                raise ValueError(f"folder: class_split must be 'half', a fraction in (0, 1) or lists of class names "
-                                 f"({{train: [...], test: [...]}}), got {class_split!r}") from None
-            if not 0.0 < frac < 1.0:
-                raise ValueError(f"folder: class_split fraction must lie strictly between 0 and 1, got {frac}")
-            n_train = int(round(frac * len(names)))
-            if n_train < 1 or n_train > len(names) - 1:
-                raise ValueError(
-                    f"folder: class_split={frac} of {len(names)} classes leaves {n_train} train and "
-                    f"{len(names) - n_train} test classes; both need at least one"
-                )
-            perm = np.random.default_rng(seed).permutation(len(names))
-            train_names = {names[i] for i in perm[:n_train]}
-        if not isinstance(class_split, dict):
-            assign_class = {c: ("train" if c in train_names else "test") for c in names}
+        assign_class = _class_split_assignment(class_split, names, r, seed)
         per_image = None
 
     items: list[tuple[Path, str, str]] = []  # (path, class, split)
@@ -351,20 +363,9 @@ def load_folder(root, split: str = "all", *, class_split=None, split_file=None, 
 _INT_RE = re.compile(r"^[+-]?\d+$")
 
 
-def load_csv(path, split: str = "all", *, image_root=None, label_map: dict | None = None,
-             delimiter: str = ",") -> ImageList:
-    """Read a ``path,label[,split]`` CSV; see the module docstring."""
-    if path is None or str(path) == "":
-        raise ValueError(f"csv: no file given. Pass root=<path to the .csv>, a file like:\n{_CSV_LAYOUT}")
-    f = Path(os.fspath(path)).expanduser()
-    if not f.exists():
-        raise FileNotFoundError(f"csv: file '{f}' does not exist. Expected a file like:\n{_CSV_LAYOUT}")
-    if f.is_dir():
-        found = sorted(p.name for p in f.glob("*.csv"))
-        hint = (f" It contains {found[:5]}; pass one of them, e.g. root='{f / found[0]}'." if found
-                else " For a folder with one sub-folder per class use name='folder'.")
-        raise IsADirectoryError(f"csv: '{f}' is a folder, not a CSV file.{hint}")
-    base = Path(os.fspath(image_root)).expanduser() if image_root is not None else f.parent
+def _read_csv(f: Path, delimiter: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """The header (lower-case column names, checked for 'path' and 'label') and the non-blank
+    rows with their line numbers."""
     with open(f, encoding="utf-8-sig", newline="") as fh:
         reader = _csv.reader(fh, delimiter=delimiter)
         header = None
@@ -392,6 +393,11 @@ def load_csv(path, split: str = "all", *, image_root=None, label_map: dict | Non
             f"csv: {f}:{header_line}: missing column(s) {missing}; the header has {header} "
             f"(delimiter {d!r}). Expected:\n{_CSV_LAYOUT}"
         )
+    return header, rows
+
+
+def _csv_entries(f: Path, header: list[str], rows) -> list[tuple[int, str, str, str]]:
+    """(line, path, label, split) of every row, each checked."""
     ip, il_, isp = header.index("path"), header.index("label"), header.index("split") if "split" in header else None
     entries = []  # (line, path, label_str, split)
     for no, row in rows:
@@ -413,8 +419,12 @@ def load_csv(path, split: str = "all", *, image_root=None, label_map: dict | Non
         entries.append((no, p, lab, s))
     if not entries:
         raise ValueError(f"csv: '{f}' has a header but no rows")
+    return entries
 
-    # labels: explicit map, all integers, or all names
+
+def _csv_class_ids(f: Path, entries, label_map: dict | None) -> tuple[list, dict | None]:
+    """Each entry's class id and the id -> name map (None: integer labels) from an explicit
+    ``label_map``, all-integer labels or all-name labels."""
     if label_map is not None:
         if not isinstance(label_map, dict):
             raise TypeError(f"csv: label_map must be a dict name -> int, got {type(label_map).__name__}")
@@ -449,7 +459,11 @@ def load_csv(path, split: str = "all", *, image_root=None, label_map: dict | Non
         else:
             cid = [lab for _, _, lab, _ in entries]
             names_of = {}
+    return cid, names_of
 
+
+def _csv_rows_of_split(f: Path, split: str, entries) -> list[int]:
+    """The indices of the entries in ``split``."""
     available = sorted({s for *_, s in entries})
     if split == "all" or (available == ["all"] and split == "train"):
         idx = list(range(len(entries)))
@@ -466,6 +480,24 @@ def load_csv(path, split: str = "all", *, image_root=None, label_map: dict | Non
         )
     else:
         idx = [i for i, e in enumerate(entries) if e[3] == split]
+    return idx
+
+
+def load_csv(path, split: str = "all", *, image_root=None, label_map: dict | None = None,
+             delimiter: str = ",") -> ImageList:
+    """Read a ``path,label[,split]`` CSV; see the module docstring."""
+    f = _existing_path(path, no_value="csv: no file given. Pass root=<path to the .csv>, a file like:\n" + _CSV_LAYOUT,
+                       what="csv: file", expected="Expected a file like:\n" + _CSV_LAYOUT)
+    if f.is_dir():
+        found = sorted(p.name for p in f.glob("*.csv"))
+        hint = (f" It contains {found[:5]}; pass one of them, e.g. root='{f / found[0]}'." if found
+                else " For a folder with one sub-folder per class use name='folder'.")
+        raise IsADirectoryError(f"csv: '{f}' is a folder, not a CSV file.{hint}")
+    base = Path(os.fspath(image_root)).expanduser() if image_root is not None else f.parent
+    header, rows = _read_csv(f, delimiter)
+    entries = _csv_entries(f, header, rows)
+    cid, names_of = _csv_class_ids(f, entries, label_map)
+    idx = _csv_rows_of_split(f, split, entries)
     per_split: dict[str, set] = {}
     for e, c in zip(entries, cid):
         per_split.setdefault(e[3], set()).add(c)

@@ -460,6 +460,29 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
             :data:`FACE_FAMILIES`, or the full name of a face of no listed family); default
             :data:`CROSS_FAMILY_TEST_FAMILIES`.
     """
+    test_families = _checked_options(split, protocol, test_families, fit=fit, size=size, oversample=oversample,
+                                     margin=margin, dedup=dedup, near_threshold=near_threshold,
+                                     limits={"max_classes": max_classes, "max_train_classes": max_train_classes,
+                                             "max_faces": max_faces})
+    train_chars, test_chars = _split_chars(max_classes, max_train_classes)
+    chars = train_chars + test_chars
+    faces = _faces(fonts, max_faces)
+    params = {"size": size, "margin": margin, "oversample": oversample, "fit": fit, "dedup": dedup,
+              "near_threshold": float(near_threshold) if dedup == "near" else None}
+    path = glyph_cache_dir(root) / f"glyphs-{size}px-{_cache_key(faces, chars, params)}.npz"
+    data, from_cache = cached_npz(path, lambda: _render_all(faces, chars, params, num_workers, verbose))
+
+    ds = _split_dataset(data, split, protocol, test_families, train_chars, test_chars, transform)
+    ds.cache_path = path
+    ds.from_cache = from_cache
+    ds.dedup = dedup
+    return ds
+
+
+def _checked_options(split: str, protocol: str, test_families, *, fit: str, size: int, oversample: int,
+                     margin: int, dedup: str, near_threshold, limits: dict) -> list[str] | None:
+    """Refuse a bad option of :func:`build_glyph_dataset` before any rendering; returns the
+    held-out families (the default ones for ``protocol="cross_family"``, None otherwise)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"glyphs: protocol must be one of {PROTOCOLS}, got {protocol!r}")
     splits = ("train", "test") if protocol == "zero_shot" else ("train", "test", "query", "gallery")
@@ -486,11 +509,14 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
         raise ValueError(f"glyphs: dedup must be one of {DEDUP_MODES}, got {dedup!r}")
     if isinstance(near_threshold, bool) or not isinstance(near_threshold, (int, float)) or not 0 <= near_threshold <= 255:
         raise ValueError(f"glyphs: near_threshold must be a number in [0, 255] (grey levels), got {near_threshold!r}")
-    for name, v in (("max_classes", max_classes), ("max_train_classes", max_train_classes),
-                    ("max_faces", max_faces)):
+    for name, v in limits.items():
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"glyphs: {name} must be a positive int or None, got {v!r}")
+    return test_families
 
+
+def _split_chars(max_classes: int | None, max_train_classes: int | None) -> tuple[str, str]:
+    """The training and test characters: the first and second half of GB2312 level 1."""
     all_chars = gb2312_level1_chars()
     n_train = (len(all_chars) + 1) // 2  # 1878 train, 1877 test
     train_chars, test_chars = all_chars[:n_train], all_chars[n_train:]
@@ -498,8 +524,11 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
         train_chars, test_chars = train_chars[:max_classes], test_chars[:max_classes]
     if max_train_classes is not None:
         train_chars = all_chars[:min(max_train_classes, n_train)]
-    chars = train_chars + test_chars
+    return train_chars, test_chars
 
+
+def _faces(fonts, max_faces: int | None) -> list:
+    """The CJK font faces rendered (the first ``max_faces`` when given)."""
     faces = find_cjk_faces(fonts)
     if not faces:
         raise FileNotFoundError(
@@ -509,12 +538,12 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
             "fonts-lxgw-wenkai fonts-babelstone-han")
     if max_faces is not None:
         faces = faces[:max_faces]
+    return faces
 
-    params = {"size": size, "margin": margin, "oversample": oversample, "fit": fit, "dedup": dedup,
-              "near_threshold": float(near_threshold) if dedup == "near" else None}
-    path = glyph_cache_dir(root) / f"glyphs-{size}px-{_cache_key(faces, chars, params)}.npz"
-    data, from_cache = cached_npz(path, lambda: _render_all(faces, chars, params, num_workers, verbose))
 
+def _split_dataset(data, split: str, protocol: str, test_families, train_chars, test_chars,
+                   transform) -> GlyphDataset:
+    """One split of the rendered arrays ``data``, with its families, faces and build record."""
     n_tr = len(train_chars)
     cidx = data["char_index"]
     face_names = [str(n) for n in data["face_names"]]
@@ -553,9 +582,6 @@ def build_glyph_dataset(split: str = "train", transform: Callable | None = None,
     ds.face_ids = data["face_index"][sel].astype(np.int64)
     ds.faces = face_names
     ds.dropped_faces = list(zip(map(str, data["dropped_names"]), map(str, data["dropped_reasons"])))
-    ds.cache_path = path
-    ds.from_cache = from_cache
     ds.build_seconds = float(data["build_seconds"])
-    ds.dedup = dedup
     ds.images_before_dedup = int(data["images_before_dedup"])
     return ds

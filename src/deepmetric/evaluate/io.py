@@ -1,7 +1,6 @@
-"""Reading embedding files and the ``deepmetric evaluate`` command."""
+"""Reading embedding files for ``deepmetric evaluate`` (the command itself: deepmetric.cli.evaluate)."""
 from __future__ import annotations
 
-import json
 import zipfile
 from pathlib import Path
 
@@ -120,52 +119,3 @@ def evaluate_cli_search_device(args, nbytes: int = 0, *, cuda_available: bool | 
 
     return choose_search_device(getattr(args, "device", "auto"), backend=args.backend, nbytes=nbytes,
                                 memory_mb=args.memory_mb, cuda_available=cuda_available)
-
-
-#: from this many rows on, ``deepmetric evaluate`` shows its progress on stderr (a 2 M-row
-#: file takes minutes on a CPU)
-PROGRESS_ROWS = 100_000
-
-
-def run_evaluate_cli(args) -> int:
-    """Body of ``deepmetric evaluate`` (argument parsing lives in deepmetric.cli)."""
-    import torch
-
-    from deepmetric.evaluate.engine import evaluate
-
-    from deepmetric.evaluate.postprocess import parse_steps
-
-    steps = parse_steps(getattr(args, "postprocess", None))  # a bad step is refused before any work
-    data = load_npz(args.npz)
-    emb = data["embeddings"]
-    fit_sets = None
-    if getattr(args, "fit_embeddings", None):
-        fit_sets = {"train": load_npz(args.fit_embeddings)["embeddings"]}
-    device = evaluate_cli_search_device(args, nbytes=4 * emb.size)
-    if device.type != "cpu":  # float32 before the copy: half the bytes of a float64 file
-        emb = torch.from_numpy(np.ascontiguousarray(emb, dtype=np.float32)).to(device)
-        if fit_sets:
-            fit_sets["train"] = torch.from_numpy(np.ascontiguousarray(fit_sets["train"], dtype=np.float32)).to(device)
-    progress = len(emb) >= PROGRESS_ROWS
-    if progress:
-        import sys
-
-        print(f"evaluating {len(emb):,} embeddings of {args.npz} on {device} (a k-NN bar follows; the "
-              "clustering metrics, NMI and F1, come after it)", file=sys.stderr, flush=True)
-    try:
-        res = evaluate(emb, data["labels"], is_query=data["is_query"],
-                       is_gallery=data["is_gallery"], ks=args.ks, metrics=args.metrics,
-                       seed=args.seed, chunk_size=args.chunk_size, backend=args.backend,
-                       memory_mb=args.memory_mb, nmi_average=args.nmi_average,
-                       kmeans_restarts=args.kmeans_restarts, progress=progress, postprocess=steps,
-                       fit_sets=fit_sets)
-    except (ValueError, TypeError) as exc:
-        raise type(exc)(f"{args.npz}: {exc}") from None
-    print(format_table(res))
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({k: (int(v) if isinstance(v, (int, np.integer)) else float(v))
-                                   for k, v in res.items()}, indent=2) + "\n")
-        print(f"wrote {out}")
-    return 0

@@ -37,6 +37,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -195,24 +196,79 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
 
     The demo owns its output folder: by default an earlier demo's run files there are replaced
     (``overwrite=False`` refuses a non-empty folder, as ``deepmetric train`` does)."""
-    import torch
-
-    from deepmetric.run.builders import build_dataset
     from deepmetric.run.device import resolve_device
-    from deepmetric.run.evaluation import cross_domain_metrics
     from deepmetric.train.loop import train
 
     t_start = time.perf_counter()
     cfg = demo_config(out, data=data, quick=quick, overrides=overrides)
     out = Path(cfg.train.out_dir)
-    heated = cfg.schedule.temperature.name == "heat_up"
-    at = cfg.schedule.temperature.at
-    alpha0 = float(cfg.loss[0].options.get("alpha", 16.0))
-    alpha1 = alpha0 * cfg.schedule.temperature.alpha_factor if heated else alpha0
-    cross = bool(cfg.eval.cross_domain)
+    heat = _Heat.of(cfg)
     device = resolve_device(cfg.train.device)
+    seconds: dict[str, float] = {}
 
-    # Building (or loading the cached arrays) is timed on its own; train() then reads the cache.
+    t0 = time.perf_counter()
+    train_ds, test_ds = _datasets(cfg, data)
+    seconds["data"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    rows, features = _baselines(cfg, train_ds, test_ds, device)
+    seconds["baselines"] = time.perf_counter() - t0
+
+    snapshots: dict[int, dict] = {}
+
+    def keep(epoch: int, metrics: dict, embedded: dict) -> None:
+        snapshots[epoch] = {**embedded, "metrics": metrics, "epoch": epoch}
+
+    t0 = time.perf_counter()
+    last = train(cfg, on_eval=keep, overwrite=overwrite).epochs_completed
+    seconds["train_and_eval"] = time.perf_counter() - t0
+    rows += _epoch_rows(cfg, snapshots, heat, last)
+
+    # Post-processing chosen on validation, for the ImageNet features and the trained embedding.
+    t0 = time.perf_counter()
+    post = _postprocessed(cfg, out, test_ds, snapshots.get(last), features, train_ds.num_classes, device)
+    seconds["postprocess"] = time.perf_counter() - t0
+    _insert_postprocessed(rows, post)
+
+    t0 = time.perf_counter()
+    title = "emoji" if data == "emoji" else "glyphs"
+    named = {("after heat-up" if heat.heated else f"epoch {last}") if e == last else
+             ("before heat-up" if heat.heated and e == heat.at else f"epoch {e}"): v
+             for e, v in snapshots.items() if e != 0}
+    pictures = _pictures(out, cfg, named, snapshots.get(last), test_ds, title,
+                         curves_title=f"{title}: heated-up {cfg.model.options.get('norm', '').upper()} "
+                                      f"(alpha {heat.alpha0:g} -> {heat.alpha1:g})" if heat.heated
+                         else f"{title}: {cfg.name}")
+    seconds["pictures"] = time.perf_counter() - t0
+    seconds["total"] = time.perf_counter() - t_start
+
+    summary = _summary(cfg, data, rows, snapshots, heat, last, seconds, train_ds, test_ds)
+    (out / "demo_metrics.json").write_text(json.dumps(summary, indent=2))
+    _print_summary(summary, cfg, data, test_ds, seconds, out, pictures)
+    return summary
+
+
+class _Heat(NamedTuple):
+    """The demo's temperature schedule: heated-up (alpha0 until epoch ``at``, alpha1 after) or not."""
+
+    heated: bool
+    at: int
+    alpha0: float
+    alpha1: float
+
+    @classmethod
+    def of(cls, cfg) -> _Heat:
+        heated = cfg.schedule.temperature.name == "heat_up"
+        alpha0 = float(cfg.loss[0].options.get("alpha", 16.0))
+        alpha1 = alpha0 * cfg.schedule.temperature.alpha_factor if heated else alpha0
+        return cls(heated, cfg.schedule.temperature.at, alpha0, alpha1)
+
+
+def _datasets(cfg, data: str):
+    """The train and test splits, built (or their cached arrays loaded) and timed on their own:
+    train() then reads the cache."""
+    from deepmetric.run.builders import build_dataset
+
     t0 = time.perf_counter()
     train_ds = build_dataset(cfg, "train", train=True)
     test_ds = build_dataset(cfg, "test", train=False)
@@ -227,9 +283,14 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
         print(f"[demo] glyphs: {train_ds.num_classes} train / {test_ds.num_classes} unseen test characters, "
               f"{len(train_ds)} / {len(test_ds)} images from {len(getattr(train_ds, 'faces', []))} font faces "
               f"({how} in {t_data:.1f} s)", flush=True)
+    return train_ds, test_ds
 
-    # Baselines: what a user gets without training.
-    t0 = time.perf_counter()
+
+def _baselines(cfg, train_ds, test_ds, device) -> tuple[list[tuple[str, dict]], dict | None]:
+    """What a user gets without training: raw pixels and, with a pretrained backbone, its
+    ImageNet features (returned too: their post-processing is chosen later)."""
+    from deepmetric.run.evaluation import cross_domain_metrics
+
     rows: list[tuple[str, dict]] = []
     features = None
     h, w = test_ds.images.shape[1:3]
@@ -238,37 +299,32 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
         from deepmetric.run.baselines import backbone_features_baseline
 
         feats, _, features = backbone_features_baseline(cfg, test_ds, num_classes=train_ds.num_classes, device=device)
-        if cross:
+        if cfg.eval.cross_domain:
             feats.update(cross_domain_metrics(features, test_ds, cfg))
         pool = cfg.model.options.get("pool", "avg")  # the recipe's pooling: the same as the trained embedding's
         rows.append((f"ImageNet features ({features['embeddings'].shape[1]}-d{'' if pool == 'avg' else f', {pool}'})",
                      feats))
-    t_base = time.perf_counter() - t0
     for name, m in rows:
         print(f"[demo] baseline {name}: recall@1={m['recall@1']:.4f} map@r={m['map@r']:.4f}", flush=True)
+    return rows, features
 
-    snapshots: dict[int, dict] = {}
 
-    def keep(epoch: int, metrics: dict, embedded: dict) -> None:
-        snapshots[epoch] = {**embedded, "metrics": metrics, "epoch": epoch}
-
-    t0 = time.perf_counter()
-    result = train(cfg, on_eval=keep, overwrite=overwrite)
-    t_train = time.perf_counter() - t0
-    last = result.epochs_completed
+def _epoch_rows(cfg, snapshots: dict[int, dict], heat: _Heat, last: int) -> list[tuple[str, dict]]:
+    """One row per evaluated epoch, named by what it shows (untrained, alpha, trained)."""
+    rows = []
     for epoch in sorted(snapshots):
         if epoch == 0:
             name = "epoch 0 (head untrained)" if cfg.model.options.get("pretrained") else "epoch 0 (untrained)"
-        elif heated:
-            name = f"epoch {epoch}, alpha {alpha0 if epoch <= at else alpha1:g}"
+        elif heat.heated:
+            name = f"epoch {epoch}, alpha {heat.alpha0 if epoch <= heat.at else heat.alpha1:g}"
         else:
             name = f"trained embedding (epoch {epoch})" if epoch == last else f"epoch {epoch}"
         rows.append((name, snapshots[epoch]["metrics"]))
+    return rows
 
-    # Post-processing chosen on validation, for the ImageNet features and the trained embedding.
-    t0 = time.perf_counter()
-    post = _postprocessed(cfg, out, test_ds, snapshots.get(last), features, train_ds.num_classes, device)
-    t_post = time.perf_counter() - t0
+
+def _insert_postprocessed(rows: list[tuple[str, dict]], post: dict) -> None:
+    """Each post-processed row goes right under the row it processes (ImageNet features, trained)."""
     post_of = {"features": next((n for n, _ in rows if n.startswith("ImageNet features")), None),
                "trained": rows[-1][0] if post else None}
     for which, (choice, metrics) in post.items():
@@ -277,19 +333,20 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
         print(f"[demo] post-processing of {post_of[which]}: {choice['spelled']} (validation {choice['metric']} "
               f"{100 * choice['baseline']:.2f} -> {100 * choice['value']:.2f}, {choice['seconds']:.0f} s)", flush=True)
 
-    t0 = time.perf_counter()
-    title = "emoji" if data == "emoji" else "glyphs"
-    named = {("after heat-up" if heated else f"epoch {last}") if e == last else
-             ("before heat-up" if heated and e == at else f"epoch {e}"): v
-             for e, v in snapshots.items() if e != 0}
-    pictures = _pictures(out, cfg, named, snapshots.get(last), test_ds, title,
-                         curves_title=f"{title}: heated-up {cfg.model.options.get('norm', '').upper()} "
-                                      f"(alpha {alpha0:g} -> {alpha1:g})" if heated else f"{title}: {cfg.name}")
-    t_pics = time.perf_counter() - t0
 
+def _summary_keys(cfg) -> list[str]:
     keys = [f"recall@{k}" for k in cfg.eval.ks] + ["map@r", "nmi"]
-    if cross:
+    if cfg.eval.cross_domain:
         keys += ["cross_domain_recall@1", "cross_domain_map@r"]
+    return keys
+
+
+def _summary(cfg, data: str, rows, snapshots: dict[int, dict], heat: _Heat, last: int, seconds: dict[str, float],
+             train_ds, test_ds) -> dict:
+    """What ``demo_metrics.json`` holds: every row's metrics, the final epoch's, the timings."""
+    import torch
+
+    keys = _summary_keys(cfg)
 
     def values(m: dict) -> dict:
         return {k: (float(m[k]) if m.get(k) is not None else None) for k in keys}
@@ -301,34 +358,37 @@ def run_demo(out: str | Path | None = None, *, data: str = "emoji", quick: bool 
         "rows": [{"name": name, **values(m), **({"of": m["_of"], "postprocess": m["_steps"]} if "_of" in m else {})}
                  for name, m in rows],
         "final": {"epoch": last, **values(final)},
-        "seconds": {"data": round(t_data, 1), "baselines": round(t_base, 1), "train_and_eval": round(t_train, 1),
-                    "pictures": round(t_pics, 1), "postprocess": round(t_post, 1),
-                    "total": round(time.perf_counter() - t_start, 1)},
+        "seconds": {k: round(seconds[k], 1) for k in ("data", "baselines", "train_and_eval", "pictures",
+                                                      "postprocess", "total")},
         "train_images": len(train_ds), "test_images": len(test_ds),
         "train_classes": int(train_ds.num_classes), "test_classes": int(test_ds.num_classes),
         "threads": int(torch.get_num_threads()),
     }
-    if heated:
-        summary["before_heat_up"] = {"epoch": at, "alpha": alpha0,
-                                     **values(snapshots.get(at, {}).get("metrics", {}))}
-        summary["after_heat_up"] = {"epoch": last, "alpha": alpha1, **values(final)}
-    (out / "demo_metrics.json").write_text(json.dumps(summary, indent=2))
+    if heat.heated:
+        summary["before_heat_up"] = {"epoch": heat.at, "alpha": heat.alpha0,
+                                     **values(snapshots.get(heat.at, {}).get("metrics", {}))}
+        summary["after_heat_up"] = {"epoch": last, "alpha": heat.alpha1, **values(final)}
+    return summary
 
+
+def _print_summary(summary: dict, cfg, data: str, test_ds, seconds: dict[str, float], out: Path,
+                   pictures: list[Path]) -> None:
+    keys = _summary_keys(cfg)
     what = "unseen emoji" if data == "emoji" else "unseen characters"
     short = {"cross_domain_recall@1": "xv R@1", "cross_domain_map@r": "xv MAP@R"}
     print(f"\n[demo] zero-shot retrieval on {test_ds.num_classes} {what} ({len(test_ds)} images), %:")
-    if cross:
+    if cfg.eval.cross_domain:
         print("  (xv: cross-vendor, each vendor's images searched among the other vendors' only)")
     width = max([28] + [len(r["name"]) + 1 for r in summary["rows"]])  # the numbers stay under their heading
     print("  " + " " * width + "".join(f"{short.get(k, k):>10}" for k in keys))
     for r in summary["rows"]:
         print(f"  {r['name']:<{width}}" + "".join(f"{100 * r[k]:>10.2f}" if r[k] is not None else f"{'-':>10}"
                                               for k in keys))
-    print(f"\n[demo] total {summary['seconds']['total']:.0f} s (data {t_data:.0f} s, baselines {t_base:.0f} s, "
-          f"training+evaluation {t_train:.0f} s, post-processing {t_post:.0f} s, pictures {t_pics:.0f} s)")
+    print(f"\n[demo] total {summary['seconds']['total']:.0f} s (data {seconds['data']:.0f} s, baselines "
+          f"{seconds['baselines']:.0f} s, training+evaluation {seconds['train_and_eval']:.0f} s, post-processing "
+          f"{seconds['postprocess']:.0f} s, pictures {seconds['pictures']:.0f} s)")
     print(f"[demo] checkpoint: {out / R.LAST}")
     print(f"[demo] metrics:    {out / 'demo_metrics.json'} (log: {out / R.LOG})")
     for p in pictures:
         print(f"[demo] picture:    {p}")
     print(f"[demo] next: deepmetric report {out}   (one HTML page with retrieval grids)")
-    return summary

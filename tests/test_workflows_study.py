@@ -17,7 +17,8 @@ import yaml
 from deepmetric import cli
 from deepmetric.run.config import ConfigError
 from deepmetric.report.study_tables import mean_ci, paired_differences, summarize
-from deepmetric.workflows.study import StudyRun, collect_rows, load_study, run_row, run_study
+from deepmetric.workflows.study import collect_rows, run_row, run_study
+from deepmetric.workflows.study_file import StudyRun, load_study
 from conftest import synthetic_config
 from deepmetric.run.rundir import read_log
 

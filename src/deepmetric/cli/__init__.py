@@ -1,0 +1,102 @@
+"""The ``deepmetric`` command line: thin parsing that calls the library.
+
+The sub-commands live in one module per group (:mod:`.evaluate`: evaluate, report;
+:mod:`.train`: train, embed, demo, emoji; :mod:`.search`: index, search, export, serve;
+:mod:`.experiments`: study, tune), each registered by a small ``add_<name>_parser(sub)``
+function that adds its arguments and ``set_defaults(func=...)``; ``main`` only dispatches. User errors (bad files,
+bad values) raised as ValueError / FileNotFoundError / TypeError / KeyError / OSError are
+printed as one clear line on stderr with exit code 2, without a traceback (an error raised in
+a data-loader worker is unwrapped to the worker's own message); set the environment variable
+``DEEPMETRIC_DEBUG=1`` to get the full traceback instead.  Every sub-command's ``--help``
+ends with runnable examples.  The ``KEY=VALUE`` config overrides of the commands that take them
+(train, demo, tune, study) may stand anywhere on the line (:func:`parse_command_line`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from deepmetric.cli import evaluate, experiments, search, train
+
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: 'deepmetric index export|migrate ...' are the sub-commands
+    index-export / index-migrate ('index' itself takes a positional CHECKPOINT)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        if args[:1] == ["index"] and args[1:2] in (["export"], ["migrate"]):
+            args = [f"index-{args[1]}"] + args[2:]
+        return super().parse_known_args(args, namespace)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deepmetric import __version__
+
+    parser = _Parser(
+        prog="deepmetric", description="Deep metric learning toolkit. 'deepmetric COMMAND --help' "
+        "describes each command's options, with examples.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=("examples:\n"
+                "  deepmetric demo                                   # the offline demo (emoji, CPU)\n"
+                "  deepmetric train recipes/own_folder.yaml data.root=my_images train.out_dir=runs/mine\n"
+                "  deepmetric report runs/demo                       # one HTML page of the run\n"
+                "  deepmetric index runs/demo/last.pt --out runs/demo/index\n"
+                "  deepmetric search runs/demo/index query.png --k 5\n"
+                "  deepmetric study studies/emoji.yaml --workers 2   # variants x seeds, with CIs\n"
+                "  deepmetric tune RECIPE.yaml --space SPACE.yaml --trials 12   # tune on validation classes"))
+    parser.add_argument("--version", action="version", version=f"deepmetric {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add_parser in (evaluate.add_evaluate_parser, evaluate.add_report_parser,
+                       train.add_train_parser, train.add_embed_parser, train.add_demo_parser, train.add_emoji_parser,
+                       search.add_index_parser, search.add_index_tools_parsers, search.add_search_parser,
+                       search.add_export_parser, search.add_serve_parser,
+                       experiments.add_study_parser, experiments.add_tune_parser):  # the order of --help
+        add_parser(sub)
+    parser.commands = sub.choices  # {name: sub-command parser}: parse_command_line's errors
+    return parser
+
+
+#: A ``KEY=VALUE`` config override as a token of the command line (``loss.0.options.alpha=8``).
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that ``KEY=VALUE`` overrides may stand anywhere on the line
+    of a command that takes them (``tune R --space S --trials 5 train.epochs=3``, ``train CFG
+    --overwrite KEY=VAL``): argparse fills a ``nargs='*'`` positional only where it first meets
+    it, so the overrides after an option come back unparsed and are appended here, in order.
+    Any other unparsed token is still an error of its sub-command."""
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    takes = isinstance(getattr(args, "overrides", None), list)
+    unknown = [t for t in extra if not (takes and _OVERRIDE.match(t))]
+    if unknown:
+        sub = getattr(parser, "commands", {}).get(getattr(args, "command", None), parser)
+        what = "a known option" + (" or a KEY=VALUE override" if takes else "")
+        sub.error(f"unrecognized argument(s): {' '.join(unknown)} (expected {what}; see --help)")
+    args.overrides = list(args.overrides) + extra
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parse_command_line(parser, argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, TypeError, KeyError, OSError, RuntimeError) as exc:
+        from deepmetric.data.loader import worker_error_message
+
+        in_worker = worker_error_message(exc)
+        if os.environ.get("DEEPMETRIC_DEBUG") or (isinstance(exc, RuntimeError) and in_worker is None):
+            raise
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        msg = in_worker if in_worker is not None else msg
+        # a file name that is not UTF-8 is shown with its bytes escaped (caf\xe9.png)
+        msg = str(msg).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        print(f"deepmetric {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+

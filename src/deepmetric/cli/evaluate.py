@@ -1,0 +1,188 @@
+"""``deepmetric evaluate`` (metrics of saved embeddings) and ``deepmetric report`` (a run's HTML page)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from deepmetric.cli.common import add_command, add_model_device_arguments, wrap
+
+
+# --------------------------------------------------------------------------- evaluate
+def add_evaluate_parser(sub) -> None:
+    p = add_command(
+        sub, _run_evaluate, "evaluate",
+        help="retrieval / clustering metrics of saved embeddings (.npz)",
+        description=wrap(
+            "Evaluate embeddings stored in an .npz file with arrays 'embeddings' (N x d float), "
+            "'labels' (N integers) and optionally boolean 'is_query' / 'is_gallery' (In-shop "
+            "style). Without them every sample is a query against all the others. Write such a "
+            "file with 'deepmetric embed' or numpy.savez(path, embeddings=E, labels=y). The exact "
+            "search runs on the GPU when one is present (--device auto; the torch backend, same "
+            "metrics as faiss, bench/RESULTS.md section 8) and on the CPU with faiss otherwise or "
+            "with --device cpu."
+        ),
+        epilog=(
+            "examples:\n"
+            "  deepmetric embed runs/demo/last.pt --split test --out emb.npz\n"
+            "  deepmetric evaluate emb.npz\n"
+            "  deepmetric evaluate emb.npz --k 1 10 100 --metrics recall map@r --out metrics.json\n"
+            "  deepmetric evaluate emb.npz --device cpu        # faiss on the CPU even on a GPU machine\n"
+            "  deepmetric evaluate emb.npz --device cuda:1     # the second GPU; an error without CUDA\n"
+            "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images\n"
+            "  deepmetric evaluate emb.npz --postprocess whiten:dim=256,fit=gallery dba:k=3,alpha=3 aqe:k=2,alpha=3"
+        ),
+    )
+    p.add_argument("npz", help="the .npz file with 'embeddings' and 'labels'")
+    p.add_argument("--k", dest="ks", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="K values for Recall@K (default: 1 2 4 8)")
+    p.add_argument("--metrics", nargs="+", default=None,
+                   help="any of: recall map@r r_precision mrr map@k recall_class_avg map@r_class_avg nmi f1 ami "
+                        "(default: recall map@r r_precision nmi f1)")
+    p.add_argument("--postprocess", nargs="+", default=None, metavar="STEP",
+                   help="post-processing before the search, in the order whiten, dba, aqe, kreciprocal, e.g. "
+                        "whiten:dim=256,fit=gallery dba:k=3,alpha=3 aqe:k=2,alpha=3 kreciprocal:k1=20,k2=6,lambda=0.3 "
+                        "(docs/search.md, Post-processing)")
+    p.add_argument("--fit-embeddings", default=None, metavar="TRAIN.npz",
+                   help="embeddings that whiten:fit=train fits on (e.g. 'deepmetric embed ... --split train')")
+    p.add_argument("--out", default=None, help="write the metrics as JSON to this path")
+    p.add_argument("--backend", default="auto",
+                   choices=["auto", "torch", "faiss", "faiss-hnsw", "faiss-ivf"],
+                   help="nearest-neighbour backend (auto: torch on a GPU, faiss on the CPU); the faiss ones run "
+                        "on the CPU; faiss-hnsw / faiss-ivf are APPROXIMATE")
+    p.add_argument("--device", default="auto",
+                   help="where the search runs: auto (the GPU when CUDA is available, the embeddings fit in its "
+                        "free memory and --backend allows it; else the CPU), cpu, cuda or cuda:INDEX")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="queries per search chunk (default: derived from --memory-mb)")
+    p.add_argument("--memory-mb", type=float, default=None,
+                   help="memory budget for one search chunk in MiB (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="k-means seed for NMI / F1")
+    p.add_argument("--nmi-average", default="arithmetic", choices=["arithmetic", "geometric"],
+                   help="NMI normalisation (default arithmetic, as scikit-learn)")
+    p.add_argument("--kmeans-restarts", type=int, default=1,
+                   help="k-means initialisations for NMI / F1, the lowest-inertia one kept (default 1)")
+
+
+#: from this many rows on, ``deepmetric evaluate`` shows its progress on stderr (a 2 M-row
+#: file takes minutes on a CPU)
+PROGRESS_ROWS = 100_000
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from deepmetric.evaluate.engine import evaluate
+    from deepmetric.evaluate.io import evaluate_cli_search_device, format_table, load_npz
+    from deepmetric.evaluate.postprocess import parse_steps
+
+    steps = parse_steps(getattr(args, "postprocess", None))  # a bad step is refused before any work
+    data = load_npz(args.npz)
+    emb = data["embeddings"]
+    fit_sets = None
+    if getattr(args, "fit_embeddings", None):
+        fit_sets = {"train": load_npz(args.fit_embeddings)["embeddings"]}
+    device = evaluate_cli_search_device(args, nbytes=4 * emb.size)
+    if device.type != "cpu":  # float32 before the copy: half the bytes of a float64 file
+        emb = torch.from_numpy(np.ascontiguousarray(emb, dtype=np.float32)).to(device)
+        if fit_sets:
+            fit_sets["train"] = torch.from_numpy(np.ascontiguousarray(fit_sets["train"], dtype=np.float32)).to(device)
+    progress = len(emb) >= PROGRESS_ROWS
+    if progress:
+        print(f"evaluating {len(emb):,} embeddings of {args.npz} on {device} (a k-NN bar follows; the "
+              "clustering metrics, NMI and F1, come after it)", file=sys.stderr, flush=True)
+    try:
+        res = evaluate(emb, data["labels"], is_query=data["is_query"],
+                       is_gallery=data["is_gallery"], ks=args.ks, metrics=args.metrics,
+                       seed=args.seed, chunk_size=args.chunk_size, backend=args.backend,
+                       memory_mb=args.memory_mb, nmi_average=args.nmi_average,
+                       kmeans_restarts=args.kmeans_restarts, progress=progress, postprocess=steps,
+                       fit_sets=fit_sets)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{args.npz}: {exc}") from None
+    print(format_table(res))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({k: (int(v) if isinstance(v, (int, np.integer)) else float(v))
+                                   for k, v in res.items()}, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+
+def add_report_parser(sub) -> None:
+    p = add_command(
+        sub, _run_report, "report",
+        help="one HTML page (report.html), figures and a Markdown report of a run (RUN_DIR/report/)",
+        description=(
+            "Write RUN_DIR/report/report.html - one self-contained page with the configuration,\n"
+            "metric tables (validation / test marked, baselines), training curves, Recall@K,\n"
+            "cosine-similarity histograms, a 2-d embedding, retrieval grids (random and worst\n"
+            "queries with their top-8 neighbours, right / wrong marked), per-class recall and,\n"
+            "for classifiers, misclassified test images beside their nearest training image -\n"
+            "plus the PNG figures and report.md. Embeddings come from --embeddings, else\n"
+            "RUN_DIR/embeddings.npz, else the run's best.pt (or last.pt) on the test split.\n"
+            "--device says where the model embeds and, unless --search-device cpu, where the\n"
+            "neighbours are searched (a GPU: the torch backend, same results as faiss).\n"
+            "See docs/report.md."
+        ),
+        epilog=(
+            "examples:\n"
+            "  deepmetric demo --out runs/demo && deepmetric report runs/demo\n"
+            "  xdg-open runs/demo/report/report.html\n"
+            "  deepmetric demo --quick --out runs/quick\n"
+            "  deepmetric report runs/quick\n"
+            "  deepmetric embed runs/quick/last.pt --out runs/quick/embeddings.npz\n"
+            "  deepmetric report runs/quick --embeddings runs/quick/embeddings.npz --out runs/quick/figs\n"
+            "  deepmetric report runs/demo --device cuda --search-device cpu   # embed on the GPU, faiss search"
+        ),
+    )
+    p.add_argument("run_dir", help="the run directory 'deepmetric train' wrote (log.jsonl, config.yaml, "
+                                   "metrics.json, best.pt / last.pt)")
+    p.add_argument("--embeddings", default=None,
+                   help="embeddings .npz (default: RUN_DIR/embeddings.npz if present, else computed "
+                        "with the checkpoint)")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint to embed with (default: RUN_DIR/best.pt, else RUN_DIR/last.pt)")
+    p.add_argument("--no-embed", action="store_true",
+                   help="never compute embeddings from a checkpoint (log and metrics only)")
+    p.add_argument("--split", default=None,
+                   help="split to embed and show (default: test; In-shop style runs: query+gallery)")
+    p.add_argument("--skip-train", action="store_true",
+                   help="do not embed the training split (it is embedded by default when the model "
+                        "has a classifier: two-head Fig. 10, heated-up Fig. 1, train histogram)")
+    add_model_device_arguments(p, "the neighbour searches")
+    p.add_argument("--batch-size", type=int, default=256, help="batch size for embedding (default 256)")
+    p.add_argument("--no-images", action="store_true",
+                   help="do not rebuild the dataset for images (grids show labels only)")
+    p.add_argument("--queries", type=int, default=8,
+                   help="random queries and worst queries shown in the retrieval grids (default 8 each)")
+    p.add_argument("--top-k", type=int, default=8, help="neighbours shown per query (default 8)")
+    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+    p.add_argument("--max-pairs", type=int, default=1_000_000,
+                   help="pairs per cosine histogram before sampling (default 1000000)")
+    p.add_argument("--seed", type=int, default=0, help="seed for pair sampling, random queries, subsampling")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from deepmetric.report import make_report
+
+    path = make_report(args.run_dir, args.embeddings, out_dir=args.out, max_pairs=args.max_pairs,
+                       seed=args.seed, checkpoint=False if args.no_embed else args.checkpoint,
+                       split=args.split, device=args.device, batch_size=args.batch_size,
+                       embed_train=False if args.skip_train else None, images=not args.no_images,
+                       n_queries=args.queries, top_k=args.top_k, search_device=args.search_device)
+    print(f"report written to {path.with_name('report.html')} (and {path.name}, figures in {path.parent})")
+    from deepmetric.train.tracking import log_report, read_tracking
+
+    if "mlflow" in read_tracking(args.run_dir):  # the run went to MLflow (train.loggers): the report joins it
+        try:
+            run_id = log_report(args.run_dir, path.parent)
+            print(f"report stored in MLflow run {run_id} (artifacts report/)")
+        except ImportError as exc:
+            print(f"note: the report was not stored in the run's MLflow run: {exc}")
+    return 0
+

@@ -1,0 +1,274 @@
+"""``deepmetric index`` (and ``index export`` / ``index migrate``), ``search``, ``export`` and ``serve``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deepmetric.cli.common import add_command, add_model_device_arguments
+
+
+# --------------------------------------------------------------------------- index / search / export / serve
+def add_index_parser(sub) -> None:
+    p = add_command(
+        sub, _run_index, "index", help="embed images with a checkpoint into a search index folder",
+        description=(
+            "Embed a dataset split with CHECKPOINT (its test transform) and write INDEX_DIR: embeddings.npy "
+            "(ivfpq: vectors.f16.npy), metadata.arrow and class_names.arrow (paths, labels, class names), "
+            "index.faiss and manifest.json (checkpoint path, SHA-256 "
+            "and config; every file's size and SHA-256). Exact inner-product search by default. The folder "
+            "is written beside the target and swapped in atomically: a failure leaves an existing index "
+            "untouched. --device is where the model embeds and, unless --search-device cpu, where the exact "
+            "search behind --approximate's recall measurement runs (a GPU: the torch backend, same "
+            "neighbours as faiss). See docs/search.md."),
+        epilog=("example:\n  deepmetric index runs/demo/last.pt --out runs/demo/index\n"
+                "  deepmetric index runs/big/best.pt --data folder --root photos/ --out big.index --approximate ivf "
+                "--device cuda --search-device cpu   # embed on the GPU, exact search with faiss\n"
+                "  deepmetric index runs/mine/best.pt --data folder --root photos/ --out photos.index\n"
+                "  deepmetric index runs/mine/best.pt --data folder --root more_photos/ --out photos.index --add"))
+    p.add_argument("checkpoint", nargs="?", default=None,
+                   help="checkpoint written by 'deepmetric train' (best.pt / last.pt); not with --embeddings")
+    p.add_argument("--embeddings", default=None, metavar="FILE",
+                   help="index vectors you already have instead of embedding images: an .npz with 'embeddings' "
+                        "(optional 'labels', 'class_names', 'paths'), an .npy, or a parquet file of 'index export'")
+    p.add_argument("--data", default=None,
+                   help="dataset name: folder, csv, glyphs, cub, ... (default: the checkpoint's training data)")
+    p.add_argument("--root", default=None, help="dataset root: the folder (folder), the .csv file (csv), ...")
+    p.add_argument("--split", default=None,
+                   help="split to index (default: all for folder/csv, test otherwise)")
+    p.add_argument("--out", required=True, metavar="INDEX_DIR", help="index folder to write (or add to)")
+    p.add_argument("--approximate", default=None, choices=["ivf", "hnsw", "ivfpq"],
+                   help="build an approximate faiss index (large galleries); its recall@10 against exact "
+                        "search is measured and stored in manifest.json. ivfpq: OPQ + IVF + PQ codes in memory, "
+                        "candidates re-ranked with float16 vectors read from disk (docs/search.md)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help="ivfpq: resident memory the index may take; chooses the lists, PQ bytes and refinement")
+    p.add_argument("--reduce-dim", type=int, default=None, metavar="D",
+                   help="ivfpq: PCA to D dimensions before the PQ codes (re-ranking keeps every dimension)")
+    p.add_argument("--add", action="store_true",
+                   help="add the images to the existing index in --out (same checkpoint; already indexed "
+                        "paths are skipped)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the index in --out (without --add or --overwrite an existing index is "
+                        "refused; a folder that is not an index always is; a symbolic link --out: the folder it "
+                        "points to is replaced, the link kept)")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="under torchrun: images per shard file (default 4096); a restarted rank skips finished "
+                        "shards (docs/search.md)")
+    add_model_device_arguments(p, "the exact search")
+    p.add_argument("--num-workers", type=int, default=0, help="data loading processes (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--postprocess", nargs="+", default=None, metavar="STEP",
+                   help="post-processing fitted on the indexed images and stored with the index (default: the "
+                        "checkpoint's search.postprocess; 'none' for none), e.g. whiten:dim=256 dba:k=3,alpha=3 "
+                        "aqe:k=2,alpha=3; search and serve then answer with the processed ranking")
+
+
+def _run_index(args: argparse.Namespace) -> int:
+    from deepmetric.search import Index
+
+    from deepmetric.search.postprocess import parse_steps
+
+    if (args.checkpoint is None) == (args.embeddings is None):
+        raise ValueError("give either CHECKPOINT (embed images) or --embeddings FILE (vectors you have)")
+    options = {k: v for k, v in (("memory_gb", args.memory_budget), ("reduce_dim", args.reduce_dim)) if v}
+    if options and args.approximate != "ivfpq":
+        raise ValueError("--memory-budget / --reduce-dim apply to --approximate ivfpq")
+    steps = args.postprocess
+    if steps is not None:
+        steps = [] if [s.lower() for s in steps] == ["none"] else parse_steps(steps)
+    if args.embeddings is not None:
+        from deepmetric.search.interchange import index_from_file
+
+        index = index_from_file(args.embeddings, args.out, approximate=args.approximate, add=args.add,
+                                overwrite=args.overwrite, options=options, postprocess=steps)
+        print(f"{'added' if args.add else 'indexed'} {args.embeddings} -> {args.out}: {len(index)} vectors, "
+              f"{len(index.class_names)} classes, d={index.dim}, {index.kind}")
+        _print_recall(index)
+        return 0
+    index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
+                        approximate=args.approximate, add=args.add, overwrite=args.overwrite,
+                        index_options=options, batch_size=args.batch_size, shard_size=args.shard_size,
+                        search_device=args.search_device, device=args.device, num_workers=args.num_workers,
+                        progress=not args.no_progress, postprocess=steps)
+    if index is None:  # a torchrun rank other than 0: its shards are written, rank 0 writes the index
+        return 0
+    d = index.meta.get("added", [index.meta.get("data", {})])[-1]
+    what = "added" if args.add else "indexed"
+    print(f"{what} {d.get('images')} images of {d.get('name')} (split {d.get('split')}) -> {args.out}: "
+          f"{len(index)} images, {len(index.class_names)} classes, d={index.dim}, {index.kind}")
+    if index.meta.get("skipped_already_indexed"):
+        print(f"skipped {index.meta['skipped_already_indexed']} images already in the index")
+    _print_recall(index)
+    return 0
+
+
+def _print_recall(index) -> None:
+    if index.kind != "exact":
+        a = index.meta["approximate"]
+        extra = f" ({a['factory']}, nprobe {a['nprobe']}, {a['k_factor']}x candidates re-ranked)" \
+            if index.kind == "ivfpq" else ""
+        print(f"recall@10 against exact search: {a['recall@10_vs_exact']:.4f}{extra}")
+    if index.postprocessor is not None:
+        from deepmetric.search.postprocess import format_steps
+
+        print(f"post-processing: {format_steps(index.postprocessor.steps)} (queries: {index.query_dim}-d)")
+
+
+def add_index_tools_parsers(sub) -> None:
+    p = add_command(
+        sub, _run_index_export, "index-export", help="'deepmetric index export INDEX --to ...': an index's vectors and payload "
+                             "to parquet or Qdrant",
+        description=("Write every indexed vector (l2-normalised float32) with its path, label and class name, "
+                     "and the manifest (checkpoint, preprocessing) a query needs: parquet:FILE (one row per "
+                     "image; 'deepmetric index --embeddings FILE.parquet' reads it back) or qdrant:PATH_OR_URL "
+                     "(a collection with cosine distance through qdrant-client: a folder runs Qdrant embedded, "
+                     "http://HOST:6333 a server or cluster; needs the 'qdrant' extra). Written as "
+                     "'deepmetric index export'."),
+        epilog=("example:\n  deepmetric index export runs/demo/index --to parquet:demo.parquet\n"
+                "  deepmetric index export runs/demo/index --to qdrant:demo.qdrant\n"
+                "  deepmetric index export photos.index --to qdrant:http://localhost:6333 --collection photos"))
+    p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
+    p.add_argument("--to", required=True, metavar="parquet:FILE|qdrant:PATH_OR_URL", help="where to write")
+    p.add_argument("--collection", default="deepmetric", help="Qdrant collection (re-created; default deepmetric)")
+    m = add_command(
+        sub, _run_index_migrate, "index-migrate", help="'deepmetric index migrate INDEX': rewrite an older index in the current format",
+        description=("Rewrite INDEX_DIR (atomically) in the current format: paths, labels and class names in "
+                     "Arrow files read lazily instead of JSON, and every file's SHA-256 in the manifest. An "
+                     "'index --add' migrates too. Written as 'deepmetric index migrate'."),
+        epilog="example:\n  deepmetric index migrate runs/demo/index")
+    m.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
+
+
+def _run_index_export(args: argparse.Namespace) -> int:
+    from deepmetric.search import Index
+    from deepmetric.search.interchange import export_parquet, export_qdrant, parse_target
+
+    scheme, where = parse_target(args.to)
+    index = Index.load(args.index_dir, mmap=True, verify_hashes=True)  # never export a damaged index
+    if scheme == "parquet":
+        export_parquet(index, where)
+    else:
+        export_qdrant(index, where, collection=args.collection)
+    print(f"exported {len(index)} vectors (d={index.dim}) of {args.index_dir} -> {args.to}")
+    return 0
+
+
+def _run_index_migrate(args: argparse.Namespace) -> int:
+    import warnings
+
+    from deepmetric.search import Index
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the "written by an older deepmetric" warning: that is the point
+        index = Index.load(args.index_dir, verify_hashes=True)  # never bless a damaged index with fresh hashes
+    index.save(args.index_dir)
+    print(f"rewrote {args.index_dir} in the current format ({len(index)} images)")
+    return 0
+
+
+def add_search_parser(sub) -> None:
+    p = add_command(
+        sub, _run_search, "search", help="nearest neighbours of query images in an index",
+        description=("Check every file of INDEX_DIR against the SHA-256 in its manifest, embed each IMAGE with "
+                     "the index's checkpoint (checked by SHA-256) and print its K nearest indexed images: rank, "
+                     "cosine similarity, class name (label) and path."),
+        epilog=("example:\n  deepmetric search runs/demo/index query.png --k 5\n"
+                "  deepmetric search photos.index a.jpg b.jpg --k 10 --json --html results.html"))
+    p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="query image file(s)")
+    p.add_argument("--k", type=int, default=10, help="neighbours per query (default 10)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--html", default=None, metavar="OUT.html",
+                   help="also write an HTML page with a thumbnail grid (self-contained)")
+    p.add_argument("--checkpoint", default=None,
+                   help="the index's checkpoint if it moved (must have the same SHA-256)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] for embedding the queries (default cpu)")
+
+
+def _run_search(args: argparse.Namespace) -> int:
+    from deepmetric.search import Index
+    from deepmetric.search.output import results_html, results_json, results_text
+
+    index = Index.load(args.index_dir, mmap=True, verify_hashes=True)
+    index.model(args.checkpoint, args.device)
+    sims, idx = index.search(list(args.images), args.k)
+    results = index.neighbours(sims, idx)
+    print(results_json(args.images, results, args.k) if args.json else results_text(args.images, results))
+    if args.html:
+        out = results_html(args.images, results, args.html)
+        print(f"wrote {out}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def add_export_parser(sub) -> None:
+    p = add_command(
+        sub, _run_export, "export", help="export the embedding network of a checkpoint (ONNX / TorchScript)",
+        description=("Write the embedding network (input: preprocessed image batch [N, C, H, W] float32; "
+                     "output: l2-normalised embedding [N, d]) and FILE.preprocessing.json beside it "
+                     "(resize, crop, mean/std, channels). ONNX needs the 'onnx' package."),
+        epilog=("example:\n  deepmetric export runs/demo/last.pt --format onnx --out demo.onnx\n"
+                "  deepmetric export runs/demo/last.pt --format torchscript --out demo.pt"))
+    p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train'")
+    p.add_argument("--format", dest="fmt", default="onnx", choices=["onnx", "torchscript"],
+                   help="onnx (default) or torchscript")
+    p.add_argument("--out", required=True, metavar="FILE", help="output file (e.g. model.onnx)")
+    p.add_argument("--raw", action="store_true", help="output the embedding without l2 normalisation")
+    p.add_argument("--opset", type=int, default=17,
+                   help="ONNX opset version (default 17; one torch's exporter cannot write is refused)")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from deepmetric.search.export import export_model
+
+    out, side = export_model(args.checkpoint, args.out, args.fmt, normalize=not args.raw, opset=args.opset)
+    print(f"wrote {out} and {side}")
+    return 0
+
+
+def add_serve_parser(sub) -> None:
+    p = add_command(
+        sub, _run_serve, "serve", help="local web page and JSON API to search an index",
+        description=("Serve a search page (drop or pick an image, see its nearest neighbours) and POST /search "
+                     "(multipart field 'image', optional 'k'; JSON answer) for INDEX_DIR. Binds 127.0.0.1 by "
+                     "default. The index is read into memory and checked (SHA-256) at start; changes on disk "
+                     "are used after POST /api/reload or kill -HUP. Needs the 'serve' extra: pip install "
+                     "'deepmetric[serve]'."),
+        epilog="example:\n  deepmetric serve runs/demo/index --port 8000   # then open http://127.0.0.1:8000/\n"
+               "  curl -X POST http://127.0.0.1:8000/api/reload   # after 'deepmetric index ... --add'")
+    p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--k", type=int, default=10,
+                   help="neighbours shown by default (default 10; at most 100 and the index size)")
+    p.add_argument("--max-upload-mb", type=float, default=10.0, help="largest accepted upload in MiB (default 10)")
+    p.add_argument("--max-decode-mb", type=float, default=None,
+                   help="cap on an upload's decoded size in MiB (default 512); the limit is derived from the "
+                        "model's input (4096 bytes per input pixel, at least 64 MiB) and checked before decoding")
+    p.add_argument("--workers", type=int, default=2, help="threads that decode, embed and search (default 2)")
+    p.add_argument("--max-in-flight", type=int, default=8,
+                   help="searches accepted at once; more get 503 with Retry-After (default 8)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds a search may take, reading the upload included (default 30)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers, from opening or from "
+                        "its last answer (default 10)")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="open connections; beyond it those idle longest are closed (default 512)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a Host header name to answer besides loopback ones (repeatable; '*': any). "
+                        "Guards against DNS rebinding; --host ADDRESS is allowed by itself")
+    p.add_argument("--checkpoint", default=None, help="the index's checkpoint if it moved (same SHA-256)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] for embedding queries (default cpu)")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from deepmetric.search.serve import serve
+
+    serve(args.index_dir, host=args.host, port=args.port, checkpoint=args.checkpoint,
+          max_upload_mb=args.max_upload_mb, k=args.k, device=args.device, workers=args.workers,
+          max_in_flight=args.max_in_flight, timeout_s=args.timeout, allow_hosts=args.allow_host,
+          max_decode_mb=args.max_decode_mb, header_timeout_s=args.header_timeout,
+          max_connections=args.max_connections)
+    return 0
+
