@@ -57,7 +57,7 @@ def layer_depths(model: nn.Module) -> dict[int, int]:
     ``optim.layer_decay`` when the model has no backbone with known stages."""
     from deepmetric.models import backbone_stages
 
-    backbone = getattr(model, "backbone", None)
+    backbone = model.backbone
     if not isinstance(backbone, nn.Module):
         raise ValueError(f"config key 'optim.layer_decay': model {type(model).__name__} has no .backbone "
                          f"whose stages could get decayed learning rates")
