@@ -20,6 +20,7 @@ from typing import Mapping
 
 from torch import nn
 
+from .contract import EmbeddingNetwork, with_model_defaults
 from .backbones import (
     IMAGENET,
     FeatureBackbone,
@@ -88,6 +89,8 @@ __all__ = [
     "model_data_config",
     "takes_img_size",
     "HUB",
+    "EmbeddingNetwork",
+    "with_model_defaults",
 ]
 
 _COMMON_ARGS = ("embedding_dim", "norm", "num_classes", "pretrained", "in_chans", "dropout")

@@ -126,7 +126,7 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     CUDA run: on its GPU when the rows fit in its free memory; None: on the CPU); the limits
     above stay those of the CPU.  A split from elsewhere (torch's ``Subset``) is given the
     dataset contract's defaults (:func:`~deepmetric.data.contract.with_dataset_defaults`)."""
-    from deepmetric.data.contract import with_dataset_defaults
+    from deepmetric.data import with_dataset_defaults
     from deepmetric.evaluate import evaluate
 
     eval_sets = {k: with_dataset_defaults(ds) for k, ds in eval_sets.items()}

@@ -76,7 +76,7 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
     split of the dataset (test transform).  Every split keeps the dataset contract
     (:class:`deepmetric.data.contract.MetricDataset`): one from a builder registered elsewhere
     gets the defaults of the attributes it lacks."""
-    from deepmetric.data.contract import with_dataset_defaults
+    from deepmetric.data import with_dataset_defaults
 
     d = cfg.data
     if d.val_split is not None and split == VAL_SPLIT:  # the dataset's own validation split
@@ -216,7 +216,7 @@ class ClassSubset(torch.utils.data.Dataset):
     which is given the defaults of the attributes it lacks."""
 
     def __init__(self, dataset, classes, samples=None):
-        from deepmetric.data.contract import with_dataset_defaults
+        from deepmetric.data import with_dataset_defaults
 
         self.dataset = with_dataset_defaults(dataset)
         self.original_classes = np.asarray(classes, dtype=np.int64)
@@ -284,8 +284,7 @@ def build_model(cfg: Config, num_classes: int | None = None, *, pretrained: bool
     ``pretrained=False`` leaves ``model.options.pretrained`` out: the model whose weights a
     checkpoint holds in full (embed, index, export, serve, resume never read the pretrained
     file, or the hub, again)."""
-    from deepmetric.models import create_model, model_needs_num_classes
-    from deepmetric.models.contract import with_model_defaults
+    from deepmetric.models import create_model, model_needs_num_classes, with_model_defaults
 
     m = cfg.model
     if not (model_needs_num_classes(m.name) or any(t.input == "logits" for t in cfg.loss)):

@@ -148,7 +148,7 @@ def make_train_loader(dataset: Dataset, batch_sampler, *, epoch: int, start: int
     generator keeps the loader from drawing its base seed from torch's global stream.  A
     batched augmentation (the dataset transform's ``batch_transform``) runs in the collate,
     in the workers when there are any."""
-    from deepmetric.data.contract import batch_transform_of
+    from deepmetric.data import batch_transform_of
 
     batch_transform = batch_transform_of(dataset.transform)
     return DataLoader(PositionSeededDataset(dataset, run_seed, rank, batch_seeds=batch_transform is not None),

@@ -59,7 +59,7 @@ def check_images_readable(dataset, split: str, *, show: int = 10) -> tuple[int, 
     """Open the header of every image of a file-based ``dataset`` (one with ``paths``); raise
     ``OSError`` listing the unreadable files.  Returns ``(images checked, seconds)``;
     in-memory datasets (glyphs, Fashion-MNIST, synthetic) check nothing."""
-    from deepmetric.data.contract import with_dataset_defaults
+    from deepmetric.data import with_dataset_defaults
 
     paths = with_dataset_defaults(dataset).paths  # any dataset (torch's own have no paths)
     if not paths:
@@ -107,7 +107,7 @@ def check_model_input(model: nn.Module, dataset, cfg: Config) -> tuple[int, ...]
     convolution, then run the model on two samples (eval mode, no gradients).  Raises a
     ``ValueError`` in config terms; returns the sample shape.  RNG states are not touched
     beyond what the caller saves (the training transform is random)."""
-    from deepmetric.data.contract import batch_transform_of
+    from deepmetric.data import batch_transform_of
 
     xs = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(min(2, len(dataset)))])
     # a batched augmentation (data.transform_options.batched) finishes the images per batch,
