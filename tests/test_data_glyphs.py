@@ -277,7 +277,7 @@ def test_cross_family_splits_and_masks(tmp_path):
     np.testing.assert_array_equal(te.face_ids[te.is_gallery], g.face_ids)
     # every test character has a query and gallery images (all three faces map them)
     assert sorted(set(q.labels.tolist())) == sorted(set(g.labels.tolist())) == list(range(6))
-    assert not hasattr(zs, "is_query")  # the zero-shot protocol has no query/gallery marking
+    assert zs.is_query is None  # the zero-shot protocol has no query/gallery marking
     with pytest.raises(ValueError, match="test_families"):
         build_glyph_dataset("test", root=tmp_path, fonts=fonts, max_classes=6, size=16, test_families=["AR PL UKai"])
     with pytest.raises(ValueError, match="no face among the fonts used"):

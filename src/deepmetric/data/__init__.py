@@ -6,6 +6,7 @@ dataset; ``list_datasets()`` names them and ``dataset_options(name)`` their opti
 its builder with ``register_dataset`` where it is defined; this package imports every such
 module. See docs/data.md and docs/offline-data.md.
 """
+from .contract import MetricDataset, MetricDatasetBase, batch_transform_of, with_dataset_defaults
 from .decode import ImageDecodeError, ImageSizeError, decode_image
 from .image_list import IMAGE_EXTENSIONS, ImageList, ImageListDataset, remap_labels
 from .benchmarks import (

@@ -62,7 +62,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from .contract import MetricDatasetBase
 
 from .files import file_digest
 from .glyphs import cached_npz  # one atomic .npz cache for both benchmarks
@@ -452,7 +452,7 @@ def _build_arrays(entries, vendors, dirs, size, verbose) -> dict:
 
 
 # --------------------------------------------------------------------------- dataset
-class EmojiDataset(Dataset):
+class EmojiDataset(MetricDatasetBase):
     """One split of the emoji benchmark; ``ds[i] -> (image, label)``.
 
     The transform receives a ``uint8`` tensor ``[3, size, size]`` (RGB on white); without a

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from .contract import MetricDatasetBase
 
 from .decode import ImageDecodeError, decode_image
 from .image_list import IMAGE_EXTENSIONS
@@ -451,7 +451,7 @@ def load_hdd_events(root, split: str = "train", *, label_fps: float = 3.0, frame
 
 
 # --------------------------------------------------------------------------- dataset
-class EventDataset(Dataset):
+class EventDataset(MetricDatasetBase):
     """``ds[i] -> (transform(window frames), label)`` over an :class:`EventList`.
 
     Args:

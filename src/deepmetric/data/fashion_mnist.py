@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from .contract import MetricDatasetBase
 
 from .registry import register_dataset
 
@@ -59,7 +59,7 @@ _IDX_DTYPES = {
 }
 
 
-class ArrayImageDataset(Dataset):
+class ArrayImageDataset(MetricDatasetBase):
     """Images kept in memory as one uint8 array ``[N, H, W]`` (grayscale), converted per item.
 
     ``ds[i]`` returns ``(image, label)``. The transform receives a ``uint8`` tensor

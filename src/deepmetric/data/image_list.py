@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import Dataset
+from .contract import MetricDatasetBase
 from torchvision.transforms.v2 import functional as TF
 
 from .decode import (DEFAULT_MAX_DECODE_MB, FORMATS, ImageDecodeError, check_decoded_size, decode_image,
@@ -133,7 +133,7 @@ def _readable(path: str, max_bytes: int | None = None) -> bool:
         return False
 
 
-class ImageListDataset(Dataset):
+class ImageListDataset(MetricDatasetBase):
     """A torch Dataset over an :class:`ImageList`: ``ds[i] -> (image, label)``.
 
     Images are read with :func:`deepmetric.data.decode.decode_image` into 8-bit RGB

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .contract import batch_transform_of
+
 __all__ = ["make_loader", "default_num_workers", "seed_worker", "worker_error_message", "BatchTransformCollate"]
 
 
@@ -84,7 +86,7 @@ def make_loader(dataset: Dataset, batch_sampler=None, batch_size: int | None = N
         raise ValueError(f"make_loader: num_workers must be an int >= 0, got {num_workers!r}")
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    batch_transform = getattr(getattr(dataset, "transform", None), "batch_transform", None)
+    batch_transform = batch_transform_of(getattr(dataset, "transform", None))  # any dataset: its own transform
     if collate_fn is None and batch_transform is not None:
         collate_fn = BatchTransformCollate(batch_transform)
     if persistent_workers is None:

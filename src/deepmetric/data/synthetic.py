@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from .contract import MetricDatasetBase
 
 from deepmetric.models.synthetic import SyntheticMLP
 from deepmetric.registry import signature_options
@@ -25,7 +25,7 @@ from .registry import register_dataset
 __all__ = ["GaussianClusters", "build_synthetic_dataset", "SyntheticMLP", "write_digit_folder", "DIGIT_NAMES"]
 
 
-class GaussianClusters(Dataset):
+class GaussianClusters(MetricDatasetBase):
     """Gaussian clusters; ``split`` "train" / "test" (disjoint classes), or for In-shop-like
     tests "query" / "gallery" (the test classes, samples alternately assigned).
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from deepmetric.registry import did_you_mean, signature_options
 
+from .contract import EmbeddingNetwork, with_model_defaults
 from .backbones import (
     IMAGENET,
     FeatureBackbone,
@@ -89,6 +90,8 @@ __all__ = [
     "model_data_config",
     "takes_img_size",
     "HUB",
+    "EmbeddingNetwork",
+    "with_model_defaults",
 ]
 
 _COMMON_ARGS = ("embedding_dim", "norm", "num_classes", "pretrained", "in_chans", "dropout")

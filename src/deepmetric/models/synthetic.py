@@ -39,6 +39,8 @@ class SyntheticMLP(nn.Module):
         self.embedding_dim = embedding_dim
         self.num_features = hidden
         self.classifier = nn.Linear(hidden, num_classes) if (two_head and num_classes) else None
+        # the model contract's parts this model has none of (models/contract.py)
+        self.pool = self.projection = self.projection_dim = self.head_init = None
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone(x.flatten(1))

@@ -139,6 +139,9 @@ class TwoHeadModel(nn.Module):
         self.freeze_bn = check_freeze_bn(freeze_bn)
         if self.freeze_bn == "all":
             freeze_batchnorm_parameters(self.backbone)
+        # the model contract's parts this model has none of (models/contract.py): its embedding
+        # head reads the flattened map, not the pooled features, so it is no ``head``
+        self.head = self.projection = self.projection_dim = self.head_init = None
 
     def train(self, mode: bool = True):
         super().train(mode)

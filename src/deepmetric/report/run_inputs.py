@@ -138,9 +138,9 @@ class ImageSource:
 
         j = int(np.searchsorted(self.offsets, row, side="right") - 1)
         ds, i = self.parts[j], int(row - self.offsets[j])
-        if hasattr(ds, "load_image"):  # file-based datasets: the stored image itself
+        if ds.load_image is not None:  # file-based datasets: the stored image itself
             return ds.load_image(i)
-        arr = getattr(ds, "images", None)
+        arr = ds.images
         if isinstance(arr, np.ndarray) and arr.dtype == np.uint8 and arr.ndim in (3, 4):
             return Image.fromarray(arr[i])
         item = ds[i][0]
@@ -163,7 +163,7 @@ class ImageSource:
 
 
 def _dataset_class_names(ds) -> list[str] | None:
-    names = getattr(ds, "class_names", None)
+    names = ds.class_names
     return [str(n) for n in names] if names is not None else None
 
 

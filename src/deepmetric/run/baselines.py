@@ -65,7 +65,7 @@ def pixel_rows(dataset, max_side: int | None = None) -> tuple[np.ndarray | None,
     n = len(dataset)
     if n == 0:
         return None, "empty split"
-    if hasattr(dataset, "load_image"):
+    if dataset.load_image is not None:
         from torchvision.transforms.v2 import functional as TF
 
         first = dataset.load_image(0)
@@ -124,9 +124,12 @@ def raw_pixel_baseline(eval_sets: dict[str, Any], cfg: Config, *,
     rows for the search are freed before k-means makes its own.  ``device`` (the training
     device): the search runs where :func:`~deepmetric.run.evaluation.eval_search_device` says (a
     CUDA run: on its GPU when the rows fit in its free memory; None: on the CPU); the limits
-    above stay those of the CPU."""
+    above stay those of the CPU.  A split from elsewhere (torch's ``Subset``) is given the
+    dataset contract's defaults (:func:`~deepmetric.data.contract.with_dataset_defaults`)."""
+    from deepmetric.data import with_dataset_defaults
     from deepmetric.evaluate import evaluate
 
+    eval_sets = {k: with_dataset_defaults(ds) for k, ds in eval_sets.items()}
     keys = [k for k in ("query", "gallery") if k in eval_sets]
     layout = _raw_pixel_layout(eval_sets, keys)
     if layout is None:
@@ -178,7 +181,7 @@ def _raw_pixel_layout(eval_sets: dict[str, Any], keys: list[str]) -> dict | None
     else:
         pairs = float(n) * n
         evaluated = np.ones(n, bool)
-    if hasattr(first, "load_image"):
+    if first.load_image is not None:
         im = first.load_image(0)
         d = im.size[0] * im.size[1] * len(im.getbands())
     else:

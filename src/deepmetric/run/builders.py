@@ -73,18 +73,22 @@ def build_dataset(cfg: Config, split: str, *, train: bool):
     With ``data.val_classes`` set, ``data.train_split`` comes without the validation classes
     and ``split="val"`` is the validation classes' images (both ``ClassSubset``s of the
     training split, labels renumbered 0..C-1).  With ``data.val_split``, ``split="val"`` is that
-    split of the dataset (test transform)."""
+    split of the dataset (test transform).  Every split keeps the dataset contract
+    (:class:`deepmetric.data.contract.MetricDataset`): one from a builder registered elsewhere
+    gets the defaults of the attributes it lacks."""
+    from deepmetric.data import with_dataset_defaults
+
     d = cfg.data
     if d.val_split is not None and split == VAL_SPLIT:  # the dataset's own validation split
-        return _build_named_split(cfg, d.val_split, train=False)
+        return with_dataset_defaults(_build_named_split(cfg, d.val_split, train=False))
     if not d.carves_validation or split not in (d.train_split, VAL_SPLIT):
-        return _build_named_split(cfg, split, train=train)
-    full = _build_named_split(cfg, d.train_split, train=train)
+        return with_dataset_defaults(_build_named_split(cfg, split, train=train))
+    full = with_dataset_defaults(_build_named_split(cfg, d.train_split, train=train))
     if d.val_folds is not None:
         keep, val = class_fold(full.labels, d.val_folds, d.val_fold, seed=_val_seed(cfg))
     else:
         keep, val = carve_val_classes(full.labels, d.val_classes, seed=_val_seed(cfg),
-                                      class_names=getattr(full, "class_names", None), pick=d.val_pick)
+                                      class_names=full.class_names, pick=d.val_pick)
     if not d.val_query_families:
         return ClassSubset(full, val if split == VAL_SPLIT else keep)
     held = held_out_family_mask(full, d.val_query_families, d.name)
@@ -113,7 +117,7 @@ def held_out_family_mask(dataset, families, name: str = "dataset") -> np.ndarray
     (``data.val_query_families``; the dataset needs a per-image ``families`` array, as the
     glyph benchmark has)."""
     key = "config key 'data.val_query_families'"
-    fams = getattr(dataset, "families", None)
+    fams = dataset.families
     if fams is None or len(fams) != len(dataset):
         raise ValueError(f"{key}: dataset {name!r} has no per-image typeface families (the glyphs "
                          f"benchmark has them); remove the key")
@@ -207,10 +211,14 @@ class ClassSubset(torch.utils.data.Dataset):
 
     Other attributes come from ``dataset``; its per-sample NumPy arrays (``images``,
     ``families``, ``vendor_ids``, ...: first dimension ``len(dataset)``) are returned for the
-    subset's samples only, so ``subset.images[i]`` is the image of ``subset[i]``."""
+    subset's samples only, so ``subset.images[i]`` is the image of ``subset[i]``.  It keeps the
+    dataset contract (:class:`deepmetric.data.contract.MetricDataset`) through ``dataset``,
+    which is given the defaults of the attributes it lacks."""
 
     def __init__(self, dataset, classes, samples=None):
-        self.dataset = dataset
+        from deepmetric.data import with_dataset_defaults
+
+        self.dataset = with_dataset_defaults(dataset)
         self.original_classes = np.asarray(classes, dtype=np.int64)
         old = np.asarray(dataset.labels, dtype=np.int64)
         new_of_old = np.full(int(old.max()) + 1, -1, dtype=np.int64)
@@ -227,12 +235,12 @@ class ClassSubset(torch.utils.data.Dataset):
         self._per_sample: dict[str, np.ndarray] = {}
         self.labels = new_of_old[old[self.indices]]
         self.num_classes = len(self.original_classes)
-        names = getattr(dataset, "class_names", None)
+        names = dataset.class_names
         self.class_names = [names[c] for c in self.original_classes] if names is not None else None
-        if getattr(dataset, "paths", None) is not None:
+        if dataset.paths is not None:
             self.paths = [dataset.paths[i] for i in self.indices]
-        for per_sample in ("vendor_ids", "domain_ids"):  # domains (eval.cross_domain) follow the samples
-            ids = getattr(dataset, per_sample, None)
+        # domains (eval.cross_domain) follow the samples
+        for per_sample, ids in (("vendor_ids", dataset.vendor_ids), ("domain_ids", dataset.domain_ids)):
             if ids is not None and len(ids) == len(old):
                 setattr(self, per_sample, np.asarray(ids)[self.indices])
 
@@ -276,7 +284,7 @@ def build_model(cfg: Config, num_classes: int | None = None, *, pretrained: bool
     ``pretrained=False`` leaves ``model.options.pretrained`` out: the model whose weights a
     checkpoint holds in full (embed, index, export, serve, resume never read the pretrained
     file, or the hub, again)."""
-    from deepmetric.models import create_model, model_needs_num_classes
+    from deepmetric.models import create_model, model_needs_num_classes, with_model_defaults
 
     m = cfg.model
     if not (model_needs_num_classes(m.name) or any(t.input == "logits" for t in cfg.loss)):
@@ -284,8 +292,9 @@ def build_model(cfg: Config, num_classes: int | None = None, *, pretrained: bool
     options = dict(m.options)
     if not pretrained:
         options.pop("pretrained", None)
-    # create_model accepts num_classes for every model: nothing to filter
-    return _call_filling(create_model, m.name, options, {"num_classes": num_classes})
+    # create_model accepts num_classes for every model: nothing to filter; a model registered
+    # elsewhere gets the defaults of the model contract's parts it lacks
+    return with_model_defaults(_call_filling(create_model, m.name, options, {"num_classes": num_classes}))
 
 
 def fill_model_input_size(cfg: Config, dataset) -> None:
@@ -362,7 +371,7 @@ def build_losses(cfg: Config, num_classes: int | None = None, embedding_dim: int
 
 def embedding_dim_of(model: nn.Module, dataset) -> int:
     """The model's embedding size: ``model.embedding_dim`` or one probe forward pass."""
-    k = getattr(model, "embedding_dim", None)
+    k = model.embedding_dim
     if isinstance(k, int):
         return k
     x = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(min(2, len(dataset)))])

@@ -119,10 +119,10 @@ def dataset_paths_and_class_names(dataset) -> dict[str, np.ndarray]:
     """``{"paths": str [N], "class_names": str [C]}`` for the datasets that have them (image files,
     named classes); string arrays, so ``np.load(..., allow_pickle=False)`` reads them."""
     out = {}
-    paths = getattr(dataset, "paths", None)
+    paths = dataset.paths
     if paths is not None:
         out["paths"] = np.asarray([str(Path(p).resolve()) for p in paths], dtype=str)
-    names = getattr(dataset, "class_names", None) or getattr(dataset, "class_ids", None)
+    names = dataset.class_names or dataset.class_ids
     if names:
         out["class_names"] = np.asarray([str(c) for c in names], dtype=str)
     return out
@@ -132,7 +132,7 @@ def dataset_query_gallery_masks(dataset) -> dict[str, np.ndarray]:
     """``{"is_query": ..., "is_gallery": ...}`` when ``dataset`` carries both boolean masks
     (one entry per sample; e.g. the ``test`` split of the glyphs ``cross_family`` protocol),
     else ``{}`` (every sample is a query against all the others)."""
-    q, g = getattr(dataset, "is_query", None), getattr(dataset, "is_gallery", None)
+    q, g = dataset.is_query, dataset.is_gallery
     if q is None or g is None:
         return {}
     q, g = np.asarray(q, dtype=bool), np.asarray(g, dtype=bool)
@@ -145,14 +145,12 @@ def dataset_query_gallery_masks(dataset) -> dict[str, np.ndarray]:
 def dataset_domains(dataset) -> tuple[np.ndarray, list[str]] | None:
     """``(domain id per sample, domain names)`` of a dataset that has domains: ``domain_ids`` /
     ``domain_names``, or the emoji benchmark's ``vendor_ids`` / ``vendors``; else ``None``."""
-    for ids_attr, names_attr in (("domain_ids", "domain_names"), ("vendor_ids", "vendors")):
-        ids = getattr(dataset, ids_attr, None)
+    for ids, names in ((dataset.domain_ids, dataset.domain_names), (dataset.vendor_ids, dataset.vendors)):
         if ids is None:
             continue
         ids = np.asarray(ids)
         if ids.shape != (len(dataset),):  # e.g. a class subset forwarding its parent's array
             return None
-        names = getattr(dataset, names_attr, None)
         return ids.astype(np.int64), ([str(n) for n in names] if names is not None
                                        else [str(i) for i in range(int(ids.max()) + 1)])
     return None
@@ -177,7 +175,7 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
         raise ValueError(f"checkpoint {path}: model weights do not match the config's model "
                          f"({str(exc)[:300]})") from None
     losses = build_losses(cfg, num_classes=num_classes, embedding_dim=model_args.get("embedding_dim"),
-                          projection_dim=getattr(model, "projection_dim", None))
+                          projection_dim=model.projection_dim)
     for loss, ls in zip(losses, state.get("loss", [])):
         loss.load_state_dict(ls)
     device = torch.device(device)
@@ -197,9 +195,9 @@ def _embed_sharded(model, ds, out, checkpoint, kw: dict, shard_size: int | None)
         h = hashlib.sha256(Path(checkpoint).read_bytes()).hexdigest()
         plan = ShardPlan(out, rank=rank, world_size=world, shard_size=shard_size or DEFAULT_SHARD_SIZE,
                          checkpoint_sha256=h)
-        paths = getattr(ds, "paths", None)
+        paths = ds.paths
         names = [str(p) for p in (paths if paths is not None else range(len(ds)))]
-        if getattr(ds, "labels", None) is None:
+        if ds.labels is None:
             raise ValueError(f"embedding over torchrun needs a dataset with labels; {type(ds).__name__} has none")
 
         def embed(rows):

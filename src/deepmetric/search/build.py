@@ -37,10 +37,10 @@ class _ImageFiles(torch.utils.data.Dataset):
 
 
 def class_names_of(ds) -> list[str] | None:
-    names = getattr(ds, "class_names", None)
+    names = ds.class_names
     if names:
         return [str(c) for c in names]
-    ids = getattr(ds, "class_ids", None)
+    ids = ds.class_ids
     return [str(c) for c in ids] if ids else None
 
 
@@ -139,14 +139,14 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
     n = len(ds)
     if n == 0:
         raise ValueError(f"dataset {cfg.data.name!r} (root {cfg.data.root}, split {split!r}) has no images")
-    paths = getattr(ds, "paths", None)
-    in_memory = paths is None and getattr(ds, "images", None) is not None
+    paths = ds.paths
+    in_memory = paths is None and ds.images is not None
     if paths is not None:
         paths = [str(Path(p).resolve()) for p in paths]
         keep = [i for i in range(n) if paths[i] not in skip_paths]
     else:
         keep = list(range(n))
-    labels = np.asarray(ds.labels, dtype=np.int64)[keep] if hasattr(ds, "labels") else None
+    labels = np.asarray(ds.labels, dtype=np.int64)[keep] if ds.labels is not None else None
 
     names = class_names_of(ds)
     for name in names or []:  # before any work: index files store names and paths as UTF-8

@@ -148,7 +148,9 @@ def make_train_loader(dataset: Dataset, batch_sampler, *, epoch: int, start: int
     generator keeps the loader from drawing its base seed from torch's global stream.  A
     batched augmentation (the dataset transform's ``batch_transform``) runs in the collate,
     in the workers when there are any."""
-    batch_transform = getattr(getattr(dataset, "transform", None), "batch_transform", None)
+    from deepmetric.data import batch_transform_of
+
+    batch_transform = batch_transform_of(dataset.transform)
     return DataLoader(PositionSeededDataset(dataset, run_seed, rank, batch_seeds=batch_transform is not None),
                       batch_sampler=PositionedBatchSampler(batch_sampler, epoch, start),
                       collate_fn=None if batch_transform is None else PositionSeededBatchTransform(batch_transform),

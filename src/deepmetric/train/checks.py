@@ -59,7 +59,9 @@ def check_images_readable(dataset, split: str, *, show: int = 10) -> tuple[int, 
     """Open the header of every image of a file-based ``dataset`` (one with ``paths``); raise
     ``OSError`` listing the unreadable files.  Returns ``(images checked, seconds)``;
     in-memory datasets (glyphs, Fashion-MNIST, synthetic) check nothing."""
-    paths = getattr(dataset, "paths", None)
+    from deepmetric.data import with_dataset_defaults
+
+    paths = with_dataset_defaults(dataset).paths  # any dataset (torch's own have no paths)
     if not paths:
         return 0, 0.0
     t0 = time.perf_counter()
@@ -105,10 +107,12 @@ def check_model_input(model: nn.Module, dataset, cfg: Config) -> tuple[int, ...]
     convolution, then run the model on two samples (eval mode, no gradients).  Raises a
     ``ValueError`` in config terms; returns the sample shape.  RNG states are not touched
     beyond what the caller saves (the training transform is random)."""
+    from deepmetric.data import batch_transform_of
+
     xs = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(min(2, len(dataset)))])
     # a batched augmentation (data.transform_options.batched) finishes the images per batch,
     # as the loader's collate does: the model sees them only after it
-    batch_transform = getattr(getattr(dataset, "transform", None), "batch_transform", None)
+    batch_transform = batch_transform_of(dataset.transform)
     if batch_transform is not None:
         xs = batch_transform(xs)
     x0 = xs[0]
@@ -172,16 +176,17 @@ def short_input_warnings(cfg: Config, model: nn.Module) -> list[str]:
 
     On the emoji (2026-11-24) ALMN's loss stayed at log(batch) = 4.111 for 468 steps on such a
     projection and trained on the same projection without the 1 / sqrt(dim) (about 11 long)."""
+    from deepmetric.models import EmbeddingHead
+
     # the EmbeddingHead that normalises each input a loss term can read (None: not normalised here)
-    heads = {"embedding": getattr(model, "head", None),
-             "projection": getattr(getattr(model, "projection", None), "out", None)}
+    heads = {"embedding": model.head, "projection": None if model.projection is None else model.projection.out}
     warns = []
     for i, term in enumerate(cfg.loss):
         if term.name not in NO_TEMPERATURE_LOSSES:
             continue
         head = heads.get(term.input)
-        norm = getattr(head, "norm", None)
-        short = norm == "l2" or (norm == "bn" and getattr(head, "bn_divide_sqrt_k", False))
+        norm = head.norm if isinstance(head, EmbeddingHead) else None
+        short = norm == "l2" or (norm == "bn" and head.bn_divide_sqrt_k)
         if not short:
             continue
         how = "l2-normalised" if norm == "l2" else "BN^ / sqrt(k)"
@@ -226,7 +231,7 @@ def check_run(cfg: Config, model: nn.Module, train_set, eval_sets: dict[str, Any
     grey = grey_colour_warning(cfg, train_set)
     if grey is not None:
         warns.append(grey)
-    n = getattr(train_set, "num_classes", None)
+    n = train_set.num_classes
     if n is None:
         n = len(np.unique(np.asarray(train_set.labels)))
     # zero-shot only: in a classification protocol the test classes are the training classes

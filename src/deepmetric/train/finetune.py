@@ -39,7 +39,9 @@ def linear_probe_epoch(tc: TrainConfig, epoch: int) -> bool:
 
 def probed_backbone(model: nn.Module) -> nn.Module:
     """``model.backbone``, the part a linear probe keeps fixed; a clear error without one."""
-    backbone = getattr(model, "backbone", None)
+    from deepmetric.models import with_model_defaults
+
+    backbone = with_model_defaults(model).backbone  # any module (one from elsewhere may have none)
     if not isinstance(backbone, nn.Module):
         raise ValueError(f"config key 'train.warmup_mode': linear_probe keeps model.backbone fixed, but "
                          f"{type(model).__name__} has no .backbone module")

@@ -30,7 +30,7 @@ COLOUR_PIXEL_FRACTION = 0.01
 
 def sample_paths(dataset, n: int = SAMPLED_FILES) -> list:
     """Up to ``n`` image paths of a file-based dataset, evenly spread (first and last included)."""
-    paths = getattr(dataset, "paths", None)
+    paths = dataset.paths
     if not paths:
         return []
     idx = np.unique(np.linspace(0, len(paths) - 1, num=min(n, len(paths))).round().astype(int))
@@ -110,7 +110,7 @@ def is_colour_image(path: Any, side: int = 64) -> bool | None:
 def grey_colour_warning(cfg, dataset) -> str | None:
     """A warning when a file-based dataset reads its images as grayscale (``mode`` L) but
     sampled files hold colour: the colour is dropped without a word otherwise."""
-    if getattr(dataset, "mode", None) != "L":
+    if dataset.mode != "L":
         return None
     paths = sample_paths(dataset)
     colour = [p for p in paths if is_colour_image(p)]

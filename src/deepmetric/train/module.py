@@ -156,10 +156,11 @@ def init_head_from_pca(model: nn.Module, dataset, *, device: torch.device, batch
     (:meth:`deepmetric.models.EmbeddingHead.init_from_pca`).  Returns a summary for the logs:
     ``{"images", "explained_variance"}`` (the share of the features' variance the k
     directions keep)."""
+    from deepmetric.models import EmbeddingHead
     from deepmetric.run.embed import compute_embeddings
 
-    head = getattr(model, "head", None)
-    if not callable(getattr(head, "init_from_pca", None)):
+    head = model.head
+    if not isinstance(head, EmbeddingHead):
         raise ValueError(f"config key 'model.options.head_init': {type(model).__name__} has no embedding head "
                          f"with a linear projection to initialise from a PCA")
     feats = compute_embeddings(model, dataset, batch_size=batch_size, device=device, amp=amp,

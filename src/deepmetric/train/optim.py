@@ -55,9 +55,9 @@ def layer_depths(model: nn.Module) -> dict[int, int]:
     """``{id(parameter): s}`` for every parameter of ``model.backbone``, ``s`` its stage
     counted from the top (the stage nearest the head is 0).  Raises ``ValueError`` naming
     ``optim.layer_decay`` when the model has no backbone with known stages."""
-    from deepmetric.models import backbone_stages
+    from deepmetric.models import backbone_stages, with_model_defaults
 
-    backbone = getattr(model, "backbone", None)
+    backbone = with_model_defaults(model).backbone  # any module (one from elsewhere may have none)
     if not isinstance(backbone, nn.Module):
         raise ValueError(f"config key 'optim.layer_decay': model {type(model).__name__} has no .backbone "
                          f"whose stages could get decayed learning rates")

@@ -122,7 +122,7 @@ def _build_data(cfg: Config, dist_info) -> dict:
     rank, world, main = dist_info.rank, dist_info.world_size, dist_info.is_main
     train_ds = build_dataset(cfg, cfg.data.train_split, train=True)
     labels = np.asarray(train_ds.labels, dtype=np.int64)
-    num_classes = int(getattr(train_ds, "num_classes", int(labels.max()) + 1))
+    num_classes = int(train_ds.num_classes if train_ds.num_classes is not None else labels.max() + 1)
     sampler = build_sampler(cfg, labels, rank, world)
     batches_per_epoch = len(sampler)
     if batches_per_epoch == 0:
@@ -164,7 +164,7 @@ def _build_model_and_losses(cfg: Config, data: dict, dist_info, resume_ckpt: dic
         raise preflight_error or RuntimeError("pre-flight checks failed on another rank (see its message)")
     embedding_dim = embedding_dim_of(model, train_ds)
     losses = build_losses(cfg, num_classes=num_classes, embedding_dim=embedding_dim,
-                          projection_dim=getattr(model, "projection_dim", None))
+                          projection_dim=model.projection_dim)
     if world > 1 and tc.sync_bn and device.type == "cuda":
         model = D.convert_sync_batchnorm(model)  # keeps the BN head's learned shift
     model.to(device)
@@ -258,7 +258,7 @@ def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=No
     # restored: the model already is the checkpoint's start_model (head initialised as it was)
     needed = not restored and (resume is None or (cfg.eval.wise_ft is not None
                                                   and cfg.eval.wise_ft_params == "all"))
-    if getattr(model, "head_init", None) is not None and needed:
+    if model.head_init is not None and needed:
         with rng_preserved():
             info = init_head_from_pca(model, build_dataset(cfg, cfg.data.train_split, train=False), device=device,
                                       batch_size=cfg.eval.batch_size, amp=tc.amp, channels_last=tc.channels_last,

@@ -51,7 +51,7 @@ def _human(n: int) -> str:
 
 
 def _class_names(dataset) -> list[str] | None:
-    names = getattr(dataset, "class_names", None)
+    names = dataset.class_names
     if names is None:
         return None
     return [str(n) for n in names]
@@ -61,9 +61,9 @@ def describe_split(dataset, max_names: int = 10) -> str:
     """``5 classes, 500 images: eight, five, ...`` (names when the dataset has them)."""
     import numpy as np
 
-    labels = getattr(dataset, "labels", None)
+    labels = dataset.labels
     n_img = len(dataset)
-    n_cls = getattr(dataset, "num_classes", None)
+    n_cls = dataset.num_classes
     if n_cls is None and labels is not None:
         n_cls = len(np.unique(np.asarray(labels)))
     text = f"{n_cls} class{'es' if n_cls != 1 else ''}, {n_img} image{'s' if n_img != 1 else ''}"
@@ -79,9 +79,9 @@ def _describe_data(cfg: Config) -> str:
     d = cfg.data
     text = d.name + (f" '{d.root}'" if d.root else "")
     cs = d.options.get("class_split")
-    if getattr(d, "val_classes", None) is not None:
+    if d.val_classes is not None:
         text += f", validation classes carved from train: {d.val_classes}"
-    if getattr(d, "val_query_families", None):
+    if d.val_query_families:
         text += f" (queried from the held-out families {', '.join(d.val_query_families)})"
     if isinstance(cs, str) and cs == "half":
         text += ", class_split 'half' (first half of the sorted class names = train)"
@@ -134,7 +134,7 @@ def format_run_summary(cfg: Config, *, train_set, eval_sets: dict[str, Any], mod
         model_line += f" (+ {_human(extra)} in the loss)"
     if embedding_dim is not None:
         model_line += f", {embedding_dim}-d embedding"
-    model_line += pooling_note(getattr(model, "pool", "avg"))
+    model_line += pooling_note(model.pool) if model.pool is not None else ""  # None: the model does not pool
     if input_shape is not None:
         model_line += f", input {list(input_shape)}"
     pre = cfg.model.options.get("pretrained")

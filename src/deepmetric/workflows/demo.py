@@ -173,7 +173,10 @@ def _pictures(out: Path, cfg, snapshots: dict, final: dict | None, test_ds, titl
     if final is not None:
         ex = retrieval_examples(final["embeddings"], final["labels"], k=8, n_random=6, n_worst=3,
                                 seed=cfg.train.seed)
-        names = getattr(test_ds, "names", None) or getattr(test_ds, "class_names", None)
+        from deepmetric.data import EmojiDataset
+
+        # the emoji's Unicode names rather than their code points
+        names = (test_ds.names if isinstance(test_ds, EmojiDataset) else None) or test_ds.class_names
         paths.append(plot_retrieval_grid(test_ds.images, final["labels"], ex, out / "retrieval_grid.png",
                                          class_names=names,
                                          title=f"{title}: unseen test queries (left) and their 8 nearest "
@@ -273,7 +276,7 @@ def _datasets(cfg, data: str):
     train_ds = build_dataset(cfg, "train", train=True)
     test_ds = build_dataset(cfg, "test", train=False)
     t_data = time.perf_counter() - t0
-    how = "loaded from cache" if getattr(train_ds, "from_cache", None) else "built"
+    how = "loaded from cache" if train_ds.from_cache else "built"
     if data == "emoji":
         print(f"[demo] emoji: {train_ds.num_classes} train / {test_ds.num_classes} unseen test emoji, "
               f"{len(train_ds)} / {len(test_ds)} images from {len(train_ds.vendors)} vendors "
@@ -281,7 +284,7 @@ def _datasets(cfg, data: str):
               f"({how} in {t_data:.1f} s)", flush=True)
     else:
         print(f"[demo] glyphs: {train_ds.num_classes} train / {test_ds.num_classes} unseen test characters, "
-              f"{len(train_ds)} / {len(test_ds)} images from {len(getattr(train_ds, 'faces', []))} font faces "
+              f"{len(train_ds)} / {len(test_ds)} images from {len(train_ds.faces)} font faces "
               f"({how} in {t_data:.1f} s)", flush=True)
     return train_ds, test_ds
 
