@@ -6,9 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .distances import (
-    upcast,
+    upcast_normalized,
     check_embeddings_labels,
-    l2_normalize,
     no_autocast,
     pairwise_squared_euclidean,
     safe_sqrt,
@@ -59,9 +58,7 @@ class ContrastiveLoss(nn.Module):
         if b < 2:
             return zero_loss(embeddings)
         with no_autocast(embeddings.device):
-            x = upcast(embeddings)
-            if self.normalize:
-                x = l2_normalize(x)
+            x = upcast_normalized(embeddings, self.normalize)
             sq = pairwise_squared_euclidean(x)
             same = labels.unsqueeze(0) == labels.unsqueeze(1)
             # positives use D^2 directly (no sqrt needed); negatives need D itself

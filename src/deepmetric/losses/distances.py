@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "upcast",
+    "upcast_normalized",
     "check_embeddings_labels",
     "l2_normalize",
     "pairwise_squared_euclidean",
@@ -33,6 +34,13 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     if x.dtype in (torch.float16, torch.bfloat16):
         return x.float()
     return x
+
+
+def upcast_normalized(x: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """:func:`upcast`, then l2-normalised when the loss is set to ``normalize`` (the pair losses'
+    option: distances between unit vectors)."""
+    x = upcast(x)
+    return l2_normalize(x) if normalize else x
 
 
 def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:

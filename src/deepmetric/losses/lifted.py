@@ -6,9 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .distances import (
-    upcast,
+    upcast_normalized,
     check_embeddings_labels,
-    l2_normalize,
     label_masks,
     masked_logsumexp,
     no_autocast,
@@ -61,9 +60,7 @@ class LiftedStructureLoss(nn.Module):
         if num_pos == 0 or not bool(neg.any()):
             return zero_loss(embeddings)
         with no_autocast(embeddings.device):
-            x = upcast(embeddings)
-            if self.normalize:
-                x = l2_normalize(x)
+            x = upcast_normalized(embeddings, self.normalize)
             d = pairwise_euclidean(x)
             neg_lse = masked_logsumexp(self.margin - d, neg, dim=1)  # [B], -inf without negatives
             has_neg = neg.any(dim=1)

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .distances import upcast, check_embeddings_labels, l2_normalize, no_autocast, zero_loss
+from .distances import upcast_normalized, check_embeddings_labels, no_autocast, zero_loss
 from .registry import register_loss
 
 __all__ = ["NPairLoss", "select_npairs"]
@@ -74,9 +74,7 @@ class NPairLoss(nn.Module):
         if a_idx.numel() == 0:
             return zero_loss(embeddings)
         with no_autocast(embeddings.device):
-            x = upcast(embeddings)
-            if self.normalize:
-                x = l2_normalize(x)
+            x = upcast_normalized(embeddings, self.normalize)
             anchors, positives = x[a_idx], x[p_idx]
             logits = anchors @ positives.t()
             targets = torch.arange(a_idx.numel(), device=x.device)

@@ -17,9 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .distances import (
-    upcast,
+    upcast_normalized,
     check_embeddings_labels,
-    l2_normalize,
     label_masks,
     no_autocast,
     pairwise_squared_euclidean,
@@ -158,9 +157,7 @@ class TripletLoss(nn.Module):
 
     def distances(self, embeddings: torch.Tensor) -> torch.Tensor:
         """The [B, B] squared Euclidean distance matrix the loss mines on (float32)."""
-        x = upcast(embeddings)
-        if self.normalize:
-            x = l2_normalize(x)
+        x = upcast_normalized(embeddings, self.normalize)
         return pairwise_squared_euclidean(x)
 
     def _per_triplet(self, d_ap: torch.Tensor, d_an: torch.Tensor) -> torch.Tensor:
