@@ -1,5 +1,16 @@
-"""Shared test set-up: small thread counts so the suite behaves on 2 cores."""
+"""Shared test set-up: small thread counts so the suite behaves on 2 cores; the one config
+builder (:func:`synthetic_config`) and the one served-app fixture.
+
+tests/ mirrors src/deepmetric/: tests/<package>/ holds the tests of deepmetric.<package>, and
+tests/ itself the project-wide checks and the helper modules (serving.py, search_data.py, ...).
+A test may reuse another folder's data builders (``from test_data_emoji import make_tree``):
+every test folder is importable."""
 import os
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(d) for d in sorted(Path(__file__).parent.iterdir())
+                if d.is_dir() and (d / "__init__.py").exists() is False and any(d.glob("test_*.py"))]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")

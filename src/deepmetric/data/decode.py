@@ -142,7 +142,7 @@ def decode_memory(im: Image.Image, mode: str | None = "RGB") -> int:
     pixels, ``tobytes``' joined copy, the 8-bit result and its image, the alpha of a grey
     ``transparency``), compositing onto white (RGBA of the image, the background and the
     result: 12 bytes a pixel) and the final conversion. Measured against the resident set of
-    real decodes in tests/test_data_decode.py."""
+    real decodes in tests/data/test_data_decode.py."""
     w, h = im.size
     n = int(w) * int(h)
     base = n * _stored(im.mode)

@@ -14,7 +14,7 @@ Routes:
                                is refused with 409 and the loaded index keeps serving. ``kill -HUP``
                                does the same for ``deepmetric serve``.
 
-Staying up (each point is tested against a real uvicorn server in tests/test_search_serve_hostile.py):
+Staying up (each point is tested against a real uvicorn server in tests/search/test_search_serve_hostile.py):
 
 * decoding, embedding, searching and thumbnails run in a pool of ``workers`` threads, never on
   the event loop, so ``/api/info`` answers while uploads are decoded;

@@ -1,0 +1,245 @@
+"""Protocol v2 (issue 30; studies/protocol_v2.py, bench/protocol_v2.py): every loss searches the
+same space shape, every space is valid on the protocol's recipe, and the whole pipeline (tune,
+seeds, control, final) runs in miniature on the CPU with two worker processes: the same number of
+completed trials per loss, seeds no tune used, no test metric in any tune output or storage,
+no absolute path in the committed copy, and results.csv with the protocol's columns."""
+import csv
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_data_emoji import make_tree
+
+pytest.importorskip("optuna")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+v2 = _load("protocol_v2_spec", ROOT / "studies" / "protocol_v2.py")
+bench = _load("protocol_v2_bench", ROOT / "bench" / "protocol_v2.py")
+
+
+def test_every_loss_searches_the_same_space_shape_in_the_issues_order(tmp_path):
+    from deepmetric.workflows.tune import prepare_tune
+
+    assert list(v2.LOSSES) == ["HBN", "BN", "SM", "LN", "HLN", "almn_beta3", "almn_beta0", "npair",
+                               "triplet_semihard", "pml_proxy_anchor", "pml_multi_similarity", "pml_arcface",
+                               "pml_normalized_softmax", "proxy_nca", "contrastive"]
+    spaces = v2.write_spaces(tmp_path / "spaces", epochs=10)
+    first = v2.space("HBN", 10)
+    for name in v2.LOSSES:
+        s = v2.space(name, 10)
+        assert {k: s["params"][k] for k in v2.SHARED} == v2.SHARED, name
+        assert s["params"]["optim.name"]["choices"] == ["sgd", "adamw"]
+        assert s["params"]["optim.new_layer_lr_mult"]["choices"] == [1.0, 10.0, 100.0]
+        assert s["params"]["eval.embedding"]["choices"] == ["embedding", "projection"]
+        assert s["sampler"] == first["sampler"] and s["pruner"] == first["pruner"] and s["objective"] == first["objective"]
+        # the pruner acts only from the second half, never before epoch 2
+        assert s["pruner"] == {"name": "median", "n_startup_trials": v2.PRUNER_STARTUP, "n_warmup_steps": 5}
+        # every space is valid on the protocol's recipe (both ends of every range, every choice)
+        setup = prepare_tune(ROOT / "recipes" / "protocol_v2.yaml", spaces[name], trials=2, out=tmp_path / name,
+                             overrides=["model.options.pretrained=null"], count="completed")
+        cfg = setup.trial_config({p.name: p.examples()[-1] for p in setup.space.params}, tmp_path / "r")
+        assert not cfg.eval.test and cfg.optim.decay_exclude == ["bias", "norm", "loss"], name
+    assert v2.space("SM", 3)["pruner"]["n_warmup_steps"] == 2  # never before epoch 2
+    assert "at: 8" in " ".join(v2.overrides("HBN", 10)) and "at: 16" in " ".join(v2.overrides("HLN", 20))
+    assert not set(v2.SEEDS + v2.CLAIM_SEEDS + v2.BETA_SEEDS) & {v2.TUNE_SEED}
+    assert yaml.safe_load((ROOT / "recipes" / "protocol_v2.yaml").read_text())["train"]["epochs"] == v2.EPOCHS
+
+
+def test_holm_and_the_flattening_rule():
+    assert bench.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert bench.holm([0.5]) == [0.5]
+    assert bench.flattened([0.30, 0.40, 0.402, 0.404]) and not bench.flattened([0.30, 0.40, 0.41, 0.40])
+    assert not bench.flattened([0.3, 0.3])  # too few evaluations to say
+
+
+def test_final_refuses_without_a_preregistration(tmp_path):
+    args = bench.parse_args(["--runs", str(tmp_path / "runs"), "--copy-to", str(tmp_path / "copy")])
+    with pytest.raises(bench.ProtocolError, match="PREREGISTRATION.md does not exist"):
+        bench.check_preregistration(bench.Protocol(args))
+
+
+MINI_RECIPE = """
+data:
+  name: emoji
+  root: {root}
+  options: {{size: 32}}
+  transform: emoji
+  transform_options: {{normalize: minus_one_one}}
+  val_classes: 3
+  val_pick: last
+model:
+  name: glyph_resnet
+  options: {{in_chans: 3, embedding_dim: 8, norm: bn, widths: [8], depths: [1], projection: {{dim: 4, norm: bn}}}}
+loss:
+  - {{name: heated_softmax, input: projection, options: {{alpha: 16.0}}}}
+optim: {{name: sgd, lr: 0.01, momentum: 0.9, weight_decay: 0.0001, new_layer_lr_mult: 10.0,
+        decay_exclude: [bias, norm, loss]}}
+train: {{epochs: 1, batch_size: 4, seed: 0, num_threads: 1, progress: false}}
+eval: {{every: 1, test: false, ks: [1, 2], metrics: [recall, map@r], cross_domain: true,
+       best_metric: cross_domain_recall@1, baselines: false}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*no same-label reference")
+def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch):
+    make_tree(tmp_path / "tree")
+    (tmp_path / "recipe.yaml").write_text(MINI_RECIPE.format(root=tmp_path / "tree"))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "PREREGISTRATION.md").write_text("# the hypotheses, before any result\n")
+    monkeypatch.setenv("DEEPMETRIC_TUNE_HEARTBEAT", "1")
+    losses = ["BN", "pml_normalized_softmax"]  # a claim loss (5 seeds) and a user's pick (3)
+    argv = ["--recipe", str(tmp_path / "recipe.yaml"), "--runs", str(tmp_path / "runs"), "--copy-to", str(copy),
+            "--only", *losses, "--trials", "2", "--epochs", "1", "--parallel", "2", "--tune-parallel", "2", "--phase"]
+    assert bench.main(argv + ["tune"]) == 0  # the tunes, then (another command) the rest
+    assert bench.main(argv + ["seeds", "control", "final"]) == 0
+    runs = tmp_path / "runs"
+
+    # the same number of completed trials per loss; the tunes' trials trained with seed 0 only
+    tune_seeds = set()
+    for loss in losses:
+        with open(runs / "tune" / loss / "trials.csv", newline="") as f:
+            states = [r["state"] for r in csv.DictReader(f)]
+        assert states.count("complete") == 2, (loss, states)
+        for cfg in (runs / "tune" / loss / "trials").glob("*/config.yaml"):
+            tune_seeds.add(yaml.safe_load(cfg.read_text())["train"]["seed"])
+        # no test metric in any tune output, nor in the storage
+        assert bench.test_metric_leaks(runs / "tune" / loss) == []
+        assert bench.test_metric_leaks(copy / "tunes" / loss) == []
+        import optuna
+
+        study = optuna.load_study(study_name=f"protocol_v2__{loss}",
+                                  storage=f"sqlite:///{runs / 'tune' / loss / 'tune.db'}")
+        for t in study.get_trials():
+            assert not [k for k in {**t.user_attrs, **t.system_attrs} if str(k).lower().startswith("test")]
+        with open(copy / "tunes" / loss / "trials.csv", newline="") as f:
+            assert not [c for c in next(csv.reader(f)) if "test" in c.lower()]
+    assert tune_seeds == {0}
+
+    # results.csv: the protocol's columns, seeds no tune used, every loss the same budget
+    with open(copy / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames[:8] == ["loss", "seed", "completed_trials", "optimizer", "embedding", "epochs",
+                                         "cross_domain_recall@1", "cross_domain_map@r"]
+        rows = list(reader)
+    seeds = {loss: sorted(int(r["seed"]) for r in rows if r["loss"] == loss) for loss in losses}
+    assert seeds == {"BN": [100, 101, 102, 103, 104], "pml_normalized_softmax": [100, 101, 102]}
+    assert not set(s for v in seeds.values() for s in v) & tune_seeds
+    assert {r["completed_trials"] for r in rows} == {"2"} and {r["epochs"] for r in rows} == {"1"}
+    assert all(0.0 <= float(r["cross_domain_recall@1"]) <= 1.0 for r in rows)
+    assert {r["embedding"] for r in rows} <= {"pooled", "own"}
+    # the seeded runs never saw the test split; the final step evaluated each best.pt once
+    for run_dir in (runs / "seeds").glob("*/seed*"):
+        if run_dir.is_dir():
+            assert bench.test_metric_leaks(run_dir) == [], run_dir
+            assert (run_dir.parent / f"{run_dir.name}.final.json").is_file()
+    # the control: both losses at the winner's settings, validation only
+    with open(copy / "control.csv", newline="") as f:
+        control = list(csv.DictReader(f))
+    assert sorted(r["loss"] for r in control) == sorted(losses) and len({r["winner"] for r in control}) == 1
+    winner = json.loads((runs / "control" / "winner.json").read_text())
+    for run_dir in (runs / "control").glob("*/seed100"):
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert cfg["optim"]["name"] in winner["shared"][0] and cfg["eval"]["test"] is False
+    # the committed copy: relative paths only
+    for path in copy.rglob("*"):
+        if path.is_file() and path.suffix != ".png":
+            text = path.read_text()
+            assert str(tmp_path) not in text and not re.search(bench.ABSOLUTE, text), path
+    # a rerun resumes: nothing left to train (no worker started), the test evaluated once
+    worker_log = runs / "seeds" / ".study" / "workers" / "worker_0.log"
+    before = {p: p.stat().st_mtime_ns for p in [*(runs / "seeds").glob("*/seed*.final.json"), worker_log]}
+    assert bench.main(argv + ["seeds", "control", "final"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in [*(runs / "seeds").glob("*/seed*.final.json"), worker_log]} == before
+
+
+def _fake_tune(runs, loss, value, overrides):
+    d = runs / "tune" / loss
+    d.mkdir(parents=True)
+    (d / "best_overrides.json").write_text(json.dumps({"trial": 0, "value": value, "overrides": overrides}))
+    (d / "trials.csv").write_text("trial,state\n0,complete\n1,pruned\n2,complete\n")
+
+
+def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_path):
+    """control: every loss at the winner's shared values with its own option kept; the sweep:
+    beta 0-3 at almn_beta3's tuned values, seeds 100-104 (built and validated, not trained)."""
+    runs = tmp_path / "runs"
+    _fake_tune(runs, "BN", 0.50, ['optim.name="sgd"', "optim.lr=0.02", "optim.weight_decay=0.0001",
+                                  "optim.new_layer_lr_mult=10.0", 'eval.embedding="embedding"',
+                                  "loss.0.options.alpha=32.0"])
+    _fake_tune(runs, "almn_beta3", 0.60, ['optim.name="adamw"', "optim.lr=0.0003", "optim.weight_decay=0.01",
+                                          "optim.new_layer_lr_mult=1.0", 'eval.embedding="projection"',
+                                          "optim.loss_lr_mult=30.0"])
+    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy"), "--only", "BN", "almn_beta3",
+                             "--set", "model.options.pretrained=null"])
+    proto = bench.Protocol(args)
+    assert bench.tune_record(proto, "BN")["completed"] == 2
+    study, win = bench.control_study(proto)
+    assert win["loss"] == "almn_beta3"
+    by_variant = {r.variant: r.raw for r in study.runs}
+    assert {r.seed for r in study.runs} == {100}
+    bn = by_variant["BN"]
+    assert (bn["optim"]["name"], bn["optim"]["lr"], bn["eval"]["embedding"]) == ("adamw", 0.0003, "projection")
+    assert bn["loss"][0]["options"]["alpha"] == 32.0 and bn["loss"][0]["name"] == "heated_softmax"  # its own
+    assert by_variant["almn_beta3"]["optim"]["loss_lr_mult"] == 30.0
+    sweep = bench.almn_study(proto)
+    assert sorted(sweep.variants) == ["beta0", "beta1", "beta2", "beta3"]
+    assert sorted({r.seed for r in sweep.runs}) == [100, 101, 102, 103, 104]
+    for r in sweep.runs:
+        assert r.raw["loss"][0]["name"] == "almn" and r.raw["optim"]["lr"] == 0.0003
+        assert r.raw["loss"][0]["options"]["beta"] == float(r.variant[len("beta"):])
+    # a later winner is refused, not silently applied to the control runs
+    _fake_tune(runs, "HBN", 0.70, ['optim.name="sgd"', "optim.lr=0.05", "optim.weight_decay=0.0001",
+                                   "optim.new_layer_lr_mult=10.0", 'eval.embedding="embedding"',
+                                   "loss.0.options.alpha=16.0"])
+    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy"), "--only", "HBN", "BN",
+                             "almn_beta3", "--set", "model.options.pretrained=null"])
+    with pytest.raises(bench.ProtocolError, match="the winner is now HBN"):
+        bench.control_study(bench.Protocol(args))
+
+
+@pytest.mark.filterwarnings("ignore:Precision loss occurred in moment calculation")
+def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
+    """H1-H6 with Holm over the family of seven (tests not run yet count as p = 1), verdicts on
+    the primary metric: holds / reversed / does not hold (CI below +1 point) / not resolved."""
+    runs = tmp_path / "runs"
+    means = {"HBN": 0.60, "BN": 0.50, "SM": 0.50, "LN": 0.40, "HLN": 0.40, "almn_beta3": 0.30, "almn_beta0": 0.40,
+             "pml_proxy_anchor": 0.45}
+    jitter = {"HLN": [0.2, -0.2, 0.1, -0.1, 0.15]}  # a wide interval: not resolved
+    rows = []
+    for loss, m in means.items():
+        for i, seed in enumerate([100, 101, 102, 103, 104]):
+            v = m + jitter.get(loss, [0.001, -0.001, 0.0005, -0.0005, 0.0])[i]
+            rows.append({"loss": loss, "seed": seed, "completed_trials": 12, "optimizer": "sgd", "embedding": "own",
+                         "epochs": 10, "cross_domain_recall@1": v, "cross_domain_map@r": v / 2,
+                         "val_flattened": True})
+    bench.write_csv(runs / "results.csv", rows, bench.RESULT_COLUMNS)
+    for loss, value in (("HBN", 0.7), ("BN", 0.6), ("pml_proxy_anchor", 0.65)):
+        _fake_tune(runs, loss, value, ["optim.lr=0.01"])
+    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")])
+    proto = bench.Protocol(args)
+    bench.write_summary(proto)
+    text = (runs / "summary.md").read_text()
+    primary = text.split("### cross_domain_recall@1")[1].split("###")[0]
+    got = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in primary.splitlines()
+           if re.match(r"\| H\d", line)}
+    assert got == {"H1": "holds", "H2": "does not hold", "H3": "not resolved", "H4": "reversed", "H5a": "",
+                   "H5b": "", "H6": "holds"}, got
+    assert "| H5a | not run yet |" in primary and "best of ours (HBN)" in text and "(pml_proxy_anchor)" in text
+    assert "| 1 | HBN | 5 | 60.00 |" in text
+    secondary = text.split("### cross_domain_map@r")[1]
+    assert not re.search(r"\| (holds|reversed|does not hold|not resolved) \|", secondary)  # MAP@R: no verdict
+    assert re.search(r"\| H1 \| HBN - BN \| 5 \| \+5\.00 \|", secondary)

@@ -1,0 +1,104 @@
+"""bench/study_claims.py: the verdict of each paper claim from study results, against
+hand-computed paired t intervals."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("study_claims", ROOT / "bench" / "study_claims.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["study_claims"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write(root, study, values):
+    """values: {variant: [recall@1 per seed]} (map@r = recall@1 / 2)."""
+    rows = [{"benchmark": "", "variant": v, "seed": s, "final/recall@1": x, "final/map@r": x / 2}
+            for v, xs in values.items() for s, x in enumerate(xs) if x is not None]
+    (root / study).mkdir(parents=True)
+    (root / study / "results.json").write_text(json.dumps({"rows": rows}))
+
+
+def test_verdicts_against_hand_computed_intervals(tmp_path):
+    sc = _module()
+    _write(tmp_path, "glyphs_cross_family", {
+        "alpha16": [0.70, 0.71, 0.72],
+        "alpha4": [0.68, 0.68, 0.68],     # d = 2, 3, 4 points: mean 3, sd 1, t(0.975, 2) = 4.3027
+        "alpha8": [0.72, 0.73, 0.74],     # d = -2 -2 -2 +- 0: sd 0 -> interval is the point -2: reversed
+        "alpha32": [0.60, 0.80, 0.70],    # d = 10, -9, 2: contains 0
+        "alpha64": [0.69, None, None],    # one pair: pending
+    })
+    rows = sc.load_rows("glyphs_cross_family", tmp_path)
+    st = sc.paired(rows, "alpha16", "alpha4", "final/recall@1")
+    half = 4.302652729911275 * 0.01 / 3 ** 0.5
+    assert st["n"] == 3 and st["mean"] == pytest.approx(0.03)
+    assert (st["ci_low"], st["ci_high"]) == pytest.approx((0.03 - half, 0.03 + half))
+    assert sc.verdict(st) == "holds"
+    assert sc.verdict(sc.paired(rows, "alpha16", "alpha8", "final/recall@1")) == "reversed"
+    assert sc.verdict(sc.paired(rows, "alpha16", "alpha32", "final/recall@1")) == "not resolved"
+    assert sc.verdict(sc.paired(rows, "alpha16", "alpha64", "final/recall@1")) == "pending"
+    text = sc.render(tmp_path)
+    assert (f"| glyphs_cross_family | alpha16 - alpha4 | final/recall@1 | +3.00 [{100 * (0.03 - half):+.2f}, "
+            f"{100 * (0.03 + half):+.2f}] (n=3) | holds |") in text
+    assert "| glyphs_cross_family | alpha16 - alpha64 | final/recall@1 | +1.00 (n=1) | pending |" in text
+    # the alpha-16 claim: one check reversed -> does not hold; a study with no results -> pending
+    assert "| alpha 16 is the best fixed temperature (vs 4, 8, 32, 64) | heated-up softmax, Table 3 | " \
+           "does not hold (reversed in at least one check) |" in text
+    assert "two-head hard / semi-hard > softmax in classification accuracy | two-head, Tables 1-2 | pending |" in text
+
+
+def test_claim_verdict_combinations():
+    sc = _module()
+    assert sc.claim_verdict(["holds", "holds"]) == "holds"
+    assert sc.claim_verdict(["holds", "pending"]) == "holds so far (checks pending)"
+    assert sc.claim_verdict(["holds", "not resolved"]) == "not resolved"
+    assert sc.claim_verdict(["pending"]) == "pending"
+    assert sc.claim_verdict(["holds", "reversed", "pending"]).startswith("does not hold")
+
+
+def test_reevaluated_metrics_join_their_runs(tmp_path):
+    sc = _module()
+    _write(tmp_path, "fashion_mnist_two_head", {"semihard": [0.90, 0.91, 0.92], "softmax": [0.90, 0.90, 0.90]})
+    again = [{"benchmark": None, "variant": v, "seed": s, "final/nmi": x}
+             for v, xs in {"semihard": [0.85, 0.86, 0.84], "softmax": [0.82, 0.83, 0.84]}.items()
+             for s, x in enumerate(xs)]
+    (tmp_path / "fashion_mnist_two_head" / "reevaluated_kmeans10.json").write_text(json.dumps({"rows": again}))
+    rows = sc.load_rows("fashion_mnist_two_head", tmp_path)
+    semi1 = next(r for r in rows if r["variant"] == "semihard" and r["seed"] == 1)
+    assert semi1["final/nmi[kmeans10]"] == 0.86 and semi1["final/recall@1"] == 0.91
+    st = sc.paired(rows, "semihard", "softmax", "final/nmi[kmeans10]")
+    assert st["n"] == 3 and st["mean"] == pytest.approx(0.02)  # d = 3, 3, 0 points
+    assert "| fashion_mnist_two_head | semihard - softmax | final/nmi[kmeans10] | +2.00 [" in sc.render(tmp_path)
+
+
+def test_the_fair_comparison_claims_name_its_losses():
+    """Every emoji_fair check compares two losses of the fair comparison's table (a misspelt
+    variant would stay 'pending' for ever)."""
+    mod = _module()
+    spec = importlib.util.spec_from_file_location("emoji_fair_table", ROOT / "studies" / "emoji_fair.py")
+    fair = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fair)
+    checks = [ch for c in mod.CLAIMS for ch in c.checks if ch.study == mod.EF]
+    assert len(checks) == 2 * (4 + 2 + 4)
+    for ch in checks:
+        assert ch.a in fair.LOSSES and ch.b in fair.LOSSES, ch
+        assert ch.metric in ("final/cross_domain_recall@1", "final/cross_domain_map@r")
+
+
+def test_a_claims_caveat_is_printed_under_its_verdict_only(tmp_path, monkeypatch):
+    mod = _module()
+    _write(tmp_path, "s", {"A": [0.5, 0.6, 0.7], "B": [0.4, 0.45, 0.5]})
+    checks = mod._each("s", [("A", "B")], ("final/recall@1",))
+    monkeypatch.setattr(mod, "CLAIMS", (mod.Claim("k1", "paper 1", "A > B", checks, caveat="B was not tuned"),
+                                        mod.Claim("k2", "paper 2", "A > B again", checks)))
+    text = mod.render(tmp_path)
+    first, second = text.split("## A > B again")
+    assert first.rstrip().endswith("**Verdict: holds.**\n\nCaveat: B was not tuned")
+    assert "Caveat" not in second

@@ -1,0 +1,143 @@
+"""bench/two_head_accuracy.py in miniature on the CPU: the real recipes (EfficientNet-Lite0 two-head
+model, ImageNet weights) on the miniature emoji tree (9 classes), 32 px, 1 epoch: the lr phase holds
+no test metric anywhere, the seeded runs evaluate nothing, the final step's CSV matches an
+independent evaluation of the checkpoints, the summary's paired differences match numpy, a second
+call trains nothing, and ``--parallel 2`` trains in subprocesses."""
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = importlib.util.spec_from_file_location("two_head_accuracy", ROOT / "bench" / "two_head_accuracy.py")
+bench = importlib.util.module_from_spec(SPEC)
+sys.modules[SPEC.name] = bench  # its dataclass looks its module up
+SPEC.loader.exec_module(bench)
+VARIANTS = ("softmax", "semihard")  # hard runs the same code (its recipe: test_recipes.py); kept out for time
+
+
+def _args(tree, out, *extra):
+    sets = [f"data.root={tree}", "data.options.size=32", "model.options.input_size=32", "train.m=4",
+            "train.n=2", "train.batch_size=8", "data.transform_options={normalize: minus_one_one}"]
+    return ["--out", str(out), "--epochs", "1", "--lrs", "0.01", "0.1", "--seeds", "100", "101",
+            "--variants", *VARIANTS, "--threads", "1", *[a for s in sets for a in ("--set", s)], *extra]
+
+
+def _no_test_key(obj, where):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            assert "test" not in str(k).lower() or k in ("test_vendor", "test_every", "test_selected"), (where, k)
+            _no_test_key(v, where)
+    elif isinstance(obj, list):
+        for v in obj:
+            _no_test_key(v, where)
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    from test_data_emoji import make_tree
+
+    base = tmp_path_factory.mktemp("two_head_accuracy")
+    make_tree(base / "tree")
+    out = base / "out"
+    assert bench.main(_args(base / "tree", out, "--phase", "lr")) == 0
+    lr_files = {p: p.read_bytes() for p in (out / "lr").rglob("*") if p.is_file()}
+    assert bench.main(_args(base / "tree", out, "--phase", "all")) == 0
+    return base, out, lr_files
+
+
+def test_lr_phase_holds_no_test_metric(study):
+    base, out, lr_files = study
+    with open(out / "lr" / "lr_runs.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["variant"], float(r["lr"])) for r in rows] == [(v, lr) for v in VARIANTS for lr in (0.01, 0.1)]
+    assert not [c for c in rows[0] if "test" in c]
+    chosen = json.loads((out / "lr" / "chosen_lr.json").read_text())
+    for v in VARIANTS:  # the lr of the best validation top-1 (ties: the smaller lr)
+        mine = [r for r in rows if r["variant"] == v]
+        best = max(mine, key=lambda r: (float(r["val_top1"]), -float(r["lr"])))
+        assert chosen[v]["lr"] == float(best["lr"])
+    for run_dir in (out / "lr").glob("*/*"):  # every run: validation records only
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        _no_test_key(metrics, run_dir)
+        assert set(metrics["final"]) == {"val"}
+        splits = {json.loads(line).get("split") for line in (run_dir / "log.jsonl").read_text().splitlines()}
+        assert splits <= {None, "val"}
+    # the later phases did not change the lr phase's files (nor retrain its runs)
+    assert {p: p.read_bytes() for p in (out / "lr").rglob("*") if p.is_file()} == lr_files
+
+
+def test_final_csv_matches_an_independent_evaluation(study):
+    import torch
+
+    from deepmetric.evaluate import classification_accuracy
+    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.embed import load_model_from_checkpoint
+
+    base, out, _ = study
+    with open(out / "two_head_accuracy.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert list(rows[0]) == ["variant", "seed", "top1", "macro_accuracy"]
+    assert [(r["variant"], int(r["seed"])) for r in rows] == [(v, s) for v in VARIANTS for s in (100, 101)]
+    chosen = json.loads((out / "lr" / "chosen_lr.json").read_text())
+    for r in rows:
+        run = out / "seeds" / r["variant"] / f"seed{r['seed']}"
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert metrics["final"] == {} and metrics["metrics"] == {}  # nothing evaluated while training
+        model, _, cfg, _ = load_model_from_checkpoint(run / "last.pt")
+        assert cfg.optim.lr == chosen[r["variant"]]["lr"] and cfg.data.options["val_vendor"] is None
+        assert "facebook" in {v for v in build_dataset(cfg, "train", train=False).vendors}
+        test = build_dataset(cfg, "test", train=False)
+        assert {test.vendors[v] for v in test.vendor_ids} == {"twitter"}
+        x = torch.stack([test[i][0] for i in range(len(test))])
+        with torch.no_grad():
+            logits = model(x)["logits"]
+        ref = classification_accuracy(logits, test.labels)
+        assert float(r["top1"]) == pytest.approx(ref["top1"], abs=1e-9)
+        assert float(r["macro_accuracy"]) == pytest.approx(ref["mean_per_class"], abs=1e-9)
+    summary = json.loads((out / "summary.json").read_text())
+    for v in ("semihard",):
+        d = [float(a["top1"]) - float(b["top1"]) for a in rows if a["variant"] == v
+             for b in rows if b["variant"] == "softmax" and b["seed"] == a["seed"]]
+        st = summary["paired"][f"{v} - softmax"]["top1"]
+        assert st["mean"] == pytest.approx(np.mean(d)) and st["n"] == 2
+        if np.std(d) > 0:
+            half = 12.7062047 * np.std(d, ddof=1) / np.sqrt(2)  # t_{0.975, 1}
+            assert st["ci_high"] - st["mean"] == pytest.approx(half, rel=1e-6)
+    assert "| softmax |" in (out / "summary.md").read_text()
+
+
+def test_resume_trains_nothing_and_parallel_uses_subprocesses(study, capsys):
+    import shutil
+
+    base, out, _ = study
+    capsys.readouterr()
+    for phase in ("lr", "seeds"):
+        assert bench.main(_args(base / "tree", out, "--phase", phase)) == 0
+        assert "4 of 4 runs finished, 0 to train" in capsys.readouterr().out
+    with open(out / "seeds" / "runs.csv") as fh:  # each run's CPU seconds, measured
+        assert all(float(r["cpu_s"]) > 0 for r in csv.DictReader(fh))
+    # one seeded run lost: --parallel 2 retrains just it, in a `deepmetric train` subprocess
+    shutil.rmtree(out / "seeds" / "semihard" / "seed101")
+    assert bench.main(_args(base / "tree", out, "--phase", "seeds", "--parallel", "2")) == 0
+    assert "3 of 4 runs finished, 1 to train" in capsys.readouterr().out
+    assert (out / "seeds" / "semihard" / "seed101" / "metrics.json").is_file()
+    assert (out / "logs" / "seeds_semihard_seed101.log").is_file()
+    assert bench.cpu_seconds(bench.make_run(bench.parse_args(_args(base / "tree", out)), "seeds", "semihard", 0.01,
+                                            101)) > 0  # the child's CPU time (os.wait4)
+
+
+def test_seeds_phase_needs_the_lr_phase(tmp_path):
+    with pytest.raises(SystemExit, match="run --phase lr first"):
+        bench.main(["--phase", "seeds", "--out", str(tmp_path)])
+
+
+def test_flattened_is_the_gain_over_the_last_two_evaluations():
+    assert bench.last_gain_points([0.1, 0.2]) is None
+    assert bench.last_gain_points([0.10, 0.30, 0.303, 0.304]) == pytest.approx(0.4)   # flat: <= 0.5 points
+    assert bench.last_gain_points([0.10, 0.30, 0.31, 0.30]) == pytest.approx(1.0)     # still rising
+    assert bench.last_gain_points([0.5, 0.4, 0.3]) == pytest.approx(-10.0)
