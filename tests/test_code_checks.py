@@ -1,5 +1,7 @@
 """The layers contract (import-linter) and the linter (ruff) run with the test suite, so CI fails
-when an import goes up a layer (docs/architecture.md) or ruff flags a likely bug."""
+when an import goes up a layer (docs/architecture.md) or ruff flags a likely bug; and the size
+rules of issue 31 (no function over 80 lines, no module over 600) and its one suggestion."""
+import ast
 import shutil
 import subprocess
 import sys
@@ -21,7 +23,7 @@ def _tool(name: str) -> str:
 def test_the_layers_contract_holds():
     r = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "Contracts: 1 kept, 0 broken" in r.stdout
+    assert "Contracts: 2 kept, 0 broken" in r.stdout
 
 
 def test_ruff_finds_nothing():
@@ -44,3 +46,55 @@ def test_the_contract_catches_an_upward_import(tmp_path):
     assert r.returncode != 0
     assert "deepmetric.train is not allowed to import deepmetric.report" in r.stdout
     assert "deepmetric.train.upward -> deepmetric.report" in r.stdout
+
+
+def test_report_and_search_never_import_train(tmp_path):
+    """The second contract: search (or report) reading anything of train/ breaks it, although
+    train is below them in the layers."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "src" / "deepmetric", src / "deepmetric",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "deepmetric" / "search" / "sneak.py").write_text("from deepmetric.train import loop  # noqa: F401\n")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    r = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env={"PYTHONPATH": str(src), "PATH": str(BIN)})
+    assert r.returncode != 0
+    assert "deepmetric.search is not allowed to import deepmetric.train" in r.stdout
+
+
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 600
+
+
+def too_long(path: Path) -> list[str]:
+    """Functions over MAX_FUNCTION_LINES (def line to last line, docstring included) and a
+    module over MAX_MODULE_LINES, as ``path:line name (N lines)``."""
+    text = path.read_text(encoding="utf-8")
+    out = []
+    if len(text.splitlines()) > MAX_MODULE_LINES:
+        out.append(f"{path}: module ({len(text.splitlines())} lines)")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_FUNCTION_LINES:
+                out.append(f"{path}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_over_80_lines_and_no_module_over_600(tmp_path):
+    found = [hit for p in sorted((REPO / "src").rglob("*.py")) for hit in too_long(p)]
+    assert found == [], "\n".join(found)
+    # the measure itself: an 81-line function and a 601-line module are caught, 80 / 600 are not
+    body = "def f():\n" + "    x = 1\n" * 79
+    (tmp_path / "ok.py").write_text(body + "\n" * (600 - 80))
+    (tmp_path / "long.py").write_text(body + "    x = 2\n")
+    (tmp_path / "big.py").write_text("x = 1\n" * 601)
+    assert too_long(tmp_path / "ok.py") == []
+    assert [h.split()[-3] for h in too_long(tmp_path / "long.py")] == ["f"]
+    assert too_long(tmp_path / "big.py") == [f"{tmp_path / 'big.py'}: module (601 lines)"]
+
+
+def test_the_closest_name_suggestion_is_written_once():
+    """Every "did you mean" comes from deepmetric.registry (did_you_mean / suggest)."""
+    hits = [str(p.relative_to(REPO)) for p in sorted((REPO / "src").rglob("*.py"))
+            if "did you mean" in p.read_text(encoding="utf-8").lower()]
+    assert hits == ["src/deepmetric/registry.py"]
