@@ -179,6 +179,7 @@ def test_search_placement_moves_device_tensors_to_a_cpu_search():
     assert isinstance(moved, torch.Tensor) and moved.device.type == "meta" and moved.shape == (3, 2)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, auto trains and searches there: not the CPU's search")
 def test_a_run_with_eval_device_cpu_logs_the_same_metrics(tmp_path):
     """On a CPU machine ``auto`` and ``cpu`` are the same search: identical eval records."""
     records = {}
