@@ -3,13 +3,15 @@
 The sub-commands live in one module per group (:mod:`.evaluate`: evaluate, report;
 :mod:`.train`: train, embed, demo, emoji; :mod:`.search`: index, search, export, serve;
 :mod:`.experiments`: study, tune), each registered by a small ``add_<name>_parser(sub)``
-function that adds its arguments and ``set_defaults(func=...)``; ``main`` only dispatches. User errors (bad files,
-bad values) raised as ValueError / FileNotFoundError / TypeError / KeyError / OSError are
-printed as one clear line on stderr with exit code 2, without a traceback (an error raised in
-a data-loader worker is unwrapped to the worker's own message); set the environment variable
-``DEEPMETRIC_DEBUG=1`` to get the full traceback instead.  Every sub-command's ``--help``
-ends with runnable examples.  The ``KEY=VALUE`` config overrides of the commands that take them
-(train, demo, tune, study) may stand anywhere on the line (:func:`parse_command_line`).
+function that adds its arguments and ``set_defaults(func=...)``; their help, description and
+examples are in ``commands.yaml`` (:func:`.common.add_command` reads it); ``main`` only
+dispatches. User errors (bad files, bad values) raised as ValueError / FileNotFoundError /
+TypeError / KeyError / OSError are printed as one clear line on stderr with exit code 2,
+without a traceback (an error raised in a data-loader worker is unwrapped to the worker's own
+message); set the environment variable ``DEEPMETRIC_DEBUG=1`` to get the full traceback
+instead.  Every sub-command's ``--help`` ends with runnable examples.  The ``KEY=VALUE`` config
+overrides of the commands that take them (train, demo, tune, study) may stand anywhere on the
+line (:func:`parse_command_line`).
 """
 from __future__ import annotations
 

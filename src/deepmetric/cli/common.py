@@ -1,8 +1,11 @@
-"""What the command modules share: description filling and the device options."""
+"""What the command modules share: the sub-commands' texts (commands.yaml), description filling
+and the device options."""
 from __future__ import annotations
 
 import argparse
+import functools
 import textwrap
+from pathlib import Path
 
 
 def wrap(text: str) -> str:
@@ -21,11 +24,27 @@ def add_model_device_arguments(p, searches: str) -> None:
                         "its free memory) or cpu (faiss)")
 
 
+#: the sub-commands' help, description and epilog (a data file beside this module: the prose of
+#: --help reads, and is edited, apart from the code that parses the arguments)
+COMMAND_TEXTS = Path(__file__).with_name("commands.yaml")
 
-def add_command(sub, run, name: str, **texts) -> argparse.ArgumentParser:
-    """The parser of sub-command ``name`` (``texts``: its help, description and epilog), which
-    ``main`` dispatches to ``run(args)``. Its --help keeps the description's and the examples'
-    lines as written (every description that needs filling is filled by :func:`wrap`)."""
-    parser = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, **texts)
+
+@functools.lru_cache(maxsize=1)
+def command_texts() -> dict[str, dict]:
+    """:data:`COMMAND_TEXTS`, read once: ``{command name: {help, description, epilog, wrap}}``."""
+    import yaml
+
+    return yaml.safe_load(COMMAND_TEXTS.read_text(encoding="utf-8"))
+
+
+def add_command(sub, run, name: str) -> argparse.ArgumentParser:
+    """The parser of sub-command ``name``, which ``main`` dispatches to ``run(args)``; its help,
+    description and epilog come from :data:`COMMAND_TEXTS`. Its --help keeps the description's and
+    the examples' lines as written, except a description marked ``wrap: true``, which :func:`wrap`
+    fills."""
+    texts = command_texts()[name]
+    description = wrap(texts["description"]) if texts.get("wrap") else texts["description"]
+    parser = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, help=texts["help"],
+                            description=description, epilog=texts["epilog"])
     parser.set_defaults(func=run)
     return parser

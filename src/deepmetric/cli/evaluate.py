@@ -6,34 +6,12 @@ import json
 import sys
 from pathlib import Path
 
-from deepmetric.cli.common import add_command, add_model_device_arguments, wrap
+from deepmetric.cli.common import add_command, add_model_device_arguments
 
 
 # --------------------------------------------------------------------------- evaluate
 def add_evaluate_parser(sub) -> None:
-    p = add_command(
-        sub, _run_evaluate, "evaluate",
-        help="retrieval / clustering metrics of saved embeddings (.npz)",
-        description=wrap(
-            "Evaluate embeddings stored in an .npz file with arrays 'embeddings' (N x d float), "
-            "'labels' (N integers) and optionally boolean 'is_query' / 'is_gallery' (In-shop "
-            "style). Without them every sample is a query against all the others. Write such a "
-            "file with 'deepmetric embed' or numpy.savez(path, embeddings=E, labels=y). The exact "
-            "search runs on the GPU when one is present (--device auto; the torch backend, same "
-            "metrics as faiss, bench/RESULTS.md section 8) and on the CPU with faiss otherwise or "
-            "with --device cpu."
-        ),
-        epilog=(
-            "examples:\n"
-            "  deepmetric embed runs/demo/last.pt --split test --out emb.npz\n"
-            "  deepmetric evaluate emb.npz\n"
-            "  deepmetric evaluate emb.npz --k 1 10 100 --metrics recall map@r --out metrics.json\n"
-            "  deepmetric evaluate emb.npz --device cpu        # faiss on the CPU even on a GPU machine\n"
-            "  deepmetric evaluate emb.npz --device cuda:1     # the second GPU; an error without CUDA\n"
-            "  deepmetric evaluate emb.npz --backend faiss-hnsw   # approximate, for millions of images\n"
-            "  deepmetric evaluate emb.npz --postprocess whiten:dim=256,fit=gallery dba:k=3,alpha=3 aqe:k=2,alpha=3"
-        ),
-    )
+    p = add_command(sub, _run_evaluate, "evaluate")
     p.add_argument("npz", help="the .npz file with 'embeddings' and 'labels'")
     p.add_argument("--k", dest="ks", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="K values for Recall@K (default: 1 2 4 8)")
@@ -114,32 +92,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
 
 def add_report_parser(sub) -> None:
-    p = add_command(
-        sub, _run_report, "report",
-        help="one HTML page (report.html), figures and a Markdown report of a run (RUN_DIR/report/)",
-        description=(
-            "Write RUN_DIR/report/report.html - one self-contained page with the configuration,\n"
-            "metric tables (validation / test marked, baselines), training curves, Recall@K,\n"
-            "cosine-similarity histograms, a 2-d embedding, retrieval grids (random and worst\n"
-            "queries with their top-8 neighbours, right / wrong marked), per-class recall and,\n"
-            "for classifiers, misclassified test images beside their nearest training image -\n"
-            "plus the PNG figures and report.md. Embeddings come from --embeddings, else\n"
-            "RUN_DIR/embeddings.npz, else the run's best.pt (or last.pt) on the test split.\n"
-            "--device says where the model embeds and, unless --search-device cpu, where the\n"
-            "neighbours are searched (a GPU: the torch backend, same results as faiss).\n"
-            "See docs/report.md."
-        ),
-        epilog=(
-            "examples:\n"
-            "  deepmetric demo --out runs/demo && deepmetric report runs/demo\n"
-            "  xdg-open runs/demo/report/report.html\n"
-            "  deepmetric demo --quick --out runs/quick\n"
-            "  deepmetric report runs/quick\n"
-            "  deepmetric embed runs/quick/last.pt --out runs/quick/embeddings.npz\n"
-            "  deepmetric report runs/quick --embeddings runs/quick/embeddings.npz --out runs/quick/figs\n"
-            "  deepmetric report runs/demo --device cuda --search-device cpu   # embed on the GPU, faiss search"
-        ),
-    )
+    p = add_command(sub, _run_report, "report")
     p.add_argument("run_dir", help="the run directory 'deepmetric train' wrote (log.jsonl, config.yaml, "
                                    "metrics.json, best.pt / last.pt)")
     p.add_argument("--embeddings", default=None,

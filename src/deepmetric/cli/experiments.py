@@ -10,21 +10,7 @@ from deepmetric.run import rundir
 
 # --------------------------------------------------------------------------- study
 def add_study_parser(sub) -> None:
-    p = add_command(
-        sub, _run_study, "study", help="train variants x seeds (x benchmarks) of a config; mean, sd and 95%% CI tables",
-        description=(
-            "Run every (benchmark, variant, seed) of STUDY.yaml, skipping finished runs (a killed study "
-            "resumes; a killed run continues from its last.pt), and rewrite OUT/results.json, results.csv, "
-            "summary.md (mean ± sd, Student-t CI, paired differences) and summary.png after every run. The "
-            "runs are trials in OUT/study.db (SQLite) or --storage: the same command on several machines "
-            "with --storage postgresql://... shares the work. File format: docs/study.md."),
-        epilog=(
-            "example:\n"
-            "  deepmetric study studies/fashion_mnist_two_head.yaml --workers 2\n"
-            "  deepmetric study studies/fashion_mnist_two_head.yaml --summary   # tables only\n"
-            "  nohup deepmetric study studies/emoji.yaml --commit > emoji.log 2>&1 &\n"
-            "  deepmetric study studies/emoji.yaml --storage postgresql://user@db/studies   # on each machine"),
-    )
+    p = add_command(sub, _run_study, "study")
     p.add_argument("study", help="study file (YAML: base, overrides, variants, seeds, benchmarks, compare)")
     p.add_argument("--workers", type=int, default=None,
                    help="runs at once on this machine (default: the file's 'workers', else 1): "
@@ -81,24 +67,7 @@ def _run_study(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- tune
 def add_tune_parser(sub) -> None:
-    p = add_command(
-        sub, _run_tune, "tune", help="search hyper-parameters on validation classes (Optuna; resumable, several machines)",
-        description=(
-            "Train RECIPE once per trial with values from SPACE.yaml and keep the best on a VALIDATION "
-            "metric (the recipe needs data.val_classes); the pruner stops hopeless trials at their "
-            "evaluations. The study lives in OUT/tune.db (SQLite) or --storage: rerunning the same "
-            "command continues it (a trial killed mid-way is failed and retried once, and a seeded sampler "
-            "draws new values, never the first run's again) until N trials have finished or been pruned; the same command with --storage postgresql://... on several machines "
-            "shares one study. Writes OUT/best.yaml (a runnable recipe), trials.csv / trials.md, "
-            "optimization_history.png, param_importances.png and report.html. Space format: docs/tuning.md."),
-        epilog=(
-            "example:\n"
-            "  deepmetric tune recipes/glyphs_cross_family.yaml --space spaces/glyphs_lr_alpha.yaml "
-            "--trials 12 --workers 2 --out runs/tune/glyphs\n"
-            "  deepmetric train runs/tune/glyphs/best.yaml                 # train the winner\n"
-            "  deepmetric tune RECIPE --space S --trials 40 --storage postgresql://user@db/tune --study-name s1\n"
-            "  deepmetric tune runs/emoji_transfer/best.pt --postprocess   # post-processing chosen on validation"),
-    )
+    p = add_command(sub, _run_tune, "tune")
     p.add_argument("recipe", help="the config to tune (YAML, as for 'deepmetric train'); with --postprocess a "
                                   "finished checkpoint (best.pt / last.pt)")
     p.add_argument("--space", default=None, help="search space (YAML: objective, params, pruner, sampler); "

@@ -9,22 +9,7 @@ from deepmetric.cli.common import add_command, add_model_device_arguments
 
 # --------------------------------------------------------------------------- index / search / export / serve
 def add_index_parser(sub) -> None:
-    p = add_command(
-        sub, _run_index, "index", help="embed images with a checkpoint into a search index folder",
-        description=(
-            "Embed a dataset split with CHECKPOINT (its test transform) and write INDEX_DIR: embeddings.npy "
-            "(ivfpq: vectors.f16.npy), metadata.arrow and class_names.arrow (paths, labels, class names), "
-            "index.faiss and manifest.json (checkpoint path, SHA-256 "
-            "and config; every file's size and SHA-256). Exact inner-product search by default. The folder "
-            "is written beside the target and swapped in atomically: a failure leaves an existing index "
-            "untouched. --device is where the model embeds and, unless --search-device cpu, where the exact "
-            "search behind --approximate's recall measurement runs (a GPU: the torch backend, same "
-            "neighbours as faiss). See docs/search.md."),
-        epilog=("example:\n  deepmetric index runs/demo/last.pt --out runs/demo/index\n"
-                "  deepmetric index runs/big/best.pt --data folder --root photos/ --out big.index --approximate ivf "
-                "--device cuda --search-device cpu   # embed on the GPU, exact search with faiss\n"
-                "  deepmetric index runs/mine/best.pt --data folder --root photos/ --out photos.index\n"
-                "  deepmetric index runs/mine/best.pt --data folder --root more_photos/ --out photos.index --add"))
+    p = add_command(sub, _run_index, "index")
     p.add_argument("checkpoint", nargs="?", default=None,
                    help="checkpoint written by 'deepmetric train' (best.pt / last.pt); not with --embeddings")
     p.add_argument("--embeddings", default=None, metavar="FILE",
@@ -116,27 +101,11 @@ def _print_recall(index) -> None:
 
 
 def add_index_tools_parsers(sub) -> None:
-    p = add_command(
-        sub, _run_index_export, "index-export", help="'deepmetric index export INDEX --to ...': an index's vectors and payload "
-                             "to parquet or Qdrant",
-        description=("Write every indexed vector (l2-normalised float32) with its path, label and class name, "
-                     "and the manifest (checkpoint, preprocessing) a query needs: parquet:FILE (one row per "
-                     "image; 'deepmetric index --embeddings FILE.parquet' reads it back) or qdrant:PATH_OR_URL "
-                     "(a collection with cosine distance through qdrant-client: a folder runs Qdrant embedded, "
-                     "http://HOST:6333 a server or cluster; needs the 'qdrant' extra). Written as "
-                     "'deepmetric index export'."),
-        epilog=("example:\n  deepmetric index export runs/demo/index --to parquet:demo.parquet\n"
-                "  deepmetric index export runs/demo/index --to qdrant:demo.qdrant\n"
-                "  deepmetric index export photos.index --to qdrant:http://localhost:6333 --collection photos"))
+    p = add_command(sub, _run_index_export, "index-export")
     p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
     p.add_argument("--to", required=True, metavar="parquet:FILE|qdrant:PATH_OR_URL", help="where to write")
     p.add_argument("--collection", default="deepmetric", help="Qdrant collection (re-created; default deepmetric)")
-    m = add_command(
-        sub, _run_index_migrate, "index-migrate", help="'deepmetric index migrate INDEX': rewrite an older index in the current format",
-        description=("Rewrite INDEX_DIR (atomically) in the current format: paths, labels and class names in "
-                     "Arrow files read lazily instead of JSON, and every file's SHA-256 in the manifest. An "
-                     "'index --add' migrates too. Written as 'deepmetric index migrate'."),
-        epilog="example:\n  deepmetric index migrate runs/demo/index")
+    m = add_command(sub, _run_index_migrate, "index-migrate")
     m.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
 
 
@@ -168,13 +137,7 @@ def _run_index_migrate(args: argparse.Namespace) -> int:
 
 
 def add_search_parser(sub) -> None:
-    p = add_command(
-        sub, _run_search, "search", help="nearest neighbours of query images in an index",
-        description=("Check every file of INDEX_DIR against the SHA-256 in its manifest, embed each IMAGE with "
-                     "the index's checkpoint (checked by SHA-256) and print its K nearest indexed images: rank, "
-                     "cosine similarity, class name (label) and path."),
-        epilog=("example:\n  deepmetric search runs/demo/index query.png --k 5\n"
-                "  deepmetric search photos.index a.jpg b.jpg --k 10 --json --html results.html"))
+    p = add_command(sub, _run_search, "search")
     p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="query image file(s)")
     p.add_argument("--k", type=int, default=10, help="neighbours per query (default 10)")
@@ -202,13 +165,7 @@ def _run_search(args: argparse.Namespace) -> int:
 
 
 def add_export_parser(sub) -> None:
-    p = add_command(
-        sub, _run_export, "export", help="export the embedding network of a checkpoint (ONNX / TorchScript)",
-        description=("Write the embedding network (input: preprocessed image batch [N, C, H, W] float32; "
-                     "output: l2-normalised embedding [N, d]) and FILE.preprocessing.json beside it "
-                     "(resize, crop, mean/std, channels). ONNX needs the 'onnx' package."),
-        epilog=("example:\n  deepmetric export runs/demo/last.pt --format onnx --out demo.onnx\n"
-                "  deepmetric export runs/demo/last.pt --format torchscript --out demo.pt"))
+    p = add_command(sub, _run_export, "export")
     p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train'")
     p.add_argument("--format", dest="fmt", default="onnx", choices=["onnx", "torchscript"],
                    help="onnx (default) or torchscript")
@@ -227,15 +184,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def add_serve_parser(sub) -> None:
-    p = add_command(
-        sub, _run_serve, "serve", help="local web page and JSON API to search an index",
-        description=("Serve a search page (drop or pick an image, see its nearest neighbours) and POST /search "
-                     "(multipart field 'image', optional 'k'; JSON answer) for INDEX_DIR. Binds 127.0.0.1 by "
-                     "default. The index is read into memory and checked (SHA-256) at start; changes on disk "
-                     "are used after POST /api/reload or kill -HUP. Needs the 'serve' extra: pip install "
-                     "'deepmetric[serve]'."),
-        epilog="example:\n  deepmetric serve runs/demo/index --port 8000   # then open http://127.0.0.1:8000/\n"
-               "  curl -X POST http://127.0.0.1:8000/api/reload   # after 'deepmetric index ... --add'")
+    p = add_command(sub, _run_serve, "serve")
     p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")

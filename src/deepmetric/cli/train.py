@@ -5,33 +5,12 @@ import argparse
 import os
 import sys
 
-from deepmetric.cli.common import add_command, wrap
+from deepmetric.cli.common import add_command
 
 
 # --------------------------------------------------------------------------- train / embed / demo
 def add_train_parser(sub) -> None:
-    p = add_command(
-        sub, _run_train, "train", help="train a model from a YAML config (see docs/training.md)",
-        description=wrap(
-            "Train from CONFIG.yaml. KEY=VALUE overrides (values are YAML) change single keys of "
-            "the config, e.g. optim.lr=0.001 train.epochs=5 'data.options={class_split: half}'; "
-            "they may stand anywhere on the line, also after the options. "
-            "Without a config file the defaults apply and the overrides must give at least "
-            "train.epochs (or train.iterations). The run prints a summary (data split, model, loss, "
-            "device, output folder) and baselines (untrained network, raw pixels for images up to "
-            "64x64), checks data, model and metric names before the first step, and writes "
-            "config.yaml, log.jsonl, last.pt, best.pt (with a validation split, data.val_classes) and "
-            "metrics.json to train.out_dir. "
-            "Use torchrun for DDP. See docs/training.md and, for your own images, docs/data.md."
-        ),
-        epilog=(
-            "examples:\n"
-            "  deepmetric train recipes/demo_glyphs.yaml train.epochs=2\n"
-            "  deepmetric train recipes/own_folder.yaml data.root=my_images train.out_dir=runs/mine\n"
-            "  deepmetric train recipes/demo_glyphs.yaml --resume runs/demo/last.pt\n"
-            "  torchrun --nproc_per_node 2 -m deepmetric.cli train recipes/demo_glyphs.yaml"
-        ),
-    )
+    p = add_command(sub, _run_train, "train")
     p.add_argument("config", nargs="?", default=None,
                    help="YAML config file (e.g. recipes/own_folder.yaml); may be left out when "
                         "KEY=VALUE overrides describe the whole run")
@@ -68,21 +47,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def add_embed_parser(sub) -> None:
-    p = add_command(
-        sub, _run_embed, "embed", help="embed a dataset split with a trained checkpoint into an .npz",
-        description=wrap("Rebuild the model stored in a training checkpoint, embed one split of a dataset "
-                     "(by default the checkpoint's own data and test transform) and write an .npz "
-                     "that 'deepmetric evaluate' and 'deepmetric report' read. 'embed' searches nothing: "
-                     "--device is where the model runs (on CUDA the batches come from pinned memory); "
-                     "'deepmetric evaluate EMB.npz' then searches on the GPU when one is present."),
-        epilog=(
-            "examples:\n"
-            "  deepmetric embed runs/demo/last.pt --split test --out emb.npz\n"
-            "  deepmetric embed runs/demo/last.pt --out emb.npz --device cpu   # the CPU even on a GPU machine\n"
-            "  deepmetric embed runs/mine/best.pt --data folder --root new_images --split all --out new.npz\n"
-            "  deepmetric embed runs/inshop/best.pt --split query+gallery --out inshop.npz"
-        ),
-    )
+    p = add_command(sub, _run_embed, "embed")
     p.add_argument("checkpoint", help="checkpoint written by 'deepmetric train' (last.pt / best.pt)")
     p.add_argument("--data", default=None, help="dataset name (default: the checkpoint's training data)")
     p.add_argument("--root", default=None, help="dataset root directory (default: the checkpoint's data.root)")
@@ -115,19 +80,7 @@ def _run_embed(args: argparse.Namespace) -> int:
 
 
 def add_demo_parser(sub) -> None:
-    p = add_command(
-        sub, _run_demo, "demo",
-        help="offline demo on real images: ImageNet EfficientNet-Lite0 fine-tuned on emoji (CPU, about 6 minutes on 2 idle cores)",
-        description=(
-            "Fine-tune the ImageNet-pretrained EfficientNet-Lite0 on the training half of the emoji "
-            "benchmark with the transfer recipe (recipes/demo_emoji.yaml: the pooled features are the "
-            "embedding, the heated softmax trains a projection head on them, style augmentation, cosine "
-            "lr) and measure zero-shot retrieval on the unseen half, all-vs-all and cross-vendor: raw "
-            "pixels, ImageNet features and the trained embedding; then draw a retrieval grid. --data "
-            "glyphs runs the glyph demo (a compact ResNet from scratch, heated-up BN softmax)."),
-        epilog="example:\n  deepmetric demo\n  deepmetric demo --data glyphs --out runs/demo_glyphs\n"
-               "  deepmetric demo --quick --out /tmp/demo train.progress=false",
-    )
+    p = add_command(sub, _run_demo, "demo")
     p.add_argument("--data", default="emoji", choices=["emoji", "glyphs"],
                    help="emoji (default: real artwork, ImageNet backbone) or glyphs (rendered characters, from scratch)")
     p.add_argument("--out", default=None, help="output directory (default runs/demo; runs/demo_glyphs for --data glyphs)")
@@ -149,11 +102,7 @@ _EMOJI_VENDORS = "apple,google,twitter,facebook,emojione,openmoji"  # deepmetric
 
 
 def add_emoji_parser(sub) -> None:
-    p = add_command(
-        sub, _run_emoji, "emoji", help="emoji benchmark: install its npm packages, print its counts or its raw-pixel baseline",
-        description="The cross-vendor emoji benchmark (docs/offline-data.md#emoji).",
-        epilog="example: deepmetric emoji install && deepmetric emoji counts && "
-               "deepmetric emoji pixels --vendors apple,google,twitter,facebook",)
+    p = add_command(sub, _run_emoji, "emoji")
     esub = p.add_subparsers(dest="emoji_command", required=True)
     pi = esub.add_parser("install", help="npm pack the pinned packages, check their sha512, extract only the "
                                          "files used (skips packages already extracted)",
