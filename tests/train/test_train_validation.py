@@ -172,6 +172,24 @@ def test_class_subset_gives_per_sample_arrays_of_its_own_samples():
         ClassSubset(ds, [0], samples=[True, False])
 
 
+def test_class_subset_loads_the_stored_image_of_its_own_sample(tmp_path):
+    """A validation ClassSubset of a folder: load_image(i) is the file of subset[i] (it read the
+    parent's i-th file before), and an in-memory parent keeps load_image None."""
+    from PIL import Image
+
+    from deepmetric.data import build_dataset as build_data
+
+    for c in range(3):
+        (tmp_path / f"c{c}").mkdir()
+        for k in range(2):
+            Image.new("L", (4, 4), color=40 * c + k).save(tmp_path / f"c{c}" / f"{k}.png")
+    ds = build_data("folder", tmp_path, split="all", mode="L")
+    sub = ClassSubset(ds, [2, 1])
+    for i in range(len(sub)):
+        assert sub.load_image(i).getpixel((0, 0)) == Image.open(sub.paths[i]).getpixel((0, 0))
+    assert ClassSubset(_FamilyImages([0, 1, 0, 1], np.array(list("xxyy"))), [1]).load_image is None
+
+
 def test_val_query_families_hold_a_family_out_of_training_and_query_with_it(monkeypatch):
     from deepmetric.run import builders
 

@@ -16,6 +16,7 @@ module imports only the config, ``deepmetric.data``, ``deepmetric.models`` and
 """
 from __future__ import annotations
 
+import functools
 import random
 from typing import Callable
 
@@ -239,6 +240,9 @@ class ClassSubset(torch.utils.data.Dataset):
         self.class_names = [names[c] for c in self.original_classes] if names is not None else None
         if dataset.paths is not None:
             self.paths = [dataset.paths[i] for i in self.indices]
+        # the stored image of this subset's sample i (the parent's method reads the parent's i)
+        self.load_image = (functools.partial(_parent_image, dataset.load_image, self.indices)
+                           if dataset.load_image is not None else None)
         # domains (eval.cross_domain) follow the samples
         for per_sample, ids in (("vendor_ids", dataset.vendor_ids), ("domain_ids", dataset.domain_ids)):
             if ids is not None and len(ids) == len(old):
@@ -261,6 +265,10 @@ class ClassSubset(torch.utils.data.Dataset):
                 self._per_sample[name] = value[self.indices]
             return self._per_sample[name]
         return value
+
+
+def _parent_image(load_image, indices: np.ndarray, i: int):
+    return load_image(int(indices[i]))
 
 
 def build_sampler(cfg: Config, labels: np.ndarray, rank: int = 0, world: int = 1):
