@@ -53,9 +53,9 @@ def _xv(metrics: dict) -> dict:
 
 
 def _test_set(cfg):
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
 
-    return build_dataset(cfg, cfg.eval.split, train=False)
+    return build_split(cfg, cfg.eval.split, train=False)
 
 
 def _pools(cfg) -> list[str]:

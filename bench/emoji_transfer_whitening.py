@@ -43,10 +43,10 @@ def features(model, cfg, split: str) -> tuple[np.ndarray, object]:
     """The l2-normalised pooled features of ``split`` (the test transform) and its dataset."""
     import torch
 
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.run.embed import compute_embeddings
 
-    ds = build_dataset(cfg, split, train=False)
+    ds = build_split(cfg, split, train=False)
     with torch.no_grad():
         f = compute_embeddings(model, ds, batch_size=cfg.eval.batch_size, output="features")
     return l2n(np.asarray(f["embeddings"], dtype=np.float64)), ds

@@ -57,7 +57,7 @@ def one_run(run_dir: Path, checkpoint: str, device: str) -> dict:
     import torch
 
     from deepmetric.evaluate.postprocess_choice import choose_postprocess
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.run.device import resolve_device
     from deepmetric.run.embed import compute_embeddings, dataset_domains, load_model_from_checkpoint
     from deepmetric.workflows.tune_postprocess import validation_embeddings
@@ -68,7 +68,7 @@ def one_run(run_dir: Path, checkpoint: str, device: str) -> dict:
     model, _, cfg, _ = load_model_from_checkpoint(ckpt, dev)
     cfg.eval.cross_domain = True  # domains when the data has them (the emoji vendors)
     val = validation_embeddings(model, cfg, device=dev)
-    test_ds = build_dataset(cfg, "test", train=False)
+    test_ds = build_split(cfg, "test", train=False)
     with torch.no_grad():
         t = compute_embeddings(model, test_ds, batch_size=cfg.eval.batch_size, device=dev)
     dom = dataset_domains(test_ds)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 #: (label, file suffix, function name): the parts of a run, in the order of a run
 PARTS = [
-    ("set-up: data arrays, splits (build_dataset)", "run/builders.py", "build_dataset"),
+    ("set-up: data arrays, splits (build_split)", "run/builders.py", "build_split"),
     ("set-up: pre-flight checks", "train/checks.py", "check_run"),
     ("set-up: head initialisation (PCA)", "train/setup.py", "_init_head"),
     ("train: images decoded + augmented (dataset __getitem__)", "data/emoji.py", "__getitem__"),

@@ -63,7 +63,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from deepmetric.run import baselines as P
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.run.config_io import config_from_dict
 
     cfg = config_from_dict({
@@ -72,7 +72,7 @@ def main() -> None:
         "model": {"name": "synthetic_mlp"}, "train": {"epochs": 1},
         "eval": {"split": "test", "ks": [1, 2, 4, 8], "metrics": args.metrics}})
     t0 = time.perf_counter()
-    ds = build_dataset(cfg, "test", train=False)
+    ds = build_split(cfg, "test", train=False)
     t_load = time.perf_counter() - t0
     labels = np.asarray(ds.labels, dtype=np.int64)
     n, c, d = len(ds), len(np.unique(labels)), int(torch.as_tensor(ds[0][0]).numel())

@@ -38,7 +38,7 @@ import torch
 import yaml
 
 from deepmetric.run.config_io import apply_overrides, config_from_dict
-from deepmetric.run.builders import build_dataset as build_dataset_split, build_losses, build_model
+from deepmetric.run.builders import build_split as build_dataset_split, build_losses, build_model
 from deepmetric.train.loop import train
 from deepmetric.train.optim import build_optimizer
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("timm")
 from deepmetric.run.config_io import load_config  # noqa: E402
-from deepmetric.run.builders import build_dataset, build_model, resolve_model_preprocessing  # noqa: E402
+from deepmetric.run.builders import build_split, build_model, resolve_model_preprocessing  # noqa: E402
 from test_data_benchmarks import make_cars, make_cub, make_sop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def test_recipe_builds_with_random_weights_on_a_miniature_tree(path, trees):
     opts = cfg.data.transform_options
     assert opts["input_size"] == [224, 224] and opts["interpolation"] == "bicubic"
     assert opts["mean"] == pytest.approx([0.485, 0.456, 0.406]) and opts["std"] == pytest.approx([0.229, 0.224, 0.225])
-    ds = build_dataset(cfg, "test", train=False)
+    ds = build_split(cfg, "test", train=False)
     x = torch.stack([ds[i][0] for i in range(2)])
     assert x.shape == (2, 3, 224, 224)
     cfg.model.options = {k: v for k, v in m.items() if k != "pretrained"}  # random weights: no hub here

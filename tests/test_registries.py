@@ -29,7 +29,7 @@ from deepmetric.models.registry import MODELS
 from deepmetric.models import (create_model, list_models, model_backbone, model_needs_num_classes, model_options,
                                register_model)
 from deepmetric.models.synthetic import SyntheticMLP
-from deepmetric.run.builders import build_dataset as build_split
+from deepmetric.run.builders import build_split
 from deepmetric.run.builders import build_losses, build_model
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict

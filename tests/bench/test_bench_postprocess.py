@@ -40,11 +40,11 @@ def test_postprocess_seeds_pairs_the_seeds(tmp_path):
     assert d["mean"] == pytest.approx(np.mean(diffs)) and d["ci_low"] == pytest.approx(np.mean(diffs) - half)
     # the "with" numbers are the test metrics after the chosen steps, recomputed here
     from deepmetric.evaluate import evaluate
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
 
     model, _, cfg, _ = load_model_from_checkpoint(Path(runs[0]) / "best.pt", "cpu")
-    t = compute_embeddings(model, build_dataset(cfg, "test", train=False))
+    t = compute_embeddings(model, build_split(cfg, "test", train=False))
     got = evaluate(t["embeddings"], t["labels"], ks=(1,), metrics=["recall", "map@r"], postprocess=res["runs"][0]["steps"])
     assert got["map@r"] == pytest.approx(res["runs"][0]["test_with"]["map@r"])
     assert "paired difference" in (tmp_path / "r.md").read_text()

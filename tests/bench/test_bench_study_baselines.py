@@ -29,7 +29,7 @@ def test_raw_pixels_and_features_of_a_study(tmp_path, monkeypatch):
     from PIL import Image
 
     from deepmetric.data.synthetic import write_digit_folder
-    from deepmetric.run.builders import build_dataset, build_model, seed_everything
+    from deepmetric.run.builders import build_split, build_model, seed_everything
     from deepmetric.run.config_io import config_from_dict
 
     root = write_digit_folder(tmp_path / "digits", per_class=6, seed=0)
@@ -45,7 +45,7 @@ def test_raw_pixels_and_features_of_a_study(tmp_path, monkeypatch):
     sb.main()
     rec = json.loads(out.read_text())
     cfg = config_from_dict(base)
-    test = build_dataset(cfg, "test", train=False)
+    test = build_split(cfg, "test", train=False)
     labels = np.asarray(test.labels)
     assert rec["study"] == "tiny" and rec["images"] == len(test) == 30
     pixels = np.stack([np.asarray(Image.open(p), dtype=np.float64).ravel() / 255 for p in test.paths])

@@ -22,7 +22,7 @@ BASE = synthetic_config(train={"epochs": 1, "num_threads": 1},
 def test_reevaluation_reproduces_then_changes_the_clustering(tmp_path, monkeypatch):
     from deepmetric.evaluate import kmeans
     from deepmetric.evaluate.clustering import nmi_from_clusters
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
     from deepmetric.workflows.study import run_study
     from deepmetric.workflows.study_file import load_study
@@ -55,7 +55,7 @@ def test_reevaluation_reproduces_then_changes_the_clustering(tmp_path, monkeypat
     from deepmetric.run.config_io import load_config
 
     cfg = load_config(run / "config.yaml")
-    e = compute_embeddings(model, build_dataset(cfg, "test", train=False))
+    e = compute_embeddings(model, build_split(cfg, "test", train=False))
     x = e["embeddings"] / np.linalg.norm(e["embeddings"], axis=1, keepdims=True)
     want = nmi_from_clusters(e["labels"], kmeans(x, 6, seed=1, restarts=5))
     got = next(r for r in rows if r["variant"] == "a4" and r["seed"] == 1)

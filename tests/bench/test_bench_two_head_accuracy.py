@@ -75,7 +75,7 @@ def test_final_csv_matches_an_independent_evaluation(study):
     import torch
 
     from deepmetric.evaluate import classification_accuracy
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.run.embed import load_model_from_checkpoint
 
     base, out, _ = study
@@ -90,8 +90,8 @@ def test_final_csv_matches_an_independent_evaluation(study):
         assert metrics["final"] == {} and metrics["metrics"] == {}  # nothing evaluated while training
         model, _, cfg, _ = load_model_from_checkpoint(run / "last.pt")
         assert cfg.optim.lr == chosen[r["variant"]]["lr"] and cfg.data.options["val_vendor"] is None
-        assert "facebook" in {v for v in build_dataset(cfg, "train", train=False).vendors}
-        test = build_dataset(cfg, "test", train=False)
+        assert "facebook" in {v for v in build_split(cfg, "train", train=False).vendors}
+        test = build_split(cfg, "test", train=False)
         assert {test.vendors[v] for v in test.vendor_ids} == {"twitter"}
         x = torch.stack([test[i][0] for i in range(len(test))])
         with torch.no_grad():

@@ -336,7 +336,7 @@ def test_validation_families_mirror_the_cross_family_test(tmp_path):
     family, as the test searches the held-out families against the training families."""
 
     from deepmetric.train import train
-    from deepmetric.run.builders import build_dataset as build_split
+    from deepmetric.run.builders import build_split
     from deepmetric.run.config_io import config_from_dict
     from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
 

@@ -81,7 +81,7 @@ def classifier_run(image_folder):
 def _embed(run, split):
     from deepmetric.run.embed import load_model_from_checkpoint
     from deepmetric.run.embed import compute_embeddings
-    from deepmetric.run.builders import build_dataset as build_dataset_split
+    from deepmetric.run.builders import build_split as build_dataset_split
 
     model, losses, cfg, _ = load_model_from_checkpoint(run / "last.pt")
     r = compute_embeddings(model, build_dataset_split(cfg, split, train=False), with_logits=True,

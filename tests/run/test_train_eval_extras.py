@@ -10,7 +10,7 @@ import torch
 
 from deepmetric.evaluate import misclassified_neighbour_agreement
 from deepmetric.train import train
-from deepmetric.run.builders import build_dataset
+from deepmetric.run.builders import build_split
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict
 from deepmetric.run.embed import compute_embeddings, dataset_domains, load_model_from_checkpoint
@@ -71,8 +71,8 @@ def test_train_neighbours_in_the_final_metrics_match_a_recomputation(tmp_path):
     # recompute from the checkpoint: the test split and the training split (test transform;
     # the centre window of each event: evaluation sets are deterministic)
     model, losses, cfg, _ = load_model_from_checkpoint(tmp_path / "last.pt")
-    test = compute_embeddings(model, build_dataset(cfg, "val", train=False), with_logits=True)
-    tr = compute_embeddings(model, build_dataset(cfg, cfg.data.train_split, train=False))
+    test = compute_embeddings(model, build_split(cfg, "val", train=False), with_logits=True)
+    tr = compute_embeddings(model, build_split(cfg, cfg.data.train_split, train=False))
     share, wrong, nn_top1 = _brute_force_agreement(test["logits"].argmax(1), test["labels"], test["embeddings"],
                                                    tr["embeddings"], tr["labels"])
     assert got["misclassified"] == wrong
@@ -114,7 +114,7 @@ def test_cross_domain_metrics_of_an_emoji_run_match_cross_vendor_metrics(tmp_pat
     train(config_from_dict(raw))
     got = json.loads((tmp_path / "run" / "metrics.json").read_text())["final"]["test"]
     model, _, cfg, _ = load_model_from_checkpoint(tmp_path / "run" / "last.pt")
-    test_set = build_dataset(cfg, "test", train=False)
+    test_set = build_split(cfg, "test", train=False)
     ids, names = dataset_domains(test_set)
     assert names == list(test_set.vendors) and np.array_equal(ids, test_set.vendor_ids)
     emb = compute_embeddings(model, test_set)
@@ -156,7 +156,7 @@ def test_validation_is_searched_cross_vendor_and_selects_best_pt(tmp_path):
     assert best["value"] == max(r["cross_domain_map@r"] for r in evals if r["split"] == "val")
     # the logged validation value is the cross-vendor search of best.pt's embeddings, by brute force
     model, _, cfg, _ = load_model_from_checkpoint(tmp_path / "run" / "best.pt")
-    val = build_dataset(cfg, VAL_SPLIT, train=False)
+    val = build_split(cfg, VAL_SPLIT, train=False)
     emb = compute_embeddings(model, val)
     ref = evaluate_cross_domain(emb["embeddings"], emb["labels"], val.vendor_ids, ks=(1, 2),
                                 metrics=("recall", "map@r"))["mean"]
@@ -265,7 +265,7 @@ def test_best_pt_is_evaluated_on_test_when_its_epoch_was_not(tmp_path):
     [record] = read_log(tmp_path / "run", type="selected_eval")
     assert record["epoch"] == 1 and record["split"] == "test"
     model, _, cfg, _ = load_model_from_checkpoint(tmp_path / "run" / "best.pt")
-    test_set = build_dataset(cfg, "test", train=False)
+    test_set = build_split(cfg, "test", train=False)
     emb = compute_embeddings(model, test_set)
     ref = evaluate_cross_domain(emb["embeddings"], emb["labels"], test_set.vendor_ids, ks=(1, 2),
                                 metrics=("recall", "map@r"))["mean"]

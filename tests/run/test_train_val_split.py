@@ -39,7 +39,7 @@ def tree(tmp_path):
 
 def test_dataset_validation_split_without_test_split(tmp_path, tree):
     from deepmetric.evaluate import classification_accuracy
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
     from deepmetric.run.rundir import read_log
 
@@ -55,7 +55,7 @@ def test_dataset_validation_split_without_test_split(tmp_path, tree):
     assert set(res.final["val"]) == {"top1", "mean_per_class"}  # classification only
     # the validation split is facebook's images of the training classes, scored by the classifier
     model, _, cfg, _ = load_model_from_checkpoint(out / "last.pt")
-    val = build_dataset(cfg, "val", train=False)
+    val = build_split(cfg, "val", train=False)
     assert {val.vendors[v] for v in val.vendor_ids} == {"facebook"}
     out_val = compute_embeddings(model, val, with_logits=True)
     ref = classification_accuracy(out_val["logits"], out_val["labels"])
@@ -67,7 +67,7 @@ def test_dataset_validation_split_without_test_split(tmp_path, tree):
     train(config_from_dict(_raw(tree, out)), resume=str(out / "last.pt"))
     assert len([r for r in read_log(out) if r.get("type") == "eval"]) == n_eval
     # the train split holds neither held-out vendor
-    tr = build_dataset(cfg, "train", train=False)
+    tr = build_split(cfg, "train", train=False)
     assert not np.isin([tr.vendors[v] for v in tr.vendor_ids], ["facebook", "twitter"]).any()
 
 

@@ -16,7 +16,7 @@ from deepmetric.run.evaluation import command_search_device
 from deepmetric.search.query import exact_search
 from deepmetric.run import rundir
 from deepmetric.train import train
-from deepmetric.run.builders import build_dataset, build_model
+from deepmetric.run.builders import build_split, build_model
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict
 from deepmetric.run import embed as EMB
@@ -118,7 +118,7 @@ def _model_and_sets(tmp_path, **data):
                                             eval={"every": 1, "metrics": None, "ks": [1, 2, 4, 32]}, **data))
     torch.manual_seed(0)
     model = build_model(cfg, num_classes=7)
-    return cfg, model, build_dataset(cfg, "test", train=False)
+    return cfg, model, build_split(cfg, "test", train=False)
 
 
 def test_evaluate_model_keeps_tensors_and_the_torch_path_equals_faiss(tmp_path, monkeypatch):
@@ -395,7 +395,7 @@ def test_report_searches_where_it_decided(tmp_path, monkeypatch):
 
         monkeypatch.setattr(dg, name, spy)
     rr.make_report(run, device="cpu", search_device="auto", images=False, embed_train=False)
-    n = len(build_dataset(config_from_dict(synthetic_config(run)), "test", train=False))
+    n = len(build_split(config_from_dict(synthetic_config(run)), "test", train=False))
     assert decided[0] == ("cpu", "auto", 0)                 # checked before any work
     assert decided[1] == ("cpu", "auto", 4 * n * 8)         # then with the embeddings' size (n x 8 float32)
     assert sorted(searched) == [("per_class_recall", CPU), ("recall_curve", CPU), ("retrieval_examples", CPU)]

@@ -21,7 +21,7 @@ from deepmetric.models import batchnorm_layers, create_model, model_options
 from deepmetric.models.heads import EmbeddingHead
 from deepmetric.train import setup as loop_module
 from deepmetric.train import wise_ft as W
-from deepmetric.run.builders import build_dataset, build_losses, build_model
+from deepmetric.run.builders import build_split, build_losses, build_model
 from deepmetric.run.checkpoint import load_checkpoint
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict
@@ -139,7 +139,7 @@ def test_head_init_pca_before_the_first_step_is_the_pca_of_the_pretrained_featur
     train(cfg)
     head = load_checkpoint(tmp_path / "pca" / "last.pt")["model"]
     ref_model = _pretrained_model(pretrained, norm="l2")
-    feats = compute_embeddings(ref_model, build_dataset(cfg, "train", train=False), output="features")["embeddings"]
+    feats = compute_embeddings(ref_model, build_split(cfg, "train", train=False), output="features")["embeddings"]
     ref = PCA(n_components=8, svd_solver="full").fit(feats.astype(np.float64))
     w = head["head.proj.weight"].double().numpy()
     signs = np.sign(np.sum(w * ref.components_, axis=1))
@@ -149,7 +149,7 @@ def test_head_init_pca_before_the_first_step_is_the_pca_of_the_pretrained_featur
     # epoch 0: cosine neighbours of the pooled features on the (unseen) test classes
     pca_model = _pretrained_model(pretrained, norm="l2")
     pca_model.load_state_dict(head)
-    test_set = build_dataset(cfg, "test", train=False)
+    test_set = build_split(cfg, "test", train=False)
     f = compute_embeddings(ref_model, test_set, output="features")["embeddings"]
     truth = _knn(f, 5)
     pca_overlap = _overlap(_knn(compute_embeddings(pca_model, test_set)["embeddings"], 5), truth)
@@ -253,13 +253,13 @@ def test_projection_config_trains_and_exports_the_embedding(digits, pretrained, 
     out = embed_checkpoint(run / "last.pt", tmp_path / "e.npz", split="test")
     z = np.load(out)["embeddings"]
     assert z.shape[1] == 8  # the 8-d embedding, not the 5-d projection
-    ref = compute_embeddings(model, build_dataset(cfg, "test", train=False))["embeddings"]
+    ref = compute_embeddings(model, build_split(cfg, "test", train=False))["embeddings"]
     np.testing.assert_allclose(z, ref, atol=1e-6)
     from deepmetric.search.export import export_model
 
     exported, side = export_model(run / "last.pt", tmp_path / "m.ts", "torchscript", normalize=False)
     net = torch.jit.load(str(exported))
-    x = torch.stack([build_dataset(cfg, "test", train=False)[i][0] for i in range(3)])
+    x = torch.stack([build_split(cfg, "test", train=False)[i][0] for i in range(3)])
     np.testing.assert_allclose(net(x).detach().numpy(), ref[:3], atol=1e-5)
     assert json.loads(side.read_text())["output"]["shape"] == ["batch", 8]
 
@@ -465,7 +465,7 @@ def test_wise_ft_run_writes_wise_pt_and_metrics(digits, pretrained, tmp_path):
             assert torch.equal(v, best["model"][k]), k
     # the chosen model's validation recall, recomputed by brute force from wise.pt
     model, _, cfg, _ = load_model_from_checkpoint(run / "wise.pt")
-    val = build_dataset(cfg, "val", train=False)
+    val = build_split(cfg, "val", train=False)
     z = compute_embeddings(model, val)
     nearest = _knn(z["embeddings"], 1)[:, 0]
     assert summary["value"] == pytest.approx(float(np.mean(z["labels"][nearest] == z["labels"])), abs=1e-6)

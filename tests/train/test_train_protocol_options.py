@@ -12,7 +12,7 @@ from torch import nn
 from test_data_emoji import make_tree
 
 from deepmetric.evaluate import evaluate_cross_domain
-from deepmetric.run.builders import VAL_SPLIT, build_dataset, build_losses, build_model
+from deepmetric.run.builders import VAL_SPLIT, build_split, build_losses, build_model
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict
 from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
@@ -92,12 +92,12 @@ def test_eval_embedding_projection_indexes_the_projection_for_validation_best_pt
         return tuple(evaluate_cross_domain(x, np.asarray(ds.labels), ds.vendor_ids, ks=(1,), metrics=("recall",))
                      ["mean"]["recall@1"] for x in (proj, emb))
 
-    val = build_dataset(cfg, VAL_SPLIT, train=False)
+    val = build_split(cfg, VAL_SPLIT, train=False)
     best = summary["selected"]
     assert best["value"] == pytest.approx(cross_vendor_r1(val, model)[0], abs=1e-6)  # best.pt chosen on it
     assert compute_embeddings(model, val, output="projection")["embeddings"].shape[1] == 4
     last, _, _, _ = load_model_from_checkpoint(tmp_path / "run" / "last.pt")
-    test_proj, test_emb = cross_vendor_r1(build_dataset(cfg, "test", train=False), last)
+    test_proj, test_emb = cross_vendor_r1(build_split(cfg, "test", train=False), last)
     assert summary["final"]["test"]["cross_domain_recall@1"] == pytest.approx(test_proj, abs=1e-6)
     assert [r["split"] for r in evals][-1] == "test"
 

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from deepmetric.train import evaluator as loop
-from deepmetric.run.builders import VAL_SPLIT, ClassSubset, build_dataset, carve_val_classes
+from deepmetric.run.builders import VAL_SPLIT, ClassSubset, build_split, carve_val_classes
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
@@ -55,7 +55,7 @@ def test_val_pick_last_in_a_run_carves_the_last_training_classes(tmp_path):
     raw = _raw(tmp_path, val_classes=2)
     raw["data"]["val_pick"] = "last"
     cfg = config_from_dict(raw)
-    train_set, val_set = build_dataset(cfg, "train", train=False), build_dataset(cfg, VAL_SPLIT, train=False)
+    train_set, val_set = build_split(cfg, "train", train=False), build_split(cfg, VAL_SPLIT, train=False)
     assert val_set.original_classes.tolist() == [6, 7]  # the synthetic training split has classes 0..7
     assert train_set.original_classes.tolist() == list(range(6))
 
@@ -95,13 +95,13 @@ def test_val_train_and_test_are_class_disjoint_on_a_folder_dataset(tmp_path):
                     "val_classes": 2, "val_seed": 1},
            "train": {"epochs": 1}}
     cfg = config_from_dict(raw)
-    tr = build_dataset(cfg, "train", train=True)
-    va = build_dataset(cfg, VAL_SPLIT, train=False)
-    te = build_dataset(cfg, "test", train=False)
+    tr = build_split(cfg, "train", train=True)
+    va = build_split(cfg, VAL_SPLIT, train=False)
+    te = build_split(cfg, "test", train=False)
     names = lambda ds: {ds.class_names[l] for l in ds.labels}  # noqa: E731
     assert len(names(va)) == 2 and len(names(tr)) == 4 and len(names(te)) == 6
     assert not names(tr) & names(va) and not names(tr) & names(te) and not names(va) & names(te)
-    assert sorted(tr.paths + va.paths) == sorted(build_dataset(config_from_dict(
+    assert sorted(tr.paths + va.paths) == sorted(build_split(config_from_dict(
         {**raw, "data": {**raw["data"], "val_classes": None}}), "train", train=True).paths)
     assert set(tr.labels.tolist()) == set(range(4)) and tr.num_classes == 4  # renumbered for the classifier
     for ds in (tr, va):  # labels follow the images
@@ -109,13 +109,13 @@ def test_val_train_and_test_are_class_disjoint_on_a_folder_dataset(tmp_path):
             assert ds.class_names[ds[i][1]] == ds.paths[i].split("/")[-2]
     # an explicit list of names picks exactly those classes
     cfg.data.val_classes = ["class01", "class03"]
-    assert names(build_dataset(cfg, VAL_SPLIT, train=False)) <= {"class01", "class03"}
+    assert names(build_split(cfg, VAL_SPLIT, train=False)) <= {"class01", "class03"}
 
 
 def test_synthetic_val_split_holds_the_removed_training_images():
     cfg = config_from_dict(_raw("unused", val_classes=3))
-    full = build_dataset(config_from_dict(_raw("unused", val_classes=None)), "train", train=True)
-    tr, va = build_dataset(cfg, "train", train=True), build_dataset(cfg, "val", train=False)
+    full = build_split(config_from_dict(_raw("unused", val_classes=None)), "train", train=True)
+    tr, va = build_split(cfg, "train", train=True), build_split(cfg, "val", train=False)
     assert isinstance(tr, ClassSubset) and len(tr) + len(va) == len(full)
     rows = lambda ds: {tuple(ds[i][0].tolist()) for i in range(len(ds))}  # noqa: E731
     assert rows(tr) | rows(va) == rows(full) and not rows(tr) & rows(va)
@@ -199,7 +199,7 @@ def test_val_query_families_hold_a_family_out_of_training_and_query_with_it(monk
     raw = _raw("unused", val_classes=2)
     raw["data"]["val_query_families"] = ["z"]
     cfg = config_from_dict(raw)
-    tr, va = build_dataset(cfg, "train", train=True), build_dataset(cfg, "val", train=False)
+    tr, va = build_split(cfg, "train", train=True), build_split(cfg, "val", train=False)
     keep, val = carve_val_classes(labels, 2, seed=0)
     # training: the training classes, never an image of family z
     assert sorted(set(tr.original_classes.tolist())) == keep.tolist()
@@ -215,14 +215,14 @@ def test_val_query_families_hold_a_family_out_of_training_and_query_with_it(monk
     # errors name the key, the unknown family and the families there are
     raw["data"]["val_query_families"] = ["w"]
     with pytest.raises(ValueError, match=r"'data.val_query_families': \['w'\] are not families.*\['x', 'y', 'z'\]"):
-        build_dataset(config_from_dict(raw), "train", train=True)
+        build_split(config_from_dict(raw), "train", train=True)
     raw["data"]["val_query_families"] = ["x", "y", "z"]
     with pytest.raises(ValueError, match="at least one must stay for training"):
-        build_dataset(config_from_dict(raw), "val", train=False)
+        build_split(config_from_dict(raw), "val", train=False)
     monkeypatch.undo()  # the synthetic dataset itself: no families
     raw["data"]["val_query_families"] = ["z"]
     with pytest.raises(ValueError, match="has no per-image typeface families"):
-        build_dataset(config_from_dict(raw), "train", train=True)
+        build_split(config_from_dict(raw), "train", train=True)
 
 
 def test_val_query_families_config_errors():
@@ -325,7 +325,7 @@ def test_k_folds_partition_the_training_classes():
     assert not set(keep) & set(val) and len(keep) + len(val) == 10
     cfg = config_from_dict({**_raw("x", val_classes=None), "data": {**_raw("x")["data"], "val_classes": None,
                                                                    "val_folds": 4, "val_fold": 3}})
-    va = build_dataset(cfg, "val", train=False)
+    va = build_split(cfg, "val", train=False)
     assert va.original_classes.tolist() == class_fold(np.repeat(np.arange(8), 12), 4, 3, seed=0)[1].tolist()
     with pytest.raises(ConfigError, match="'data.val_fold': must be in \\[0, 4\\)"):
         config_from_dict({"train": {"epochs": 1}, "data": {"val_folds": 4, "val_fold": 4}})

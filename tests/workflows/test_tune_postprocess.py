@@ -25,8 +25,8 @@ def test_tune_postprocess_chooses_on_validation(run_with_val, tmp_path, capsys, 
     import deepmetric.run.builders as builders
 
     seen = []
-    real = builders.build_dataset
-    monkeypatch.setattr(builders, "build_dataset", lambda cfg, split, **kw: seen.append(split) or real(cfg, split, **kw))
+    real = builders.build_split
+    monkeypatch.setattr(builders, "build_split", lambda cfg, split, **kw: seen.append(split) or real(cfg, split, **kw))
     ckpt = run_with_val / "last.pt"
     assert cli.main(["tune", str(ckpt), "--postprocess", "--out", str(tmp_path / "pp")]) == 0
     text = capsys.readouterr().out

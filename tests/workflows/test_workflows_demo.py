@@ -84,11 +84,11 @@ def test_demo_emoji_quick(tmp_path, capsys):
     for r in summary["rows"]:
         assert 0.0 <= r["cross_domain_recall@1"] <= 1.0 and 0.0 <= r["cross_domain_map@r"] <= 1.0
     from deepmetric.evaluate import evaluate_cross_domain
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.workflows.demo import demo_config
 
     cfg = demo_config(out, quick=True)
-    test = build_dataset(cfg, "test", train=False)
+    test = build_split(cfg, "test", train=False)
     # the rows every run's baseline uses: the test transform's values ([-1, 1] here), by hand
     pixels = torch.stack([test[i][0] for i in range(len(test))]).reshape(len(test), -1).numpy()
     assert pixels.min() < -0.5 and pixels.max() <= 1.0

@@ -79,7 +79,7 @@ def embed_run(checkpoint: Path, *, split: str | None = None, device: str = "auto
     """
     from deepmetric.run.device import resolve_device
     from deepmetric.run.embed import compute_embeddings, load_model_from_checkpoint
-    from deepmetric.run.builders import build_dataset as build_dataset_split
+    from deepmetric.run.builders import build_split as build_dataset_split
 
     dev = resolve_device(device, name="--device")
     model, losses, cfg, _ = load_model_from_checkpoint(checkpoint, dev)
@@ -173,7 +173,7 @@ def image_source_for(cfg, labels: np.ndarray, *, has_gallery: bool, split: str |
     embeddings array, rebuilt from the run's config. Returns ``(source, note)``; ``source``
     is None (and ``note`` says why) when the dataset cannot be built or its labels do not
     match ``labels`` row for row (an ``.npz`` of another split or order)."""
-    from deepmetric.run.builders import build_dataset as build_dataset_split
+    from deepmetric.run.builders import build_split as build_dataset_split
 
     c = _display_cfg(cfg)
     if train:

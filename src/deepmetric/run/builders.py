@@ -5,7 +5,7 @@ demo and other commands, so every one of them builds exactly what training built
 module imports only the config, ``deepmetric.data``, ``deepmetric.models`` and
 ``deepmetric.losses``; the loop, ``embed`` and ``demo`` import it, never the reverse.
 
-* ``build_dataset(cfg, split, *, train)``: one split of ``cfg.data`` with the train (augmenting)
+* ``build_split(cfg, split, *, train)``: one split of ``cfg.data`` with the train (augmenting)
   or test transform.  With ``data.val_classes`` the training split loses the validation
   classes, and ``split="val"`` is those classes' training images (``carve_val_classes``);
 * ``build_sampler(cfg, labels, rank, world)``: random or m x n class-balanced batches,
@@ -27,7 +27,7 @@ from torch import nn
 from .config import Config
 from .config_checks import loss_term_options
 
-__all__ = ["VAL_SPLIT", "seed_everything", "build_dataset", "build_sampler", "build_model", "build_losses",
+__all__ = ["VAL_SPLIT", "seed_everything", "build_split", "build_sampler", "build_model", "build_losses",
            "resolve_model_preprocessing", "MODEL_PREPROCESSING_KEYS", "fill_model_input_size",
            "embedding_dim_of", "carve_val_classes", "class_fold", "ClassSubset"]
 
@@ -68,7 +68,7 @@ def _build_named_split(cfg: Config, split: str, *, train: bool):
     return build_named_dataset(d.name, root=d.root, split=split, transform=transform, **options)
 
 
-def build_dataset(cfg: Config, split: str, *, train: bool):
+def build_split(cfg: Config, split: str, *, train: bool):
     """Split ``split`` of ``cfg.data`` with the train (``train=True``) or test transform.
 
     With ``data.val_classes`` set, ``data.train_split`` comes without the validation classes
@@ -107,9 +107,9 @@ def build_test_sets(cfg: Config) -> dict:
     split (``eval.split: null``)."""
     if cfg.eval.split is None:
         return None
-    sets = {"query": build_dataset(cfg, cfg.eval.split, train=False)}
+    sets = {"query": build_split(cfg, cfg.eval.split, train=False)}
     if cfg.eval.gallery_split is not None:
-        sets["gallery"] = build_dataset(cfg, cfg.eval.gallery_split, train=False)
+        sets["gallery"] = build_split(cfg, cfg.eval.gallery_split, train=False)
     return sets
 
 

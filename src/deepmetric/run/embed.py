@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from .builders import build_dataset, build_losses, build_model
+from .builders import build_split, build_losses, build_model
 from .checkpoint import load_checkpoint
 from .config_io import config_from_dict
 from .device import autocast_context, resolve_device
@@ -238,15 +238,15 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
               channels_last=cfg.train.channels_last, num_workers=num_workers, with_paths=True)
     arrays: dict[str, np.ndarray]
     if split == "query+gallery" or (split == "test" and cfg.data.name == "inshop"):
-        q = compute_embeddings(model, build_dataset(cfg, "query", train=False), **kw)
-        g = compute_embeddings(model, build_dataset(cfg, "gallery", train=False), **kw)
+        q = compute_embeddings(model, build_split(cfg, "query", train=False), **kw)
+        g = compute_embeddings(model, build_split(cfg, "gallery", train=False), **kw)
         is_query = np.r_[np.ones(len(q["labels"]), bool), np.zeros(len(g["labels"]), bool)]
         arrays = {"embeddings": np.concatenate([q["embeddings"], g["embeddings"]]),
                   "labels": np.concatenate([q["labels"], g["labels"]]),
                   "is_query": is_query, "is_gallery": ~is_query}
         parts = [q, g]
     else:
-        ds = build_dataset(cfg, split, train=False)
+        ds = build_split(cfg, split, train=False)
         r = (compute_embeddings(model, ds, **kw) if torchrun_world() is None
              else _embed_sharded(model, ds, out, checkpoint, kw, shard_size))
         if r is None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from .builders import build_dataset
+from .builders import build_split
 from .config import Config, ConfigError
 from .device import resolve_device
 from .embed import compute_embeddings, dataset_domains, dataset_query_gallery_masks
@@ -138,7 +138,7 @@ def train_neighbour_metrics(model: nn.Module, embedded: dict, cfg, *, device: to
     :func:`eval_search_device` says."""
     from deepmetric.evaluate import misclassified_neighbour_agreement
 
-    train_set = build_dataset(cfg, cfg.data.train_split, train=False)
+    train_set = build_split(cfg, cfg.data.train_split, train=False)
     t = compute_embeddings(model, train_set, batch_size=cfg.eval.batch_size, device=device, amp=cfg.train.amp,
                            channels_last=cfg.train.channels_last, num_workers=cfg.data.num_workers, as_tensor=True)
     test = embedded["embeddings"]

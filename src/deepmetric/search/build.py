@@ -15,10 +15,10 @@ _FILE_DATASETS_ALL = ("folder", "csv")
 
 
 def _dataset_builder():
-    """The training package's split builder (``build_dataset(cfg, split, *, train)``)."""
-    from deepmetric.run.builders import build_dataset
+    """The training package's split builder (``build_split(cfg, split, *, train)``)."""
+    from deepmetric.run.builders import build_split
 
-    return build_dataset
+    return build_split
 
 
 class _ImageFiles(torch.utils.data.Dataset):

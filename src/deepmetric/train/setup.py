@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from deepmetric.run import rundir as R
-from deepmetric.run.builders import (VAL_SPLIT, build_dataset, build_losses, build_model, build_sampler, build_test_sets,
+from deepmetric.run.builders import (VAL_SPLIT, build_split, build_losses, build_model, build_sampler, build_test_sets,
                                      embedding_dim_of, fill_model_input_size, resolve_model_preprocessing,
                                      seed_everything)
 from deepmetric.run.checkpoint import load_checkpoint, rng_preserved
@@ -120,7 +120,7 @@ def _build_data(cfg: Config, dist_info) -> dict:
     """Step 2: the training split, its sampler (this rank's shard), the run's length and, on
     rank 0, the evaluation splits (``{"val": ..., "test": ...}``)."""
     rank, world, main = dist_info.rank, dist_info.world_size, dist_info.is_main
-    train_ds = build_dataset(cfg, cfg.data.train_split, train=True)
+    train_ds = build_split(cfg, cfg.data.train_split, train=True)
     labels = np.asarray(train_ds.labels, dtype=np.int64)
     num_classes = int(train_ds.num_classes if train_ds.num_classes is not None else labels.max() + 1)
     sampler = build_sampler(cfg, labels, rank, world)
@@ -132,7 +132,7 @@ def _build_data(cfg: Config, dist_info) -> dict:
     eval_sets: dict[str, dict] = {}
     if main:  # rank 0 evaluates
         if select_key is not None:
-            eval_sets["val"] = {"query": build_dataset(cfg, VAL_SPLIT, train=False)}
+            eval_sets["val"] = {"query": build_split(cfg, VAL_SPLIT, train=False)}
         if cfg.eval.test and cfg.eval.split is not None:  # eval.test false / eval.split null: no test split
             eval_sets["test"] = build_test_sets(cfg)
     return {"train_ds": train_ds, "num_classes": num_classes, "sampler": sampler,
@@ -196,7 +196,7 @@ def _init_class_means(cfg: Config, model: nn.Module, losses: nn.ModuleList, devi
     tc = cfg.train
     for term, loss in zip(cfg.loss, losses):
         if term.init == "class_means":
-            init_from_class_means(model, loss, build_dataset(cfg, cfg.data.train_split, train=False),
+            init_from_class_means(model, loss, build_split(cfg, cfg.data.train_split, train=False),
                                   device=device, seed=tc.seed, amp=tc.amp,
                                   output="projection" if term.input == "projection" else "embedding")
 
@@ -260,7 +260,7 @@ def _init_head(cfg: Config, model: nn.Module, device: torch.device, *, resume=No
                                                   and cfg.eval.wise_ft_params == "all"))
     if model.head_init is not None and needed:
         with rng_preserved():
-            info = init_head_from_pca(model, build_dataset(cfg, cfg.data.train_split, train=False), device=device,
+            info = init_head_from_pca(model, build_split(cfg, cfg.data.train_split, train=False), device=device,
                                       batch_size=cfg.eval.batch_size, amp=tc.amp, channels_last=tc.channels_last,
                                       num_workers=cfg.data.num_workers)
         print(f"[deepmetric] head_init {model.head_init}: the projection is the PCA of {info['images']} training "

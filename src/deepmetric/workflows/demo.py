@@ -138,7 +138,7 @@ def _postprocessed(cfg, out: Path, test_ds, final: dict | None, features: dict |
     if getattr(cfg.data, "val_classes", None) is None or final is None:
         return {}
     from deepmetric.evaluate.postprocess_choice import choose_postprocess
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.run.embed import dataset_domains, load_model_from_checkpoint
     from deepmetric.run.baselines import backbone_features_baseline
 
@@ -147,7 +147,7 @@ def _postprocessed(cfg, out: Path, test_ds, final: dict | None, features: dict |
     model, _, _, _ = load_model_from_checkpoint(out / R.LAST, device)
     sources = {"trained": (validation_embeddings(model, cfg, device=device), final)}
     if features is not None:
-        val_ds = build_dataset(cfg, "val", train=False)
+        val_ds = build_split(cfg, "val", train=False)
         _, _, f = backbone_features_baseline(cfg, val_ds, num_classes=num_classes, device=device)
         dom = dataset_domains(val_ds) if cfg.eval.cross_domain else None
         sources["features"] = ({"embeddings": f["embeddings"], "labels": f["labels"],
@@ -270,11 +270,11 @@ class _Heat(NamedTuple):
 def _datasets(cfg, data: str):
     """The train and test splits, built (or their cached arrays loaded) and timed on their own:
     train() then reads the cache."""
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
 
     t0 = time.perf_counter()
-    train_ds = build_dataset(cfg, "train", train=True)
-    test_ds = build_dataset(cfg, "test", train=False)
+    train_ds = build_split(cfg, "train", train=True)
+    test_ds = build_split(cfg, "test", train=False)
     t_data = time.perf_counter() - t0
     how = "loaded from cache" if train_ds.from_cache else "built"
     if data == "emoji":

@@ -29,7 +29,7 @@ def validation_embeddings(model, cfg, *, split: str = "val", device="cpu", batch
     gives the backbone's pooled features instead of the embedding."""
     import torch
 
-    from deepmetric.run.builders import build_dataset
+    from deepmetric.run.builders import build_split
     from deepmetric.run.embed import compute_embeddings, dataset_domains
 
     if split in TEST_SPLITS:
@@ -38,7 +38,7 @@ def validation_embeddings(model, cfg, *, split: str = "val", device="cpu", batch
     if split == "val" and getattr(cfg.data, "val_classes", None) is None:
         raise ValueError("the checkpoint's run has no validation split (data.val_classes is not set): the "
                          "post-processing cannot be chosen without one; train with data.val_classes: 0.1")
-    ds = build_dataset(cfg, split, train=False)
+    ds = build_split(cfg, split, train=False)
     with torch.no_grad():
         r = compute_embeddings(model, ds, batch_size=batch_size or cfg.eval.batch_size, device=device,
                                output=output)
