@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path[:0] = [str(d) for d in sorted(Path(__file__).parent.iterdir())
-                if d.is_dir() and (d / "__init__.py").exists() is False and any(d.glob("test_*.py"))]
+                if d.is_dir() and any(d.glob("test_*.py"))]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")

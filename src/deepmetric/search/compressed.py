@@ -168,10 +168,11 @@ def _file_backed_bytes() -> int | None:
 
 
 class _MappedRows:
-    """Rows of a float16 ``.npy`` file through a read-only ``mmap``; :meth:`release` drops the
-    pages this process touched (they stay in the page cache, out of its resident set) once
-    they exceed ``budget`` bytes (dropping them after every search would cost a page fault
-    per candidate row)."""
+    """Rows of a float16 ``.npy`` file: :meth:`gather` reads the re-ranked candidates with
+    ``pread`` (never through the mapping); the read-only ``mmap`` (``array``) serves the bulk
+    readers (export, ``--add``, the recall check), and :meth:`release`, called after each
+    search, drops the pages they touched once they exceed ``budget`` bytes (they stay in the
+    page cache, out of this process's resident set)."""
 
     budget = 2 ** 30
 
