@@ -154,7 +154,9 @@ class EmbeddingModel(nn.Module):
             :func:`global_pool`); token backbones also ``"cls"`` (:func:`pool_features`).
         projection: None, or ``{dim, norm, hidden, bn_divide_sqrt_k}``: a SimCLR projection head on the embedding
             adds ``"projection"`` to ``forward``'s dict (what ``loss.N.input: projection``
-            reads); ``forward_head`` and everything that indexes still give the embedding.
+            reads); ``forward_head`` still gives the embedding (index, search and export read
+            the projection instead when the run's ``eval.embedding`` is ``projection``:
+            ``deepmetric.run.embed.load_search_network``).
         freeze_bn: False, True / ``"stats"`` (the backbone's batch norms stay in eval mode:
             running statistics frozen, affine parameters trained) or ``"all"`` (affine
             parameters frozen too).  The embedding head's BN is not the backbone's and trains.

@@ -85,7 +85,8 @@ def embed_run(checkpoint: Path, *, split: str | None = None, device: str = "auto
     model, losses, cfg, _ = load_model_from_checkpoint(checkpoint, dev)
     q_split, g_split = _eval_splits(cfg, split)
     clf_loss = next((l for l in losses if hasattr(l, "logits")), None)
-    kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp,
+    # the output the run was evaluated (and best.pt chosen) on
+    kw = dict(batch_size=batch_size, device=dev, amp=cfg.train.amp, output=cfg.eval.embedding,
               channels_last=cfg.train.channels_last, num_workers=0)
     # the report's slow part on a CPU (minutes for thousands of images): show it
     q = compute_embeddings(model, build_dataset_split(cfg, q_split, train=False), **kw,

@@ -24,7 +24,8 @@ from .config_io import config_from_dict
 from .device import autocast_context, resolve_device
 from .shards import torchrun_world
 
-__all__ = ["compute_embeddings", "embed_checkpoint", "load_model_from_checkpoint", "dataset_query_gallery_masks",
+__all__ = ["compute_embeddings", "embed_checkpoint", "load_model_from_checkpoint", "load_search_network",
+           "ProjectionAsEmbedding", "dataset_query_gallery_masks",
            "dataset_paths_and_class_names", "dataset_domains", "EMBEDDING_OUTPUTS", "make_eval_loader",
            "npz_out_path"]
 
@@ -182,6 +183,50 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     model.to(device).eval()
     losses.to(device).eval()
     return model, losses, cfg, state
+
+
+class ProjectionAsEmbedding(nn.Module):
+    """``model`` whose ``forward_head`` gives its SimCLR projection head's output
+    (``projection(forward_head(fmap))``, as :class:`~deepmetric.models.EmbeddingModel`'s
+    ``forward`` computes ``"projection"``): the network that index, search, serve and export
+    read from a checkpoint trained with ``eval.embedding: projection``, so that they embed with
+    the output its validation chose best.pt on.  ``forward``'s dict has that output as
+    ``"embedding"`` too; ``pre_logits=True`` still gives the pooled features."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        if getattr(model, "projection", None) is None:
+            raise ValueError("eval.embedding 'projection': the checkpoint's model has no projection head")
+        self.model = model
+        self.num_features = model.num_features
+        self.embedding_dim = model.projection_dim
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_features(x)
+
+    def forward_head(self, fmap: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if pre_logits:
+            return self.model.forward_head(fmap, pre_logits=True)
+        return self.model.projection(self.model.forward_head(fmap))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = dict(self.model(x))
+        out["embedding"] = out["projection"]
+        return out
+
+
+def load_search_network(path: str | Path, device: str | torch.device = "cpu", output: str | None = None):
+    """``(network, cfg, state, output)`` of a checkpoint as search reads it: ``network``'s
+    ``forward_head`` gives ``output`` (default: the checkpoint's ``eval.embedding``, the output
+    its validation chose best.pt on; ``"embedding"``: the model itself; ``"projection"``:
+    :class:`ProjectionAsEmbedding`)."""
+    model, _, cfg, state = load_model_from_checkpoint(path, device)
+    output = output or str(cfg.eval.embedding)
+    if output not in ("embedding", "projection"):
+        raise ValueError(f"checkpoint {path}: cannot search its {output!r} output (expected 'embedding' or "
+                         "'projection', config key eval.embedding)")
+    network = model if output == "embedding" else ProjectionAsEmbedding(model).to(device).eval()
+    return network, cfg, state, output
 
 
 def _embed_sharded(model, ds, out, checkpoint, kw: dict, shard_size: int | None) -> dict | None:

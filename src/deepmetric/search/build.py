@@ -109,10 +109,28 @@ def _indexed_paths(ds, keep, paths, in_memory: bool, images_dir, first_image_num
     return out_paths
 
 
-def _index_input(emb, labels, out_paths, names, cfg, state, preprocessing, split, n, keep) -> dict:
+def stored_output(meta: dict | None) -> str | None:
+    """The model output the rows of an index with ``meta`` were embedded with, which its queries
+    and added rows must use too: ``embedding_output``; for an index built from a checkpoint
+    before that key existed, the head's output (``"embedding"``); ``None`` (the checkpoint's own
+    ``eval.embedding``) for no index yet or one built from vectors (``--embeddings``)."""
+    if not meta:
+        return None
+    return meta.get("embedding_output") or ("embedding" if meta.get("checkpoint") else None)
+
+
+def indexed_output(meta: dict, checkpoint, device):
+    """:func:`~deepmetric.run.embed.load_search_network` for the queries of an index with ``meta``
+    (the output :func:`stored_output` names)."""
+    from deepmetric.run.embed import load_search_network
+
+    return load_search_network(checkpoint, device, output=stored_output(meta))
+
+
+def _index_input(emb, labels, out_paths, names, cfg, state, preprocessing, split, n, keep, output) -> dict:
     """What :meth:`Index.build` writes: the embeddings with their rows and where they came from."""
     return {"embeddings": emb, "labels": labels, "paths": out_paths, "class_names": names,
-            "config": state["config"], "preprocessing": preprocessing.to_dict(),
+            "config": state["config"], "preprocessing": preprocessing.to_dict(), "embedding_output": output,
             "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
                      "options": dict(cfg.data.options), "images": len(keep)},
             "skipped": n - len(keep)}
@@ -121,18 +139,21 @@ def _index_input(emb, labels, out_paths, names, cfg, state, preprocessing, split
 def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, options=None,
                             batch_size: int = 256, device: str = "auto", num_workers: int = 0,
                             progress: bool = True, skip_paths=frozenset(), images_dir=None,
-                            first_image_number: int = 0, shards=None) -> dict | None:
+                            first_image_number: int = 0, shards=None, index_meta: dict | None = None) -> dict | None:
     """Embed a split for an index: ``{"embeddings", "labels", "paths", "class_names", ...}``.
     ``shards`` (a :class:`deepmetric.search.shards.ShardPlan`, under torchrun): this process
     embeds only its contiguous run of shards into the shard folder (skipping finished ones);
-    rank 0 returns the whole split read back from the shards, other ranks ``None``."""
+    rank 0 returns the whole split read back from the shards, other ranks ``None``.  The model
+    output embedded is the checkpoint's ``eval.embedding`` (what its validation chose it on), or
+    for rows added to an index (``index_meta``, its manifest), the output already in it."""
     from deepmetric.run.device import resolve_device
-    from deepmetric.run.embed import load_model_from_checkpoint
+    from deepmetric.run.embed import load_search_network
 
     if not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} not found (expected last.pt / best.pt of 'deepmetric train')")
     dev = resolve_device(device, name="--device")
-    model, _, cfg, state = load_model_from_checkpoint(checkpoint, dev)
+    # the output the checkpoint's validation chose it on (eval.embedding), not always the head's
+    model, cfg, state, output = load_search_network(checkpoint, dev, output=stored_output(index_meta))
     preprocessing = preprocessing_from_config(cfg)  # before the data is overridden: the model's input
     split = _point_at_data(cfg, data=data, options=options, root=root, split=split)
     ds = _dataset_builder()(cfg, split, train=False)
@@ -157,16 +178,16 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
         ds = _ImageFiles(paths, np.asarray(ds.labels, dtype=np.int64), preprocessing)
     if shards is not None:
         return _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, preprocessing, split, n,
-                             batch_size=batch_size, num_workers=num_workers, progress=progress)
+                             batch_size=batch_size, num_workers=num_workers, progress=progress, output=output)
     emb, labels = _embed_in_chunks(model, ds, keep, labels, dev, batch_size=batch_size, num_workers=num_workers,
                                    progress=progress)
     _check_finite(emb, checkpoint, keep, paths)
     out_paths = _indexed_paths(ds, keep, paths, in_memory, images_dir, first_image_number, progress)
-    return _index_input(emb, labels, out_paths, names, cfg, state, preprocessing, split, n, keep)
+    return _index_input(emb, labels, out_paths, names, cfg, state, preprocessing, split, n, keep, output)
 
 
 def _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, preprocessing, split, n, *,
-                  batch_size, num_workers, progress) -> dict | None:
+                  batch_size, num_workers, progress, output) -> dict | None:
     """The torchrun branch of :func:`embed_dataset_for_index` (see its ``shards``)."""
     from deepmetric.run.embed import compute_embeddings
 
@@ -182,5 +203,5 @@ def _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, prepro
     if emb is None:
         return None
     return {**_index_input(emb, np.asarray(ds.labels, dtype=np.int64)[keep], [paths[i] for i in keep], names, cfg,
-                           state, preprocessing, split, n, keep),
+                           state, preprocessing, split, n, keep, output),
             "shards": shards.summary()}

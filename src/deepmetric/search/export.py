@@ -1,7 +1,9 @@
 """``deepmetric export``: the embedding network of a checkpoint as ONNX or TorchScript.
 
-The model is rebuilt with :func:`deepmetric.run.embed.load_model_from_checkpoint` and exported
-as ``forward_head(forward_features(x))`` (timm's model contract), the embedding alone: input
+The model is rebuilt with :func:`deepmetric.run.embed.load_search_network` and exported
+as ``forward_head(forward_features(x))`` (timm's model contract), the embedding alone, of the
+output the checkpoint's ``eval.embedding`` names, as ``deepmetric index`` embeds (the JSON's
+``output.model_output``: ``embedding`` or ``projection``): input
 ``image`` float32 ``[batch, C, H, W]`` (already preprocessed), output ``embedding`` float32
 ``[batch, d]``, l2-normalised unless ``normalize=False`` (cosine = dot product, as the index
 uses). The preprocessing that makes the input from an image file is written beside the
@@ -125,7 +127,7 @@ def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
     """Write the embedding network of ``checkpoint`` to ``out`` and its preprocessing JSON
     beside it; returns both paths. A checkpoint with NaN / infinite weights and an opset the
     installed torch cannot export to are ValueErrors; ``out`` is written whole or not at all."""
-    from deepmetric.run.embed import load_model_from_checkpoint
+    from deepmetric.run.embed import load_search_network
 
     if fmt not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
@@ -136,7 +138,8 @@ def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
     out = Path(out)
     if out.is_dir():
         raise IsADirectoryError(f"--out {out} is a folder; give a file name such as {out / 'model.onnx'}")
-    model, _, cfg, _ = load_model_from_checkpoint(checkpoint, "cpu")
+    # the output the checkpoint's validation chose it on (eval.embedding), as 'deepmetric index' embeds
+    model, cfg, _, output = load_search_network(checkpoint, "cpu")
     check_finite_weights(model, checkpoint)
     pre = preprocessing_from_config(cfg)
     desc = pre.describe()
@@ -152,7 +155,7 @@ def export_model(checkpoint: str | Path, out: str | Path, fmt: str = "onnx", *,
     info = {"format": fmt, "file": out.name, "input": {"name": "image", "shape": ["batch", *desc["input_shape"]],
                                                         "dtype": "float32"},
             "output": {"name": "embedding", "shape": ["batch", dim], "dtype": "float32",
-                       "l2_normalized": bool(normalize)},
+                       "l2_normalized": bool(normalize), "model_output": output},
             "preprocessing": desc, "checkpoint": str(Path(checkpoint).resolve()),
             "model": cfg.model.name, "postprocess": postprocess_entry(cfg)}
     side = preprocessing_path(out)

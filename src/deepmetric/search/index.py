@@ -3,8 +3,8 @@ image paths, the checkpoint that made them (path, SHA-256, config) and a faiss i
 
 On disk (``deepmetric index ... --out INDEX_DIR``)::
 
-    INDEX_DIR/manifest.json     format, kind, count, dim, checkpoint {path, sha256, config},
-                                preprocessing, data {name, root, split}, approximate recall
+    INDEX_DIR/manifest.json     format, kind, count, dim, checkpoint {path, sha256, config}, embedding_output
+                                (the model output embedded: eval.embedding), preprocessing, data, recall
     INDEX_DIR/embeddings.npy    float32 [N, d], l2-normalised (numpy .npy, no pickles); ivfpq:
     INDEX_DIR/vectors.f16.npy   float16 [N, d] instead, mapped, read for re-ranked candidates
     INDEX_DIR/metadata.arrow    path (relative ones are inside INDEX_DIR) and label per row
@@ -14,10 +14,9 @@ On disk (``deepmetric index ... --out INDEX_DIR``)::
     INDEX_DIR/postprocess.npz   with post-processing (manifest ``postprocess``: the steps and the
                                 query dimension): the fitted whitening (whiten_mean, whiten_projection)
 
-With post-processing (``search.postprocess`` of the checkpoint's config or ``--postprocess``;
-:mod:`deepmetric.search.postprocess`) ``embeddings.npy`` holds the processed gallery (whitened
-and reduced, DBA-augmented); :meth:`Index.search` applies the query side (whitening, alpha-QE)
-and the k-reciprocal re-ranking, so ``search`` and ``serve`` answer with the processed ranking.
+With post-processing (the config's ``search.postprocess`` or ``--postprocess``; :mod:`.postprocess`)
+``embeddings.npy`` holds the processed gallery (whitened and reduced, DBA-augmented); :meth:`Index.search`
+applies the query side and the k-reciprocal re-ranking: ``search`` and ``serve`` answer processed rankings.
 
 ``manifest.json`` (version 2 and 3) lists every other file's size and SHA-256 (``files``). Folders
 are written as transactions (:mod:`deepmetric.search.store`): into a temporary folder beside
@@ -29,13 +28,12 @@ listed file is opened its name is checked (no path outside the folder), links an
 refused, and the rows must be finite with labels naming a class (:mod:`deepmetric.search.reading`).
 ``ivfpq`` takes no post-processing (refused when built).
 
-Exact search ranks by inner product with the exact faiss backend of
-:mod:`deepmetric.evaluate.knn` (chunked by a memory budget, ties by the smaller index), or
-its torch backend on a GPU when the index's ``search_device`` is CUDA (``deepmetric index``
-on a GPU machine: the exact search behind an approximate index's recall);
-``index.faiss`` is then only written for other tools. Approximate indexes (``ivf`` / ``hnsw``,
-built by the same module's approximate backends) are searched through ``index.faiss``; their
-recall@10 against exact search is measured when they are built and stored in the manifest.
+Exact search ranks by inner product with the exact faiss backend of :mod:`deepmetric.evaluate.knn`
+(chunked by a memory budget, ties by the smaller index), or its torch backend on a GPU when the
+index's ``search_device`` is CUDA (``deepmetric index`` on a GPU machine: the exact search behind an
+approximate index's recall); ``index.faiss`` is then only written for other tools. Approximate indexes
+(``ivf`` / ``hnsw``, built by the same module's approximate backends) are searched through
+``index.faiss``; their recall@10 against exact search is measured when built and kept in the manifest.
 """
 from __future__ import annotations
 
@@ -274,13 +272,14 @@ class Index:
         from deepmetric.run.shards import ShardPlan, torchrun_group
 
         with torchrun_group() as (rank, world):
-            skip = set(cls.load(out).paths) if kw["add"] else set()
+            old = cls.load(out) if kw["add"] else None
+            skip = set(old.paths) if old is not None else set()
             sha = file_sha256(checkpoint) if Path(checkpoint).is_file() else None
             plan = ShardPlan(out, rank=rank, world_size=world, shard_size=shard_size, checkpoint_sha256=sha)
             got = embed_dataset_for_index(checkpoint, data=kw["data"], root=kw["root"], split=kw["split"],
                                           options=kw["options"], batch_size=kw["batch_size"], device=kw["device"],
                                           num_workers=kw["num_workers"], progress=kw["progress"],
-                                          skip_paths=skip, shards=plan)
+                                          skip_paths=skip, shards=plan, index_meta=old and old.meta)
             if got is None:
                 return None
             with index_transaction(out) as tmp:
@@ -312,7 +311,8 @@ class Index:
         got = got or embed_dataset_for_index(checkpoint, data=data, root=root, split=split, options=options,
                                       batch_size=batch_size, device=device, num_workers=num_workers,
                                       progress=progress, skip_paths=skip, images_dir=images_dir,
-                                      first_image_number=len(old) if old is not None else 0)
+                                      first_image_number=len(old) if old is not None else 0,
+                                      index_meta=old.meta if old is not None else None)
         from deepmetric.run.evaluation import command_search_device
 
         where = command_search_device(device, search_device, nbytes=got["embeddings"].nbytes)
@@ -323,9 +323,9 @@ class Index:
             old.meta.setdefault("added", []).append(got["data"])
             index = old
         else:
-            meta = {"checkpoint": {"path": str(Path(checkpoint).resolve()), "sha256": sha,
-                                   "config": got["config"]},
-                    "preprocessing": got["preprocessing"], "data": got["data"]}
+            meta = {"checkpoint": {"path": str(Path(checkpoint).resolve()), "sha256": sha, "config": got["config"]},
+                    "preprocessing": got["preprocessing"], "data": got["data"],
+                    "embedding_output": got.get("embedding_output", "embedding")}
             if postprocess is None:  # the checkpoint's search.postprocess
                 postprocess = ((got["config"] or {}).get("search") or {}).get("postprocess") or []
             index = cls(got["embeddings"], got["labels"], got["paths"], got["class_names"],
@@ -383,7 +383,7 @@ class Index:
     def model(self, checkpoint: str | Path | None = None, device: str = "cpu"):
         """``(model, preprocessing)`` of the index's checkpoint (loaded once; SHA-256 as in the manifest)."""
         if self._model is None:
-            from deepmetric.run.embed import load_model_from_checkpoint
+            from .build import indexed_output
 
             c = self.meta.get("checkpoint") or {}
             path = checkpoint or c.get("path")
@@ -398,7 +398,7 @@ class Index:
                 raise ValueError(f"checkpoint {path} (sha256 {sha[:12]}) is not the one that built this index "
                                  f"(sha256 {c['sha256'][:12]}, {c.get('path')}): its embeddings would not "
                                  "be comparable")
-            model, _, cfg, _ = load_model_from_checkpoint(path, device)
+            model, cfg, _, _ = indexed_output(self.meta, path, device)
             pre = self.meta.get("preprocessing")  # none for --embeddings vectors: the checkpoint's own
             self._model = (model, Preprocessing.from_dict(pre) if pre else preprocessing_from_config(cfg), device)
         return self._model[:2]
