@@ -499,7 +499,10 @@ def postgres(tmp_path):
 def test_two_workers_share_one_study_on_postgresql(tmp_path, postgres):
     """Two 'machines' (two processes with their own output folders) run the same command on one
     PostgreSQL study: every trial finishes once, none is lost, exactly N are finished or pruned."""
-    recipe, sp = _files(tmp_path)
+    # trials of several seconds: with 1-second ones, a machine whose start the load delays can find
+    # the 6 trials already taken ("both machines worked" fails; the likeliest cause of this test's
+    # one failure, in a full run on 2 busy cores, whose output was not kept)
+    recipe, sp = _files(tmp_path, epochs=8, options={"per_class": 30})
     cmds = [[sys.executable, "-m", "deepmetric.cli", "tune", str(recipe), "--space", str(sp), "--trials", "6",
              "--storage", postgres, "--study-name", "shared", "--out", str(tmp_path / f"machine{k}")]
             for k in (0, 1)]
