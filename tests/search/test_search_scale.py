@@ -160,6 +160,40 @@ def test_export_parquet_round_trips(tmp_path):
     assert list(back.paths) == list(index.paths) and back.class_names == index.class_names
 
 
+def test_export_of_a_whitened_index_carries_what_queries_need(tmp_path, capsys):
+    """The exported vectors of a whitened index are whitened: the manifest carries the fit, and
+    queries whitened by hand with it (numpy) and ranked by plain cosine over the exported
+    vectors give Index.search's top-10; steps no engine applies are named."""
+    import pyarrow.parquet as pq
+
+    x, lab = clustered(500, seed=6)
+    np.save(tmp_path / "x.npy", x)
+    d = tmp_path / "ix"
+    assert cli.main(["index", "--embeddings", str(tmp_path / "x.npy"), "--out", str(d),
+                     "--postprocess", "whiten:dim=8"]) == 0
+    out = tmp_path / "ix.parquet"
+    capsys.readouterr()
+    assert cli.main(["index", "export", str(d), "--to", f"parquet:{out}"]) == 0
+    assert "queries must be whitened" in capsys.readouterr().err
+    post = json.loads(pq.read_schema(out).metadata[b"deepmetric"])["postprocess"]
+    assert post["not_applied"] == [] and len(post["whiten_projection"]) == 16
+    mean, proj = np.asarray(post["whiten_mean"], np.float32), np.asarray(post["whiten_projection"], np.float32)
+    vectors = np.stack(pq.read_table(out).column("vector").to_numpy(zero_copy_only=False))
+    assert vectors.shape == (500, 8)
+    q = clustered(50, seed=7)[0]
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    qw = (qn - mean) @ proj
+    assert np.array_equal(brute(vectors, qw, 10), Index.load(d).search(q, k=10)[1])
+    # alpha-QE needs the gallery: the export says it is not applied
+    assert cli.main(["index", "--embeddings", str(tmp_path / "x.npy"), "--out", str(tmp_path / "ix2"),
+                     "--postprocess", "aqe:k=2"]) == 0
+    capsys.readouterr()
+    assert cli.main(["index", "export", str(tmp_path / "ix2"), "--to", f"parquet:{tmp_path / 'b.parquet'}"]) == 0
+    assert "aqe cannot be applied" in capsys.readouterr().err
+    meta = json.loads(pq.read_schema(tmp_path / "b.parquet").metadata[b"deepmetric"])
+    assert meta["postprocess"]["not_applied"] == ["aqe"] and "whiten_mean" not in meta["postprocess"]
+
+
 def test_export_qdrant_embedded_gives_the_same_top10(tmp_path):
     pytest.importorskip("qdrant_client")
     from qdrant_client import QdrantClient

@@ -111,7 +111,7 @@ def add_index_tools_parsers(sub) -> None:
 
 def _run_index_export(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
-    from deepmetric.search.interchange import export_parquet, export_qdrant, parse_target
+    from deepmetric.search.interchange import export_parquet, export_qdrant, export_warning, parse_target
 
     scheme, where = parse_target(args.to)
     index = Index.load(args.index_dir, mmap=True, verify_hashes=True)  # never export a damaged index
@@ -120,6 +120,9 @@ def _run_index_export(args: argparse.Namespace) -> int:
     else:
         export_qdrant(index, where, collection=args.collection)
     print(f"exported {len(index)} vectors (d={index.dim}) of {args.index_dir} -> {args.to}")
+    warning = export_warning(index)
+    if warning:
+        print(f"post-processed index: {warning}", file=sys.stderr)
     return 0
 
 

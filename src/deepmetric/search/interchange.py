@@ -11,7 +11,9 @@ Input files (:func:`read_embeddings_file`):
 Parquet export (:func:`export_parquet`): one row per indexed image with ``id`` (row), ``path``,
 ``label``, ``class_name`` and ``vector`` (``fixed_size_list<float32>[d]``, l2-normalised, so
 cosine = dot product); the file's key-value metadata ``deepmetric`` holds the index manifest
-(checkpoint, preprocessing, kind) that a query needs. Written in row groups of 65,536 rows.
+(checkpoint, preprocessing, kind) that a query needs, and for a post-processed index the
+fitted whitening every query must go through (``postprocess``: :func:`_manifest`). Written in
+row groups of 65,536 rows.
 
 Qdrant export (:func:`export_qdrant`, the ``qdrant`` extra): a collection (default
 ``deepmetric``) with cosine distance, point id = row, payload ``path`` / ``label`` /
@@ -32,7 +34,8 @@ import numpy as np
 if TYPE_CHECKING:
     from .index import Index
 
-__all__ = ["index_from_file", "read_embeddings_file", "export_parquet", "export_qdrant", "parse_target", "ROW_GROUP"]
+__all__ = ["index_from_file", "read_embeddings_file", "export_parquet", "export_qdrant", "export_warning",
+           "parse_target", "ROW_GROUP"]
 
 ROW_GROUP = 65536
 
@@ -141,8 +144,42 @@ def parse_target(target: str) -> tuple[str, str]:
     return scheme, rest
 
 
+#: query-side steps an engine that ranks by plain cosine does not apply (they need the gallery)
+_GALLERY_QUERY_STEPS = ("aqe", "kreciprocal")
+
+
 def _manifest(index) -> dict:
-    return {"kind": index.kind, "count": len(index), "dim": index.dim, **index.meta}
+    """The index manifest for another engine; with post-processing, ``postprocess`` also holds
+    the fitted whitening (``whiten_mean`` [d], ``whiten_projection`` [d, d'] as lists), which
+    every query must go through before it is searched, and ``not_applied``, the steps that
+    engine leaves out (alpha-QE and k-reciprocal re-ranking read the gallery)."""
+    meta = {"kind": index.kind, "count": len(index), "dim": index.dim, **index.meta}
+    post = index.postprocessor
+    if post is not None:
+        meta["postprocess"] = {**meta.get("postprocess", {}),
+                               **{k: v.tolist() for k, v in post.state().items()},
+                               "queries": "y = l2normalise((x - whiten_mean) @ whiten_projection) of the "
+                                          "l2-normalised query embedding x" if post.whitening is not None
+                                          else "the l2-normalised query embedding as it is",
+                               "not_applied": [s for s in _GALLERY_QUERY_STEPS if post.step(s) is not None]}
+    return meta
+
+
+def export_warning(index) -> str | None:
+    """What a user exporting ``index`` must know: its queries need the stored whitening, and
+    alpha-QE / k-reciprocal re-ranking are lost (the engine's ranking differs from ``search``)."""
+    post = index.postprocessor
+    if post is None:
+        return None
+    lost = [s for s in _GALLERY_QUERY_STEPS if post.step(s) is not None]
+    parts = []
+    if post.whitening is not None:
+        parts.append("queries must be whitened before they are searched (whiten_mean / whiten_projection "
+                     "are in the exported manifest's 'postprocess', and in INDEX_DIR/postprocess.npz)")
+    if lost:
+        parts.append(f"{' and '.join(lost)} cannot be applied by that engine, so its ranking differs from "
+                     "'deepmetric search'")
+    return "; ".join(parts) or None
 
 
 def _batches(index, rows: int):
