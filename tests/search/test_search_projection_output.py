@@ -101,3 +101,12 @@ def test_search_network_refuses_an_output_it_cannot_search(projected):
     assert output == "embedding" and net.embedding_dim == EMBEDDING_DIM
     with pytest.raises(ValueError, match="eval.embedding"):
         load_search_network(projected["checkpoint"], output="features")
+
+
+def test_post_processing_is_chosen_on_the_output_the_index_holds(projected):
+    from deepmetric.workflows.tune_postprocess import validation_embeddings
+
+    model, _, cfg, _ = load_model_from_checkpoint(projected["checkpoint"], "cpu")
+    cfg.data.val_classes = 0.5
+    assert validation_embeddings(model, cfg)["embeddings"].shape[1] == PROJECTION_DIM
+    assert validation_embeddings(model, cfg, output="embedding")["embeddings"].shape[1] == EMBEDDING_DIM

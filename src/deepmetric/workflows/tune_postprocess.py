@@ -23,10 +23,11 @@ TEST_SPLITS = ("test", "query", "gallery", "query+gallery")
 
 
 def validation_embeddings(model, cfg, *, split: str = "val", device="cpu", batch_size: int | None = None,
-                          output: str = "embedding") -> dict:
+                          output: str | None = None) -> dict:
     """``{"embeddings", "labels", "domains"}`` of ``split`` (the test transform; ``domains``
-    None unless the run evaluates cross-domain and the split has domains). ``output="features"``
-    gives the backbone's pooled features instead of the embedding."""
+    None unless the run evaluates cross-domain and the split has domains). ``output``: the
+    run's ``eval.embedding`` by default (what its index holds: the projection head's output for
+    ``projection``); ``"features"`` gives the backbone's pooled features instead."""
     import torch
 
     from deepmetric.run.builders import build_split
@@ -41,7 +42,7 @@ def validation_embeddings(model, cfg, *, split: str = "val", device="cpu", batch
     ds = build_split(cfg, split, train=False)
     with torch.no_grad():
         r = compute_embeddings(model, ds, batch_size=batch_size or cfg.eval.batch_size, device=device,
-                               output=output)
+                               output=output or cfg.eval.embedding)
     dom = dataset_domains(ds) if cfg.eval.cross_domain else None
     return {"embeddings": r["embeddings"], "labels": r["labels"], "domains": None if dom is None else dom[0]}
 
