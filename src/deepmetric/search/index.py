@@ -279,7 +279,7 @@ class Index:
             got = embed_dataset_for_index(checkpoint, data=kw["data"], root=kw["root"], split=kw["split"],
                                           options=kw["options"], batch_size=kw["batch_size"], device=kw["device"],
                                           num_workers=kw["num_workers"], progress=kw["progress"],
-                                          skip_paths=skip, shards=plan, index_meta=old and old.meta)
+                                          skip_paths=skip, shards=plan, index_meta=None if old is None else old.meta)
             if got is None:
                 return None
             with index_transaction(out) as tmp:
