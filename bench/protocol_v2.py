@@ -25,6 +25,7 @@ results, every path in them relative to the repository.  A rerun resumes every p
     python bench/protocol_v2.py                                  # everything (tunes 4 trials at a time)
     python bench/protocol_v2.py --phase tune seeds --only HBN BN # some phases, some losses
     python bench/protocol_v2.py --device cuda --parallel 8       # on one GPU, 8 seeded runs at once
+    python bench/protocol_v2.py --phase tune --lanes 2            # two losses' tunes at once (4 trials each)
     python bench/protocol_v2.py --summary                        # rewrite the copies, train nothing
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -127,10 +130,15 @@ def test_metric_leaks(folder: Path) -> list[str]:
 
 
 # --------------------------------------------------------------------------- tune
+#: lanes (``--lanes``) share the generated space files and the git index
+_SPACES_LOCK, _COMMIT_LOCK = threading.Lock(), threading.Lock()
+
+
 def run_tune_phase(proto: Protocol, loss: str) -> None:
     from deepmetric.workflows.tune import prepare_tune, run_tune
 
-    spaces = spec.write_spaces(proto.runs / "spaces", proto.epochs)
+    with _SPACES_LOCK:
+        spaces = spec.write_spaces(proto.runs / "spaces", proto.epochs)
     setup = prepare_tune(proto.recipe, spaces[loss], trials=proto.trials, out=proto.tune_dir(loss),
                          study_name=f"protocol_v2__{loss}", overrides=proto.common, count="completed",
                          max_trials=spec.MAX_TRIALS_FACTOR * proto.trials)
@@ -533,6 +541,10 @@ def parse_args(argv=None):
     ap.add_argument("--tune-parallel", type=int, default=spec.TUNE_WORKERS,
                     help=f"trials at once in every tune (pre-registered: {spec.TUNE_WORKERS} on any machine; "
                          "another value only for tests)")
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="losses tuned at once, each with its --tune-parallel trials (a GPU, or 2 CPU cores: no "
+                         "core idles while one tune waits for its last trial); with more than one, the seeded "
+                         "runs start after every tune")
     ap.add_argument("--runs", default=str(ROOT / "runs" / "protocol_v2"))
     ap.add_argument("--copy-to", default=str(ROOT / "bench" / "studies" / "protocol_v2"))
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "protocol_v2.yaml"))
@@ -543,19 +555,36 @@ def parse_args(argv=None):
     unknown = [n for n in args.only or () if n not in spec.LOSSES]
     if unknown:
         ap.error(f"unknown loss(es) {unknown}; the table has {list(spec.LOSSES)}")
-    if min(args.parallel, args.tune_parallel, args.trials, args.epochs) < 1:
-        ap.error("--parallel, --tune-parallel, --trials and --epochs must be >= 1")
+    if min(args.parallel, args.tune_parallel, args.trials, args.epochs, args.lanes) < 1:
+        ap.error("--parallel, --tune-parallel, --lanes, --trials and --epochs must be >= 1")
     return args
+
+
+def _tune_lane(proto: Protocol, loss: str, phases: list[str]) -> None:
+    run_tune_phase(proto, loss)
+    if proto.args.commit:
+        with _COMMIT_LOCK:
+            commit(proto, f"bench/studies/protocol_v2: {loss} tuned ({proto.trials} completed trials, validation)")
+    if "seeds" in phases and proto.args.lanes == 1:  # the paper claims' losses first, each with its seeds
+        run_seeds_phase(proto, [loss])  # (with lanes, after every tune: the seeded runs share one study)
+
+
+def run_tunes(proto: Protocol, phases: list[str]) -> None:
+    """The tunes in table order, ``--lanes`` losses at once: each lane takes the next loss when
+    its tune ends (each tune keeps its own pre-registered trials at a time).  A failing lane
+    stops the others from starting another loss; the running ones finish."""
+    pool = ThreadPoolExecutor(max_workers=proto.args.lanes, thread_name_prefix="lane")
+    futures = [pool.submit(_tune_lane, proto, loss, phases) for loss in proto.losses]
+    try:
+        for f in futures:
+            f.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run(proto: Protocol, phases: list[str]) -> None:
     if "tune" in phases:
-        for loss in proto.losses:
-            run_tune_phase(proto, loss)
-            if proto.args.commit:
-                commit(proto, f"bench/studies/protocol_v2: {loss} tuned ({proto.trials} completed trials, validation)")
-            if "seeds" in phases:  # the paper claims' losses first, each with its seeds
-                run_seeds_phase(proto, [loss])
+        run_tunes(proto, phases)
     if "seeds" in phases:
         run_seeds_phase(proto, proto.losses)
     if "control" in phases:

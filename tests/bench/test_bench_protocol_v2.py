@@ -104,9 +104,12 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     losses = ["BN", "pml_normalized_softmax"]  # a claim loss (5 seeds) and a user's pick (3)
     argv = ["--recipe", str(tmp_path / "recipe.yaml"), "--runs", str(tmp_path / "runs"), "--copy-to", str(copy),
             "--only", *losses, "--trials", "2", "--epochs", "1", "--parallel", "2", "--tune-parallel", "2", "--phase"]
-    assert bench.main(argv + ["tune"]) == 0  # the tunes, then (another command) the rest
+    assert bench.main(argv + ["tune", "--lanes", "2"]) == 0  # both tunes at once, then (another command) the rest
     assert bench.main(argv + ["seeds", "control", "final"]) == 0
     runs = tmp_path / "runs"
+    # --lanes 2: the second loss's tune started before the first's ended (its trials.md is written last)
+    assert ((runs / "tune" / losses[1] / "tune.json").stat().st_mtime
+            < (runs / "tune" / losses[0] / "trials.md").stat().st_mtime)
 
     # the same number of completed trials per loss; the tunes' trials trained with seed 0 only
     tune_seeds = set()
