@@ -12,7 +12,9 @@ call: issue the second at once):
     1. carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     2. carry [".gpu"]:  export PYTHONPATH=/tmp/site:$PWD/src:$PWD/.gpu/stub DEEPMETRIC_CACHE=/tmp/dmcache
                         set -o pipefail; python3 bench/protocol_v2_gpu_prep.py seed || exit 1
-                        python3 bench/protocol_v2.py --phase tune --only HBN --device cuda ... (one per loss)
+                        python3 bench/protocol_v2.py --phase tune --device cuda --lanes 3 &
+                        (then stop it before the call's limit: pkill -INT -f protocol_v2.py; pkill -INT
+                        -f "deepmetric.cli tune"; and tar runs/protocol_v2/tune without *.pt into $OUT)
 
 ``seed`` (on the GPU machine) puts the carried arrays where that machine's emoji cache key (which
 includes its Pillow version) expects them, and copies the carried tune storages into
