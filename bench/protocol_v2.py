@@ -27,6 +27,7 @@ results, every path in them relative to the repository.  A rerun resumes every p
     python bench/protocol_v2.py --device cuda --parallel 8       # on one GPU, 8 seeded runs at once
     python bench/protocol_v2.py --phase tune --lanes 2            # two losses' tunes at once (4 trials each)
     python bench/protocol_v2.py --summary                        # rewrite the copies, train nothing
+    python bench/protocol_v2.py --snapshot                       # unfinished tunes -> partial_tunes/, to commit
 """
 from __future__ import annotations
 
@@ -88,8 +89,21 @@ class Protocol:
         return self.runs / "tune" / loss
 
     def tuned(self) -> list[str]:
-        """The losses (of the whole table, in order) whose tune has a best trial."""
-        return [n for n in spec.LOSSES if (self.tune_dir(n) / "best_overrides.json").is_file()]
+        """The losses (of the whole table, in order) whose tune has finished (:meth:`finished`)."""
+        return [n for n in spec.LOSSES if self.finished(n)]
+
+    def finished(self, loss: str) -> bool:
+        """Whether ``loss``'s tune has its ``trials`` completed trials, or has reached the cap of
+        finished or pruned ones (``MAX_TRIALS_FACTOR`` x trials) and will run no more.  Not the
+        mere presence of its outputs: an interrupted tune, or one whose workers all failed,
+        writes them too."""
+        d = self.tune_dir(loss)
+        if not (d / "best_overrides.json").is_file() or not (d / "trials.csv").is_file():
+            return False
+        with open(d / "trials.csv", newline="") as f:
+            states = [r["state"] for r in csv.DictReader(f)]
+        complete = states.count("complete")
+        return complete >= self.trials or complete + states.count("pruned") >= spec.MAX_TRIALS_FACTOR * self.trials
 
     def log(self, msg: str) -> None:
         print(f"[protocol_v2] {msg}", flush=True)
@@ -134,16 +148,25 @@ def test_metric_leaks(folder: Path) -> list[str]:
 _SPACES_LOCK, _COMMIT_LOCK = threading.Lock(), threading.Lock()
 
 
-def run_tune_phase(proto: Protocol, loss: str) -> None:
-    from deepmetric.workflows.tune import prepare_tune, run_tune
+def _tune_setup(proto: Protocol, loss: str, storage: str | None = None):
+    from deepmetric.workflows.tune import prepare_tune
 
     with _SPACES_LOCK:
         spaces = spec.write_spaces(proto.runs / "spaces", proto.epochs)
-    setup = prepare_tune(proto.recipe, spaces[loss], trials=proto.trials, out=proto.tune_dir(loss),
-                         study_name=f"protocol_v2__{loss}", overrides=proto.common, count="completed",
-                         max_trials=spec.MAX_TRIALS_FACTOR * proto.trials)
+    return prepare_tune(proto.recipe, spaces[loss], trials=proto.trials, out=proto.tune_dir(loss), storage=storage,
+                        study_name=f"protocol_v2__{loss}", overrides=proto.common, count="completed",
+                        max_trials=spec.MAX_TRIALS_FACTOR * proto.trials)
+
+
+def run_tune_phase(proto: Protocol, loss: str) -> None:
+    from deepmetric.workflows.tune import run_tune
+
+    setup = _tune_setup(proto, loss)
     proto.log(f"tune {loss}: {setup.budget_text()}, {proto.args.tune_parallel} trials at a time")
     run_tune(setup, workers=proto.args.tune_parallel)
+    if not proto.finished(loss):  # every worker failed (a missing cache, a crash): nothing to copy or seed
+        raise ProtocolError(f"tune {loss} ended before its {proto.trials} completed trials (workers' logs: "
+                            f"{proto.tune_dir(loss) / 'workers'}); rerun the same command to continue it")
     copy_tune(proto, loss)
 
 
@@ -161,6 +184,62 @@ def copy_tune(proto: Protocol, loss: str) -> None:
             shutil.copy(src / name, dest / name)
         else:
             copy_text(src / name, dest / name, proto)
+
+
+def snapshot_tunes(proto: Protocol) -> list[str]:
+    """Commit-ready copies of the unfinished tunes, safe while they run: each one's storage (a
+    consistent SQLite backup) into ``COPY/partial_tunes/LOSS/`` with its run folders made
+    relative, its ``trials.csv`` written from that storage (validation only, checked for test
+    metrics and absolute paths like every copy) and ``tune.json``.  A copied storage continues the
+    tune elsewhere (copy it into ``runs/protocol_v2/tune/LOSS/``; a trial running at the
+    snapshot is failed there by its missed heartbeat and retried).  A finished tune's partial copy
+    is removed (``tunes/LOSS`` holds its outputs).  Returns the losses copied."""
+    import sqlite3
+
+    from deepmetric.workflows.tune_outputs import trial_rows
+    from deepmetric.workflows.tune_study import open_study
+
+    copied = []
+    for loss in spec.LOSSES:
+        src, dest = proto.tune_dir(loss), proto.copy / "partial_tunes" / loss
+        if proto.finished(loss):
+            shutil.rmtree(dest, ignore_errors=True)
+            continue
+        if not (src / "tune.db").is_file():
+            continue
+        dest.mkdir(parents=True, exist_ok=True)
+        tmp = dest / ".tune.db.tmp"
+        tmp.unlink(missing_ok=True)
+        live, snap = sqlite3.connect(src / "tune.db"), sqlite3.connect(tmp)
+        try:
+            live.backup(snap)
+            for table in ("trial_user_attributes", "study_user_attributes"):
+                for absolute, rel in [(str(proto.runs), "runs/protocol_v2"), (str(ROOT) + "/", "")]:
+                    snap.execute(f"UPDATE {table} SET value_json = replace(value_json, ?, ?)", (absolute, rel))
+            snap.commit()
+        finally:
+            live.close()
+            snap.close()
+        setup = _tune_setup(proto, loss, storage=f"sqlite:///{tmp}")
+        rows = trial_rows(setup, open_study(setup, create=False))
+        columns = list(dict.fromkeys(k for r in rows for k in r)) or ["trial", "state"]
+        with open(dest / ".trials.csv.tmp", "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=columns)
+            w.writeheader()
+            w.writerows({k: ("" if r.get(k) is None else r[k]) for k in columns} for r in rows)
+        copy_text(dest / ".trials.csv.tmp", dest / "trials.csv", proto)
+        (dest / ".trials.csv.tmp").unlink()
+        if (src / "tune.json").is_file():
+            copy_text(src / "tune.json", dest / "tune.json", proto)
+        os.replace(tmp, dest / "tune.db")
+        for stale in ("trials.md", "best_overrides.json"):  # a tune's outputs: of a finished one in tunes/
+            (dest / stale).unlink(missing_ok=True)
+        leaks = test_metric_leaks(dest)
+        if leaks:
+            shutil.rmtree(dest)
+            raise ProtocolError(f"snapshot {loss}: test metrics in its storage, nothing copied: {leaks[:3]}")
+        copied.append(loss)
+    return copied
 
 
 def tune_record(proto: Protocol, loss: str) -> dict:
@@ -444,7 +523,7 @@ def verdict(test: dict, holm_p: float) -> str:
 def best_by_tune(proto: Protocol, group: list[str], rows: list[dict]) -> str | None:
     """The loss of ``group`` with the best tuned validation objective (among those with results)."""
     have = {r["loss"] for r in rows}
-    tuned = [n for n in group if n in have and (proto.tune_dir(n) / "best_overrides.json").is_file()]
+    tuned = [n for n in group if n in have and proto.finished(n)]
     return max(tuned, key=lambda n: tune_record(proto, n)["value"]) if tuned else None
 
 
@@ -550,6 +629,9 @@ def parse_args(argv=None):
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "protocol_v2.yaml"))
     ap.add_argument("--set", nargs="+", default=None, metavar="KEY=VALUE", help="overrides for every run")
     ap.add_argument("--summary", action="store_true", help="train and evaluate nothing: rewrite the copies")
+    ap.add_argument("--snapshot", action="store_true",
+                    help="train nothing: copy the unfinished tunes' storages (safe while they run) into "
+                         "COPY/partial_tunes, paths relative, to commit")
     ap.add_argument("--commit", action="store_true", help="git-commit the copy after each phase")
     args = ap.parse_args(argv)
     unknown = [n for n in args.only or () if n not in spec.LOSSES]
@@ -603,6 +685,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     proto = Protocol(args)
     try:
+        if args.snapshot:
+            proto.log(f"snapshot: {', '.join(snapshot_tunes(proto)) or 'no unfinished tune'}")
+            return 0
         if args.summary:
             for loss in proto.tuned():
                 copy_tune(proto, loss)

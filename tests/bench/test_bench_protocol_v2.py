@@ -162,6 +162,28 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
         if path.is_file() and path.suffix != ".png":
             text = path.read_text()
             assert str(tmp_path) not in text and not re.search(bench.ABSOLUTE, text), path
+    # --snapshot copies an unfinished tune's storage, relative and validation only; a finished
+    # tune gets no partial copy (its outputs are in tunes/)
+    (runs / "tune" / losses[0] / "best_overrides.json").rename(runs / "best_overrides.json")
+    (copy / "partial_tunes" / losses[1]).mkdir(parents=True)
+    assert bench.main(argv[:-1] + ["--snapshot"]) == 0
+    assert not (copy / "partial_tunes" / losses[1]).exists()
+    part = copy / "partial_tunes" / losses[0]
+    with open(part / "trials.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["state"] for r in rows].count("complete") == 2 and not [c for c in rows[0] if "test" in c.lower()]
+    assert all(r["run_dir"].startswith("runs/protocol_v2/tune/") for r in rows)
+    import sqlite3
+
+    db = sqlite3.connect(part / "tune.db")
+    try:
+        values = [v for (v,) in db.execute("SELECT value_json FROM trial_user_attributes")]
+    finally:
+        db.close()
+    assert values and not [v for v in values if str(tmp_path) in v or re.search(bench.ABSOLUTE, v)]
+    assert bench.test_metric_leaks(part) == [] and (part / "tune.json").is_file()
+    (runs / "best_overrides.json").rename(runs / "tune" / losses[0] / "best_overrides.json")
+
     # a rerun resumes: nothing left to train (no worker started), the test evaluated once
     worker_log = runs / "seeds" / ".study" / "workers" / "worker_0.log"
     before = {p: p.stat().st_mtime_ns for p in [*(runs / "seeds").glob("*/seed*.final.json"), worker_log]}
@@ -169,11 +191,38 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     assert {p: p.stat().st_mtime_ns for p in [*(runs / "seeds").glob("*/seed*.final.json"), worker_log]} == before
 
 
-def _fake_tune(runs, loss, value, overrides):
+def _fake_tune(runs, loss, value, overrides, complete=v2.TRIALS):
+    """A tune's outputs: ``complete`` completed trials and one pruned (finished at the default)."""
     d = runs / "tune" / loss
-    d.mkdir(parents=True)
+    d.mkdir(parents=True, exist_ok=True)
     (d / "best_overrides.json").write_text(json.dumps({"trial": 0, "value": value, "overrides": overrides}))
-    (d / "trials.csv").write_text("trial,state\n0,complete\n1,pruned\n2,complete\n")
+    states = ["pruned"] + ["complete"] * complete
+    (d / "trials.csv").write_text("trial,state\n" + "".join(f"{i},{s}\n" for i, s in enumerate(states)))
+
+
+def test_a_tune_is_finished_by_its_completed_trials_not_by_its_outputs(tmp_path, monkeypatch):
+    """An interrupted tune, or one whose workers all failed, writes best_overrides.json too: it is
+    neither seeded nor copied, and the tune phase stops with an error; the cap of finished or
+    pruned trials also ends a tune."""
+    runs = tmp_path / "runs"
+    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy"), "--only", "BN"])
+    proto = bench.Protocol(args)
+    _fake_tune(runs, "BN", 0.5, ["optim.lr=0.01"], complete=v2.TRIALS - 1)
+    assert not proto.finished("BN") and proto.tuned() == []
+    monkeypatch.setattr(bench, "_tune_setup", lambda proto, loss, storage=None: type("S", (), {
+        "budget_text": lambda self: "12 completed"})())
+    import deepmetric.workflows.tune as tune
+
+    monkeypatch.setattr(tune, "run_tune", lambda setup, workers: None)  # every worker failed at once
+    with pytest.raises(bench.ProtocolError, match="ended before its 12 completed trials"):
+        bench.run_tune_phase(proto, "BN")
+    assert not (tmp_path / "copy" / "tunes" / "BN").exists()
+    _fake_tune(runs, "BN", 0.5, ["optim.lr=0.01"])
+    assert proto.finished("BN") and proto.tuned() == ["BN"]
+    d = runs / "tune" / "BN"  # at the cap: 36 finished or pruned, 5 of them complete
+    (d / "trials.csv").write_text("trial,state\n" + "".join(f"{i},{'complete' if i < 5 else 'pruned'}\n"
+                                                           for i in range(v2.MAX_TRIALS_FACTOR * v2.TRIALS)))
+    assert proto.finished("BN")
 
 
 def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_path):
@@ -189,7 +238,7 @@ def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_pa
     args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy"), "--only", "BN", "almn_beta3",
                              "--set", "model.options.pretrained=null"])
     proto = bench.Protocol(args)
-    assert bench.tune_record(proto, "BN")["completed"] == 2
+    assert bench.tune_record(proto, "BN")["completed"] == v2.TRIALS
     study, win = bench.control_study(proto)
     assert win["loss"] == "almn_beta3"
     by_variant = {r.variant: r.raw for r in study.runs}
