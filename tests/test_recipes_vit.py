@@ -33,9 +33,15 @@ def test_the_six_recipes_exist():
 def test_recipe_builds_with_random_weights_on_a_miniature_tree(path, trees):
     cfg = load_config(path, [f"data.root={trees[load_config(path).data.name][0]}"])
     m = cfg.model.options
-    assert (m["pretrained"], m["embedding_dim"], m["img_size"], m["pool"]) == ("hub", 384, 224, "cls")
-    assert (cfg.optim.name, cfg.optim.lr, cfg.train.batch_size) == ("adamw", 3e-5, cfg.train.m * cfg.train.n)
-    assert cfg.train.batch_size in (882, 900)
+    # the official code's values (github.com/htdt/hyp_metric, README "Configs" and train.py, the
+    # sphere variant: --hyp_c 0 --t 0.1, emb 128, dino_vits16 lr 1e-5; epochs x batches per epoch)
+    assert (m["pretrained"], m["embedding_dim"], m["img_size"], m["pool"]) == ("hub", 128, 224, "cls")
+    assert (cfg.optim.name, cfg.optim.lr, cfg.train.batch_size) == ("adamw", 1e-5, cfg.train.m * cfg.train.n)
+    assert cfg.loss[0].options["temperature"] == 0.1 and cfg.train.grad_clip == 3.0
+    dataset = cfg.data.name
+    assert (cfg.train.batch_size, cfg.train.n, cfg.train.iterations) == {
+        "cub": (900, 9, 50), "cars196": (882, 9, 300), "sop": (900, 2, 5000)}[dataset]
+    assert cfg.data.transform_options["crop_pct"] == (0.875 if dataset == "cub" else 1.0)  # --resize 256 on CUB
     resolve_model_preprocessing(cfg)
     opts = cfg.data.transform_options
     assert opts["input_size"] == [224, 224] and opts["interpolation"] == "bicubic"
@@ -52,7 +58,7 @@ def test_recipe_builds_with_random_weights_on_a_miniature_tree(path, trees):
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         out = model.eval()(x)["embedding"]
-    assert out.shape == (2, 384) and torch.allclose(out.norm(dim=1), torch.ones(2), atol=1e-5)
+    assert out.shape == (2, 128) and torch.allclose(out.norm(dim=1), torch.ones(2), atol=1e-5)
     assert model.backbone.pretrained_cfg["input_size"] == (3, 224, 224)
 
 
