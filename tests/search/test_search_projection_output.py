@@ -84,6 +84,11 @@ def test_added_rows_and_old_indexes_keep_the_output_already_indexed(projected, t
                   - ref_new["embedding"]).max() < 1e-5
 
 
+def test_index_command_says_which_output_it_embedded(projected, tmp_path, capsys):
+    assert cli.main(["index", str(projected["checkpoint"]), "--out", str(tmp_path / "ix"), "--no-progress"]) == 0
+    assert "embedded with the model's projection output" in capsys.readouterr().out
+
+
 def test_export_writes_the_projection(projected, tmp_path):
     out = tmp_path / "model.pt"
     assert cli.main(["export", str(projected["checkpoint"]), "--format", "torchscript", "--out", str(out)]) == 0

@@ -84,6 +84,8 @@ def _run_index(args: argparse.Namespace) -> int:
           f"{len(index)} images, {len(index.class_names)} classes, d={index.dim}, {index.kind}")
     if index.meta.get("skipped_already_indexed"):
         print(f"skipped {index.meta['skipped_already_indexed']} images already in the index")
+    if index.meta.get("embedding_output", "embedding") != "embedding":  # not the head's output: say so
+        print(f"embedded with the model's {index.meta['embedding_output']} output (the checkpoint's eval.embedding)")
     _print_recall(index)
     return 0
 
