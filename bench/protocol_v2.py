@@ -655,13 +655,42 @@ def run_tunes(proto: Protocol, phases: list[str]) -> None:
     """The tunes in table order, ``--lanes`` losses at once: each lane takes the next loss when
     its tune ends (each tune keeps its own pre-registered trials at a time).  A failing lane
     stops the others from starting another loss; the running ones finish."""
+    if proto.args.lanes == 1:  # in this thread, where Ctrl-C reaches run_workers (it stops the trials)
+        for loss in proto.losses:
+            _tune_lane(proto, loss, phases)
+        return
     pool = ThreadPoolExecutor(max_workers=proto.args.lanes, thread_name_prefix="lane")
     futures = [pool.submit(_tune_lane, proto, loss, phases) for loss in proto.losses]
     try:
         for f in futures:
             f.result()
+    except BaseException as exc:
+        pool.shutdown(wait=False, cancel_futures=True)  # no lane starts another loss
+        if isinstance(exc, KeyboardInterrupt):  # only this thread sees Ctrl-C: pass it to the lanes' workers
+            interrupt_children()
+        raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True)
+
+
+def interrupt_children() -> list[int]:
+    """SIGINT to every child process of this one (Linux: ``/proc/self/task/*/children``): the
+    lanes' tune workers, which checkpoint their trials and stop, as ``run_workers`` does for
+    Ctrl-C in the main thread.  Returns their pids (none where /proc is missing)."""
+    import signal
+
+    pids = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids += [int(p) for p in children.read_text().split()]
+        except OSError:
+            continue
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    return pids
 
 
 def run(proto: Protocol, phases: list[str]) -> None:

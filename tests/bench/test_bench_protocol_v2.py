@@ -57,6 +57,22 @@ def test_every_loss_searches_the_same_space_shape_in_the_issues_order(tmp_path):
     assert yaml.safe_load((ROOT / "recipes" / "protocol_v2.yaml").read_text())["train"]["epochs"] == v2.EPOCHS
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc (Linux)")
+def test_ctrl_c_with_lanes_reaches_the_child_processes():
+    """With --lanes the tunes run in threads, which never see Ctrl-C: the main thread passes it on
+    to the child processes (the tune workers), which stop."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert child.pid in bench.interrupt_children()
+        assert child.wait(timeout=20) != 0  # ended by the SIGINT, long before its 60 s
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_holm_and_the_flattening_rule():
     assert bench.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
     assert bench.holm([0.5]) == [0.5]
