@@ -217,6 +217,10 @@ def snapshot_tunes(proto: Protocol) -> list[str]:
                 for absolute, rel in [(str(proto.runs), "runs/protocol_v2"), (str(ROOT) + "/", "")]:
                     snap.execute(f"UPDATE {table} SET value_json = replace(value_json, ?, ?)", (absolute, rel))
             snap.commit()
+        except sqlite3.Error as exc:
+            tmp.unlink(missing_ok=True)
+            raise ProtocolError(f"snapshot {loss}: {src / 'tune.db'} is not a readable Optuna storage ({exc}); "
+                                "the copy in partial_tunes/ is unchanged") from None
         finally:
             live.close()
             snap.close()

@@ -198,6 +198,12 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
         db.close()
     assert values and not [v for v in values if str(tmp_path) in v or re.search(bench.ABSOLUTE, v)]
     assert bench.test_metric_leaks(part) == [] and (part / "tune.json").is_file()
+    good = (part / "tune.db").read_bytes()
+    (runs / "tune" / losses[0] / "tune.db").rename(runs / "tune.db")  # a damaged storage: refused, copy kept
+    (runs / "tune" / losses[0] / "tune.db").write_bytes(b"not a database" * 100)
+    assert bench.main(argv[:-1] + ["--snapshot"]) == 2
+    assert (part / "tune.db").read_bytes() == good
+    (runs / "tune.db").replace(runs / "tune" / losses[0] / "tune.db")
     (runs / "best_overrides.json").rename(runs / "tune" / losses[0] / "best_overrides.json")
 
     # a rerun resumes: nothing left to train (no worker started), the test evaluated once
