@@ -68,6 +68,12 @@ TEST_METRIC = re.compile(r'test[/_: ]+"?(cross_domain_)?(recall@|map@r|r_precisi
 ABSOLUTE = re.compile(r"/(?:tmp|home|root|work|Users|mnt|var|opt|srv|scratch)/")
 
 
+def trial_states(tune_dir: Path) -> list[str]:
+    """The state of every trial of a tune (its ``trials.csv``: complete, pruned, ...)."""
+    with open(tune_dir / "trials.csv", newline="") as f:
+        return [r["state"] for r in csv.DictReader(f)]
+
+
 class ProtocolError(RuntimeError):
     """The protocol cannot go on as asked (a missing tune, no pre-registration, a leak)."""
 
@@ -100,8 +106,7 @@ class Protocol:
         d = self.tune_dir(loss)
         if not (d / "best_overrides.json").is_file() or not (d / "trials.csv").is_file():
             return False
-        with open(d / "trials.csv", newline="") as f:
-            states = [r["state"] for r in csv.DictReader(f)]
+        states = trial_states(d)
         complete = states.count("complete")
         return complete >= self.trials or complete + states.count("pruned") >= spec.MAX_TRIALS_FACTOR * self.trials
 
@@ -196,7 +201,7 @@ def snapshot_tunes(proto: Protocol) -> list[str]:
     is removed (``tunes/LOSS`` holds its outputs).  Returns the losses copied."""
     import sqlite3
 
-    from deepmetric.workflows.tune_outputs import trial_rows
+    from deepmetric.workflows.tune_outputs import trial_rows, write_trials_csv
     from deepmetric.workflows.tune_study import open_study
 
     copied = []
@@ -225,14 +230,9 @@ def snapshot_tunes(proto: Protocol) -> list[str]:
             live.close()
             snap.close()
         setup = _tune_setup(proto, loss, storage=f"sqlite:///{tmp}")
-        rows = trial_rows(setup, open_study(setup, create=False))
-        columns = list(dict.fromkeys(k for r in rows for k in r)) or ["trial", "state"]
-        with open(dest / ".trials.csv.tmp", "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=columns)
-            w.writeheader()
-            w.writerows({k: ("" if r.get(k) is None else r[k]) for k in columns} for r in rows)
-        copy_text(dest / ".trials.csv.tmp", dest / "trials.csv", proto)
-        (dest / ".trials.csv.tmp").unlink()
+        raw_csv = write_trials_csv(trial_rows(setup, open_study(setup, create=False)), dest / ".trials.raw.csv")
+        copy_text(raw_csv, dest / "trials.csv", proto)  # paths made relative, absolute ones refused
+        raw_csv.unlink()
         if (src / "tune.json").is_file():
             copy_text(src / "tune.json", dest / "tune.json", proto)
         os.replace(tmp, dest / "tune.db")
@@ -250,8 +250,7 @@ def tune_record(proto: Protocol, loss: str) -> dict:
     """From a finished tune: its trial counts, best value and best overrides split into the
     shared dimensions and the loss's own."""
     d = proto.tune_dir(loss)
-    with open(d / "trials.csv", newline="") as f:
-        states = [r["state"] for r in csv.DictReader(f)]
+    states = trial_states(d)
     best = json.loads((d / "best_overrides.json").read_text())
     shared, own = [], []
     for o in best["overrides"]:

@@ -119,7 +119,7 @@ def stored_output(meta: dict | None) -> str | None:
     return meta.get("embedding_output") or ("embedding" if meta.get("checkpoint") else None)
 
 
-def indexed_output(meta: dict, checkpoint, device):
+def load_query_network(meta: dict, checkpoint, device):
     """:func:`~deepmetric.run.embed.load_search_network` for the queries of an index with ``meta``
     (the output :func:`stored_output` names)."""
     from deepmetric.run.embed import load_search_network

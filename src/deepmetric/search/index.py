@@ -383,7 +383,7 @@ class Index:
     def model(self, checkpoint: str | Path | None = None, device: str = "cpu"):
         """``(model, preprocessing)`` of the index's checkpoint (loaded once; SHA-256 as in the manifest)."""
         if self._model is None:
-            from .build import indexed_output
+            from .build import load_query_network
 
             c = self.meta.get("checkpoint") or {}
             path = checkpoint or c.get("path")
@@ -398,7 +398,7 @@ class Index:
                 raise ValueError(f"checkpoint {path} (sha256 {sha[:12]}) is not the one that built this index "
                                  f"(sha256 {c['sha256'][:12]}, {c.get('path')}): its embeddings would not "
                                  "be comparable")
-            model, cfg, _, _ = indexed_output(self.meta, path, device)
+            model, cfg, _, _ = load_query_network(self.meta, path, device)
             pre = self.meta.get("preprocessing")  # none for --embeddings vectors: the checkpoint's own
             self._model = (model, Preprocessing.from_dict(pre) if pre else preprocessing_from_config(cfg), device)
         return self._model[:2]

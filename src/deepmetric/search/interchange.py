@@ -148,6 +148,11 @@ def parse_target(target: str) -> tuple[str, str]:
 _GALLERY_QUERY_STEPS = ("aqe", "kreciprocal")
 
 
+def _not_applied(post) -> list[str]:
+    """The steps of ``post`` (a Postprocessor) that another engine leaves out."""
+    return [s for s in _GALLERY_QUERY_STEPS if post.step(s) is not None]
+
+
 def _manifest(index) -> dict:
     """The index manifest for another engine; with post-processing, ``postprocess`` also holds
     the fitted whitening (``whiten_mean`` [d], ``whiten_projection`` [d, d'] as lists), which
@@ -161,7 +166,7 @@ def _manifest(index) -> dict:
                                "queries": "y = l2normalise((x - whiten_mean) @ whiten_projection) of the "
                                           "l2-normalised query embedding x" if post.whitening is not None
                                           else "the l2-normalised query embedding as it is",
-                               "not_applied": [s for s in _GALLERY_QUERY_STEPS if post.step(s) is not None]}
+                               "not_applied": _not_applied(post)}
     return meta
 
 
@@ -171,7 +176,7 @@ def export_warning(index) -> str | None:
     post = index.postprocessor
     if post is None:
         return None
-    lost = [s for s in _GALLERY_QUERY_STEPS if post.step(s) is not None]
+    lost = _not_applied(post)
     parts = []
     if post.whitening is not None:
         parts.append("queries must be whitened before they are searched (whiten_mean / whiten_projection "

@@ -46,6 +46,20 @@ def trial_rows(setup: TuneSetup, study) -> list[dict]:
     return rows
 
 
+def write_trials_csv(rows: list[dict], path: Path) -> Path:
+    """``rows`` (:func:`trial_rows`) as ``trials.csv``, a column per key in order of appearance,
+    empty cells for missing values; written whole (a temporary file renamed)."""
+    columns = list(dict.fromkeys(k for r in rows for k in r)) or ["trial", "state"]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
+    os.replace(tmp, path)
+    return path
+
+
 def without_test_metrics(row: dict) -> dict:
     """``row`` without any key that names a test metric (``test/...``, ``test_...``, ``test``):
     trials never evaluate the test split, and a storage written by an older version (which
@@ -155,16 +169,7 @@ def write_outputs(setup: TuneSetup) -> dict[str, Path]:
     study = open_study(setup, create=False)
     out = setup.out
     rows = trial_rows(setup, study)
-    paths: dict[str, Path] = {}
-    columns = list(dict.fromkeys(k for r in rows for k in r)) or ["trial", "state"]
-    tmp = out / ".trials.csv.tmp"
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=columns)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
-    os.replace(tmp, out / "trials.csv")
-    paths["csv"] = out / "trials.csv"
+    paths: dict[str, Path] = {"csv": write_trials_csv(rows, out / "trials.csv")}
     best = _best_trial(setup, study)
     if best is not None:
         rundir.write_text_atomic(out / "best.yaml", _best_recipe(setup, best))
