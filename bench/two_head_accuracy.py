@@ -7,7 +7,8 @@ classifier's accuracy?  Softmax vs softmax + semi-hard triplet vs softmax + hard
 Three phases, each resumable (a finished run, one with ``metrics.json``, is skipped; an
 interrupted one continues from its ``last.pt``), in this order:
 
-1. ``lr``: per variant, each lr of ``--lrs`` (default 0.003, 0.01, 0.03) at seed 100, trained on
+1. ``lr``: per variant, each lr of ``--lrs`` (default 0.003, 0.01, 0.03) at seed 0 (``--lr-seed``: a
+   seed no final run uses, as pre-registered), trained on
    apple, google, emojione and openmoji and scored on the validation vendor facebook (top-1 of
    the classifier at the last epoch, the model the seeded runs hand to the test). The test vendor
    is not even loaded: the runs have no test split (``eval.split=null``). Writes ``lr/lr_runs.csv``
