@@ -28,6 +28,8 @@ results, every path in them relative to the repository.  A rerun resumes every p
     python bench/protocol_v2.py --phase tune --lanes 2            # two losses' tunes at once (4 trials each)
     python bench/protocol_v2.py --summary                        # rewrite the copies, train nothing
     python bench/protocol_v2.py --snapshot                       # unfinished tunes -> partial_tunes/, to commit
+    python bench/protocol_v2.py --restore                        # a fresh clone: the committed tunes -> runs/
+    python bench/protocol_v2.py --progress                       # what has run, what is left (progress.md)
 """
 from __future__ import annotations
 
@@ -189,6 +191,38 @@ def copy_tune(proto: Protocol, loss: str) -> None:
             shutil.copy(src / name, dest / name)
         else:
             copy_text(src / name, dest / name, proto)
+    if (src / "tune.db").is_file():  # the whole record (every trial's curve), to continue or re-read it
+        dest.mkdir(parents=True, exist_ok=True)
+        os.replace(_storage_copy(proto, loss, src / "tune.db", dest / "tune.db"), dest / "tune.db")
+
+
+def _storage_copy(proto: Protocol, loss: str, db: Path, dest: Path) -> Path:
+    """A consistent copy of the live Optuna storage ``db`` (SQLite's backup: safe while the tune
+    writes to it) at ``dest``, every run folder in it made relative to the repository."""
+    import sqlite3
+
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    live, snap = sqlite3.connect(db), sqlite3.connect(tmp)
+    try:
+        live.backup(snap)
+        _replace_in_attributes(snap, [(str(proto.runs), "runs/protocol_v2"), (str(ROOT) + "/", "")])
+    except sqlite3.Error as exc:
+        tmp.unlink(missing_ok=True)
+        raise ProtocolError(f"snapshot {loss}: {db} is not a readable Optuna storage ({exc}); "
+                            f"the copy at {dest} is unchanged") from None
+    finally:
+        live.close()
+        snap.close()
+    return tmp
+
+
+def _replace_in_attributes(db, pairs: list[tuple[str, str]]) -> None:
+    """Rewrite the paths the trials and the study keep in their attributes (run folders)."""
+    for table in ("trial_user_attributes", "study_user_attributes"):
+        for old, new in pairs:
+            db.execute(f"UPDATE {table} SET value_json = replace(value_json, ?, ?)", (old, new))
+    db.commit()
 
 
 def snapshot_tunes(proto: Protocol) -> list[str]:
@@ -196,11 +230,9 @@ def snapshot_tunes(proto: Protocol) -> list[str]:
     consistent SQLite backup) into ``COPY/partial_tunes/LOSS/`` with its run folders made
     relative, its ``trials.csv`` written from that storage (validation only, checked for test
     metrics and absolute paths like every copy) and ``tune.json``.  A copied storage continues the
-    tune elsewhere (copy it into ``runs/protocol_v2/tune/LOSS/``; a trial running at the
-    snapshot is failed there by its missed heartbeat and retried).  A finished tune's partial copy
-    is removed (``tunes/LOSS`` holds its outputs).  Returns the losses copied."""
-    import sqlite3
-
+    tune elsewhere (``--restore``; a trial running at the snapshot is failed there by its missed
+    heartbeat and retried).  A finished tune's partial copy is removed (``tunes/LOSS`` holds its
+    outputs and its storage).  Returns the losses copied."""
     from deepmetric.workflows.tune_outputs import trial_rows, write_trials_csv
     from deepmetric.workflows.tune_study import open_study
 
@@ -213,22 +245,7 @@ def snapshot_tunes(proto: Protocol) -> list[str]:
         if not (src / "tune.db").is_file():
             continue
         dest.mkdir(parents=True, exist_ok=True)
-        tmp = dest / ".tune.db.tmp"
-        tmp.unlink(missing_ok=True)
-        live, snap = sqlite3.connect(src / "tune.db"), sqlite3.connect(tmp)
-        try:
-            live.backup(snap)
-            for table in ("trial_user_attributes", "study_user_attributes"):
-                for absolute, rel in [(str(proto.runs), "runs/protocol_v2"), (str(ROOT) + "/", "")]:
-                    snap.execute(f"UPDATE {table} SET value_json = replace(value_json, ?, ?)", (absolute, rel))
-            snap.commit()
-        except sqlite3.Error as exc:
-            tmp.unlink(missing_ok=True)
-            raise ProtocolError(f"snapshot {loss}: {src / 'tune.db'} is not a readable Optuna storage ({exc}); "
-                                "the copy in partial_tunes/ is unchanged") from None
-        finally:
-            live.close()
-            snap.close()
+        tmp = _storage_copy(proto, loss, src / "tune.db", dest / "tune.db")
         setup = _tune_setup(proto, loss, storage=f"sqlite:///{tmp}")
         raw_csv = write_trials_csv(trial_rows(setup, open_study(setup, create=False)), dest / ".trials.raw.csv")
         copy_text(raw_csv, dest / "trials.csv", proto)  # paths made relative, absolute ones refused
@@ -244,6 +261,45 @@ def snapshot_tunes(proto: Protocol) -> list[str]:
             raise ProtocolError(f"snapshot {loss}: test metrics in its storage, nothing copied: {leaks[:3]}")
         copied.append(loss)
     return copied
+
+
+def restore_tunes(proto: Protocol) -> list[str]:
+    """Continue the study in another clone: every loss whose tune ``--runs`` does not hold yet
+    gets the committed state, a finished tune's outputs (``COPY/tunes/LOSS``: what the seeded
+    runs read, and its storage where one was kept) or an unfinished one's storage
+    (``COPY/partial_tunes/LOSS/tune.db``), its run folders made absolute under ``--runs`` again.
+    A tune already in ``--runs`` is never touched.  Returns the losses restored."""
+    import sqlite3
+
+    restored = []
+    for loss in spec.LOSSES:
+        dest = proto.tune_dir(loss)
+        if (dest / "tune.db").is_file() or (dest / "best_overrides.json").is_file():
+            continue
+        done, partial = proto.copy / "tunes" / loss, proto.copy / "partial_tunes" / loss / "tune.db"
+        if (done / "best_overrides.json").is_file():
+            names = [n for n in TUNE_FILES + ("tune.db",) if (done / n).is_file()]
+            sources = [done / n for n in names]
+        elif partial.is_file():
+            names, sources = ["tune.db"], [partial]
+        else:
+            continue
+        dest.mkdir(parents=True, exist_ok=True)
+        for name, source in zip(names, sources):
+            tmp = dest / f".{name}.tmp"
+            shutil.copy(source, tmp)
+            if name == "tune.db":
+                db = sqlite3.connect(tmp)
+                try:
+                    _replace_in_attributes(db, [('"runs/protocol_v2/', f'"{proto.runs}/')])
+                except sqlite3.Error as exc:
+                    tmp.unlink()
+                    raise ProtocolError(f"restore {loss}: {source} is not a readable Optuna storage ({exc})") from None
+                finally:
+                    db.close()
+            os.replace(tmp, dest / name)
+        restored.append(loss)
+    return restored
 
 
 def tune_record(proto: Protocol, loss: str) -> dict:
@@ -611,6 +667,108 @@ def commit(proto: Protocol, message: str) -> None:
 
 
 # --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- progress
+TWO_HEAD_RUNS = ROOT / "runs" / "two_head_accuracy"  # bench/two_head_accuracy.py's default --out
+
+
+def tune_progress(proto: Protocol, loss: str) -> dict:
+    """A tune's trials by state and its best validation objective so far, read from its live
+    storage (or, for a tune restored from its committed outputs alone, its ``trials.csv``)."""
+    d = proto.tune_dir(loss)
+    states, values = [], []
+    if (d / "tune.db").is_file():
+        import optuna
+
+        from deepmetric.workflows.tune_study import trial_state_name
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            study = optuna.load_study(study_name=f"protocol_v2__{loss}", storage=f"sqlite:///{d / 'tune.db'}")
+        except Exception as exc:  # another study's storage, a damaged file: say which file
+            raise ProtocolError(f"progress {loss}: {d / 'tune.db'} holds no readable study "
+                                f"protocol_v2__{loss} ({exc})") from None
+        trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
+        states = [trial_state_name(t) for t in trials]
+        values = [t.value for t in trials if t.state.name == "COMPLETE" and t.value is not None]
+    elif (d / "trials.csv").is_file():
+        rows = read_csv(d / "trials.csv")
+        states = [r["state"] for r in rows]
+        values = [float(r[f"val/{spec.OBJECTIVE}"]) for r in rows
+                  if r["state"] == "complete" and r.get(f"val/{spec.OBJECTIVE}")]
+    if not values and (d / "best_overrides.json").is_file():  # a trials.csv without the objective's column
+        values = [float(json.loads((d / "best_overrides.json").read_text())["value"])]
+    state = "finished" if proto.finished(loss) else ("under way" if states else "not started")
+    return {"loss": loss, "state": state, "complete": states.count("complete"), "pruned": states.count("pruned"),
+            "stopped": sum(s in ("fail", "interrupted") for s in states), "running": states.count("running"),
+            "best": max(values) if values else None}
+
+
+def _two_head_script():
+    loader = importlib.util.spec_from_file_location("two_head_accuracy", ROOT / "bench" / "two_head_accuracy.py")
+    module = importlib.util.module_from_spec(loader)
+    sys.modules.setdefault("two_head_accuracy", module)  # its dataclass looks its module up there
+    loader.loader.exec_module(module)
+    return module
+
+
+def _finished_runs(folder: Path, keys: list[str]) -> int:
+    return sum((folder / k / "metrics.json").is_file() for k in keys)
+
+
+def progress_markdown(proto: Protocol) -> str:
+    """What has run and what is left, from the run folders (validation numbers only)."""
+    import datetime
+
+    tunes = [tune_progress(proto, n) for n in spec.LOSSES]
+    lines = ["# Protocol v2: progress", "",
+             f"Written by `python bench/protocol_v2.py --progress` (also by `--snapshot`) at "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC from the study's run folders. "
+             "Validation numbers only: nothing of v2 is evaluated on the test split before `final`.", "",
+             f"## Tunes ({proto.trials} completed trials each; at most {spec.MAX_TRIALS_FACTOR * proto.trials} "
+             "finished or pruned)", "",
+             f"| loss | state | completed | pruned | failed or interrupted (queued again) | running | "
+             f"best validation {spec.OBJECTIVE} |", "|---|---|---|---|---|---|---|"]
+    for t in tunes:
+        best = "" if t["best"] is None else f"{t['best']:.4f}"
+        lines.append(f"| {t['loss']} | {t['state']} | {t['complete']} | {t['pruned']} | {t['stopped']} | "
+                     f"{t['running']} | {best} |")
+    open_tunes = [t for t in tunes if t["state"] != "finished"]
+    more = sum(max(0, proto.trials - t["complete"]) for t in open_tunes)
+    seed_keys = [f"{n}/seed{s}" for n in spec.LOSSES for s in spec.seeds_of(n)]
+    control_keys = [f"{n}/seed{spec.SEEDS[0]}" for n in spec.LOSSES]
+    beta_keys = [f"beta{b:g}/seed{s}" for b in spec.BETAS for s in spec.BETA_SEEDS]
+    results = read_csv(proto.runs / "results.csv")
+    two = _two_head_script()  # its run folders, as its make_run names them
+    two_lr = [f"lr/{v}/{two._lr_name(lr)}_seed{two.LR_SEED}" for v in two.VARIANTS for lr in two.LRS]
+    two_seeds = [f"seeds/{v}/seed{s}" for v in two.VARIANTS for s in two.SEEDS]
+    lines += ["", "## The other phases", "", "| part | finished | of |", "|---|---|---|",
+              f"| seeded runs (seeds {spec.SEEDS[0]}-{spec.SEEDS[-1]}; to {spec.CLAIM_SEEDS[-1]} for the paper "
+              f"claims' losses) | {_finished_runs(proto.runs / 'seeds', seed_keys)} | {len(seed_keys)} |",
+              f"| control (every loss at the winner's settings, seed {spec.SEEDS[0]}) | "
+              f"{_finished_runs(proto.runs / 'control', control_keys)} | {len(control_keys)} |",
+              f"| ALMN beta sweep | {_finished_runs(proto.runs / 'almn_beta', beta_keys)} | {len(beta_keys)} |",
+              f"| final: seeded runs evaluated once on the test split (results.csv rows) | {len(results)} | "
+              f"{len(seed_keys)} |",
+              f"| two-head closed set, lr runs (bench/two_head_accuracy.py, {TWO_HEAD_RUNS.relative_to(ROOT)}) | "
+              f"{_finished_runs(TWO_HEAD_RUNS, two_lr)} | {len(two_lr)} |",
+              f"| two-head closed set, seeded runs | {_finished_runs(TWO_HEAD_RUNS, two_seeds)} | {len(two_seeds)} |",
+              "", "## Left", "",
+              f"- Tunes: {len(open_tunes)} of {len(tunes)} not finished, at least {more} more completed trials "
+              "(pruned and stopped trials come on top of them).",
+              "- Then the phases above with fewer finished runs than planned, in the pre-registered order "
+              "(seeds, control, ALMN beta sweep, the two-head runs, final).", ""]
+    return "\n".join(lines)
+
+
+def write_progress(proto: Protocol) -> str:
+    from deepmetric.run.rundir import write_text_atomic
+
+    text = progress_markdown(proto)
+    proto.copy.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(proto.copy / "progress.md", text)
+    return text
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase", nargs="+", choices=("all",) + PHASES, default=["all"])
@@ -635,6 +793,11 @@ def parse_args(argv=None):
     ap.add_argument("--snapshot", action="store_true",
                     help="train nothing: copy the unfinished tunes' storages (safe while they run) into "
                          "COPY/partial_tunes, paths relative, to commit")
+    ap.add_argument("--restore", action="store_true",
+                    help="train nothing: put the committed tunes (COPY/tunes, COPY/partial_tunes) into --runs "
+                         "where it has none, to continue the study in a fresh clone")
+    ap.add_argument("--progress", action="store_true",
+                    help="train nothing: print what has run and what is left, and write COPY/progress.md")
     ap.add_argument("--commit", action="store_true", help="git-commit the copy after each phase")
     args = ap.parse_args(argv)
     unknown = [n for n in args.only or () if n not in spec.LOSSES]
@@ -717,8 +880,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     proto = Protocol(args)
     try:
+        if args.restore:
+            proto.log(f"restore: {', '.join(restore_tunes(proto)) or 'nothing to restore'}")
+            return 0
         if args.snapshot:
             proto.log(f"snapshot: {', '.join(snapshot_tunes(proto)) or 'no unfinished tune'}")
+            write_progress(proto)
+            return 0
+        if args.progress:
+            print(write_progress(proto))
             return 0
         if args.summary:
             for loss in proto.tuned():

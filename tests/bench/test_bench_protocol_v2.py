@@ -173,11 +173,23 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     for run_dir in (runs / "control").glob("*/seed100"):
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
         assert cfg["optim"]["name"] in winner["shared"][0] and cfg["eval"]["test"] is False
-    # the committed copy: relative paths only
+    # the committed copy: relative paths only, in the files and in each finished tune's storage
+    import sqlite3
+
     for path in copy.rglob("*"):
-        if path.is_file() and path.suffix != ".png":
+        if path.is_file() and path.suffix not in (".png", ".db"):
             text = path.read_text()
             assert str(tmp_path) not in text and not re.search(bench.ABSOLUTE, text), path
+    for loss in losses:
+        db = sqlite3.connect(copy / "tunes" / loss / "tune.db")
+        try:
+            kept = [v for (v,) in db.execute("SELECT value_json FROM trial_user_attributes")]
+            n_trials = db.execute("SELECT count(*) FROM trials").fetchone()[0]
+        finally:
+            db.close()
+        assert kept and not [v for v in kept if str(tmp_path) in v or re.search(bench.ABSOLUTE, v)]
+        with open(runs / "tune" / loss / "trials.csv", newline="") as f:
+            assert n_trials >= len(list(csv.DictReader(f)))  # the whole record (surplus trials too)
     # --snapshot copies an unfinished tune's storage, relative and validation only; a finished
     # tune gets no partial copy (its outputs are in tunes/)
     (runs / "tune" / losses[0] / "best_overrides.json").rename(runs / "best_overrides.json")
@@ -189,8 +201,6 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
         rows = list(csv.DictReader(f))
     assert [r["state"] for r in rows].count("complete") == 2 and not [c for c in rows[0] if "test" in c.lower()]
     assert all(r["run_dir"].startswith("runs/protocol_v2/tune/") for r in rows)
-    import sqlite3
-
     db = sqlite3.connect(part / "tune.db")
     try:
         values = [v for (v,) in db.execute("SELECT value_json FROM trial_user_attributes")]
@@ -211,6 +221,17 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     before = {p: p.stat().st_mtime_ns for p in [*(runs / "seeds").glob("*/seed*.final.json"), worker_log]}
     assert bench.main(argv + ["seeds", "control", "final"]) == 0
     assert {p: p.stat().st_mtime_ns for p in [*(runs / "seeds").glob("*/seed*.final.json"), worker_log]} == before
+
+    # --progress counts what ran; a fresh clone continues from the copy alone (--restore): both
+    # tunes are finished there, with the storage each one had
+    text = bench.progress_markdown(bench.Protocol(bench.parse_args(argv[:-1])))
+    n_seeded = sum(len(v2.seeds_of(n)) for n in v2.LOSSES)
+    assert "| BN | finished | 2 |" in text and f"| 8 | {n_seeded} |" in text, text
+    assert f"(results.csv rows) | 8 | {n_seeded} |" in text
+    fresh = ["--runs", str(tmp_path / "fresh"), "--copy-to", str(copy), "--trials", "2"]
+    assert bench.main(fresh + ["--restore"]) == 0
+    assert bench.Protocol(bench.parse_args(fresh)).tuned() == losses
+    assert (tmp_path / "fresh" / "tune" / losses[1] / "tune.db").is_file()
 
 
 def _fake_tune(runs, loss, value, overrides, complete=v2.TRIALS):
@@ -317,3 +338,71 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     secondary = text.split("### cross_domain_map@r")[1]
     assert not re.search(r"\| (holds|reversed|does not hold|not resolved) \|", secondary)  # MAP@R: no verdict
     assert re.search(r"\| H1 \| HBN - BN \| 5 \| \+5\.00 \|", secondary)
+
+
+def _partial_storage(path: Path, loss: str, run_root: str) -> None:
+    """An Optuna storage as a tune leaves it: one completed, one pruned and one running trial,
+    each with its run folder under ``run_root``."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=f"protocol_v2__{loss}", storage=f"sqlite:///{path}", direction="maximize")
+    for i, state in enumerate([optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+                               optuna.trial.TrialState.RUNNING]):
+        trial = study.ask()
+        trial.set_user_attr("run_dir", f"{run_root}/tune/{loss}/trials/trial_{i:04d}")
+        if state == optuna.trial.TrialState.COMPLETE:
+            study.tell(trial, 0.25)
+        elif state == optuna.trial.TrialState.PRUNED:
+            study.tell(trial, state=state)
+
+
+def test_restore_puts_the_committed_tunes_back_and_progress_counts_them(tmp_path):
+    """A fresh clone continues the study from the committed copy alone: a finished tune's outputs
+    (what the seeded runs read) and an unfinished one's storage come back into --runs with their
+    run folders absolute there again; a tune already in --runs is left alone; --progress then
+    counts each tune's trials by state and the other phases' finished runs."""
+    copy, runs = tmp_path / "copy", tmp_path / "fresh" / "runs"
+    _fake_tune(copy / "finished", "BN", 0.61, ["optim.lr=0.01"])  # -> copy/finished/tune/BN
+    (copy / "tunes").mkdir(parents=True)
+    (copy / "finished" / "tune" / "BN").rename(copy / "tunes" / "BN")
+    (copy / "partial_tunes" / "HLN").mkdir(parents=True)
+    _partial_storage(copy / "partial_tunes" / "HLN" / "tune.db", "HLN", "runs/protocol_v2")
+    (runs / "tune" / "SM").mkdir(parents=True)  # already here (a running tune): untouched
+    (runs / "tune" / "SM" / "tune.db").write_bytes(b"live")
+    (copy / "partial_tunes" / "SM").mkdir()
+    _partial_storage(copy / "partial_tunes" / "SM" / "tune.db", "SM", "runs/protocol_v2")
+    argv = ["--runs", str(runs), "--copy-to", str(copy)]
+
+    assert bench.main(argv + ["--restore"]) == 0
+    proto = bench.Protocol(bench.parse_args(argv))
+    assert proto.tuned() == ["BN"] and bench.tune_record(proto, "BN")["value"] == 0.61
+    assert (runs / "tune" / "SM" / "tune.db").read_bytes() == b"live"
+    import sqlite3
+
+    db = sqlite3.connect(runs / "tune" / "HLN" / "tune.db")
+    try:
+        run_dirs = sorted(json.loads(v) for (v,) in db.execute("SELECT value_json FROM trial_user_attributes"))
+    finally:
+        db.close()
+    assert run_dirs == [f"{runs}/tune/HLN/trials/trial_{i:04d}" for i in range(3)]
+    assert bench.main(argv + ["--restore"]) == 0  # again: nothing changes
+    assert sorted(p.name for p in (runs / "tune").iterdir()) == ["BN", "HLN", "SM"]
+
+    (runs / "tune" / "SM" / "tune.db").unlink()  # progress reads every storage: a real one
+    _partial_storage(runs / "tune" / "SM" / "tune.db", "SM", str(runs))
+    seed_run = runs / "seeds" / "BN" / "seed100"
+    seed_run.mkdir(parents=True)
+    (seed_run / "metrics.json").write_text("{}")
+    (runs / "seeds" / "BN" / "seed101").mkdir()  # not finished: no metrics.json
+    text = bench.progress_markdown(proto)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["BN"].startswith(f"| BN | finished | {v2.TRIALS} | 1 | 0 | 0 | 0.6100 |")
+    assert rows["HLN"].startswith("| HLN | under way | 1 | 1 | 0 | 1 | 0.2500 |")
+    assert rows["LN"].startswith("| LN | not started | 0 | 0 | 0 | 0 |  |")
+    n_seeded = sum(len(v2.seeds_of(n)) for n in v2.LOSSES)
+    assert f"| 1 | {n_seeded} |" in [r for k, r in rows.items() if k.startswith("seeded runs")][0]
+    assert f"at least {(len(v2.LOSSES) - 1) * v2.TRIALS - 2} more completed trials" in text
+    assert bench.main(argv + ["--progress"]) == 0 and (copy / "progress.md").read_text().startswith("# Protocol v2")
+    (runs / "tune" / "HLN" / "tune.db").write_bytes(b"not a database" * 100)
+    assert bench.main(argv + ["--progress"]) == 2  # a damaged storage: an error naming it, no traceback
