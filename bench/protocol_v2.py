@@ -15,7 +15,8 @@ studies/protocol_v2.py), one resumable command.  Phases, in this order by defaul
 * ``final``: only for the losses whose seeded runs have all finished, and only once the
   pre-registration exists (committed, for the repository's copy): each seeded run's best.pt on
   the test split once (cross-vendor Recall@1 and MAP@R), then ``results.csv``,
-  ``almn_beta.csv`` and ``summary.md`` (the ranked table; the pre-registered hypotheses H1-H6
+  ``baselines.csv`` (raw pixels and the untouched network on the same test emoji, once),
+  ``almn_beta.csv`` and ``summary.md`` (the ranked table with both references; the pre-registered hypotheses H1-H6
   with paired 95 % CIs, Holm over the seven tests, and the decision rule's verdicts).
 
 Runs live in ``--runs`` (runs/protocol_v2); the committed copy (``--copy-to``,
@@ -487,12 +488,48 @@ def final_rows(proto: Protocol, study, groups: dict[str, tuple[str, list[int], i
     return rows
 
 
+BASELINE_COLUMNS = ["baseline", "cross_domain_recall@1", "cross_domain_map@r", "description"]
+
+
+def baseline_rows(proto: Protocol) -> list[dict]:
+    """The pre-registered reference rows of the ranked table, on the test emoji every loss is
+    tested on, evaluated by the same code as the seeded runs (``cross_domain_metrics``): raw
+    pixels (the flattened images in [0, 1], cosine: what needs no training, as ``deepmetric emoji
+    pixels``) and the untouched network (the recipe's network before any training, its pooled
+    features through the shift-only BN: for the ImageNet EfficientNet-Lite0, the ImageNet
+    features every loss starts from).  Deterministic: computed once by the final step."""
+    import numpy as np
+
+    from deepmetric.run.builders import build_model, build_test_sets, seed_everything
+    from deepmetric.run.config_io import load_config
+    from deepmetric.run.device import resolve_device
+    from deepmetric.run.evaluation import cross_domain_metrics, evaluate_split
+
+    cfg = load_config(proto.recipe, proto.common + ["eval.embedding=embedding", "eval.cross_domain=true"])
+    dev = resolve_device("cuda" if proto.args.device == "cuda" else "cpu")
+    sets = build_test_sets(cfg)
+    test = sets["query"]
+    pixels = test.images.reshape(len(test), -1).astype(np.float32) / 255.0
+    at_pixels = cross_domain_metrics({"embeddings": pixels, "labels": np.asarray(test.labels)}, test, cfg)
+    seed_everything(spec.SEEDS[0])  # the projection head is random; the pooled features it leaves alone
+    model = build_model(cfg, num_classes=test.num_classes).to(dev)
+    at_start, _ = evaluate_split(model, sets, cfg, device=dev)
+    weights = cfg.model.options.get("pretrained") or "untrained"
+    return [{"baseline": "raw pixels", **{m: at_pixels[m] for m in METRICS},
+             "description": f"flattened {pixels.shape[1]}-d images in [0, 1], cosine"},
+            {"baseline": "untouched network", **{m: at_start[m] for m in METRICS},
+             "description": f"{cfg.model.name} ({weights}) before training: pooled features"}]
+
+
 def run_final_phase(proto: Protocol) -> None:
     check_preregistration(proto)
     study = seeds_study(proto)
     if study is not None:
         groups = {n: (n, spec.seeds_of(n), tune_record(proto, n)["completed"]) for n in proto.tuned()}
-        write_csv(proto.runs / "results.csv", final_rows(proto, study, groups), RESULT_COLUMNS)
+        rows = final_rows(proto, study, groups)
+        write_csv(proto.runs / "results.csv", rows, RESULT_COLUMNS)
+        if rows and not (proto.runs / "baselines.csv").is_file():
+            write_csv(proto.runs / "baselines.csv", baseline_rows(proto), BASELINE_COLUMNS)
     almn = almn_study(proto)
     if almn is not None:
         completed = tune_record(proto, "almn_beta3")["completed"]
@@ -506,12 +543,16 @@ def run_final_phase(proto: Protocol) -> None:
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
     from deepmetric.run.rundir import write_text_atomic
 
-    lines = [",".join(columns)]
+    import io
+
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")  # quotes a cell with a comma (a description)
+    writer.writerow(columns)
     for r in rows:
-        lines.append(",".join("" if r.get(c) is None else (f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]))
-                              for c in columns))
+        writer.writerow(["" if r.get(c) is None else (f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]))
+                         for c in columns])
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, "\n".join(lines) + "\n")
+    write_text_atomic(path, out.getvalue())
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -635,16 +676,25 @@ def write_summary(proto: Protocol) -> None:
     lines = ["# Protocol v2: results (test split, evaluated once by the final step)", "",
              f"Epochs per run: {epochs}; completed tune trials per loss: {budget}; seeds no tune used "
              f"(the tunes trained with seed {spec.TUNE_SEED}). Points of cross-vendor Recall@1 / MAP@R.", "",
-             "| rank | loss | runs | R@1 mean | sd | 95 % CI | vs top (seeds 100-102) | MAP@R mean | sd | flattened |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| rank | loss | runs | R@1 mean | sd | 95 % CI | vs top (seeds 100-102) | vs untouched network | "
+             "MAP@R mean | sd | flattened |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {b["baseline"]: b for b in read_csv(proto.runs / "baselines.csv")}
+    untouched = base.get("untouched network")
     for i, loss in enumerate(ranked, 1):
         r1, mp, mine = stats_by[loss]
         top = paired([r for r in rows if int(r["seed"]) in spec.SEEDS], loss, ranked[0], spec.OBJECTIVE)
         vs = "-" if loss == ranked[0] else f"{100 * top['mean']:+.2f} [{100 * top['ci_low']:+.2f}, {100 * top['ci_high']:+.2f}]"
+        b = float(untouched[spec.OBJECTIVE]) if untouched else None  # one deterministic value: the CI shifts
+        vs_base = "-" if b is None else (f"{100 * (r1['mean'] - b):+.2f} [{100 * (r1['ci_low'] - b):+.2f}, "
+                                         f"{100 * (r1['ci_high'] - b):+.2f}]")
         flat = sum(r["val_flattened"] == "True" for r in mine)
         lines.append(f"| {i} | {loss} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
-                     f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {vs} | {100 * mp['mean']:.2f} | "
-                     f"{100 * mp['std']:.2f} | {flat}/{len(mine)} |")
+                     f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {vs} | {vs_base} | "
+                     f"{100 * mp['mean']:.2f} | {100 * mp['std']:.2f} | {flat}/{len(mine)} |")
+    for name, b in base.items():  # the references: no training (pixels), no metric learning (the network)
+        lines.append(f"| - | {name} ({b['description']}) | 1 | {100 * float(b[spec.OBJECTIVE]):.2f} | - | - | - | - | "
+                     f"{100 * float(b['cross_domain_map@r']):.2f} | - | - |")
     lines += ["", "## The pre-registered hypotheses (paired by seed, A - B; Holm over H1-H6, seven tests)", "",
               f"H6: the best of ours ({best_by_tune(proto, spec.OURS, rows)}) against the best "
               f"pytorch-metric-learning loss ({best_by_tune(proto, spec.PML, rows)}), each by its tune's "
@@ -655,7 +705,7 @@ def write_summary(proto: Protocol) -> None:
 
 def copy_results(proto: Protocol) -> None:
     proto.copy.mkdir(parents=True, exist_ok=True)
-    for name in ("results.csv", "almn_beta.csv", "summary.md"):
+    for name in ("results.csv", "baselines.csv", "almn_beta.csv", "summary.md"):
         if (proto.runs / name).is_file():
             copy_text(proto.runs / name, proto.copy / name, proto)
 

@@ -160,6 +160,19 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     assert {r["completed_trials"] for r in rows} == {"2"} and {r["epochs"] for r in rows} == {"1"}
     assert all(0.0 <= float(r["cross_domain_recall@1"]) <= 1.0 for r in rows)
     assert {r["embedding"] for r in rows} <= {"pooled", "own"}
+    # the reference rows on the same test emoji: raw pixels as `deepmetric emoji pixels` computes
+    # them, and the untouched network; both in the summary's table
+    with open(copy / "baselines.csv", newline="") as f:
+        base = {r["baseline"]: r for r in csv.DictReader(f)}
+    assert sorted(base) == ["raw pixels", "untouched network"]
+    from deepmetric.run.baselines import emoji_pixel_baseline
+
+    pixels = emoji_pixel_baseline("test", root=tmp_path / "tree", size=32)["cross_vendor"]["mean"]
+    for metric in ("recall@1", "map@r"):
+        assert float(base["raw pixels"][f"cross_domain_{metric}"]) == pytest.approx(pixels[metric], abs=1e-6)
+    assert 0.0 <= float(base["untouched network"]["cross_domain_recall@1"]) <= 1.0
+    summary = (copy / "summary.md").read_text()
+    assert "| - | raw pixels (flattened" in summary and "| - | untouched network (" in summary
     # the seeded runs never saw the test split; the final step evaluated each best.pt once
     for run_dir in (runs / "seeds").glob("*/seed*"):
         if run_dir.is_dir():
