@@ -12,11 +12,14 @@ studies/protocol_v2.py), one resumable command.  Phases, in this order by defaul
   (the winner: the best validation objective of all tunes), its own tuned option kept, seed 100,
   validation only;
 * ``almn_beta``: ALMN's beta in ``BETAS`` at almn_beta3's tuned settings, ``BETA_SEEDS``;
+* ``almn_more``: once the sweep has finished, at its best beta (the best mean validation
+  objective over its seeds): m x n 32 x 2 and 8 x 8, and Eq. 12's fixed margin (``ALMN_MORE``);
 * ``final``: only for the losses whose seeded runs have all finished, and only once the
   pre-registration exists (committed, for the repository's copy): each seeded run's best.pt on
   the test split once (cross-vendor Recall@1 and MAP@R), then ``results.csv``,
   ``baselines.csv`` (raw pixels and the untouched network on the same test emoji, once),
-  ``almn_beta.csv`` and ``summary.md`` (the ranked table with both references; the pre-registered hypotheses H1-H6
+  ``almn_beta.csv``, ``almn_more.csv`` and ``summary.md`` (the ranked table with both references; the
+  pre-registered hypotheses H1-H6
   with paired 95 % CIs, Holm over the seven tests, and the decision rule's verdicts).
 
 Runs live in ``--runs`` (runs/protocol_v2); the committed copy (``--copy-to``,
@@ -58,7 +61,7 @@ _spec = importlib.util.spec_from_file_location("protocol_v2_table", ROOT / "stud
 spec = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(spec)
 
-PHASES = ("tune", "seeds", "control", "almn_beta", "final")
+PHASES = ("tune", "seeds", "control", "almn_beta", "almn_more", "final")
 TUNE_FILES = ("trials.md", "trials.csv", "best.yaml", "best_overrides.json", "tune.json", "report.html",
               "optimization_history.png", "param_importances.png")
 RESULT_COLUMNS = ["loss", "seed", "completed_trials", "optimizer", "embedding", "epochs", "cross_domain_recall@1",
@@ -409,6 +412,55 @@ def run_almn_phase(proto: Protocol) -> None:
     run_study_phase(proto, study, list(study.variants))
 
 
+def best_beta(proto: Protocol) -> float | None:
+    """The sweep's beta with the best mean validation objective over its seeds (each run's
+    best.pt value), once every sweep run has finished; None before.  Chosen on validation only,
+    recorded in runs/almn_more/best_beta.json: a later, different choice is an error."""
+    study = almn_study(proto)
+    if study is None or not study.runs or not all(r.finished for r in study.runs):
+        return None
+    means = {}
+    for variant in study.variants:
+        values = [(json.loads((r.out_dir / "metrics.json").read_text()).get("selected") or {}).get("value")
+                  for r in study.runs if r.variant == variant]
+        if None in values:
+            raise ProtocolError(f"almn_more: a run of the sweep's {variant} has no validation value (metrics.json "
+                                f"'selected'); the best beta cannot be chosen")
+        means[variant] = sum(values) / len(values)
+    best = max(means, key=lambda v: (means[v], -float(v[len("beta"):])))  # a tie: the smaller beta
+    record = {"beta": float(best[len("beta"):]), "variant": best, "val_means": means}
+    path = proto.runs / "almn_more" / "best_beta.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if before["beta"] != record["beta"]:
+            raise ProtocolError(f"almn_more: the sweep's best beta is now {record['beta']:g}, the runs in "
+                                f"{path.parent} are at {before['beta']:g}; move that folder away to run them again")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+    return record["beta"]
+
+
+def almn_more_study(proto: Protocol):
+    """ALMN at the sweep's best beta: m x n 32 x 2 and 8 x 8, and Eq. 12's fixed margin
+    (``spec.ALMN_MORE``), seeds ``BETA_SEEDS``; None until the sweep has finished."""
+    beta = best_beta(proto)
+    if beta is None:
+        return None
+    base = spec.overrides("almn_beta3", proto.epochs) + [{"from_tune": str(proto.tune_dir("almn_beta3"))},
+                                                         f"loss.0.options.beta={beta:g}"]
+    variants = {name: base + extra for name, extra in spec.ALMN_MORE.items()}
+    return make_study(proto, "almn_more", variants, spec.BETA_SEEDS)
+
+
+def run_almn_more_phase(proto: Protocol) -> None:
+    study = almn_more_study(proto)
+    if study is None:
+        proto.log("almn_more: the beta sweep has not finished: skipped")
+        return
+    run_study_phase(proto, study, list(study.variants))
+
+
 # --------------------------------------------------------------------------- final (test, once)
 def check_preregistration(proto: Protocol) -> None:
     """The test split is read only after the pre-registration exists (in the repository's copy:
@@ -535,6 +587,11 @@ def run_final_phase(proto: Protocol) -> None:
         completed = tune_record(proto, "almn_beta3")["completed"]
         groups = {v: (f"almn_sweep_{v}", spec.BETA_SEEDS, completed) for v in almn.variants}
         write_csv(proto.runs / "almn_beta.csv", final_rows(proto, almn, groups), RESULT_COLUMNS)
+    more = almn_more_study(proto)
+    if more is not None:
+        completed = tune_record(proto, "almn_beta3")["completed"]
+        groups = {v: (f"almn_{v}", spec.BETA_SEEDS, completed) for v in more.variants}
+        write_csv(proto.runs / "almn_more.csv", final_rows(proto, more, groups), RESULT_COLUMNS)
     write_summary(proto)
     copy_results(proto)
 
@@ -661,6 +718,37 @@ def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
     return lines
 
 
+def almn_markdown(proto: Protocol) -> list[str]:
+    """ALMN's secondary analyses (reported with intervals, no verdict words): the beta sweep and,
+    at its best beta (chosen on validation), m x n and Eq. 12's ablation; each variant's mean, sd
+    and 95 % CI, and its difference to the best beta at 16 x 4, paired by seed."""
+    from deepmetric.report.study_tables import mean_ci
+
+    rows = read_csv(proto.runs / "almn_beta.csv") + read_csv(proto.runs / "almn_more.csv")
+    if not rows:
+        return []
+    chosen = proto.runs / "almn_more" / "best_beta.json"
+    beta = json.loads(chosen.read_text())["beta"] if chosen.is_file() else None
+    ref = f"almn_sweep_beta{beta:g}" if beta is not None else None
+    lines = ["## ALMN: the beta sweep, m x n and Eq. 12 (secondary: intervals, no verdict)", "",
+             ("The sweep's best beta on validation: " + (f"{beta:g} (reference row: {ref}, batch 16 x 4)."
+                                                          if ref else "not chosen yet (the sweep has not finished).")),
+             "", "| variant | seeds | R@1 mean | sd | 95 % CI | R@1 vs reference | MAP@R mean | MAP@R vs reference |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["loss"] for r in rows):
+        mine = [r for r in rows if r["loss"] == name]
+        r1, mp = (mean_ci([float(r[m]) for r in mine]) for m in METRICS)
+        vs = []
+        for metric in METRICS:
+            t = paired(rows, name, ref, metric) if ref and name != ref else None
+            vs.append("-" if t is None or t["n"] == 0 else
+                      f"{100 * t['mean']:+.2f} [{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}] (n={t['n']})")
+        lines.append(f"| {name} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
+                     f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {vs[0]} | {100 * mp['mean']:.2f} | "
+                     f"{vs[1]} |")
+    return lines + [""]
+
+
 def write_summary(proto: Protocol) -> None:
     from deepmetric.report.study_tables import mean_ci
     from deepmetric.run.rundir import write_text_atomic
@@ -700,12 +788,13 @@ def write_summary(proto: Protocol) -> None:
               f"pytorch-metric-learning loss ({best_by_tune(proto, spec.PML, rows)}), each by its tune's "
               "validation objective.", ""]
     lines += hypotheses_markdown(proto, rows)
+    lines += almn_markdown(proto)
     write_text_atomic(proto.runs / "summary.md", "\n".join(lines) + "\n")
 
 
 def copy_results(proto: Protocol) -> None:
     proto.copy.mkdir(parents=True, exist_ok=True)
-    for name in ("results.csv", "baselines.csv", "almn_beta.csv", "summary.md"):
+    for name in ("results.csv", "baselines.csv", "almn_beta.csv", "almn_more.csv", "summary.md"):
         if (proto.runs / name).is_file():
             copy_text(proto.runs / name, proto.copy / name, proto)
 
@@ -787,6 +876,7 @@ def progress_markdown(proto: Protocol) -> str:
     seed_keys = [f"{n}/seed{s}" for n in spec.LOSSES for s in spec.seeds_of(n)]
     control_keys = [f"{n}/seed{spec.SEEDS[0]}" for n in spec.LOSSES]
     beta_keys = [f"beta{b:g}/seed{s}" for b in spec.BETAS for s in spec.BETA_SEEDS]
+    more_keys = [f"{v}/seed{s}" for v in spec.ALMN_MORE for s in spec.BETA_SEEDS]
     results = read_csv(proto.runs / "results.csv")
     two = _two_head_script()  # its run folders, as its make_run names them
     two_lr = [f"lr/{v}/{two._lr_name(lr)}_seed{two.LR_SEED}" for v in two.VARIANTS for lr in two.LRS]
@@ -797,6 +887,8 @@ def progress_markdown(proto: Protocol) -> str:
               f"| control (every loss at the winner's settings, seed {spec.SEEDS[0]}) | "
               f"{_finished_runs(proto.runs / 'control', control_keys)} | {len(control_keys)} |",
               f"| ALMN beta sweep | {_finished_runs(proto.runs / 'almn_beta', beta_keys)} | {len(beta_keys)} |",
+              f"| ALMN at the best beta: m x n, Eq. 12 | {_finished_runs(proto.runs / 'almn_more', more_keys)} | "
+              f"{len(more_keys)} |",
               f"| final: seeded runs evaluated once on the test split (results.csv rows) | {len(results)} | "
               f"{len(seed_keys)} |",
               f"| two-head closed set, lr runs (bench/two_head_accuracy.py, {TWO_HEAD_RUNS.relative_to(ROOT)}) | "
@@ -806,7 +898,7 @@ def progress_markdown(proto: Protocol) -> str:
               f"- Tunes: {len(open_tunes)} of {len(tunes)} not finished, at least {more} more completed trials "
               "(pruned and stopped trials come on top of them).",
               "- Then the phases above with fewer finished runs than planned, in the pre-registered order "
-              "(seeds, control, ALMN beta sweep, the two-head runs, final).", ""]
+              "(seeds, control, ALMN beta sweep, ALMN m x n and Eq. 12, the two-head runs, final).", ""]
     return "\n".join(lines)
 
 
@@ -920,6 +1012,8 @@ def run(proto: Protocol, phases: list[str]) -> None:
             commit(proto, "bench/studies/protocol_v2: control (every loss at the winner's settings, validation)")
     if "almn_beta" in phases:
         run_almn_phase(proto)
+    if "almn_more" in phases:
+        run_almn_more_phase(proto)
     if "final" in phases:
         run_final_phase(proto)
         if proto.args.commit:

@@ -67,6 +67,11 @@ ALPHA = 0.05
 #: ALMN's beta sweep at almn_beta3's tuned settings
 BETAS = [0.0, 1.0, 2.0, 3.0]
 BETA_SEEDS = [100, 101, 102, 103, 104]
+#: ALMN's secondary analyses (PREREGISTRATION.md) at the sweep's best beta, chosen on validation:
+#: the batch's m x n (classes x images per class, batch 64; 16 x 4, the sweep's own, is the
+#: reference) and Eq. 12's ablation (a fixed L-Softmax-like margin, m = 2, for the virtual point)
+ALMN_MORE = {"m32_n2": ["train.m=32", "train.n=2"], "m8_n8": ["train.m=8", "train.n=8"],
+             "eq12_fixed_margin": ["loss.0.options.margin_mode=fixed"]}
 
 LR = {"type": "float", "low": 1.0e-5, "high": 0.1, "log": True}
 WD = {"type": "float", "low": 1.0e-6, "high": 0.1, "log": True}

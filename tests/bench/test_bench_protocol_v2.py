@@ -319,6 +319,62 @@ def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_pa
         bench.control_study(bench.Protocol(args))
 
 
+def _finished_sweep(runs: Path, val: dict[float, list[float]]) -> None:
+    """The beta sweep's runs as finished (metrics.json with best.pt's validation value)."""
+    for beta, values in val.items():
+        for seed, value in zip(v2.BETA_SEEDS, values):
+            d = runs / "almn_beta" / f"beta{beta:g}" / f"seed{seed}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "metrics.json").write_text(json.dumps({"selected": {"epoch": 9, "value": value}}))
+
+
+@pytest.mark.filterwarnings("ignore:Precision loss occurred in moment calculation")
+def test_almn_mxn_and_eq12_run_at_the_sweeps_best_beta_chosen_on_validation(tmp_path):
+    """Once every sweep run has finished, the best beta is the one with the best mean validation
+    value over its seeds (not the best single run); m x n 32 x 2 / 8 x 8 and Eq. 12's fixed margin
+    run at it, seeds 100-104, with almn_beta3's tuned values; a later different choice is refused;
+    the summary reports every variant against the best beta's 16 x 4 runs, paired by seed."""
+    runs = tmp_path / "runs"
+    _fake_tune(runs, "almn_beta3", 0.60, ['optim.name="adamw"', "optim.lr=0.0003", "optim.weight_decay=0.01",
+                                          "optim.new_layer_lr_mult=1.0", 'eval.embedding="projection"'])
+    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy"),
+                             "--set", "model.options.pretrained=null"])
+    proto = bench.Protocol(args)
+    assert bench.almn_more_study(proto) is None  # no sweep run finished yet
+    # beta 3 has the best single run (0.9) but beta 1 the best mean
+    sweep = {0.0: [0.40] * 5, 1.0: [0.60, 0.61, 0.59, 0.60, 0.60], 2.0: [0.50] * 5, 3.0: [0.90, 0.30, 0.30, 0.30, 0.30]}
+    _finished_sweep(runs, {b: v for b, v in sweep.items() if b != 3.0})
+    assert bench.almn_more_study(proto) is None  # beta 3's runs are missing
+    _finished_sweep(runs, sweep)
+    more = bench.almn_more_study(proto)
+    assert json.loads((runs / "almn_more" / "best_beta.json").read_text())["beta"] == 1.0
+    assert sorted(more.variants) == sorted(v2.ALMN_MORE) and sorted({r.seed for r in more.runs}) == v2.BETA_SEEDS
+    for r in more.runs:
+        loss, train = r.raw["loss"][0], r.raw["train"]
+        assert loss["name"] == "almn" and loss["options"]["beta"] == 1.0 and r.raw["optim"]["lr"] == 0.0003
+        expected = {"m32_n2": (32, 2, "virtual"), "m8_n8": (8, 8, "virtual"), "eq12_fixed_margin": (16, 4, "fixed")}
+        assert (train["m"], train["n"], loss["options"].get("margin_mode", "virtual")) == expected[r.variant]
+    d = runs / "almn_beta" / "beta2" / "seed100"  # the sweep changed afterwards: refused
+    (d / "metrics.json").write_text(json.dumps({"selected": {"value": 0.99}}))
+    _finished_sweep(runs, {2.0: [0.99] * 5})
+    with pytest.raises(bench.ProtocolError, match="best beta is now 2"):
+        bench.almn_more_study(proto)
+
+    def rows(name, base):
+        return [{"loss": name, "seed": s, "completed_trials": 12, "optimizer": "adamw", "embedding": "own",
+                 "epochs": 10, "cross_domain_recall@1": base + d, "cross_domain_map@r": base / 2}
+                for s, d in zip(v2.BETA_SEEDS, [0.01, -0.01, 0.0, 0.02, -0.02])]
+    bench.write_csv(runs / "almn_beta.csv", rows("almn_sweep_beta1", 0.50) + rows("almn_sweep_beta0", 0.45),
+                    bench.RESULT_COLUMNS)
+    bench.write_csv(runs / "almn_more.csv", rows("almn_m8_n8", 0.47), bench.RESULT_COLUMNS)
+    text = "\n".join(bench.almn_markdown(proto))
+    assert "best beta on validation: 1 (reference row: almn_sweep_beta1" in text
+    table = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| almn")}
+    assert "| -5.00 [-5.00, -5.00] (n=5) |" in table["almn_sweep_beta0"]
+    assert "| -3.00 [-3.00, -3.00] (n=5) |" in table["almn_m8_n8"]
+    assert table["almn_sweep_beta1"].split("|")[6].strip() == "-"
+
+
 @pytest.mark.filterwarnings("ignore:Precision loss occurred in moment calculation")
 def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     """H1-H6 with Holm over the family of seven (tests not run yet count as p = 1), verdicts on
