@@ -836,8 +836,11 @@ def tune_progress(proto: Protocol, loss: str) -> dict:
                   if r["state"] == "complete" and r.get(f"val/{spec.OBJECTIVE}")]
     if not values and (d / "best_overrides.json").is_file():  # a trials.csv without the objective's column
         values = [float(json.loads((d / "best_overrides.json").read_text())["value"])]
-    state = "finished" if proto.finished(loss) else ("under way" if states else "not started")
-    return {"loss": loss, "state": state, "complete": states.count("complete"), "pruned": states.count("pruned"),
+    complete = states.count("complete")
+    state = ("finished" if proto.finished(loss) else
+             "trials done, outputs not written yet" if complete >= proto.trials and "running" not in states else
+             "under way" if states else "not started")
+    return {"loss": loss, "state": state, "complete": complete, "pruned": states.count("pruned"),
             "stopped": sum(s in ("fail", "interrupted") for s in states), "running": states.count("running"),
             "best": max(values) if values else None}
 
