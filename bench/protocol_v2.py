@@ -954,12 +954,19 @@ def parse_args(argv=None):
 
 
 def _tune_lane(proto: Protocol, loss: str, phases: list[str]) -> None:
+    if proto.finished(loss):  # never tuned again: a tune restored from its outputs alone has no storage,
+        proto.log(f"tune {loss}: finished already ({proto.tune_dir(loss)})")  # and would start over
+    else:
+        _run_and_commit_tune(proto, loss)
+    if "seeds" in phases and proto.args.lanes == 1:  # the paper claims' losses first, each with its seeds
+        run_seeds_phase(proto, [loss])  # (with lanes, after every tune: the seeded runs share one study)
+
+
+def _run_and_commit_tune(proto: Protocol, loss: str) -> None:
     run_tune_phase(proto, loss)
     if proto.args.commit:
         with _COMMIT_LOCK:
             commit(proto, f"bench/studies/protocol_v2: {loss} tuned ({proto.trials} completed trials, validation)")
-    if "seeds" in phases and proto.args.lanes == 1:  # the paper claims' losses first, each with its seeds
-        run_seeds_phase(proto, [loss])  # (with lanes, after every tune: the seeded runs share one study)
 
 
 def run_tunes(proto: Protocol, phases: list[str]) -> None:

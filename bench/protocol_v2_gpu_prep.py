@@ -1,5 +1,6 @@
 """Prepare (here) and seed (on the lent GPU machine) what bench/protocol_v2.py needs there, which
-cannot be fetched on that machine: wheels, the 64 px emoji arrays and the tune storages.
+cannot be fetched on that machine: wheels and the 64 px emoji arrays (the tune storages travel
+with the tree).
 
 Here (a checkout with .venv and the emoji packages installed):
 
@@ -18,9 +19,15 @@ call: issue the second at once):
 
 ``seed`` (on the GPU machine) puts the carried arrays where that machine's emoji cache key (which
 includes its Pillow version) expects them, and copies the carried tune storages into
-runs/protocol_v2/tune/. It exits non-zero when the cache would be rebuilt (the packages' images
+runs/protocol_v2/tune/ (``bench/protocol_v2.py --restore``: the tree carries the committed tunes,
+finished and partial). It exits non-zero when the cache would be rebuilt (the packages' images
 are not carried), so a failed step stops the call instead of training on nothing (what happened
 on 2026-11-26: every trial failed on the missing cache).
+
+Back here, a returned ``tune/LOSS/tune.db`` replaces the one in the study's clone only while no
+process there runs that loss's tune (stop the study first: two machines writing one tune's
+trials from two copies of its storage would each miss the other's); then ``--snapshot`` and
+commit as usual.
 """
 from __future__ import annotations
 
@@ -58,9 +65,6 @@ def pack() -> None:
     (gpu / "stub" / "resvg_py" / "__init__.py").write_text(
         f"# only its versions enter the emoji cache key\n__version__ = {resvg_py.__version__!r}\n"
         f"__resvg_version__ = {getattr(resvg_py, '__resvg_version__', None)!r}\n")
-    for db in (ROOT / "bench" / "studies" / "protocol_v2" / "partial_tunes").glob("*/tune.db"):
-        (gpu / "tune" / db.parent.name).mkdir(parents=True, exist_ok=True)
-        shutil.copy(db, gpu / "tune" / db.parent.name / "tune.db")
     print(json.dumps({"whl_mb": sum(f.stat().st_size for f in whl.iterdir()) >> 20,
                       "gpu_mb": sum(f.stat().st_size for f in gpu.rglob("*") if f.is_file()) >> 20}))
 
@@ -83,11 +87,10 @@ def seed() -> None:
     from deepmetric.data import build_dataset
 
     print("emoji train images:", len(build_dataset("emoji", split="train", size=64)))
-    for db in (ROOT / ".gpu" / "tune").glob("*/tune.db"):
-        dest = ROOT / "runs" / "protocol_v2" / "tune" / db.parent.name
-        dest.mkdir(parents=True, exist_ok=True)
-        shutil.copy(db, dest / "tune.db")
-        print("storage:", dest / "tune.db")
+    # the committed tunes travel with the tree: finished ones (their outputs) and partial storages
+    rc = subprocess.run([sys.executable, str(ROOT / "bench" / "protocol_v2.py"), "--restore"]).returncode
+    if rc != 0:
+        sys.exit(f"bench/protocol_v2.py --restore failed ({rc})")
 
 
 if __name__ == "__main__":

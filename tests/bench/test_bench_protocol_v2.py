@@ -426,7 +426,7 @@ def _partial_storage(path: Path, loss: str, run_root: str) -> None:
             study.tell(trial, state=state)
 
 
-def test_restore_puts_the_committed_tunes_back_and_progress_counts_them(tmp_path):
+def test_restore_puts_the_committed_tunes_back_and_progress_counts_them(tmp_path, monkeypatch):
     """A fresh clone continues the study from the committed copy alone: a finished tune's outputs
     (what the seeded runs read) and an unfinished one's storage come back into --runs with their
     run folders absolute there again; a tune already in --runs is left alone; --progress then
@@ -456,6 +456,11 @@ def test_restore_puts_the_committed_tunes_back_and_progress_counts_them(tmp_path
         db.close()
     assert run_dirs == [f"{runs}/tune/HLN/trials/trial_{i:04d}" for i in range(3)]
     assert bench.main(argv + ["--restore"]) == 0  # again: nothing changes
+    # the tune phase never tunes a finished loss again (restored from its outputs alone, it has
+    # no storage: a new tune would start over and replace them)
+    monkeypatch.setattr(bench, "run_tune_phase", lambda proto, loss: pytest.fail(f"{loss} tuned again"))
+    assert bench.main(argv + ["--phase", "tune", "--only", "BN"]) == 0
+    assert not (runs / "tune" / "BN" / "tune.db").exists()
     assert sorted(p.name for p in (runs / "tune").iterdir()) == ["BN", "HLN", "SM"]
 
     (runs / "tune" / "SM" / "tune.db").unlink()  # progress reads every storage: a real one
