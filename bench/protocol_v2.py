@@ -697,12 +697,51 @@ def hypothesis_tests(proto: Protocol, rows: list[dict], metric: str) -> list[tup
     return out
 
 
+def family(proto: Protocol, rows: list[dict], metric: str) -> list[tuple[str, dict | None, float]]:
+    """The family's tests on ``metric`` with their Holm-adjusted p-values (over all seven: a test
+    not run yet counts as p = 1, so it never helps the others)."""
+    tests = hypothesis_tests(proto, rows, metric)
+    adjusted = holm([t["p"] if t is not None and math.isfinite(t["p"]) else 1.0 for _, t in tests])
+    return [(h, t, adj) for (h, t), adj in zip(tests, adjusted)]
+
+
+def verdict_records(proto: Protocol, rows: list[dict]) -> list[dict]:
+    """One record per hypothesis for verdicts.json (bench/study_claims.py puts them in
+    CLAIMS.md): the claim, its budget, the primary test with its Holm p and verdict, and the
+    secondary metric's difference beside it (points; None where the runs are not there yet)."""
+    def finite(x):  # JSON has no NaN: an undefined interval or p-value (under 2 seeds, no spread) is null
+        return float(x) if x is not None and math.isfinite(x) else None
+
+    def points(t):
+        return None if t is None else {"a": t["a"], "b": t["b"], "n": t["n"], "mean": finite(100 * t["mean"]),
+                                       "ci_low": finite(100 * t["ci_low"]), "ci_high": finite(100 * t["ci_high"])}
+
+    epochs = sorted({r["epochs"] for r in rows})
+    completed = sorted({r["completed_trials"] for r in rows})
+    primary, secondary = family(proto, rows, METRICS[0]), family(proto, rows, METRICS[1])
+    out = []
+    for (h, t, adj), (_, t2, _) in zip(primary, secondary):
+        text, paper = spec.HYPOTHESES[h]
+        if h.startswith("H5"):
+            budget = "emoji closed set, 1,911 classes, 15 epochs, lr on a validation vendor, seeds 100-104"
+            metrics = ["test top-1 (twitter)", "macro accuracy"]
+        else:
+            budget = (f"emoji 64 px, {'/'.join(epochs) or '-'} epochs, {'/'.join(completed) or '-'} completed tune "
+                      f"trials per loss, seeds {'100-102' if h == 'H6' else '100-104'}")
+            metrics = list(METRICS)
+        out.append({"id": h, "claim": text, "paper": paper, "budget": budget, "metric": metrics[0],
+                    "test": points(t), "p": None if t is None else finite(t["p"]),
+                    "holm_p": None if t is None else finite(adj),
+                    "verdict": "pending" if t is None else verdict(t, adj),
+                    "secondary_metric": metrics[1], "secondary": points(t2)})
+    return out
+
+
 def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
     lines = []
     for metric in METRICS:
-        tests = hypothesis_tests(proto, rows, metric)
-        # Holm over the whole family of 7: a test not run yet counts as p = 1 (never helps the others)
-        adjusted = holm([t["p"] if t is not None and math.isfinite(t["p"]) else 1.0 for _, t in tests])
+        fam = family(proto, rows, metric)
+        tests, adjusted = [(h, t) for h, t, _ in fam], [adj for _, _, adj in fam]
         primary = metric == spec.OBJECTIVE
         lines += [f"### {metric}" + (" (primary: the decision rule)" if primary else " (secondary: no verdict)"), "",
                   "| id | A - B | seeds | mean (points) | 95 % CI | p | Holm p |" + (" verdict |" if primary else ""),
@@ -789,12 +828,14 @@ def write_summary(proto: Protocol) -> None:
               "validation objective.", ""]
     lines += hypotheses_markdown(proto, rows)
     lines += almn_markdown(proto)
+    records = verdict_records(proto, rows)
+    write_text_atomic(proto.runs / "verdicts.json", json.dumps(records, indent=1, allow_nan=False) + "\n")
     write_text_atomic(proto.runs / "summary.md", "\n".join(lines) + "\n")
 
 
 def copy_results(proto: Protocol) -> None:
     proto.copy.mkdir(parents=True, exist_ok=True)
-    for name in ("results.csv", "baselines.csv", "almn_beta.csv", "almn_more.csv", "summary.md"):
+    for name in ("results.csv", "baselines.csv", "almn_beta.csv", "almn_more.csv", "summary.md", "verdicts.json"):
         if (proto.runs / name).is_file():
             copy_text(proto.runs / name, proto.copy / name, proto)
 

@@ -59,6 +59,17 @@ CLAIM_LOSSES = ["HBN", "BN", "SM", "LN", "HLN", "almn_beta3", "almn_beta0", "tri
 #: and H6 (the best of OURS against the best of PML, each by its tune's validation objective)
 COMPARISONS = [("H1", "HBN", "BN"), ("H2", "BN", "SM"), ("H3", "HLN", "LN"), ("H4", "almn_beta3", "almn_beta0")]
 TWO_HEAD = [("H5a", "semihard", "softmax"), ("H5b", "hard", "softmax")]
+#: the pre-registered family (PREREGISTRATION.md, "Hypotheses"): id -> (claim, paper)
+HYPOTHESES = {
+    "H1": ("HBN > BN (heating-up beats the fixed alpha 16)", "heated-up softmax, Tables 1-2"),
+    "H2": ("BN > SM (the normalised embedding beats plain softmax)", "heated-up softmax, Tables 1-2"),
+    "H3": ("HLN > LN (heating-up helps the l2 embedding too)", "heated-up softmax, Tables 1-2"),
+    "H4": ("ALMN beta 3 > ALMN beta 0 (the adaptive angular margin), solver-mode centres", "ALMN, Table 2"),
+    "H5a": ("two-head softmax + semi-hard triplet > softmax, closed-set top-1", "two-head, Tables 1-2"),
+    "H5b": ("two-head softmax + hard triplet > softmax, closed-set top-1", "two-head, Tables 1-2"),
+    "H6": ("the best of our losses > the best pytorch-metric-learning loss (each by its tuned validation "
+           "objective)", "not a paper claim: the user's question"),
+}
 OURS = ["HBN", "BN", "SM", "LN", "HLN", "almn_beta3", "almn_beta0", "npair", "triplet_semihard"]
 PML = ["pml_proxy_anchor", "pml_multi_similarity", "pml_arcface", "pml_normalized_softmax"]
 #: the decision rule: the smallest difference (points of the primary metric) called a gain

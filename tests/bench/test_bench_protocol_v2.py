@@ -407,6 +407,12 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     secondary = text.split("### cross_domain_map@r")[1]
     assert not re.search(r"\| (holds|reversed|does not hold|not resolved) \|", secondary)  # MAP@R: no verdict
     assert re.search(r"\| H1 \| HBN - BN \| 5 \| \+5\.00 \|", secondary)
+    # verdicts.json (what bench/study_claims.py puts in CLAIMS.md): the same verdicts, with budgets
+    records = {r["id"]: r for r in json.loads((runs / "verdicts.json").read_text())}
+    assert {h: r["verdict"] for h, r in records.items()} == {**got, "H5a": "pending", "H5b": "pending"}
+    assert records["H1"]["test"]["mean"] == pytest.approx(10.0) and records["H1"]["secondary"]["mean"] == pytest.approx(5.0)
+    assert "10 epochs, 12 completed tune trials" in records["H1"]["budget"] and records["H5a"]["test"] is None
+    assert records["H1"]["claim"].startswith("HBN > BN") and records["H1"]["holm_p"] >= records["H1"]["p"]
 
 
 def _partial_storage(path: Path, loss: str, run_root: str) -> None:

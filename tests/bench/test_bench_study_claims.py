@@ -102,3 +102,36 @@ def test_a_claims_caveat_is_printed_under_its_verdict_only(tmp_path, monkeypatch
     first, second = text.split("## A > B again")
     assert first.rstrip().endswith("**Verdict: holds.**\n\nCaveat: B was not tuned")
     assert "Caveat" not in second
+
+
+def test_the_protocol_v2_verdicts_head_the_page_pending_until_its_final_step(tmp_path):
+    """Before protocol v2's final step every pre-registered hypothesis is *pending*; then each row
+    carries the verdict, budget, interval and Holm p that the protocol's summary wrote
+    (verdicts.json from bench/protocol_v2.write_summary, not hand-made), above the v1 history."""
+    sc = _module()
+    text = sc.render(tmp_path)
+    v2 = text.split("## Protocol v2")[1].split("## v1 (history)")[0]
+    rows = [line for line in v2.splitlines() if line.startswith("| H")]
+    assert [r.split("|")[1].strip() for r in rows] == ["H1", "H2", "H3", "H4", "H5a", "H5b", "H6"]
+    assert all("**pending**" in r for r in rows) and "no test number of protocol v2 exists yet" in v2
+
+    spec = importlib.util.spec_from_file_location("protocol_v2_bench_claims", ROOT / "bench" / "protocol_v2.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runs, copy = tmp_path / "runs", tmp_path / "protocol_v2"
+    results = [{"loss": loss, "seed": s, "completed_trials": 12, "optimizer": "sgd", "embedding": "own", "epochs": 10,
+                "cross_domain_recall@1": base + d, "cross_domain_map@r": base / 2, "val_flattened": True}
+               for loss, base in (("HBN", 0.60), ("BN", 0.50)) for s, d in zip(range(100, 105),
+                                                                                [0.01, -0.01, 0.0, 0.005, -0.005])]
+    bench.write_csv(runs / "results.csv", results, bench.RESULT_COLUMNS)
+    proto = bench.Protocol(bench.parse_args(["--runs", str(runs), "--copy-to", str(copy)]))
+    bench.write_summary(proto)
+    bench.copy_results(proto)
+    v2 = sc.render(tmp_path).split("## Protocol v2")[1].split("## v1 (history)")[0]
+    h1 = [line for line in v2.splitlines() if line.startswith("| H1 |")][0]
+    # every seed's difference is exactly 10 points: no spread, so no p-value (not resolved), CI a point
+    assert "cross_domain_recall@1: HBN - BN: +10.00 [+10.00, +10.00] (n=5)" in h1, h1
+    assert "10 epochs, 12 completed tune trials per loss, seeds 100-104" in h1 and "**not resolved**" in h1
+    assert "cross_domain_map@r: HBN - BN: +5.00" in h1
+    assert "**pending**" in [line for line in v2.splitlines() if line.startswith("| H2 |")][0]
+    assert "Pending" not in v2.split("| id |")[0]
