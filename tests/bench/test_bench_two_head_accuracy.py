@@ -23,7 +23,8 @@ VARIANTS = ("softmax", "semihard")  # hard runs the same code (its recipe: test_
 def _args(tree, out, *extra):
     sets = [f"data.root={tree}", "data.options.size=32", "model.options.input_size=32", "train.m=4",
             "train.n=2", "train.batch_size=8", "data.transform_options={normalize: minus_one_one}"]
-    return ["--out", str(out), "--epochs", "1", "--lrs", "0.01", "0.1", "--seeds", "100", "101",
+    return ["--out", str(out), "--copy-to", str(Path(out).parent / "copy"), "--epochs", "1", "--lrs", "0.01", "0.1",
+            "--seeds", "100", "101",
             "--variants", *VARIANTS, "--threads", "1", *[a for s in sets for a in ("--set", s)], *extra]
 
 
@@ -109,6 +110,11 @@ def test_final_csv_matches_an_independent_evaluation(study):
             half = 12.7062047 * np.std(d, ddof=1) / np.sqrt(2)  # t_{0.975, 1}
             assert st["ci_high"] - st["mean"] == pytest.approx(half, rel=1e-6)
     assert "| softmax |" in (out / "summary.md").read_text()
+    # every seeded run finished: the tables are in the committed study folder, where protocol v2 reads H5
+    copy = base / "copy"
+    assert (copy / "two_head_accuracy.csv").read_text() == (out / "two_head_accuracy.csv").read_text()
+    assert sorted(p.name for p in copy.iterdir()) == sorted(bench.COPIES.values())
+    assert str(base) not in "".join(p.read_text() for p in copy.iterdir())
 
 
 def test_resume_trains_nothing_and_parallel_uses_subprocesses(study, capsys):
@@ -123,6 +129,11 @@ def test_resume_trains_nothing_and_parallel_uses_subprocesses(study, capsys):
         assert all(float(r["cpu_s"]) > 0 for r in csv.DictReader(fh))
     # one seeded run lost: --parallel 2 retrains just it, in a `deepmetric train` subprocess
     shutil.rmtree(out / "seeds" / "semihard" / "seed101")
+    # a final step over unfinished runs writes its partial table here, never into the committed copy
+    committed = (base / "copy" / "two_head_accuracy.csv").read_text()
+    assert bench.main(_args(base / "tree", out, "--phase", "final")) == 1
+    assert len((out / "two_head_accuracy.csv").read_text().splitlines()) == 4  # header + 3 runs
+    assert (base / "copy" / "two_head_accuracy.csv").read_text() == committed
     assert bench.main(_args(base / "tree", out, "--phase", "seeds", "--parallel", "2")) == 0
     assert "3 of 4 runs finished, 1 to train" in capsys.readouterr().out
     assert (out / "seeds" / "semihard" / "seed101" / "metrics.json").is_file()
