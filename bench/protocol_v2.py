@@ -14,7 +14,8 @@ studies/protocol_v2.py), one resumable command.  Phases, in this order by defaul
 * ``almn_beta``: ALMN's beta in ``BETAS`` at almn_beta3's tuned settings, ``BETA_SEEDS``;
 * ``almn_more``: once the sweep has finished, at its best beta (the best mean validation
   objective over its seeds): m x n 32 x 2 and 8 x 8, and Eq. 12's fixed margin (``ALMN_MORE``);
-* ``final``: only for the losses whose seeded runs have all finished, and only once the
+* ``final``: once every loss of the table has finished its tune and seeded runs (``--cut``: the
+  last losses of the table, left out for lack of compute, as pre-registered), and only once the
   pre-registration exists (committed, for the repository's copy): each seeded run's best.pt on
   the test split once (cross-vendor Recall@1 and MAP@R), then ``results.csv``,
   ``baselines.csv`` (raw pixels and the untouched network on the same test emoji, once),
@@ -573,21 +574,55 @@ def baseline_rows(proto: Protocol) -> list[dict]:
              "description": f"{cfg.model.name} ({weights}) before training: pooled features"}]
 
 
+def check_final_ready(proto: Protocol) -> list[str]:
+    """The test split is read once, at the end (PREREGISTRATION.md): every loss of the table has
+    finished its tune and all its seeded runs (and, with ALMN beta 3, the beta sweep and the runs
+    at its best beta), except the losses ``--cut`` names, which must be the last ones of the table
+    (the pre-registered rule: losses are cut from the end, never the protocol).  Returns the
+    losses the final step evaluates."""
+    table, cut = list(spec.LOSSES), list(proto.args.cut or [])
+    if cut and sorted(cut, key=table.index) != table[len(table) - len(cut):]:
+        raise ProtocolError(f"final: --cut {' '.join(cut)}: losses are cut from the end of the table only "
+                            f"(pre-registered); its last {len(cut)} are {table[len(table) - len(cut):]}")
+    kept = [n for n in table if n not in cut]
+    study = seeds_study(proto)
+    done = {r.key for r in (study.runs if study is not None else []) if r.finished}
+    missing = [n for n in kept if not proto.finished(n) or any(f"{n}/seed{s}" not in done for s in spec.seeds_of(n))]
+    if "almn_beta3" in kept and "almn_beta3" not in missing:
+        for kind, build in (("almn_beta", almn_study), ("almn_more", almn_more_study)):
+            extra = build(proto)
+            if extra is None or not all(r.finished for r in extra.runs):
+                missing.append(f"{kind} (its phase)")
+    if missing:
+        in_table = [table.index(m) for m in missing if m in table]
+        suffix = table[min(in_table):] if in_table else []  # from the first unfinished loss to the end
+        raise ProtocolError(f"final: the test split is read once, at the end, and these have not finished their tune "
+                            f"and seeded runs: {missing}. Finish them"
+                            + (f", or cut losses from the end of the table (--cut {' '.join(suffix)})" if suffix else "")
+                            + "; nothing was evaluated")
+    return kept
+
+
 def run_final_phase(proto: Protocol) -> None:
     check_preregistration(proto)
+    kept = check_final_ready(proto)
+    from deepmetric.run.rundir import write_text_atomic
+
+    cut = [n for n in spec.LOSSES if n not in kept]
+    write_text_atomic(proto.runs / "final.json", json.dumps({"cut": cut}) + "\n")  # the summary says so
     study = seeds_study(proto)
     if study is not None:
-        groups = {n: (n, spec.seeds_of(n), tune_record(proto, n)["completed"]) for n in proto.tuned()}
+        groups = {n: (n, spec.seeds_of(n), tune_record(proto, n)["completed"]) for n in proto.tuned() if n in kept}
         rows = final_rows(proto, study, groups)
         write_csv(proto.runs / "results.csv", rows, RESULT_COLUMNS)
         if rows and not (proto.runs / "baselines.csv").is_file():
             write_csv(proto.runs / "baselines.csv", baseline_rows(proto), BASELINE_COLUMNS)
-    almn = almn_study(proto)
+    almn = almn_study(proto) if "almn_beta3" in kept else None
     if almn is not None:
         completed = tune_record(proto, "almn_beta3")["completed"]
         groups = {v: (f"almn_sweep_{v}", spec.BETA_SEEDS, completed) for v in almn.variants}
         write_csv(proto.runs / "almn_beta.csv", final_rows(proto, almn, groups), RESULT_COLUMNS)
-    more = almn_more_study(proto)
+    more = almn_more_study(proto) if "almn_beta3" in kept else None
     if more is not None:
         completed = tune_record(proto, "almn_beta3")["completed"]
         groups = {v: (f"almn_{v}", spec.BETA_SEEDS, completed) for v in more.variants}
@@ -800,9 +835,13 @@ def write_summary(proto: Protocol) -> None:
         mine = [r for r in rows if r["loss"] == loss]
         stats_by[loss] = (*(mean_ci([float(r[m]) for r in mine]) for m in METRICS), mine)
     ranked = sorted(stats_by, key=lambda n: -stats_by[n][0]["mean"])
+    final = proto.runs / "final.json"
+    cut = json.loads(final.read_text())["cut"] if final.is_file() else []
     lines = ["# Protocol v2: results (test split, evaluated once by the final step)", "",
              f"Epochs per run: {epochs}; completed tune trials per loss: {budget}; seeds no tune used "
              f"(the tunes trained with seed {spec.TUNE_SEED}). Points of cross-vendor Recall@1 / MAP@R.", "",
+             "Losses cut for lack of compute (the last ones of the table, as pre-registered): "
+             + (", ".join(cut) if cut else "none") + ".", "",
              "| rank | loss | runs | R@1 mean | sd | 95 % CI | vs top (seeds 100-102) | vs untouched network | "
              "MAP@R mean | sd | flattened |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -984,9 +1023,12 @@ def parse_args(argv=None):
                          "where it has none, to continue the study in a fresh clone")
     ap.add_argument("--progress", action="store_true",
                     help="train nothing: print what has run and what is left, and write COPY/progress.md")
+    ap.add_argument("--cut", nargs="+", default=None, metavar="LOSS",
+                    help="final: the losses left out for lack of compute, the last ones of the table (as "
+                         "pre-registered); every other loss must have finished its tune and seeded runs")
     ap.add_argument("--commit", action="store_true", help="git-commit the copy after each phase")
     args = ap.parse_args(argv)
-    unknown = [n for n in args.only or () if n not in spec.LOSSES]
+    unknown = [n for n in (args.only or []) + (args.cut or []) if n not in spec.LOSSES]
     if unknown:
         ap.error(f"unknown loss(es) {unknown}; the table has {list(spec.LOSSES)}")
     if min(args.parallel, args.tune_parallel, args.trials, args.epochs, args.lanes) < 1:
