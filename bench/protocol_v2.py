@@ -843,8 +843,8 @@ def write_summary(proto: Protocol) -> None:
              "Losses cut for lack of compute (the last ones of the table, as pre-registered): "
              + (", ".join(cut) if cut else "none") + ".", "",
              "| rank | loss | runs | R@1 mean | sd | 95 % CI | vs top (seeds 100-102) | vs untouched network | "
-             "MAP@R mean | sd | flattened |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MAP@R mean | sd | flattened | wall time per run (min) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {b["baseline"]: b for b in read_csv(proto.runs / "baselines.csv")}
     untouched = base.get("untouched network")
     for i, loss in enumerate(ranked, 1):
@@ -854,13 +854,15 @@ def write_summary(proto: Protocol) -> None:
         b = float(untouched[spec.OBJECTIVE]) if untouched else None  # one deterministic value: the CI shifts
         vs_base = "-" if b is None else (f"{100 * (r1['mean'] - b):+.2f} [{100 * (r1['ci_low'] - b):+.2f}, "
                                          f"{100 * (r1['ci_high'] - b):+.2f}]")
-        flat = sum(r["val_flattened"] == "True" for r in mine)
+        flat = sum(str(r["val_flattened"]) == "True" for r in mine)
+        walls = [float(r["wall_time_s"]) for r in mine if r.get("wall_time_s") not in (None, "")]
+        wall = f"{sum(walls) / len(walls) / 60:.1f}" if walls else "-"  # the machine: the study README says which
         lines.append(f"| {i} | {loss} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
                      f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {vs} | {vs_base} | "
-                     f"{100 * mp['mean']:.2f} | {100 * mp['std']:.2f} | {flat}/{len(mine)} |")
+                     f"{100 * mp['mean']:.2f} | {100 * mp['std']:.2f} | {flat}/{len(mine)} | {wall} |")
     for name, b in base.items():  # the references: no training (pixels), no metric learning (the network)
         lines.append(f"| - | {name} ({b['description']}) | 1 | {100 * float(b[spec.OBJECTIVE]):.2f} | - | - | - | - | "
-                     f"{100 * float(b['cross_domain_map@r']):.2f} | - | - |")
+                     f"{100 * float(b['cross_domain_map@r']):.2f} | - | - | - |")
     lines += ["", "## The pre-registered hypotheses (paired by seed, A - B; Holm over H1-H6, seven tests)", "",
               f"H6: the best of ours ({best_by_tune(proto, spec.OURS, rows)}) against the best "
               f"pytorch-metric-learning loss ({best_by_tune(proto, spec.PML, rows)}), each by its tune's "

@@ -398,7 +398,7 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
             v = m + jitter.get(loss, [0.001, -0.001, 0.0005, -0.0005, 0.0])[i]
             rows.append({"loss": loss, "seed": seed, "completed_trials": 12, "optimizer": "sgd", "embedding": "own",
                          "epochs": 10, "cross_domain_recall@1": v, "cross_domain_map@r": v / 2,
-                         "val_flattened": True})
+                         "val_flattened": True, "wall_time_s": 600.0 + 60 * i})
     bench.write_csv(runs / "results.csv", rows, bench.RESULT_COLUMNS)
     for loss, value in (("HBN", 0.7), ("BN", 0.6), ("pml_proxy_anchor", 0.65)):
         _fake_tune(runs, loss, value, ["optim.lr=0.01"])
@@ -413,6 +413,8 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
                    "H5b": "", "H6": "holds"}, got
     assert "| H5a | not run yet |" in primary and "best of ours (HBN)" in text and "(pml_proxy_anchor)" in text
     assert "| 1 | HBN | 5 | 60.00 |" in text
+    hbn = [line for line in text.splitlines() if line.startswith("| 1 | HBN |")][0]
+    assert hbn.endswith("| 5/5 | 12.0 |")  # flattened runs; mean wall time (600-840 s) in minutes
     secondary = text.split("### cross_domain_map@r")[1]
     assert not re.search(r"\| (holds|reversed|does not hold|not resolved) \|", secondary)  # MAP@R: no verdict
     assert re.search(r"\| H1 \| HBN - BN \| 5 \| \+5\.00 \|", secondary)
