@@ -14,12 +14,14 @@ studies/protocol_v2.py), one resumable command.  Phases, in this order by defaul
 * ``almn_beta``: ALMN's beta in ``BETAS`` at almn_beta3's tuned settings, ``BETA_SEEDS``;
 * ``almn_more``: once the sweep has finished, at its best beta (the best mean validation
   objective over its seeds): m x n 32 x 2 and 8 x 8, and Eq. 12's fixed margin (``ALMN_MORE``);
+* ``glyphs``: the secondary glyph analysis (pre-registered "if compute allows"): HBN, BN, SM, LN
+  and HLN at v1's glyph settings, 20 epochs, heating at 16, seeds 100-104, validation only;
 * ``final``: once every loss of the table has finished its tune and seeded runs (``--cut``: the
   last losses of the table, left out for lack of compute, as pre-registered), and only once the
   pre-registration exists (committed, for the repository's copy): each seeded run's best.pt on
   the test split once (cross-vendor Recall@1 and MAP@R), then ``results.csv``,
   ``baselines.csv`` (raw pixels and the untouched network on the same test emoji, once),
-  ``almn_beta.csv``, ``almn_more.csv`` and ``summary.md`` (the ranked table with both references; the
+  ``almn_beta.csv``, ``almn_more.csv``, ``glyphs.csv`` (once its runs have finished) and ``summary.md`` (the ranked table with both references; the
   pre-registered hypotheses H1-H6
   with paired 95 % CIs, Holm over the seven tests, and the decision rule's verdicts).
 
@@ -62,7 +64,7 @@ _spec = importlib.util.spec_from_file_location("protocol_v2_table", ROOT / "stud
 spec = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(spec)
 
-PHASES = ("tune", "seeds", "control", "almn_beta", "almn_more", "final")
+PHASES = ("tune", "seeds", "control", "almn_beta", "almn_more", "glyphs", "final")
 TUNE_FILES = ("trials.md", "trials.csv", "best.yaml", "best_overrides.json", "tune.json", "report.html",
               "optimization_history.png", "param_importances.png")
 RESULT_COLUMNS = ["loss", "seed", "completed_trials", "optimizer", "embedding", "epochs", "cross_domain_recall@1",
@@ -321,11 +323,14 @@ def tune_record(proto: Protocol, loss: str) -> dict:
 
 
 # --------------------------------------------------------------------------- seeded runs (studies)
-def make_study(proto: Protocol, kind: str, variants: dict, seeds: list[int]):
-    """A deepmetric study in ``runs/<kind>``, written to a file (its worker processes load it)."""
+def make_study(proto: Protocol, kind: str, variants: dict, seeds: list[int], *, base=None, common=None):
+    """A deepmetric study in ``runs/<kind>``, written to a file (its worker processes load it):
+    ``base`` the recipe (default the protocol's) or a config mapping, ``common`` the overrides of
+    every run (default the protocol's)."""
     from deepmetric.workflows.study_file import load_study
 
-    raw = {"name": f"protocol_v2_{kind}", "base": str(proto.recipe), "overrides": proto.common,
+    raw = {"name": f"protocol_v2_{kind}", "base": str(proto.recipe) if base is None else base,
+           "overrides": proto.common if common is None else common,
            "variants": variants, "seeds": seeds, "out_dir": str(proto.runs / kind), "workers": proto.args.parallel}
     path = proto.runs / f"{kind}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -462,6 +467,21 @@ def run_almn_more_phase(proto: Protocol) -> None:
     run_study_phase(proto, study, list(study.variants))
 
 
+def glyph_study(proto: Protocol):
+    """The secondary glyph analysis: the heated-up variants (``spec.GLYPH_VARIANTS``) on v1's glyph
+    settings (the base of ``spec.GLYPH_STUDY``), ``spec.GLYPH_OVERRIDES`` (20 epochs, validation
+    only), seeds ``CLAIM_SEEDS``.  Not tuned: v1's settings, as pre-registered."""
+    raw = yaml.safe_load((ROOT / spec.GLYPH_STUDY).read_text())
+    common = list(spec.GLYPH_OVERRIDES) + (["train.device=cuda"] if proto.args.device == "cuda" else [])
+    variants = {n: list(o) for n, o in spec.GLYPH_VARIANTS.items()}
+    return make_study(proto, "glyphs", variants, spec.CLAIM_SEEDS, base=raw["base"], common=common)
+
+
+def run_glyph_phase(proto: Protocol) -> None:
+    study = glyph_study(proto)
+    run_study_phase(proto, study, list(study.variants))
+
+
 # --------------------------------------------------------------------------- final (test, once)
 def check_preregistration(proto: Protocol) -> None:
     """The test split is read only after the pre-registration exists (in the repository's copy:
@@ -493,10 +513,11 @@ def flattened(curve: list[float], points: float = 0.5) -> bool:
     return max(curve[-2:]) - max(curve[:-2]) <= points / 100
 
 
-def test_evaluation(run_dir: Path, device: str) -> dict:
-    """best.pt of a finished run on the test split (its own config: the indexed embedding,
-    cross-vendor metrics), once: the result is kept in ``final.json`` next to the run."""
-    cache = run_dir.parent / f"{run_dir.name}.final.json"
+def test_evaluation(run_dir: Path, device: str, cross_domain: bool = True) -> dict:
+    """best.pt of a finished run on the test split (its own config: the indexed embedding; the
+    cross-vendor metrics too with ``cross_domain``), once: the result is kept in ``final.json``
+    next to the run."""
+    cache = run_dir.parent / f"{run_dir.name}.final{'' if cross_domain else '_split_only'}.json"
     if cache.is_file():
         return json.loads(cache.read_text())
     from deepmetric.run.builders import build_test_sets
@@ -507,7 +528,7 @@ def test_evaluation(run_dir: Path, device: str) -> dict:
 
     dev = resolve_device("cuda" if device == "cuda" else "cpu")
     model, losses, cfg, _ = load_model_from_checkpoint(run_dir / "best.pt", dev)
-    cfg.eval.cross_domain = True
+    cfg.eval.cross_domain = cross_domain
     metrics, _ = evaluate_split(model, build_test_sets(cfg), cfg, device=dev, losses=losses)
     record = {"metrics": {k: float(v) for k, v in metrics.items()}, "embedding": cfg.eval.embedding,
               "optimizer": cfg.optim.name, "checkpoint": "best.pt"}
@@ -538,6 +559,29 @@ def final_rows(proto: Protocol, study, groups: dict[str, tuple[str, list[int], i
             proto.log(f"final: {variant}: {sum(r.finished for r in runs)}/{len(runs)} seeded runs finished: not yet")
             continue
         rows += [result_row(proto, r, loss, completed) for r in runs]
+    return rows
+
+
+GLYPH_METRICS = ("recall@1", "map@r")  # cross-family: held-out-family queries against the training families
+GLYPH_COLUMNS = ["variant", "seed", "epochs", *GLYPH_METRICS, "wall_time_s", "best_epoch", "val_objective",
+                 "val_flattened"]
+
+
+def glyph_rows(proto: Protocol) -> list[dict]:
+    """The glyph analysis on its test split (best.pt once each), only once all its runs finished."""
+    study = glyph_study(proto)
+    if not all(r.finished and (r.out_dir / "best.pt").is_file() for r in study.runs):
+        proto.log(f"final: glyphs: {sum(r.finished for r in study.runs)}/{len(study.runs)} runs finished: not yet")
+        return []
+    rows = []
+    for run in study.runs:
+        summary = json.loads((run.out_dir / "metrics.json").read_text())
+        test = test_evaluation(run.out_dir, proto.args.device, cross_domain=False)
+        sel = summary.get("selected") or {}
+        rows.append({"variant": run.variant, "seed": run.seed, "epochs": summary.get("epochs"),
+                     **{m: test["metrics"][m] for m in GLYPH_METRICS}, "wall_time_s": summary.get("wall_time_s"),
+                     "best_epoch": sel.get("epoch"), "val_objective": sel.get("value"),
+                     "val_flattened": flattened(val_curve(run.out_dir, "recall@1"))})
     return rows
 
 
@@ -627,6 +671,9 @@ def run_final_phase(proto: Protocol) -> None:
         completed = tune_record(proto, "almn_beta3")["completed"]
         groups = {v: (f"almn_{v}", spec.BETA_SEEDS, completed) for v in more.variants}
         write_csv(proto.runs / "almn_more.csv", final_rows(proto, more, groups), RESULT_COLUMNS)
+    glyphs = glyph_rows(proto)
+    if glyphs:
+        write_csv(proto.runs / "glyphs.csv", glyphs, GLYPH_COLUMNS)
     write_summary(proto)
     copy_results(proto)
 
@@ -823,6 +870,37 @@ def almn_markdown(proto: Protocol) -> list[str]:
     return lines + [""]
 
 
+def glyph_markdown(proto: Protocol) -> list[str]:
+    """The glyph analysis (secondary: intervals, no verdict words): each variant's mean, sd and
+    95 % CI, and the heated-up paper's comparisons paired by seed."""
+    from deepmetric.report.study_tables import mean_ci
+
+    rows = read_csv(proto.runs / "glyphs.csv")
+    if not rows:
+        return []
+    lines = ["## Heated-up on the glyph cross-family benchmark (secondary: intervals, no verdict)", "",
+             f"v1's glyph settings ({spec.GLYPH_STUDY}'s base), {spec.GLYPH_EPOCHS} epochs, heating at epoch 16; "
+             "held-out-family queries against the training families; points.", "",
+             "| variant | seeds | R@1 mean | sd | 95 % CI | MAP@R mean | sd | flattened |", "|---|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == name]
+        r1, mp = (mean_ci([float(r[m]) for r in mine]) for m in GLYPH_METRICS)
+        flat = sum(r["val_flattened"] == "True" for r in mine)
+        lines.append(f"| {name} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
+                     f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {100 * mp['mean']:.2f} | "
+                     f"{100 * mp['std']:.2f} | {flat}/{len(mine)} |")
+    lines += ["", "| A - B | seeds | R@1 (points) | MAP@R (points) |", "|---|---|---|---|"]
+    for a, b in spec.GLYPH_COMPARISONS:
+        cells = []
+        for metric in GLYPH_METRICS:
+            t = paired(rows, a, b, metric, key="variant")
+            cells.append("-" if t["n"] == 0 else
+                         f"{100 * t['mean']:+.2f} [{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}]")
+        lines.append(f"| {a} - {b} | {paired(rows, a, b, GLYPH_METRICS[0], key='variant')['n']} | {cells[0]} | "
+                     f"{cells[1]} |")
+    return lines + [""]
+
+
 def write_summary(proto: Protocol) -> None:
     from deepmetric.report.study_tables import mean_ci
     from deepmetric.run.rundir import write_text_atomic
@@ -869,6 +947,7 @@ def write_summary(proto: Protocol) -> None:
               "validation objective.", ""]
     lines += hypotheses_markdown(proto, rows)
     lines += almn_markdown(proto)
+    lines += glyph_markdown(proto)
     records = verdict_records(proto, rows)
     write_text_atomic(proto.runs / "verdicts.json", json.dumps(records, indent=1, allow_nan=False) + "\n")
     write_text_atomic(proto.runs / "summary.md", "\n".join(lines) + "\n")
@@ -876,7 +955,8 @@ def write_summary(proto: Protocol) -> None:
 
 def copy_results(proto: Protocol) -> None:
     proto.copy.mkdir(parents=True, exist_ok=True)
-    for name in ("results.csv", "baselines.csv", "almn_beta.csv", "almn_more.csv", "summary.md", "verdicts.json"):
+    for name in ("results.csv", "baselines.csv", "almn_beta.csv", "almn_more.csv", "glyphs.csv", "summary.md",
+                 "verdicts.json"):
         if (proto.runs / name).is_file():
             copy_text(proto.runs / name, proto.copy / name, proto)
 
@@ -962,6 +1042,7 @@ def progress_markdown(proto: Protocol) -> str:
     control_keys = [f"{n}/seed{spec.SEEDS[0]}" for n in spec.LOSSES]
     beta_keys = [f"beta{b:g}/seed{s}" for b in spec.BETAS for s in spec.BETA_SEEDS]
     more_keys = [f"{v}/seed{s}" for v in spec.ALMN_MORE for s in spec.BETA_SEEDS]
+    glyph_keys = [f"{v}/seed{s}" for v in spec.GLYPH_VARIANTS for s in spec.CLAIM_SEEDS]
     results = read_csv(proto.runs / "results.csv")
     two = _two_head_script()  # its run folders, as its make_run names them
     two_lr = [f"lr/{v}/{two._lr_name(lr)}_seed{two.LR_SEED}" for v in two.VARIANTS for lr in two.LRS]
@@ -974,6 +1055,8 @@ def progress_markdown(proto: Protocol) -> str:
               f"| ALMN beta sweep | {_finished_runs(proto.runs / 'almn_beta', beta_keys)} | {len(beta_keys)} |",
               f"| ALMN at the best beta: m x n, Eq. 12 | {_finished_runs(proto.runs / 'almn_more', more_keys)} | "
               f"{len(more_keys)} |",
+              f"| glyphs: heated-up variants, 20 epochs (secondary, if compute allows) | "
+              f"{_finished_runs(proto.runs / 'glyphs', glyph_keys)} | {len(glyph_keys)} |",
               f"| final: seeded runs evaluated once on the test split (results.csv rows) | {len(results)} | "
               f"{len(seed_keys)} |",
               f"| two-head closed set, lr runs (bench/two_head_accuracy.py, {TWO_HEAD_RUNS.relative_to(ROOT)}) | "
@@ -1109,6 +1192,8 @@ def run(proto: Protocol, phases: list[str]) -> None:
         run_almn_phase(proto)
     if "almn_more" in phases:
         run_almn_more_phase(proto)
+    if "glyphs" in phases:
+        run_glyph_phase(proto)
     if "final" in phases:
         run_final_phase(proto)
         if proto.args.commit:

@@ -59,6 +59,25 @@ CLAIM_LOSSES = ["HBN", "BN", "SM", "LN", "HLN", "almn_beta3", "almn_beta0", "tri
 #: and H6 (the best of OURS against the best of PML, each by its tune's validation objective)
 COMPARISONS = [("H1", "HBN", "BN"), ("H2", "BN", "SM"), ("H3", "HLN", "LN"), ("H4", "almn_beta3", "almn_beta0")]
 TWO_HEAD = [("H5a", "semihard", "softmax"), ("H5b", "hard", "softmax")]
+#: The secondary glyph analysis (PREREGISTRATION.md: "if compute allows"): the heated-up variants on
+#: the glyph cross-family benchmark at v1's glyph settings (the base of studies/glyphs_cross_family.yaml:
+#: compact ResNet from scratch, 32 px, SGD lr 0.05, constant lr), 20 epochs, heating at epoch 16,
+#: validation on the carved-out characters only (best.pt on validation Recall@1), seeds 100-104
+GLYPH_STUDY = "studies/glyphs_cross_family.yaml"
+GLYPH_EPOCHS = 20
+GLYPH_HEAT = "schedule.temperature={name: heat_up, at: 16, alpha_factor: 0.25, lr_factor: 0.1}"
+GLYPH_OVERRIDES = [f"train.epochs={GLYPH_EPOCHS}", "eval.every=1", "eval.test=false", "eval.test_selected=false",
+                   "eval.best_metric=recall@1", "eval.baselines=false"]
+GLYPH_VARIANTS = {
+    "HBN": [GLYPH_HEAT],
+    "BN": ["schedule.temperature.name=none", "loss.0.options.alpha=16"],
+    "SM": ["model.options.norm=none", "loss.0.options.alpha=1.0", "loss.0.options.normalize_weights=false",
+           "schedule.temperature.name=none"],
+    "LN": ["model.options.norm=l2", "schedule.temperature.name=none"],
+    "HLN": ["model.options.norm=l2", GLYPH_HEAT],
+}
+GLYPH_COMPARISONS = [("HBN", "BN"), ("BN", "SM"), ("HLN", "LN")]
+
 #: the pre-registered family (PREREGISTRATION.md, "Hypotheses"): id -> (claim, paper)
 HYPOTHESES = {
     "H1": ("HBN > BN (heating-up beats the fixed alpha 16)", "heated-up softmax, Tables 1-2"),

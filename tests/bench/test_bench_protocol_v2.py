@@ -187,6 +187,13 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
         if run_dir.is_dir():
             assert bench.test_metric_leaks(run_dir) == [], run_dir
             assert (run_dir.parent / f"{run_dir.name}.final.json").is_file()
+    # without the cross-vendor search (the glyph analysis): the split's own metrics, the same as
+    # those the cross-vendor evaluation computed beside its own, in a cache of its own
+    one = next(p for p in (runs / "seeds").glob("*/seed100") if p.is_dir())
+    within = bench.test_evaluation(one, "cpu", cross_domain=False)["metrics"]
+    both = json.loads((one.parent / "seed100.final.json").read_text())["metrics"]
+    assert not [k for k in within if k.startswith("cross_domain")] and within["recall@1"] == both["recall@1"]
+    assert (one.parent / "seed100.final_split_only.json").is_file()
     # the control: both losses at the winner's settings, validation only
     with open(copy / "control.csv", newline="") as f:
         control = list(csv.DictReader(f))
@@ -424,6 +431,32 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     assert records["H1"]["test"]["mean"] == pytest.approx(10.0) and records["H1"]["secondary"]["mean"] == pytest.approx(5.0)
     assert "10 epochs, 12 completed tune trials" in records["H1"]["budget"] and records["H5a"]["test"] is None
     assert records["H1"]["claim"].startswith("HBN > BN") and records["H1"]["holm_p"] >= records["H1"]["p"]
+
+
+@pytest.mark.filterwarnings("ignore:Precision loss occurred in moment calculation")
+def test_the_glyph_analysis_runs_v1s_glyph_settings_for_20_epochs_heating_at_16(tmp_path):
+    """The secondary glyph analysis (pre-registered, if compute allows): HBN / BN / SM / LN / HLN on
+    the base of the v1 glyph study, 20 epochs, heated at 16 (HBN, HLN) or never, test out of
+    sight, seeds 100-104; the summary pairs HBN - BN, BN - SM and HLN - LN by seed."""
+    runs = tmp_path / "runs"
+    proto = bench.Protocol(bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")]))
+    study = bench.glyph_study(proto)  # every run's config built and validated by the study loader
+    assert sorted(study.variants) == ["BN", "HBN", "HLN", "LN", "SM"]
+    assert sorted({r.seed for r in study.runs}) == v2.CLAIM_SEEDS
+    for r in study.runs:
+        cfg = r.raw
+        assert cfg["data"]["name"] == "glyphs" and cfg["train"]["epochs"] == 20
+        assert cfg["eval"]["test"] is False and cfg["eval"]["best_metric"] == "recall@1"
+        temp = cfg["schedule"]["temperature"]
+        heated = r.variant in ("HBN", "HLN")
+        assert (temp["name"], temp.get("at")) == (("heat_up", 16) if heated else ("none", temp.get("at")))
+        assert cfg["model"]["options"]["norm"] == {"HBN": "bn", "BN": "bn", "SM": "none", "LN": "l2", "HLN": "l2"}[r.variant]
+    rows = [{"variant": v, "seed": s, "epochs": 20, "recall@1": base + d, "map@r": base / 2, "val_flattened": True}
+            for v, base in (("HBN", 0.60), ("BN", 0.55)) for s, d in zip(v2.CLAIM_SEEDS, [0.01, -0.01, 0, 0.02, -0.02])]
+    bench.write_csv(runs / "glyphs.csv", rows, bench.GLYPH_COLUMNS)
+    text = "\n".join(bench.glyph_markdown(proto))
+    assert "| HBN - BN | 5 | +5.00 [+5.00, +5.00] | +2.50 [+2.50, +2.50] |" in text, text
+    assert "| BN - SM | 0 | - | - |" in text and "| HBN | 5 | 60.00 |" in text
 
 
 def _partial_storage(path: Path, loss: str, run_root: str) -> None:
