@@ -25,6 +25,10 @@ studies/protocol_v2.py), one resumable command.  Phases, in this order by defaul
   pre-registered hypotheses H1-H6
   with paired 95 % CIs, Holm over the seven tests, and the decision rule's verdicts).
 
+The file, top to bottom: set-up (``Protocol``, sanitising copies), tune (with ``--snapshot`` /
+``--restore``), seeded runs (seeds, control, ALMN, glyphs), final (the one test step and its
+guard), tables (CSV, Holm, the decision rule, ``summary.md``, ``verdicts.json``), progress, main.
+
 Runs live in ``--runs`` (runs/protocol_v2); the committed copy (``--copy-to``,
 bench/studies/protocol_v2) gets the tunes' outputs, control.csv and, from ``final`` only, the
 results, every path in them relative to the repository.  A rerun resumes every phase.
@@ -157,7 +161,7 @@ def test_metric_leaks(folder: Path) -> list[str]:
     return leaks
 
 
-# --------------------------------------------------------------------------- tune
+# --------------------------------------------------------------------------- tune (and its storage: snapshot, restore)
 #: lanes (``--lanes``) share the generated space files and the git index
 _SPACES_LOCK, _COMMIT_LOCK = threading.Lock(), threading.Lock()
 
@@ -967,7 +971,6 @@ def commit(proto: Protocol, message: str) -> None:
     subprocess.run(["git", "commit", "-q", "-m", message, "--", str(proto.copy)], cwd=ROOT, check=False)
 
 
-# --------------------------------------------------------------------------- main
 # --------------------------------------------------------------------------- progress
 TWO_HEAD_RUNS = ROOT / "runs" / "two_head_accuracy"  # bench/two_head_accuracy.py's default --out
 
@@ -1079,6 +1082,7 @@ def write_progress(proto: Protocol) -> str:
     return text
 
 
+# --------------------------------------------------------------------------- main
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase", nargs="+", choices=("all",) + PHASES, default=["all"])
