@@ -64,10 +64,16 @@ def test_ctrl_c_with_lanes_reaches_the_child_processes():
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # like a tune worker, the child installs its own SIGINT handler (a process started from a
+    # pytest-xdist worker may inherit SIGINT ignored) and says when it has; under load its start
+    # can take seconds, and a signal before that would test nothing
+    code = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "print('ready', flush=True); time.sleep(120)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout.readline().strip() == "ready"
         assert child.pid in bench.interrupt_children()
-        assert child.wait(timeout=20) != 0  # ended by the SIGINT, long before its 60 s
+        assert child.wait(timeout=60) != 0  # ended by the SIGINT (KeyboardInterrupt), long before its 120 s
     finally:
         child.kill()
         child.wait()
