@@ -67,7 +67,8 @@ GLYPH_STUDY = "studies/glyphs_cross_family.yaml"
 GLYPH_EPOCHS = 20
 GLYPH_HEAT = "schedule.temperature={name: heat_up, at: 16, alpha_factor: 0.25, lr_factor: 0.1}"
 GLYPH_OVERRIDES = [f"train.epochs={GLYPH_EPOCHS}", "eval.every=1", "eval.test=false", "eval.test_selected=false",
-                   "eval.best_metric=recall@1", "eval.baselines=false"]
+                   "eval.best_metric=recall@1", "eval.baselines=false",
+                   "eval.metrics=[recall, map@r]"]  # the analysis' two metrics: no k-means over 63,155 test glyphs
 GLYPH_VARIANTS = {
     "HBN": [GLYPH_HEAT],
     "BN": ["schedule.temperature.name=none", "loss.0.options.alpha=16"],

@@ -453,6 +453,7 @@ def test_the_glyph_analysis_runs_v1s_glyph_settings_for_20_epochs_heating_at_16(
         cfg = r.raw
         assert cfg["data"]["name"] == "glyphs" and cfg["train"]["epochs"] == 20
         assert cfg["eval"]["test"] is False and cfg["eval"]["best_metric"] == "recall@1"
+        assert cfg["eval"]["metrics"] == ["recall", "map@r"]
         temp = cfg["schedule"]["temperature"]
         heated = r.variant in ("HBN", "HLN")
         assert (temp["name"], temp.get("at")) == (("heat_up", 16) if heated else ("none", temp.get("at")))
