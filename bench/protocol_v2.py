@@ -1125,7 +1125,22 @@ def parse_args(argv=None):
     return args
 
 
+#: set when a lane fails or the command is interrupted: no lane starts another loss (a lane's
+#: thread takes the next queued loss the moment its own ends, before the main thread could cancel it)
+_LANES_STOP = threading.Event()
+
+
 def _tune_lane(proto: Protocol, loss: str, phases: list[str]) -> None:
+    if _LANES_STOP.is_set():
+        return
+    try:
+        _tune_one(proto, loss, phases)
+    except BaseException:
+        _LANES_STOP.set()
+        raise
+
+
+def _tune_one(proto: Protocol, loss: str, phases: list[str]) -> None:
     if proto.finished(loss):  # never tuned again: a tune restored from its outputs alone has no storage,
         proto.log(f"tune {loss}: finished already ({proto.tune_dir(loss)})")  # and would start over
     else:
@@ -1145,9 +1160,10 @@ def run_tunes(proto: Protocol, phases: list[str]) -> None:
     """The tunes in table order, ``--lanes`` losses at once: each lane takes the next loss when
     its tune ends (each tune keeps its own pre-registered trials at a time).  A failing lane
     stops the others from starting another loss; the running ones finish."""
+    _LANES_STOP.clear()
     if proto.args.lanes == 1:  # in this thread, where Ctrl-C reaches run_workers (it stops the trials)
         for loss in proto.losses:
-            _tune_lane(proto, loss, phases)
+            _tune_one(proto, loss, phases)
         return
     pool = ThreadPoolExecutor(max_workers=proto.args.lanes, thread_name_prefix="lane")
     futures = [pool.submit(_tune_lane, proto, loss, phases) for loss in proto.losses]
@@ -1155,6 +1171,7 @@ def run_tunes(proto: Protocol, phases: list[str]) -> None:
         for f in futures:
             f.result()
     except BaseException as exc:
+        _LANES_STOP.set()
         pool.shutdown(wait=False, cancel_futures=True)  # no lane starts another loss
         if isinstance(exc, KeyboardInterrupt):  # only this thread sees Ctrl-C: pass it to the lanes' workers
             interrupt_children()
@@ -1204,8 +1221,31 @@ def run(proto: Protocol, phases: list[str]) -> None:
             commit(proto, "bench/studies/protocol_v2: final test evaluation of the finished seeded runs")
 
 
+def _stop_on_signals() -> dict:
+    """SIGINT and SIGTERM stop the study cleanly (KeyboardInterrupt: the trials checkpoint and
+    are queued again), even when it was started in the background by a script, whose ``&``
+    leaves SIGINT ignored (POSIX) and Python would keep it so.  Returns the handlers replaced."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
 def main(argv=None) -> int:
+    import signal
+
     args = parse_args(argv)
+    trains = not (args.snapshot or args.summary or args.restore or args.progress)
+    previous = _stop_on_signals() if trains else {}
+    try:
+        return _main(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(args) -> int:
     proto = Protocol(args)
     try:
         if args.restore:

@@ -537,3 +537,25 @@ def test_restore_puts_the_committed_tunes_back_and_progress_counts_them(tmp_path
     assert bench.main(argv + ["--progress"]) == 0 and (copy / "progress.md").read_text().startswith("# Protocol v2")
     (runs / "tune" / "HLN" / "tune.db").write_bytes(b"not a database" * 100)
     assert bench.main(argv + ["--progress"]) == 2  # a damaged storage: an error naming it, no traceback
+
+
+def test_a_failing_lane_starts_no_other_loss(tmp_path, monkeypatch):
+    """With --lanes 2, when a lane's tune fails (its workers stopped), neither lane takes another
+    loss: a lane's thread picks the next queued loss the moment its own ends, before the main
+    thread could cancel it (what happened at a stop on 2026-11-27: two more tunes started)."""
+    import threading
+    import time
+
+    started, lock = [], threading.Lock()
+
+    def fake_tune(proto, loss):
+        with lock:
+            started.append(loss)
+        time.sleep(0.3 if loss == "HBN" else 1.0)
+        raise bench.ProtocolError(f"tune {loss} ended before its 12 completed trials")
+
+    monkeypatch.setattr(bench, "run_tune_phase", fake_tune)
+    argv = ["--runs", str(tmp_path / "runs"), "--copy-to", str(tmp_path / "copy"), "--phase", "tune", "--lanes", "2"]
+    assert bench.main(argv) == 2
+    time.sleep(1.5)  # a lane that went on would have started by now
+    assert sorted(started) == ["BN", "HBN"], started
