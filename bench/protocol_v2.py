@@ -64,9 +64,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 # worker processes (deepmetric tune / study --workers) import this checkout's package too
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-_spec = importlib.util.spec_from_file_location("protocol_v2_table", ROOT / "studies" / "protocol_v2.py")
-spec = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(spec)
+
+
+def _load_script(name: str, path: Path):
+    """A sibling script as a module (bench/ and studies/ are not packages), registered under
+    ``name`` (a dataclass in it looks its module up there)."""
+    loader = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules.setdefault(name, module)
+    loader.loader.exec_module(module)
+    return module
+
+
+spec = _load_script("protocol_v2_table", ROOT / "studies" / "protocol_v2.py")
 
 PHASES = ("tune", "seeds", "control", "almn_beta", "almn_more", "glyphs", "final")
 TUNE_FILES = ("trials.md", "trials.csv", "best.yaml", "best_overrides.json", "tune.json", "report.html",
@@ -370,6 +380,20 @@ def run_seeds_phase(proto: Protocol, losses: list[str]) -> None:
     run_study_phase(proto, seeds_study(proto), only)
 
 
+def recorded_choice(path: Path, record: dict, keys: tuple[str, ...]) -> dict | None:
+    """Record, once, a choice that the runs beside ``path`` are made at: None when ``record`` is
+    written now or agrees with the recorded one on ``keys``; else the recorded one (the caller
+    refuses: a later, different choice must not silently change runs made at the first)."""
+    from deepmetric.run.rundir import write_text_atomic
+
+    if path.is_file():
+        before = json.loads(path.read_text())
+        return None if all(before[k] == record[k] for k in keys) else before
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+    return None
+
+
 def winner(proto: Protocol) -> dict:
     """The loss (of those asked for) with the best validation objective of its tune.  It is
     recorded in runs/control/winner.json: a later winner (more tunes finished since) is an
@@ -379,15 +403,11 @@ def winner(proto: Protocol) -> dict:
         raise ProtocolError("control: no finished tune")
     win = max(records, key=lambda r: r["value"])
     path = proto.runs / "control" / "winner.json"
-    if path.is_file():
-        before = json.loads(path.read_text())
-        if before["loss"] != win["loss"] or before["shared"] != win["shared"]:
-            raise ProtocolError(f"control: the winner is now {win['loss']} {win['shared']}, the control runs in "
-                                f"{path.parent} are at {before['loss']} {before['shared']}; move that folder away "
-                                "to run the control again")
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(win, indent=1) + "\n")
+    before = recorded_choice(path, win, ("loss", "shared"))
+    if before is not None:
+        raise ProtocolError(f"control: the winner is now {win['loss']} {win['shared']}, the control runs in "
+                            f"{path.parent} are at {before['loss']} {before['shared']}; move that folder away "
+                            "to run the control again")
     return win
 
 
@@ -440,14 +460,10 @@ def best_beta(proto: Protocol) -> float | None:
     best = max(means, key=lambda v: (means[v], -float(v[len("beta"):])))  # a tie: the smaller beta
     record = {"beta": float(best[len("beta"):]), "variant": best, "val_means": means}
     path = proto.runs / "almn_more" / "best_beta.json"
-    if path.is_file():
-        before = json.loads(path.read_text())
-        if before["beta"] != record["beta"]:
-            raise ProtocolError(f"almn_more: the sweep's best beta is now {record['beta']:g}, the runs in "
-                                f"{path.parent} are at {before['beta']:g}; move that folder away to run them again")
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
+    before = recorded_choice(path, record, ("beta",))
+    if before is not None:
+        raise ProtocolError(f"almn_more: the sweep's best beta is now {record['beta']:g}, the runs in "
+                            f"{path.parent} are at {before['beta']:g}; move that folder away to run them again")
     return record["beta"]
 
 
@@ -540,16 +556,27 @@ def test_evaluation(run_dir: Path, device: str, cross_domain: bool = True) -> di
     return record
 
 
-def result_row(proto: Protocol, run, loss: str, completed: int) -> dict:
+def evaluated(run) -> bool:
+    """A run the final step can evaluate: finished, with its best.pt."""
+    return run.finished and (run.out_dir / "best.pt").is_file()
+
+
+def run_row(proto: Protocol, run, metrics, objective: str, cross_domain: bool = True) -> tuple[dict, dict]:
+    """A finished run's test record (:func:`test_evaluation`) and the columns every results table
+    shares: seed, epochs, ``metrics`` on test, wall time, best.pt's epoch and validation value,
+    and whether the validation curve of ``objective`` flattened."""
     summary = json.loads((run.out_dir / "metrics.json").read_text())
-    test = test_evaluation(run.out_dir, proto.args.device)
-    key = spec.OBJECTIVE
-    curve = val_curve(run.out_dir, key)
+    test = test_evaluation(run.out_dir, proto.args.device, cross_domain=cross_domain)
     sel = summary.get("selected") or {}
-    return {"loss": loss, "seed": run.seed, "completed_trials": completed, "optimizer": test["optimizer"],
-            "embedding": spec.EMBEDDING_NAMES[test["embedding"]], "epochs": summary.get("epochs"),
-            **{m: test["metrics"][m] for m in METRICS}, "wall_time_s": summary.get("wall_time_s"),
-            "best_epoch": sel.get("epoch"), "val_objective": sel.get("value"), "val_flattened": flattened(curve)}
+    return test, {"seed": run.seed, "epochs": summary.get("epochs"), **{m: test["metrics"][m] for m in metrics},
+                  "wall_time_s": summary.get("wall_time_s"), "best_epoch": sel.get("epoch"),
+                  "val_objective": sel.get("value"), "val_flattened": flattened(val_curve(run.out_dir, objective))}
+
+
+def result_row(proto: Protocol, run, loss: str, completed: int) -> dict:
+    test, row = run_row(proto, run, METRICS, spec.OBJECTIVE)
+    return {"loss": loss, "completed_trials": completed, "optimizer": test["optimizer"],
+            "embedding": spec.EMBEDDING_NAMES[test["embedding"]], **row}
 
 
 def final_rows(proto: Protocol, study, groups: dict[str, tuple[str, list[int], int]]) -> list[dict]:
@@ -559,7 +586,7 @@ def final_rows(proto: Protocol, study, groups: dict[str, tuple[str, list[int], i
     by_key = {r.key: r for r in study.runs}
     for variant, (loss, seeds, completed) in groups.items():
         runs = [by_key[f"{variant}/seed{s}"] for s in seeds]
-        if not all(r.finished and (r.out_dir / "best.pt").is_file() for r in runs):
+        if not all(evaluated(r) for r in runs):
             proto.log(f"final: {variant}: {sum(r.finished for r in runs)}/{len(runs)} seeded runs finished: not yet")
             continue
         rows += [result_row(proto, r, loss, completed) for r in runs]
@@ -574,19 +601,11 @@ GLYPH_COLUMNS = ["variant", "seed", "epochs", *GLYPH_METRICS, "wall_time_s", "be
 def glyph_rows(proto: Protocol) -> list[dict]:
     """The glyph analysis on its test split (best.pt once each), only once all its runs finished."""
     study = glyph_study(proto)
-    if not all(r.finished and (r.out_dir / "best.pt").is_file() for r in study.runs):
+    if not all(evaluated(r) for r in study.runs):
         proto.log(f"final: glyphs: {sum(r.finished for r in study.runs)}/{len(study.runs)} runs finished: not yet")
         return []
-    rows = []
-    for run in study.runs:
-        summary = json.loads((run.out_dir / "metrics.json").read_text())
-        test = test_evaluation(run.out_dir, proto.args.device, cross_domain=False)
-        sel = summary.get("selected") or {}
-        rows.append({"variant": run.variant, "seed": run.seed, "epochs": summary.get("epochs"),
-                     **{m: test["metrics"][m] for m in GLYPH_METRICS}, "wall_time_s": summary.get("wall_time_s"),
-                     "best_epoch": sel.get("epoch"), "val_objective": sel.get("value"),
-                     "val_flattened": flattened(val_curve(run.out_dir, "recall@1"))})
-    return rows
+    return [{"variant": run.variant, **run_row(proto, run, GLYPH_METRICS, "recall@1", cross_domain=False)[1]}
+            for run in study.runs]
 
 
 BASELINE_COLUMNS = ["baseline", "cross_domain_recall@1", "cross_domain_map@r", "description"]
@@ -622,18 +641,17 @@ def baseline_rows(proto: Protocol) -> list[dict]:
              "description": f"{cfg.model.name} ({weights}) before training: pooled features"}]
 
 
-def check_final_ready(proto: Protocol) -> list[str]:
+def check_final_ready(proto: Protocol, study) -> list[str]:
     """The test split is read once, at the end (PREREGISTRATION.md): every loss of the table has
     finished its tune and all its seeded runs (and, with ALMN beta 3, the beta sweep and the runs
     at its best beta), except the losses ``--cut`` names, which must be the last ones of the table
     (the pre-registered rule: losses are cut from the end, never the protocol).  Returns the
-    losses the final step evaluates."""
+    losses the final step evaluates.  ``study``: the seeded runs' (:func:`seeds_study`)."""
     table, cut = list(spec.LOSSES), list(proto.args.cut or [])
     if cut and sorted(cut, key=table.index) != table[len(table) - len(cut):]:
         raise ProtocolError(f"final: --cut {' '.join(cut)}: losses are cut from the end of the table only "
                             f"(pre-registered); its last {len(cut)} are {table[len(table) - len(cut):]}")
     kept = [n for n in table if n not in cut]
-    study = seeds_study(proto)
     done = {r.key for r in (study.runs if study is not None else []) if r.finished}
     missing = [n for n in kept if not proto.finished(n) or any(f"{n}/seed{s}" not in done for s in spec.seeds_of(n))]
     if "almn_beta3" in kept and "almn_beta3" not in missing:
@@ -652,13 +670,13 @@ def check_final_ready(proto: Protocol) -> list[str]:
 
 
 def run_final_phase(proto: Protocol) -> None:
-    check_preregistration(proto)
-    kept = check_final_ready(proto)
     from deepmetric.run.rundir import write_text_atomic
 
+    check_preregistration(proto)
+    study = seeds_study(proto)
+    kept = check_final_ready(proto, study)
     cut = [n for n in spec.LOSSES if n not in kept]
     write_text_atomic(proto.runs / "final.json", json.dumps({"cut": cut}) + "\n")  # the summary says so
-    study = seeds_study(proto)
     if study is not None:
         groups = {n: (n, spec.seeds_of(n), tune_record(proto, n)["completed"]) for n in proto.tuned() if n in kept}
         rows = final_rows(proto, study, groups)
@@ -843,6 +861,11 @@ def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
     return lines
 
 
+def interval_cell(t: dict) -> str:
+    """A difference (fractions) in points with its 95 % interval: ``+1.23 [-0.45, +2.91]``."""
+    return f"{100 * t['mean']:+.2f} [{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}]"
+
+
 def almn_markdown(proto: Protocol) -> list[str]:
     """ALMN's secondary analyses (reported with intervals, no verdict words): the beta sweep and,
     at its best beta (chosen on validation), m x n and Eq. 12's ablation; each variant's mean, sd
@@ -866,8 +889,7 @@ def almn_markdown(proto: Protocol) -> list[str]:
         vs = []
         for metric in METRICS:
             t = paired(rows, name, ref, metric) if ref and name != ref else None
-            vs.append("-" if t is None or t["n"] == 0 else
-                      f"{100 * t['mean']:+.2f} [{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}] (n={t['n']})")
+            vs.append("-" if t is None or t["n"] == 0 else f"{interval_cell(t)} (n={t['n']})")
         lines.append(f"| {name} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
                      f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {vs[0]} | {100 * mp['mean']:.2f} | "
                      f"{vs[1]} |")
@@ -895,13 +917,9 @@ def glyph_markdown(proto: Protocol) -> list[str]:
                      f"{100 * mp['std']:.2f} | {flat}/{len(mine)} |")
     lines += ["", "| A - B | seeds | R@1 (points) | MAP@R (points) |", "|---|---|---|---|"]
     for a, b in spec.GLYPH_COMPARISONS:
-        cells = []
-        for metric in GLYPH_METRICS:
-            t = paired(rows, a, b, metric, key="variant")
-            cells.append("-" if t["n"] == 0 else
-                         f"{100 * t['mean']:+.2f} [{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}]")
-        lines.append(f"| {a} - {b} | {paired(rows, a, b, GLYPH_METRICS[0], key='variant')['n']} | {cells[0]} | "
-                     f"{cells[1]} |")
+        tests = [paired(rows, a, b, metric, key="variant") for metric in GLYPH_METRICS]
+        cells = ["-" if t["n"] == 0 else interval_cell(t) for t in tests]
+        lines.append(f"| {a} - {b} | {tests[0]['n']} | {cells[0]} | {cells[1]} |")
     return lines + [""]
 
 
@@ -932,7 +950,7 @@ def write_summary(proto: Protocol) -> None:
     for i, loss in enumerate(ranked, 1):
         r1, mp, mine = stats_by[loss]
         top = paired([r for r in rows if int(r["seed"]) in spec.SEEDS], loss, ranked[0], spec.OBJECTIVE)
-        vs = "-" if loss == ranked[0] else f"{100 * top['mean']:+.2f} [{100 * top['ci_low']:+.2f}, {100 * top['ci_high']:+.2f}]"
+        vs = "-" if loss == ranked[0] else interval_cell(top)
         b = float(untouched[spec.OBJECTIVE]) if untouched else None  # one deterministic value: the CI shifts
         vs_base = "-" if b is None else (f"{100 * (r1['mean'] - b):+.2f} [{100 * (r1['ci_low'] - b):+.2f}, "
                                          f"{100 * (r1['ci_high'] - b):+.2f}]")
@@ -1010,14 +1028,6 @@ def tune_progress(proto: Protocol, loss: str) -> dict:
             "best": max(values) if values else None}
 
 
-def _two_head_script():
-    loader = importlib.util.spec_from_file_location("two_head_accuracy", ROOT / "bench" / "two_head_accuracy.py")
-    module = importlib.util.module_from_spec(loader)
-    sys.modules.setdefault("two_head_accuracy", module)  # its dataclass looks its module up there
-    loader.loader.exec_module(module)
-    return module
-
-
 def _finished_runs(folder: Path, keys: list[str]) -> int:
     return sum((folder / k / "metrics.json").is_file() for k in keys)
 
@@ -1047,7 +1057,7 @@ def progress_markdown(proto: Protocol) -> str:
     more_keys = [f"{v}/seed{s}" for v in spec.ALMN_MORE for s in spec.BETA_SEEDS]
     glyph_keys = [f"{v}/seed{s}" for v in spec.GLYPH_VARIANTS for s in spec.CLAIM_SEEDS]
     results = read_csv(proto.runs / "results.csv")
-    two = _two_head_script()  # its run folders, as its make_run names them
+    two = _load_script("two_head_accuracy", ROOT / "bench" / "two_head_accuracy.py")  # its run folders' names
     two_lr = [f"lr/{v}/{two._lr_name(lr)}_seed{two.LR_SEED}" for v in two.VARIANTS for lr in two.LRS]
     two_seeds = [f"seeds/{v}/seed{s}" for v in two.VARIANTS for s in two.SEEDS]
     lines += ["", "## The other phases", "", "| part | finished | of |", "|---|---|---|",
