@@ -13,8 +13,9 @@ interrupted one continues from its ``last.pt``), in this order:
    the classifier at the last epoch, the model the seeded runs hand to the test). The test vendor
    is not even loaded: the runs have no test split (``eval.split=null``). Writes ``lr/lr_runs.csv``
    (``variant, lr, seed, epochs, val_top1, val_macro_accuracy, best_epoch, best_val_top1,
-   last_gain_points, flattened, wall_time_s, cpu_s``: the gain of validation top-1 over the last
-   two evaluations and whether it is at most 0.5 points (issue 30 item 4: the curve flattened),
+   last_gain_points, flattened, wall_time_s, cpu_s``: the gain of validation top-1 of the last
+   two evaluations over the best before them, and whether it is at most 0.5 points (issue 30
+   item 4 and the pre-registration: the curve flattened),
    the training's CPU seconds), ``lr/curves.csv`` (validation top-1 per epoch) and
    ``lr/chosen_lr.json`` (per variant the lr of the highest last-epoch validation top-1; ties go
    to the smaller lr);
@@ -26,7 +27,15 @@ interrupted one continues from its ``last.pt``), in this order:
    ``summary.md`` / ``summary.json`` (per variant mean, sample sd and 95 % Student-t interval;
    per triplet variant the paired difference to softmax by seed with its 95 % interval); once
    every seeded run has finished, these and the lr phase's tables are copied into ``--copy-to``
-   (bench/studies/protocol_v2, where protocol v2's H5a / H5b read two_head_accuracy.csv).
+   (bench/studies/protocol_v2, where protocol v2's H5a / H5b read two_head_accuracy.csv).  The
+   committed folder only takes the pre-registered study: the three variants, seeds 100-104, 15
+   epochs, the lr grid and lr seed above, no ``--set``; anything else is copied nowhere there.
+
+The seeded runs have no validation vendor, so nothing chooses an epoch: the test scores each
+run's last epoch (``last.pt``).  Twitter has one image of each of the 1,911 classes, so macro
+accuracy equals top-1 on this split (both are reported, as pre-registered).  Ctrl-C or SIGTERM
+checkpoints the running trainings and stops (exit 130); rerun the same command to resume.  A run
+folder that holds another lr, seed or number of epochs than the one asked for is an error.
 
     python bench/two_head_accuracy.py --phase all                      # CPU, one run at a time
     python bench/two_head_accuracy.py --phase all --device cuda --parallel 4
@@ -42,8 +51,10 @@ import argparse
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,6 +73,7 @@ CSV_COLUMNS = ("variant", "seed", "top1", "macro_accuracy")
 LR_COLUMNS = ("variant", "lr", "seed", "epochs", "val_top1", "val_macro_accuracy", "best_epoch", "best_val_top1",
               "last_gain_points", "flattened", "wall_time_s", "cpu_s")
 FLAT_POINTS = 0.5  # issue 30 item 4: flattened = no gain above 0.5 points over the last two evaluations
+EPOCHS = 15  # pre-registered
 # the lr phase: a validation vendor and no test split; the seeded runs: no evaluation at all
 LR_OVERRIDES = (f"data.options.val_vendor={VAL_VENDOR}", "data.val_split=val", "eval.split=null", "eval.every=1",
                 "eval.best_metric=top1")
@@ -70,6 +82,10 @@ SEED_OVERRIDES = ("data.options.val_vendor=null", "data.val_split=null", "eval.s
 
 def recipe(variant: str) -> Path:
     return ROOT / "recipes" / "two_head" / f"emoji_closed_set_{variant}.yaml"
+
+
+class RunMismatch(ValueError):
+    """A run folder that holds another training than the one asked for."""
 
 
 @dataclass
@@ -81,10 +97,35 @@ class Run:
     seed: int
     out_dir: Path
     overrides: list[str]
+    epochs: int
 
     @property
     def done(self) -> bool:
         return (self.out_dir / "metrics.json").is_file()
+
+    def check_identity(self) -> None:
+        """Raise ``RunMismatch`` when the folder holds a run trained with another lr, seed or
+        number of epochs (its ``config.yaml``, written when it started): the folder name carries
+        no lr or epochs, so a changed grid or a probe with ``--epochs 5`` in the same ``--out``
+        would otherwise count as finished, or be resumed with the new settings."""
+        import yaml
+
+        path = self.out_dir / "config.yaml"
+        if not path.is_file():
+            return
+        try:
+            cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            have = {"optim.lr": float(cfg["optim"]["lr"]), "train.seed": int(cfg["train"]["seed"]),
+                    "train.epochs": int(cfg["train"]["epochs"])}
+        except (yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
+            raise RunMismatch(f"{path}: unreadable run config ({exc}); move the folder away to retrain it") from None
+        want = {"optim.lr": float(self.lr), "train.seed": int(self.seed), "train.epochs": self.epochs}
+        diff = {k: (have[k], want[k]) for k in want if have[k] != want[k]}
+        if diff:
+            raise RunMismatch(f"{path}: this folder's run was trained with "
+                              + ", ".join(f"{k}={h:g}" for k, (h, _) in diff.items())
+                              + ", this command asks for " + ", ".join(f"{k}={w:g}" for k, (_, w) in diff.items())
+                              + "; use another --out, or move the folder away to retrain it")
 
     def metrics(self) -> dict:
         return json.loads((self.out_dir / "metrics.json").read_text(encoding="utf-8"))
@@ -101,7 +142,7 @@ def make_run(args, phase: str, variant: str, lr: float, seed: int) -> Run:
     if args.threads:
         common.append(f"train.num_threads={args.threads}")
     phase_keys = LR_OVERRIDES if phase == "lr" else SEED_OVERRIDES
-    return Run(variant, lr, seed, out, common + list(phase_keys) + list(args.set))
+    return Run(variant, lr, seed, out, common + list(phase_keys) + list(args.set), args.epochs)
 
 
 # --------------------------------------------------------------------------- running trainings
@@ -127,35 +168,75 @@ def _train_here(run: Run) -> None:
     last = run.out_dir / "last.pt"
     cfg = load_config(str(recipe(run.variant)), run.overrides)
     before = resource.getrusage(resource.RUSAGE_SELF)
-    train(cfg, resume=str(last) if last.is_file() else None, overwrite=not last.is_file())
+    result = train(cfg, resume=str(last) if last.is_file() else None, overwrite=not last.is_file())
     after = resource.getrusage(resource.RUSAGE_SELF)
     _add_cpu_seconds(run, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    if result.interrupted:  # Ctrl-C / SIGTERM: last.pt is saved; stop the study, start no other run
+        raise KeyboardInterrupt
+
+
+def _train_command(run: Run) -> list[str]:
+    last = run.out_dir / "last.pt"
+    cmd = [sys.executable, "-m", "deepmetric.cli", "train", str(recipe(run.variant)), *run.overrides]
+    return cmd + (["--resume", str(last)] if last.is_file() else ["--overwrite"])
 
 
 def _train_subprocess(run: Run, log_dir: Path) -> None:
-    last = run.out_dir / "last.pt"
-    cmd = [sys.executable, "-m", "deepmetric.cli", "train", str(recipe(run.variant)), *run.overrides]
-    cmd += ["--resume", str(last)] if last.is_file() else ["--overwrite"]
+    cmd = _train_command(run)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{run.out_dir.parent.parent.name}_{run.variant}_{run.out_dir.name}.log"
     with open(log, "w", encoding="utf-8") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)  # the child's own CPU time
+        with _CHILDREN_LOCK:
+            if _STOP.is_set():
+                return
+            # its own session: a terminal's Ctrl-C reaches this process only, which passes one
+            # SIGINT on (the training checkpoints and exits 130), also for a SIGTERM
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                    start_new_session=True)
+            _CHILDREN.add(proc)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # the child's own CPU time
+        finally:
+            with _CHILDREN_LOCK:
+                _CHILDREN.discard(proc)
         proc.returncode = code = os.waitstatus_to_exitcode(status)
+    _add_cpu_seconds(run, usage.ru_utime + usage.ru_stime)  # an interrupted part counts too: it is resumed
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd[2:5])} ... failed (exit {code}); see {log}")
-    _add_cpu_seconds(run, usage.ru_utime + usage.ru_stime)
+
+
+#: set by Ctrl-C / SIGTERM: no run starts after it; the live trainings (``_CHILDREN``, with
+#: ``--parallel`` > 1) get one SIGINT each, checkpoint and exit
+_STOP = threading.Event()
+_CHILDREN: set = set()
+_CHILDREN_LOCK = threading.Lock()
+
+
+def _interrupt_children() -> None:
+    with _CHILDREN_LOCK:
+        _STOP.set()
+        for proc in _CHILDREN:
+            try:
+                proc.send_signal(signal.SIGINT)
+            except ProcessLookupError:
+                pass
 
 
 def run_all(runs: list[Run], args) -> list[str]:
-    """Train every unfinished run (``--parallel`` at once); returns the error messages."""
+    """Train every unfinished run (``--parallel`` at once); returns the error messages.  Ctrl-C
+    (or SIGTERM) checkpoints the running trainings and raises KeyboardInterrupt: no other run
+    starts and nothing downstream reads a study that is not finished."""
+    for run in runs:
+        run.check_identity()
     todo = [r for r in runs if not r.done]
     print(f"[two_head_accuracy] {len(runs) - len(todo)} of {len(runs)} runs finished, {len(todo)} to train",
           flush=True)
     errors: list[str] = []
 
     def one(run: Run) -> None:
+        if _STOP.is_set():
+            return
         t0 = time.perf_counter()
         try:
             if args.parallel > 1:
@@ -166,11 +247,22 @@ def run_all(runs: list[Run], args) -> list[str]:
             errors.append(f"{run.out_dir}: {exc}")
             print(f"[two_head_accuracy] FAILED {run.out_dir}: {exc}", flush=True)
             return
-        print(f"[two_head_accuracy] done {run.out_dir} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if not _STOP.is_set():
+            print(f"[two_head_accuracy] done {run.out_dir} in {time.perf_counter() - t0:.0f} s", flush=True)
 
     if args.parallel > 1:
         with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-            list(pool.map(one, todo))
+            futures = [pool.submit(one, run) for run in todo]
+            try:
+                for future in futures:
+                    future.result()
+            except KeyboardInterrupt:
+                _interrupt_children()
+                for future in futures:
+                    future.cancel()
+                raise  # leaving the pool waits for the running trainings to checkpoint and exit
+        if _STOP.is_set():
+            raise KeyboardInterrupt
     else:
         for run in todo:
             one(run)
@@ -199,11 +291,12 @@ def write_text(path: Path, text: str) -> Path:
 
 
 def last_gain_points(top1: list[float]) -> float | None:
-    """The gain of validation top-1 (points) over the last two evaluations: the best of the last
-    two minus the one before them; None with fewer than three evaluations."""
+    """The gain of validation top-1 (points) over the last two evaluations, as pre-registered:
+    the best of the last two minus the best of every evaluation before them; None with fewer
+    than three evaluations."""
     if len(top1) < 3:
         return None
-    return 100 * (max(top1[-2:]) - top1[-3])
+    return 100 * (max(top1[-2:]) - max(top1[:-2]))
 
 
 def _val_curve(run: Run) -> list[dict]:
@@ -343,6 +436,8 @@ def summary_markdown(summary: dict, args, lrs: dict, runs: list[dict]) -> str:
 def phase_final(args) -> int:
     """The one step that evaluates the test vendor: every finished seeded run."""
     runs = seed_runs(args)
+    for run in runs:
+        run.check_identity()
     unfinished = [str(r.out_dir) for r in runs if not r.done]
     if unfinished:
         print(f"[two_head_accuracy] final: {len(unfinished)} seeded run(s) not finished (run --phase seeds): "
@@ -367,8 +462,24 @@ def phase_final(args) -> int:
     write_text(out / "summary.md", text)
     print(text, flush=True)
     if not unfinished and args.copy_to:
+        departures = departures_from_preregistration(args)
+        if departures and Path(args.copy_to).resolve() == COMMITTED.resolve():
+            print(f"[two_head_accuracy] final: not copied into {COMMITTED} (the committed study "
+                  f"takes the pre-registered runs only): {'; '.join(departures)}", flush=True)
+            return 1
         copy_results(out, Path(args.copy_to))
     return 1 if unfinished else 0
+
+
+COMMITTED = ROOT / "bench" / "studies" / "protocol_v2"
+
+
+def departures_from_preregistration(args) -> list[str]:
+    """What this command changes of the pre-registered two-head study (empty: none)."""
+    wanted = {"--variants": (list(VARIANTS), list(args.variants)), "--seeds": (list(SEEDS), list(args.seeds)),
+              "--epochs": (EPOCHS, args.epochs), "--lrs": (list(LRS), list(args.lrs)),
+              "--lr-seed": (LR_SEED, args.lr_seed), "--set": ([], list(args.set))}
+    return [f"{flag} {have} (pre-registered: {want})" for flag, (want, have) in wanted.items() if have != want]
 
 
 #: what the final step copies into the committed study folder (protocol v2 reads the CSV for
@@ -397,8 +508,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/two_head_accuracy", help="output folder (default runs/two_head_accuracy)")
     p.add_argument("--copy-to", default=str(ROOT / "bench" / "studies" / "protocol_v2"),
                    help="where the final step copies its tables once every seeded run has finished (default "
-                        "bench/studies/protocol_v2, committed; '' for nowhere)")
-    p.add_argument("--epochs", type=int, default=15, help="epochs of every run (default 15, pre-registered)")
+                        "bench/studies/protocol_v2, committed, which takes the pre-registered settings only; "
+                        "'' for nowhere)")
+    p.add_argument("--epochs", type=int, default=EPOCHS, help=f"epochs of every run (default {EPOCHS}, pre-registered)")
     p.add_argument("--lrs", type=float, nargs="+", default=list(LRS), help="the lr grid (default 0.003 0.01 0.03)")
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds of the final runs (100-104)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -412,21 +524,46 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.epochs < 1 or args.parallel < 1:
         p.error("--epochs and --parallel must be >= 1")
+    if args.lr_seed in args.seeds:
+        p.error(f"--lr-seed {args.lr_seed} is one of the final runs' --seeds {args.seeds}: the lr is chosen "
+                "on a seed no final run uses (pre-registered)")
     if args.threads is None and args.device == "cpu" and args.parallel > 1:
         args.threads = 1  # processes sharing the cores: spinning OpenMP threads slow each other down
     return args
 
 
+def _sigterm_as_sigint(signum, frame) -> None:
+    signal.raise_signal(signal.SIGINT)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rc = 0
-    if args.phase in ("lr", "all"):
-        rc |= phase_lr(args)
-    if args.phase in ("seeds", "all") and rc == 0:
-        rc |= phase_seeds(args)
-    if args.phase in ("final", "all") and rc == 0:
-        rc |= phase_final(args)
-    return rc
+    _STOP.clear()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        # SIGINT even when a script's ``&`` left it ignored; SIGTERM as a SIGINT, which a training
+        # in this process (--parallel 1) turns into "finish the step, save last.pt, stop"
+        previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+                    signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm_as_sigint)}
+    try:
+        rc = 0
+        if args.phase in ("lr", "all"):
+            rc |= phase_lr(args)
+        if args.phase in ("seeds", "all") and rc == 0:
+            rc |= phase_seeds(args)
+        if args.phase in ("final", "all") and rc == 0:
+            rc |= phase_final(args)
+        return rc
+    except RunMismatch as exc:
+        print(f"two_head_accuracy: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("two_head_accuracy: interrupted (the running trainings saved last.pt); rerun the same command to "
+              "resume", file=sys.stderr)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -152,3 +152,92 @@ def test_flattened_is_the_gain_over_the_last_two_evaluations():
     assert bench.last_gain_points([0.10, 0.30, 0.303, 0.304]) == pytest.approx(0.4)   # flat: <= 0.5 points
     assert bench.last_gain_points([0.10, 0.30, 0.31, 0.30]) == pytest.approx(1.0)     # still rising
     assert bench.last_gain_points([0.5, 0.4, 0.3]) == pytest.approx(-10.0)
+    # pre-registered: "gained no more than 0.5 points over the best before them", not over the one before
+    assert bench.last_gain_points([0.50, 0.60, 0.55, 0.58, 0.59]) == pytest.approx(-1.0)
+
+
+def test_a_folder_trained_with_other_settings_is_an_error(tmp_path, capsys):
+    """The seeded runs' folders name no lr or epochs: a run of another lr / epochs / seed there is
+    neither counted as finished nor resumed with the new settings."""
+    run_dir = tmp_path / "lr" / "softmax" / "lr0.01_seed0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("optim: {lr: 0.01}\ntrain: {seed: 0, epochs: 5}\n")
+    (run_dir / "metrics.json").write_text("{}")
+    assert bench.main(["--phase", "lr", "--out", str(tmp_path), "--variants", "softmax", "--lrs", "0.01",
+                       "--epochs", "15"]) == 2
+    err = capsys.readouterr().err
+    assert str(run_dir / "config.yaml") in err and "train.epochs=5" in err and "train.epochs=15" in err
+    args = bench.parse_args(["--out", str(tmp_path), "--epochs", "5"])
+    bench.make_run(args, "lr", "softmax", 0.01, 0).check_identity()  # the same settings: no error
+    with pytest.raises(bench.RunMismatch, match="optim.lr=0.01"):
+        bench.make_run(args, "lr", "softmax", 0.03, 0).__class__(
+            "softmax", 0.03, 0, run_dir, [], 5).check_identity()
+
+
+def test_only_the_preregistered_study_reaches_the_committed_folder(study, monkeypatch, capsys):
+    base, out, _ = study
+    assert bench.departures_from_preregistration(bench.parse_args([])) == []
+    mini = bench.parse_args(_args(base / "tree", out))
+    flags = {d.split()[0] for d in bench.departures_from_preregistration(mini)}
+    assert flags == {"--variants", "--seeds", "--epochs", "--lrs", "--set"}
+    committed = base / "committed"  # stands in for bench/studies/protocol_v2
+    monkeypatch.setattr(bench, "COMMITTED", committed)
+    args = _args(base / "tree", out, "--phase", "final")
+    args[args.index("--copy-to") + 1] = str(committed)
+    assert bench.main(args) == 1
+    assert "not copied" in capsys.readouterr().out and not committed.exists()
+
+
+def test_the_lr_seed_is_no_final_seed():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--lr-seed", "100"])
+
+
+def test_an_interrupted_training_stops_the_study(tmp_path, monkeypatch, capsys):
+    """--parallel 1: a training that returns interrupted (Ctrl-C; it saved last.pt) stops the
+    study (exit 130) instead of starting the next run and going on to the final step."""
+    import types
+
+    import deepmetric.train
+
+    started = []
+
+    def fake_train(cfg, resume=None, overwrite=False):
+        started.append(cfg.optim.lr)
+        return types.SimpleNamespace(interrupted=True)
+
+    monkeypatch.setattr(deepmetric.train, "train", fake_train)
+    assert bench.main(["--phase", "all", "--out", str(tmp_path), "--variants", "softmax", "--lrs", "0.01", "0.03",
+                       "--epochs", "1"]) == 130
+    assert started == [0.01] and "rerun the same command" in capsys.readouterr().err
+    assert not (tmp_path / "two_head_accuracy.csv").exists()
+
+
+def test_sigterm_checkpoints_the_parallel_trainings_and_starts_no_other(tmp_path, monkeypatch, capsys):
+    """--parallel 2: SIGTERM to the study passes one SIGINT to each running training (in its own
+    session, so a terminal's Ctrl-C does not reach it twice), waits for them, starts no third run."""
+    import os
+    import signal
+    import threading
+    import time
+
+    child = ("import signal, sys, time, pathlib; "
+             "signal.signal(signal.SIGINT, lambda *a: (pathlib.Path(sys.argv[1], 'stopped').touch(), sys.exit(130))); "
+             "pathlib.Path(sys.argv[1]).mkdir(parents=True, exist_ok=True); "
+             "pathlib.Path(sys.argv[1], 'ready').touch(); time.sleep(60)")
+    monkeypatch.setattr(bench, "_train_command", lambda run: [sys.executable, "-c", child, str(run.out_dir)])
+    runs = [tmp_path / "lr" / "softmax" / f"lr{lr}_seed0" for lr in ("0.01", "0.03", "0.1")]
+
+    def stop_when_ready():
+        deadline = time.monotonic() + 30
+        while sum((r / "ready").is_file() for r in runs) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    t0 = time.monotonic()
+    rc = bench.main(["--phase", "lr", "--out", str(tmp_path), "--variants", "softmax", "--lrs", "0.01", "0.03",
+                     "0.1", "--epochs", "1", "--parallel", "2"])
+    assert rc == 130 and time.monotonic() - t0 < 30
+    assert [(r / "stopped").is_file() for r in runs] == [True, True, False]  # the third never started
+    assert signal.getsignal(signal.SIGTERM) is not bench._sigterm_as_sigint  # the handlers are restored
