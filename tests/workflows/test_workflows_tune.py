@@ -546,3 +546,29 @@ def test_the_same_recipe_by_another_path_continues_the_tune_and_a_changed_one_is
     recipe.write_text(recipe.read_text().replace("epochs: 3", "epochs: 4"))
     with pytest.raises(TuneError, match="another recipe"):
         _check_same_tune(prepare_tune(recipe.resolve(), sp, trials=2, out=tmp_path / "out"))
+
+
+def test_the_heartbeat_retry_of_a_ctrl_c_retry_resumes_the_original_trials_folder():
+    """A chain 0 (interrupted) -> 1 (queued again by Ctrl-C, ``retry_of`` 0) -> 2 (Optuna's
+    heartbeat retry of 1, which copies 1's user attributes and marks ``failed_trial`` 1): all
+    three are trial 0's run (its folder, its checkpoint).  Seen in protocol v2: such a trial
+    started over from epoch 0 in a folder of its own."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from deepmetric.workflows.tune_study import trial_origin
+
+    study = optuna.create_study()
+    dist = {"x": FloatDistribution(0.0, 1.0)}
+
+    def add(user_attrs=None, system_attrs=None):
+        study.add_trial(optuna.create_trial(state=optuna.trial.TrialState.FAIL, params={"x": 0.5}, distributions=dist,
+                                            user_attrs=user_attrs or {}, system_attrs=system_attrs or {}))
+        return study.get_trials()[-1]
+
+    first = add()
+    ctrl_c = add(user_attrs={"retry_of": 0})
+    heartbeat = add(user_attrs={"retry_of": 0}, system_attrs={"failed_trial": 1, "retry_history": [1]})
+    plain_heartbeat = add(system_attrs={"failed_trial": 0, "retry_history": [0]})
+    assert [trial_origin(t) for t in (first, ctrl_c, heartbeat, plain_heartbeat)] == [0, 0, 0, 0]
+    assert trial_origin(heartbeat, study) == 0  # read from the storage, as a live trial is

@@ -159,13 +159,19 @@ def open_study(setup: TuneSetup, *, create: bool = True):
 def trial_origin(trial, study=None) -> int:
     """The number of the trial a retried trial repeats (itself when it is no retry): the run
     directory, and so the checkpoint it resumes, belong to the original.  ``trial``: a frozen
-    trial, or a live one with its ``study``."""
+    trial, or a live one with its ``study``.
+
+    Two marks, read in this order: ``retry_of`` (a user attribute: set, already traced back to
+    the original, when a Ctrl-C queues a trial again; Optuna copies user attributes into its own
+    retries) and Optuna's heartbeat retry (``failed_trial``: the first trial of a chain of
+    heartbeat retries, which may itself be a Ctrl-C retry).  Reading the heartbeat mark first made
+    the heartbeat retry of a Ctrl-C retry start over in a folder of its own."""
     optuna = tune_optuna()
-    if study is not None:  # the retry mark is a system attribute of the stored (frozen) trial
+    if study is not None:  # the retry marks are attributes of the stored (frozen) trial
         trial = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
-    n = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
+    n = trial.user_attrs.get("retry_of")
     if n is None:
-        n = trial.user_attrs.get("retry_of")
+        n = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(trial)
     return int(n) if n is not None else trial.number
 
 
