@@ -82,7 +82,7 @@ PHASES = ("tune", "seeds", "control", "almn_beta", "almn_more", "glyphs", "final
 TUNE_FILES = ("trials.md", "trials.csv", "best.yaml", "best_overrides.json", "tune.json", "report.html",
               "optimization_history.png", "param_importances.png")
 RESULT_COLUMNS = ["loss", "seed", "completed_trials", "optimizer", "embedding", "epochs", "cross_domain_recall@1",
-                  "cross_domain_map@r", "wall_time_s", "best_epoch", "val_objective", "val_flattened"]
+                  "cross_domain_map@r", "wall_time_s", "best_epoch", "val_objective", "val_flattened", "status"]
 METRICS = ("cross_domain_recall@1", "cross_domain_map@r")
 # a test metric, however written (test/recall@1, test_map@r, "test: recall@1=", a JSON record of
 # the test split, a "test" mapping of values): never in a tune's copy
@@ -153,8 +153,10 @@ def copy_text(src: Path, dest: Path, proto: Protocol) -> None:
     m = ABSOLUTE.search(text)
     if m:
         raise ProtocolError(f"{src}: an absolute path remains after sanitizing ({text[max(0, m.start() - 40):m.end() + 40]!r})")
+    from deepmetric.run.rundir import write_text_atomic
+
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(text, encoding="utf-8")
+    write_text_atomic(dest, text)
 
 
 def test_metric_leaks(folder: Path) -> list[str]:
@@ -346,9 +348,13 @@ def make_study(proto: Protocol, kind: str, variants: dict, seeds: list[int], *, 
     raw = {"name": f"protocol_v2_{kind}", "base": str(proto.recipe) if base is None else base,
            "overrides": proto.common if common is None else common,
            "variants": variants, "seeds": seeds, "out_dir": str(proto.runs / kind), "workers": proto.args.parallel}
+    from deepmetric.run.rundir import write_text_atomic
+
     path = proto.runs / f"{kind}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# bench/protocol_v2.py: generated, rewritten on every run\n" + yaml.safe_dump(raw, sort_keys=False))
+    # atomic: a worker process of another call may be reading it
+    write_text_atomic(path, "# bench/protocol_v2.py: generated, rewritten on every run\n"
+                      + yaml.safe_dump(raw, sort_keys=False))
     return load_study(path, out_dir=proto.runs / kind)
 
 
@@ -376,8 +382,12 @@ def run_seeds_phase(proto: Protocol, losses: list[str]) -> None:
     missing = [n for n in losses if n not in proto.tuned()]
     if missing:
         proto.log(f"seeds: no finished tune for {missing}: skipped (run --phase tune first)")
-    only = [f"{n}/seed{s}" for n in losses if n not in missing for s in spec.seeds_of(n)]
-    run_study_phase(proto, seeds_study(proto), only)
+    study = seeds_study(proto)
+    gone = {r.key for r in (study.runs if study is not None else []) if diverged(r)}
+    if gone:  # rerunning resumes from the last checkpoint and diverges again: it has ended
+        proto.log(f"seeds: diverged (a non-finite loss; tested from its best.pt, as pre-registered): {sorted(gone)}")
+    only = [f"{n}/seed{s}" for n in losses if n not in missing for s in spec.seeds_of(n) if f"{n}/seed{s}" not in gone]
+    run_study_phase(proto, study, only)
 
 
 def recorded_choice(path: Path, record: dict, keys: tuple[str, ...]) -> dict | None:
@@ -394,13 +404,29 @@ def recorded_choice(path: Path, record: dict, keys: tuple[str, ...]) -> dict | N
     return None
 
 
+def kept_losses(proto: Protocol, step: str) -> list[str]:
+    """The table less the losses ``--cut`` names, which must be its last ones (the
+    pre-registered rule: losses are cut from the end, never the protocol)."""
+    table, cut = list(spec.LOSSES), list(proto.args.cut or [])
+    if cut and sorted(cut, key=table.index) != table[len(table) - len(cut):]:
+        raise ProtocolError(f"{step}: --cut {' '.join(cut)}: losses are cut from the end of the table only "
+                            f"(pre-registered); its last {len(cut)} are {table[len(table) - len(cut):]}")
+    return [n for n in table if n not in cut]
+
+
 def winner(proto: Protocol) -> dict:
-    """The loss (of those asked for) with the best validation objective of its tune.  It is
-    recorded in runs/control/winner.json: a later winner (more tunes finished since) is an
-    error, not a silent change of the control runs."""
-    records = [tune_record(proto, n) for n in proto.tuned() if n in proto.losses]
-    if not records:
-        raise ProtocolError("control: no finished tune")
+    """The loss with the best validation objective of all tunes (the whole table less ``--cut``;
+    ``--only`` does not narrow it), once every one of them has finished.  It is recorded in
+    runs/control/winner.json: a different winner later is an error, not a silent change of the
+    control runs."""
+    kept = kept_losses(proto, "control")
+    unfinished = [n for n in kept if not proto.finished(n)]
+    if unfinished:
+        suffix = list(spec.LOSSES)[list(spec.LOSSES).index(unfinished[0]):]
+        raise ProtocolError(f"control: the winner is the best validation objective of all tunes (pre-registered), "
+                            f"and these have not finished theirs: {unfinished}. Finish them, or cut losses from the "
+                            f"end of the table (--cut {' '.join(suffix)})")
+    records = [tune_record(proto, n) for n in kept]
     win = max(records, key=lambda r: r["value"])
     path = proto.runs / "control" / "winner.json"
     before = recorded_choice(path, win, ("loss", "shared"))
@@ -447,12 +473,11 @@ def best_beta(proto: Protocol) -> float | None:
     best.pt value), once every sweep run has finished; None before.  Chosen on validation only,
     recorded in runs/almn_more/best_beta.json: a later, different choice is an error."""
     study = almn_study(proto)
-    if study is None or not study.runs or not all(r.finished for r in study.runs):
+    if study is None or not study.runs or not all(ended(r) for r in study.runs):
         return None
     means = {}
     for variant in study.variants:
-        values = [(json.loads((r.out_dir / "metrics.json").read_text()).get("selected") or {}).get("value")
-                  for r in study.runs if r.variant == variant]
+        values = [selected(r, spec.OBJECTIVE).get("value") for r in study.runs if r.variant == variant]
         if None in values:
             raise ProtocolError(f"almn_more: a run of the sweep's {variant} has no validation value (metrics.json "
                                 f"'selected'); the best beta cannot be chosen")
@@ -517,6 +542,9 @@ def check_preregistration(proto: Protocol) -> None:
                        text=True)
     if r.returncode != 0 or not r.stdout.strip():
         raise ProtocolError(f"final: {inside} is not committed; commit the pre-registration before the first result")
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(inside)], cwd=ROOT).returncode != 0:
+        raise ProtocolError(f"final: {inside} has changes not committed; the test numbers come after the committed "
+                            "pre-registration (a correction is a new dated section, committed)")
 
 
 def val_curve(run_dir: Path, key: str) -> list[float]:
@@ -538,8 +566,13 @@ def test_evaluation(run_dir: Path, device: str, cross_domain: bool = True) -> di
     cross-vendor metrics too with ``cross_domain``), once: the result is kept in ``final.json``
     next to the run."""
     cache = run_dir.parent / f"{run_dir.name}.final{'' if cross_domain else '_split_only'}.json"
+    checkpoint = file_digest(run_dir / "best.pt")
     if cache.is_file():
-        return json.loads(cache.read_text())
+        record = json.loads(cache.read_text())
+        if record.get("checkpoint_sha256") == checkpoint:
+            return record
+        print(f"[protocol_v2] {cache}: made from another best.pt (the run was trained again): evaluated again",
+              flush=True)
     from deepmetric.run.builders import build_test_sets
     from deepmetric.run.device import resolve_device
     from deepmetric.run.embed import load_model_from_checkpoint
@@ -551,32 +584,81 @@ def test_evaluation(run_dir: Path, device: str, cross_domain: bool = True) -> di
     cfg.eval.cross_domain = cross_domain
     metrics, _ = evaluate_split(model, build_test_sets(cfg), cfg, device=dev, losses=losses)
     record = {"metrics": {k: float(v) for k, v in metrics.items()}, "embedding": cfg.eval.embedding,
-              "optimizer": cfg.optim.name, "checkpoint": "best.pt"}
+              "optimizer": cfg.optim.name, "checkpoint": "best.pt", "checkpoint_sha256": checkpoint}
     write_text_atomic(cache, json.dumps(record, indent=1) + "\n")
     return record
 
 
+def file_digest(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def diverged(run) -> bool:
+    """A run whose training loss became non-finite (the study recorded ``NonFiniteLossError``).
+    Rerunning resumes from its last checkpoint and diverges again, so it has ended: the final step
+    tests its best.pt (the best validation epoch before the divergence) and says so; one that
+    diverged before its first evaluation has no model and no test number (PREREGISTRATION.md,
+    2026-11-27, 5)."""
+    path = run.record_dir / "error.txt"
+    return (not run.finished and path.is_file()
+            and path.read_text(encoding="utf-8", errors="replace").startswith("NonFiniteLossError"))
+
+
+def ended(run) -> bool:
+    return run.finished or diverged(run)
+
+
 def evaluated(run) -> bool:
-    """A run the final step can evaluate: finished, with its best.pt."""
-    return run.finished and (run.out_dir / "best.pt").is_file()
+    """A run the final step can take: finished with its best.pt, or diverged (with or without one)."""
+    return diverged(run) or (run.finished and (run.out_dir / "best.pt").is_file())
 
 
-def run_row(proto: Protocol, run, metrics, objective: str, cross_domain: bool = True) -> tuple[dict, dict]:
-    """A finished run's test record (:func:`test_evaluation`) and the columns every results table
-    shares: seed, epochs, ``metrics`` on test, wall time, best.pt's epoch and validation value,
-    and whether the validation curve of ``objective`` flattened."""
-    summary = json.loads((run.out_dir / "metrics.json").read_text())
-    test = test_evaluation(run.out_dir, proto.args.device, cross_domain=cross_domain)
-    sel = summary.get("selected") or {}
-    return test, {"seed": run.seed, "epochs": summary.get("epochs"), **{m: test["metrics"][m] for m in metrics},
-                  "wall_time_s": summary.get("wall_time_s"), "best_epoch": sel.get("epoch"),
-                  "val_objective": sel.get("value"), "val_flattened": flattened(val_curve(run.out_dir, objective))}
+def selected(run, objective: str) -> dict:
+    """best.pt's epoch and validation value: from metrics.json, or for a diverged run from its log
+    (the best validation record before the divergence; {} when it had none)."""
+    if run.finished:
+        return json.loads((run.out_dir / "metrics.json").read_text()).get("selected") or {}
+    from deepmetric.run.rundir import read_log
+
+    records = [r for r in read_log(run.out_dir, type="eval") if r.get("split") == "val" and objective in r]
+    best = max(records, key=lambda r: r[objective], default=None)
+    return {} if best is None else {"epoch": best.get("epoch"), "value": best[objective]}
+
+
+def run_row(proto: Protocol, run, metrics, objective: str, cross_domain: bool = True) -> tuple[dict | None, dict]:
+    """An ended run's test record (:func:`test_evaluation`; None for a diverged run without a
+    best.pt) and the columns every results table shares: seed, epochs, ``metrics`` on test, wall
+    time, best.pt's epoch and validation value, whether the validation curve of ``objective``
+    flattened, and its status (finished, or diverged after its last evaluation)."""
+    has_model = (run.out_dir / "best.pt").is_file()
+    test = test_evaluation(run.out_dir, proto.args.device, cross_domain=cross_domain) if has_model else None
+    sel, curve = selected(run, objective), val_curve(run.out_dir, objective)
+    if run.finished:
+        summary = json.loads((run.out_dir / "metrics.json").read_text())
+        epochs, wall, status = summary.get("epochs"), summary.get("wall_time_s"), "finished"
+    else:  # diverged: the epochs it was given, the wall time of its attempts (the study's record)
+        record = run.record_dir / "attempts.json"
+        epochs = run.raw["train"]["epochs"]
+        wall = json.loads(record.read_text()).get("wall_time_s") if record.is_file() else None
+        status = f"diverged after {len(curve)} evaluation(s)" + ("" if has_model else ", no model: no test number")
+    return test, {"seed": run.seed, "epochs": epochs,
+                  **{m: (test["metrics"][m] if test is not None else None) for m in metrics},
+                  "wall_time_s": wall, "best_epoch": sel.get("epoch"), "val_objective": sel.get("value"),
+                  "val_flattened": flattened(curve), "status": status}
 
 
 def result_row(proto: Protocol, run, loss: str, completed: int) -> dict:
     test, row = run_row(proto, run, METRICS, spec.OBJECTIVE)
-    return {"loss": loss, "completed_trials": completed, "optimizer": test["optimizer"],
-            "embedding": spec.EMBEDDING_NAMES[test["embedding"]], **row}
+    embedding = test["embedding"] if test is not None else run.raw["eval"]["embedding"]
+    return {"loss": loss, "completed_trials": completed,
+            "optimizer": test["optimizer"] if test is not None else run.raw["optim"]["name"],
+            "embedding": spec.EMBEDDING_NAMES[embedding], **row}
 
 
 def final_rows(proto: Protocol, study, groups: dict[str, tuple[str, list[int], int]]) -> list[dict]:
@@ -587,7 +669,7 @@ def final_rows(proto: Protocol, study, groups: dict[str, tuple[str, list[int], i
     for variant, (loss, seeds, completed) in groups.items():
         runs = [by_key[f"{variant}/seed{s}"] for s in seeds]
         if not all(evaluated(r) for r in runs):
-            proto.log(f"final: {variant}: {sum(r.finished for r in runs)}/{len(runs)} seeded runs finished: not yet")
+            proto.log(f"final: {variant}: {sum(ended(r) for r in runs)}/{len(runs)} seeded runs ended: not yet")
             continue
         rows += [result_row(proto, r, loss, completed) for r in runs]
     return rows
@@ -595,14 +677,14 @@ def final_rows(proto: Protocol, study, groups: dict[str, tuple[str, list[int], i
 
 GLYPH_METRICS = ("recall@1", "map@r")  # cross-family: held-out-family queries against the training families
 GLYPH_COLUMNS = ["variant", "seed", "epochs", *GLYPH_METRICS, "wall_time_s", "best_epoch", "val_objective",
-                 "val_flattened"]
+                 "val_flattened", "status"]
 
 
 def glyph_rows(proto: Protocol) -> list[dict]:
     """The glyph analysis on its test split (best.pt once each), only once all its runs finished."""
     study = glyph_study(proto)
     if not all(evaluated(r) for r in study.runs):
-        proto.log(f"final: glyphs: {sum(r.finished for r in study.runs)}/{len(study.runs)} runs finished: not yet")
+        proto.log(f"final: glyphs: {sum(ended(r) for r in study.runs)}/{len(study.runs)} runs ended: not yet")
         return []
     return [{"variant": run.variant, **run_row(proto, run, GLYPH_METRICS, "recall@1", cross_domain=False)[1]}
             for run in study.runs]
@@ -647,17 +729,13 @@ def check_final_ready(proto: Protocol, study) -> list[str]:
     at its best beta), except the losses ``--cut`` names, which must be the last ones of the table
     (the pre-registered rule: losses are cut from the end, never the protocol).  Returns the
     losses the final step evaluates.  ``study``: the seeded runs' (:func:`seeds_study`)."""
-    table, cut = list(spec.LOSSES), list(proto.args.cut or [])
-    if cut and sorted(cut, key=table.index) != table[len(table) - len(cut):]:
-        raise ProtocolError(f"final: --cut {' '.join(cut)}: losses are cut from the end of the table only "
-                            f"(pre-registered); its last {len(cut)} are {table[len(table) - len(cut):]}")
-    kept = [n for n in table if n not in cut]
-    done = {r.key for r in (study.runs if study is not None else []) if r.finished}
+    table, kept = list(spec.LOSSES), kept_losses(proto, "final")
+    done = {r.key for r in (study.runs if study is not None else []) if evaluated(r)}
     missing = [n for n in kept if not proto.finished(n) or any(f"{n}/seed{s}" not in done for s in spec.seeds_of(n))]
     if "almn_beta3" in kept and "almn_beta3" not in missing:
         for kind, build in (("almn_beta", almn_study), ("almn_more", almn_more_study)):
             extra = build(proto)
-            if extra is None or not all(r.finished for r in extra.runs):
+            if extra is None or not all(evaluated(r) for r in extra.runs):
                 missing.append(f"{kind} (its phase)")
     if missing:
         in_table = [table.index(m) for m in missing if m in table]
@@ -676,7 +754,12 @@ def run_final_phase(proto: Protocol) -> None:
     study = seeds_study(proto)
     kept = check_final_ready(proto, study)
     cut = [n for n in spec.LOSSES if n not in kept]
-    write_text_atomic(proto.runs / "final.json", json.dumps({"cut": cut}) + "\n")  # the summary says so
+    final = proto.runs / "final.json"
+    if final.is_file() and json.loads(final.read_text())["cut"] != cut:
+        # test numbers exist: adding (or dropping) a loss now could change H6's pick after the fact
+        raise ProtocolError(f"final: the first final step cut {json.loads(final.read_text())['cut']} (recorded in "
+                            f"{final}); test numbers exist, so the cut stays as it was: run final with the same --cut")
+    write_text_atomic(final, json.dumps({"cut": cut}) + "\n")  # the summary says so
     if study is not None:
         groups = {n: (n, spec.seeds_of(n), tune_record(proto, n)["completed"]) for n in proto.tuned() if n in kept}
         rows = final_rows(proto, study, groups)
@@ -763,8 +846,8 @@ def paired(rows: list[dict], a: str, b: str, metric: str, key: str = "loss") -> 
 
     from deepmetric.report.study_tables import mean_ci
 
-    x = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == a}
-    y = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == b}
+    x = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == a and r.get(metric) not in ("", None)}
+    y = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == b and r.get(metric) not in ("", None)}
     seeds = sorted(set(x) & set(y))
     diffs = [x[s] - y[s] for s in seeds]
     ci = mean_ci(diffs)
@@ -887,6 +970,11 @@ def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
     return lines
 
 
+def tested(rows: list[dict], metric: str) -> list[float]:
+    """The test values of ``metric`` in ``rows`` (a diverged run without a model has none)."""
+    return [float(r[metric]) for r in rows if r.get(metric) not in ("", None)]
+
+
 def interval_cell(t: dict) -> str:
     """A difference (fractions) in points with its 95 % interval: ``+1.23 [-0.45, +2.91]``."""
     return f"{100 * t['mean']:+.2f} [{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}]"
@@ -911,12 +999,12 @@ def almn_markdown(proto: Protocol) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["loss"] for r in rows):
         mine = [r for r in rows if r["loss"] == name]
-        r1, mp = (mean_ci([float(r[m]) for r in mine]) for m in METRICS)
+        r1, mp = (mean_ci(tested(mine, m)) for m in METRICS)
         vs = []
         for metric in METRICS:
             t = paired(rows, name, ref, metric) if ref and name != ref else None
             vs.append("-" if t is None or t["n"] == 0 else f"{interval_cell(t)} (n={t['n']})")
-        lines.append(f"| {name} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
+        lines.append(f"| {name} | {len(tested(mine, METRICS[0]))} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
                      f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {vs[0]} | {100 * mp['mean']:.2f} | "
                      f"{vs[1]} |")
     return lines + [""]
@@ -936,10 +1024,10 @@ def glyph_markdown(proto: Protocol) -> list[str]:
              "| variant | seeds | R@1 mean | sd | 95 % CI | MAP@R mean | sd | flattened |", "|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == name]
-        r1, mp = (mean_ci([float(r[m]) for r in mine]) for m in GLYPH_METRICS)
+        r1, mp = (mean_ci(tested(mine, m)) for m in GLYPH_METRICS)
         flat = sum(r["val_flattened"] == "True" for r in mine)
-        lines.append(f"| {name} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
-                     f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {100 * mp['mean']:.2f} | "
+        lines.append(f"| {name} | {len(tested(mine, GLYPH_METRICS[0]))} | {100 * r1['mean']:.2f} | "
+                     f"{100 * r1['std']:.2f} | [{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {100 * mp['mean']:.2f} | "
                      f"{100 * mp['std']:.2f} | {flat}/{len(mine)} |")
     lines += ["", "| A - B | seeds | R@1 (points) | MAP@R (points) |", "|---|---|---|---|"]
     for a, b in spec.GLYPH_COMPARISONS:
@@ -962,7 +1050,7 @@ def write_summary(proto: Protocol) -> None:
     stats_by = {}
     for loss in dict.fromkeys(r["loss"] for r in ranking_rows):
         mine = [r for r in ranking_rows if r["loss"] == loss]
-        stats_by[loss] = (*(mean_ci([float(r[m]) for r in mine]) for m in METRICS), mine)
+        stats_by[loss] = (*(mean_ci(tested(mine, m)) for m in METRICS), mine)
     ranked = sorted(stats_by, key=lambda n: -stats_by[n][0]["mean"])
     final = proto.runs / "final.json"
     cut = json.loads(final.read_text())["cut"] if final.is_file() else []
@@ -986,10 +1074,12 @@ def write_summary(proto: Protocol) -> None:
         vs_base = "-" if b is None else (f"{100 * (r1['mean'] - b):+.2f} [{100 * (r1['ci_low'] - b):+.2f}, "
                                          f"{100 * (r1['ci_high'] - b):+.2f}]")
         every = [r for r in rows if r["loss"] == loss]  # convergence and cost: all its seeded runs (3 or 5)
+        n_diverged = sum(str(r.get("status", "")).startswith("diverged") for r in every)
+        runs_cell = f"{len(tested(mine, spec.OBJECTIVE))}" + (f" ({n_diverged} diverged)" if n_diverged else "")
         flat = sum(str(r["val_flattened"]) == "True" for r in every)
         walls = [float(r["wall_time_s"]) for r in every if r.get("wall_time_s") not in (None, "")]
         wall = f"{sum(walls) / len(walls) / 60:.1f}" if walls else "-"  # the machine: the study README says which
-        lines.append(f"| {i} | {loss} | {len(mine)} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
+        lines.append(f"| {i} | {loss} | {runs_cell} | {100 * r1['mean']:.2f} | {100 * r1['std']:.2f} | "
                      f"[{100 * r1['ci_low']:.2f}, {100 * r1['ci_high']:.2f}] | {vs} | {vs_base} | "
                      f"{100 * mp['mean']:.2f} | {100 * mp['std']:.2f} | {flat}/{len(every)} | {wall} |")
     for name, b in base.items():  # the references: no training (pixels), no metric learning (the network)

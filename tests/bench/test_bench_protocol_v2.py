@@ -134,7 +134,11 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     assert bench.main(argv + ["seeds", "control", "final"]) == 2
     assert bench.main(argv + ["final", "--cut", losses[1]]) == 2
     assert not list((tmp_path / "runs" / "seeds").glob("*/seed*.final.json"))
-    assert bench.main(argv + ["final", "--cut", "contrastive"]) == 0
+    # the control's winner is the best of all tunes: not before every loss (but those cut) has one
+    assert bench.main(argv + ["control"]) == 2 and not (tmp_path / "runs" / "control" / "winner.json").exists()
+    assert bench.main(argv + ["control", "final", "--cut", "contrastive"]) == 0
+    # test numbers exist now: the cut stays as it was (another one could change H6's pick)
+    assert bench.main(argv + ["final", "--cut", losses[1], "contrastive"]) == 2
     assert "cut for lack of compute (the last ones of the table, as pre-registered): contrastive." in \
         (copy / "summary.md").read_text()
     runs = tmp_path / "runs"
@@ -200,6 +204,12 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     both = json.loads((one.parent / "seed100.final.json").read_text())["metrics"]
     assert not [k for k in within if k.startswith("cross_domain")] and within["recall@1"] == both["recall@1"]
     assert (one.parent / "seed100.final_split_only.json").is_file()
+    # a cache made from another best.pt (the run trained again) is not reused
+    cache = one.parent / "seed100.final.json"
+    stale = json.loads(cache.read_text())
+    cache.write_text(json.dumps({**stale, "checkpoint_sha256": "another", "metrics": {"recall@1": -1.0}}))
+    assert bench.test_evaluation(one, "cpu")["metrics"] == both
+    assert json.loads(cache.read_text())["checkpoint_sha256"] == bench.file_digest(one / "best.pt")
     # the control: both losses at the winner's settings, validation only
     with open(copy / "control.csv", newline="") as f:
         control = list(csv.DictReader(f))
@@ -303,18 +313,25 @@ def test_a_tune_is_finished_by_its_completed_trials_not_by_its_outputs(tmp_path,
     assert proto.finished("BN")
 
 
-def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_path):
-    """control: every loss at the winner's shared values with its own option kept; the sweep:
-    beta 0-3 at almn_beta3's tuned values, seeds 100-104 (built and validated, not trained)."""
+def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_path, monkeypatch):
+    """control: every loss at the winner's shared values with its own option kept, the winner
+    the best of every tune of the table (``--only`` does not narrow it); the sweep: beta 0-3 at
+    almn_beta3's tuned values, seeds 100-104 (built and validated, not trained)."""
     runs = tmp_path / "runs"
+    table = dict(bench.spec.LOSSES)
+    monkeypatch.setattr(bench.spec, "LOSSES", {n: table[n] for n in ("BN", "almn_beta3", "npair")})
     _fake_tune(runs, "BN", 0.50, ['optim.name="sgd"', "optim.lr=0.02", "optim.weight_decay=0.0001",
                                   "optim.new_layer_lr_mult=10.0", 'eval.embedding="embedding"',
                                   "loss.0.options.alpha=32.0"])
     _fake_tune(runs, "almn_beta3", 0.60, ['optim.name="adamw"', "optim.lr=0.0003", "optim.weight_decay=0.01",
                                           "optim.new_layer_lr_mult=1.0", 'eval.embedding="projection"',
                                           "optim.loss_lr_mult=30.0"])
-    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy"), "--only", "BN", "almn_beta3",
-                             "--set", "model.options.pretrained=null"])
+    common = ["--runs", str(runs), "--copy-to", str(tmp_path / "copy"), "--set", "model.options.pretrained=null"]
+    with pytest.raises(bench.ProtocolError, match=r"have not finished theirs: \['npair'\].*--cut npair"):
+        bench.control_study(bench.Protocol(bench.parse_args(common)))
+    with pytest.raises(bench.ProtocolError, match="cut from the end of the table only"):
+        bench.control_study(bench.Protocol(bench.parse_args(common + ["--cut", "BN"])))
+    args = bench.parse_args(common + ["--only", "BN", "--cut", "npair"])  # --only BN: the winner is still ALMN's
     proto = bench.Protocol(args)
     assert bench.tune_record(proto, "BN")["completed"] == v2.TRIALS
     study, win = bench.control_study(proto)
@@ -332,11 +349,11 @@ def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_pa
         assert r.raw["loss"][0]["name"] == "almn" and r.raw["optim"]["lr"] == 0.0003
         assert r.raw["loss"][0]["options"]["beta"] == float(r.variant[len("beta"):])
     # a later winner is refused, not silently applied to the control runs
+    monkeypatch.setattr(bench.spec, "LOSSES", {n: table[n] for n in ("HBN", "BN", "almn_beta3")})
     _fake_tune(runs, "HBN", 0.70, ['optim.name="sgd"', "optim.lr=0.05", "optim.weight_decay=0.0001",
                                    "optim.new_layer_lr_mult=10.0", 'eval.embedding="embedding"',
                                    "loss.0.options.alpha=16.0"])
-    args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy"), "--only", "HBN", "BN",
-                             "almn_beta3", "--set", "model.options.pretrained=null"])
+    args = bench.parse_args(common)
     with pytest.raises(bench.ProtocolError, match="the winner is now HBN"):
         bench.control_study(bench.Protocol(args))
 
@@ -590,3 +607,67 @@ def test_the_ranked_table_uses_the_three_shared_seeds_and_budgets_name_what_they
     assert bench.paired(same, "a", "b", "m")["p"] == 0.0
     assert bench.paired([{**r, "m": 0.5} for r in same], "a", "b", "m")["p"] == 1.0
     assert bench.seed_list({"seeds": [100, 101, 103]}) == "100, 101, 103"
+
+
+def test_the_test_split_waits_for_a_committed_preregistration(tmp_path, monkeypatch):
+    """final reads the test split only when the pre-registration is committed *as it is*: an edit
+    not committed (a hypothesis changed after the fact) is refused."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    copy = repo / "bench" / "studies" / "protocol_v2"
+    copy.mkdir(parents=True)
+    (copy / "PREREGISTRATION.md").write_text("# H1: A > B\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    monkeypatch.setattr(bench, "ROOT", repo)
+    proto = bench.Protocol(bench.parse_args(["--runs", str(tmp_path / "runs"), "--copy-to", str(copy)]))
+    with pytest.raises(bench.ProtocolError, match="is not committed"):
+        bench.check_preregistration(proto)
+    subprocess.run([*git, "add", "."], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "pre-registration"], cwd=repo, check=True)
+    bench.check_preregistration(proto)  # committed, unchanged: the final step may go on
+    (copy / "PREREGISTRATION.md").write_text("# H1: B > A\n")
+    with pytest.raises(bench.ProtocolError, match="changes not committed"):
+        bench.check_preregistration(proto)
+
+
+def test_a_diverged_seeded_run_has_ended_and_is_reported_as_such(tmp_path):
+    """A seeded run whose loss became non-finite would diverge again on every rerun: it has ended
+    (the final step does not wait for it forever), its row says so, and one without a model (it
+    diverged before its first evaluation) has no test number: the statistics use the other seeds."""
+    import types
+
+    out, record = tmp_path / "seeds" / "SM" / "seed101", tmp_path / "seeds" / ".study" / "SM" / "seed101"
+    out.mkdir(parents=True)
+    record.mkdir(parents=True)
+    run = types.SimpleNamespace(finished=False, out_dir=out, record_dir=record, seed=101, variant="SM",
+                                raw={"train": {"epochs": 10}, "optim": {"name": "adamw"},
+                                     "eval": {"embedding": "projection"}})
+    assert not bench.diverged(run) and not bench.evaluated(run)  # a run not started, or interrupted
+    (record / "error.txt").write_text("RuntimeError: out of memory\n")
+    assert not bench.diverged(run)  # another failure is retried, not ended
+    (record / "error.txt").write_text("NonFiniteLossError: non-finite loss at step 812\n")
+    (record / "attempts.json").write_text(json.dumps({"wall_time_s": 95.5}))
+    (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"type": "eval", "split": "val", "epoch": 1, "cross_domain_recall@1": 0.31},
+        {"type": "eval", "split": "val", "epoch": 2, "cross_domain_recall@1": 0.35},
+        {"type": "eval", "split": "val", "epoch": 3, "cross_domain_recall@1": 0.20})))
+    assert bench.diverged(run) and bench.ended(run) and bench.evaluated(run)
+    proto = bench.Protocol(bench.parse_args(["--runs", str(tmp_path), "--copy-to", str(tmp_path / "copy")]))
+    row = bench.result_row(proto, run, "SM", 12)  # no best.pt here: no model, no test number
+    assert row["cross_domain_recall@1"] is None and row["status"].startswith("diverged after 3 evaluation(s)")
+    assert (row["best_epoch"], row["val_objective"], row["epochs"], row["wall_time_s"]) == (2, 0.35, 10, 95.5)
+    assert (row["optimizer"], row["embedding"]) == ("adamw", v2.EMBEDDING_NAMES["projection"])
+
+    rows = [{"loss": loss, "seed": seed, "completed_trials": 12, "optimizer": "sgd", "embedding": "own",
+             "epochs": 10, "cross_domain_recall@1": v, "cross_domain_map@r": v, "val_flattened": True,
+             "wall_time_s": 60.0, "status": "finished"}
+            for loss, base in (("BN", 0.6), ("SM", 0.5)) for seed, v in zip(range(100, 105), [base] * 5)]
+    rows[6] = {**row, "loss": "SM"}  # SM seed 101 diverged without a model
+    bench.write_csv(tmp_path / "results.csv", rows, bench.RESULT_COLUMNS)
+    bench.write_summary(proto)
+    text = (tmp_path / "summary.md").read_text()
+    assert re.search(r"\| 2 \| SM \| 2 \(1 diverged\) \| 50\.00 \|", text), text
+    h2 = {r["id"]: r for r in json.loads((tmp_path / "verdicts.json").read_text())}["H2"]
+    assert h2["test"]["n"] == 4 and h2["budget"].endswith("seeds 100, 102, 103, 104")
