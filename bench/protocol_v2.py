@@ -453,11 +453,34 @@ def run_control_phase(proto: Protocol, losses: list[str]) -> None:
 
 
 def almn_study(proto: Protocol):
+    """The beta sweep at almn_beta3's tuned settings.  A sweep run whose config is that of an
+    almn_beta3 seeded run but for its folder (beta 3, the same seed) is the same training: the
+    study holds that seeded run in its place (under the sweep's key), trained once, by the seeds
+    phase."""
+    import dataclasses
+
     if "almn_beta3" not in proto.tuned():
         return None
     base = spec.overrides("almn_beta3", proto.epochs) + [{"from_tune": str(proto.tune_dir("almn_beta3"))}]
     variants = {f"beta{b:g}": base + [f"loss.0.options.beta={b}"] for b in spec.BETAS}
-    return make_study(proto, "almn_beta", variants, spec.BETA_SEEDS)
+    study = make_study(proto, "almn_beta", variants, spec.BETA_SEEDS)
+    seeded = {r.key: r for r in seeds_study(proto).runs}
+    runs = []
+    for run in study.runs:
+        twin = seeded.get(f"almn_beta3/seed{run.seed}")
+        if twin is not None and same_training(run, twin):
+            run = dataclasses.replace(twin, key=run.key, variant=run.variant)
+        runs.append(run)
+    study.runs = runs
+    return study
+
+
+def same_training(a, b) -> bool:
+    """Two study runs whose resolved configs are the same but for their folders."""
+    def without_folder(raw: dict) -> dict:
+        return {**raw, "train": {k: v for k, v in raw["train"].items() if k != "out_dir"}}
+
+    return without_folder(a.raw) == without_folder(b.raw)
 
 
 def run_almn_phase(proto: Protocol) -> None:
@@ -465,7 +488,12 @@ def run_almn_phase(proto: Protocol) -> None:
     if study is None:
         proto.log("almn_beta: almn_beta3 has no finished tune: skipped")
         return
-    run_study_phase(proto, study, list(study.variants))
+    own = [r.key for r in study.runs if study.out_dir in r.out_dir.parents]
+    shared = sorted(r.key for r in study.runs if study.out_dir not in r.out_dir.parents)
+    if shared:
+        proto.log(f"almn_beta: {', '.join(shared)}: almn_beta3's seeded runs (the same training), trained by the "
+                  "seeds phase")
+    run_study_phase(proto, study, own)
 
 
 def best_beta(proto: Protocol) -> float | None:
@@ -1175,7 +1203,8 @@ def progress_markdown(proto: Protocol) -> str:
     more = sum(max(0, proto.trials - t["complete"]) for t in open_tunes)
     seed_keys = [f"{n}/seed{s}" for n in spec.LOSSES for s in spec.seeds_of(n)]
     control_keys = [f"{n}/seed{spec.SEEDS[0]}" for n in spec.LOSSES]
-    beta_keys = [f"beta{b:g}/seed{s}" for b in spec.BETAS for s in spec.BETA_SEEDS]
+    # beta 3 at almn_beta3's settings is almn_beta3's seeded runs (almn_study): counted with them
+    beta_keys = [f"beta{b:g}/seed{s}" for b in spec.BETAS if b != 3.0 for s in spec.BETA_SEEDS]
     more_keys = [f"{v}/seed{s}" for v in spec.ALMN_MORE for s in spec.BETA_SEEDS]
     glyph_keys = [f"{v}/seed{s}" for v in spec.GLYPH_VARIANTS for s in spec.CLAIM_SEEDS]
     results = read_csv(proto.runs / "results.csv")
@@ -1187,7 +1216,8 @@ def progress_markdown(proto: Protocol) -> str:
               f"claims' losses) | {_finished_runs(proto.runs / 'seeds', seed_keys)} | {len(seed_keys)} |",
               f"| control (every loss at the winner's settings, seed {spec.SEEDS[0]}) | "
               f"{_finished_runs(proto.runs / 'control', control_keys)} | {len(control_keys)} |",
-              f"| ALMN beta sweep | {_finished_runs(proto.runs / 'almn_beta', beta_keys)} | {len(beta_keys)} |",
+              f"| ALMN beta sweep (beta 3: almn_beta3's seeded runs) | "
+              f"{_finished_runs(proto.runs / 'almn_beta', beta_keys)} | {len(beta_keys)} |",
               f"| ALMN at the best beta: m x n, Eq. 12 | {_finished_runs(proto.runs / 'almn_more', more_keys)} | "
               f"{len(more_keys)} |",
               f"| glyphs: heated-up variants, 20 epochs (secondary, if compute allows) | "

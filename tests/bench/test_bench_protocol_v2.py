@@ -348,6 +348,9 @@ def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_pa
     for r in sweep.runs:
         assert r.raw["loss"][0]["name"] == "almn" and r.raw["optim"]["lr"] == 0.0003
         assert r.raw["loss"][0]["options"]["beta"] == float(r.variant[len("beta"):])
+        # beta 3 at almn_beta3's settings is the same training as its seeded run: that run, trained once
+        owner = runs / ("seeds/almn_beta3" if r.variant == "beta3" else f"almn_beta/{r.variant}") / f"seed{r.seed}"
+        assert r.out_dir == owner and r.key == f"{r.variant}/seed{r.seed}"
     # a later winner is refused, not silently applied to the control runs
     monkeypatch.setattr(bench.spec, "LOSSES", {n: table[n] for n in ("HBN", "BN", "almn_beta3")})
     _fake_tune(runs, "HBN", 0.70, ['optim.name="sgd"', "optim.lr=0.05", "optim.weight_decay=0.0001",
@@ -359,10 +362,11 @@ def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_pa
 
 
 def _finished_sweep(runs: Path, val: dict[float, list[float]]) -> None:
-    """The beta sweep's runs as finished (metrics.json with best.pt's validation value)."""
+    """The beta sweep's runs as finished (metrics.json with best.pt's validation value); beta 3's
+    are almn_beta3's seeded runs (the same training)."""
     for beta, values in val.items():
         for seed, value in zip(v2.BETA_SEEDS, values):
-            d = runs / "almn_beta" / f"beta{beta:g}" / f"seed{seed}"
+            d = (runs / "seeds" / "almn_beta3" if beta == 3.0 else runs / "almn_beta" / f"beta{beta:g}") / f"seed{seed}"
             d.mkdir(parents=True, exist_ok=True)
             (d / "metrics.json").write_text(json.dumps({"selected": {"epoch": 9, "value": value}}))
 
