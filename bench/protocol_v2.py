@@ -7,7 +7,7 @@ studies/protocol_v2.py), one resumable command.  Phases, in this order by defaul
   trials never evaluate the test split, and the copy of each tune's outputs is checked to hold
   no test metric before it is written;
 * ``seeds``: each loss at its tuned settings on seeds no tune used (``SEEDS``; ``CLAIM_SEEDS``
-  for the paper claims' losses), validation only (best.pt chosen on validation);
+  for the seven losses of H1-H4), validation only (best.pt chosen on validation);
 * ``control``: every loss at the winner's optimiser, lr, weight decay, multiplier and embedding
   (the winner: the best validation objective of all tunes), its own tuned option kept, seed 100,
   validation only;
@@ -1212,8 +1212,8 @@ def progress_markdown(proto: Protocol) -> str:
     two_lr = [f"lr/{v}/{two._lr_name(lr)}_seed{two.LR_SEED}" for v in two.VARIANTS for lr in two.LRS]
     two_seeds = [f"seeds/{v}/seed{s}" for v in two.VARIANTS for s in two.SEEDS]
     lines += ["", "## The other phases", "", "| part | finished | of |", "|---|---|---|",
-              f"| seeded runs (seeds {spec.SEEDS[0]}-{spec.SEEDS[-1]}; to {spec.CLAIM_SEEDS[-1]} for the paper "
-              f"claims' losses) | {_finished_runs(proto.runs / 'seeds', seed_keys)} | {len(seed_keys)} |",
+              f"| seeded runs (seeds {spec.SEEDS[0]}-{spec.SEEDS[-1]}; to {spec.CLAIM_SEEDS[-1]} for the "
+              f"{len(spec.CLAIM_LOSSES)} losses of H1-H4) | {_finished_runs(proto.runs / 'seeds', seed_keys)} | {len(seed_keys)} |",
               f"| control (every loss at the winner's settings, seed {spec.SEEDS[0]}) | "
               f"{_finished_runs(proto.runs / 'control', control_keys)} | {len(control_keys)} |",
               f"| ALMN beta sweep (beta 3: almn_beta3's seeded runs) | "
