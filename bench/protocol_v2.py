@@ -41,6 +41,7 @@ results, every path in them relative to the repository.  A rerun resumes every p
     python bench/protocol_v2.py --snapshot                       # unfinished tunes -> partial_tunes/, to commit
     python bench/protocol_v2.py --restore                        # a fresh clone: the committed tunes -> runs/
     python bench/protocol_v2.py --progress                       # what has run, what is left (progress.md)
+    python bench/protocol_v2.py --drain                          # stop a running study between trials, nothing lost
 """
 from __future__ import annotations
 
@@ -99,6 +100,16 @@ def trial_states(tune_dir: Path) -> list[str]:
 
 class ProtocolError(RuntimeError):
     """The protocol cannot go on as asked (a missing tune, no pre-registration, a leak)."""
+
+
+class Drained(Exception):
+    """``--drain`` stopped the study between trials / runs: nothing lost, rerun to continue."""
+
+
+#: runs/protocol_v2/DRAIN (``--drain``): no tune, loss or run starts; each running one finishes
+DRAIN = "DRAIN"
+#: the study folders of the seeded phases (runs/protocol_v2/<kind>), which --drain drains too
+STUDY_KINDS = ("seeds", "control", "almn_beta", "almn_more", "glyphs")
 
 
 # --------------------------------------------------------------------------- set-up
@@ -192,12 +203,33 @@ def run_tune_phase(proto: Protocol, loss: str) -> None:
     from deepmetric.workflows.tune import run_tune
 
     setup = _tune_setup(proto, loss)
+    check_drain(proto)
     proto.log(f"tune {loss}: {setup.budget_text()}, {proto.args.tune_parallel} trials at a time")
     run_tune(setup, workers=proto.args.tune_parallel)
-    if not proto.finished(loss):  # every worker failed (a missing cache, a crash): nothing to copy or seed
+    if not proto.finished(loss):
+        check_drain(proto)  # every worker failed (a missing cache, a crash): nothing to copy or seed
         raise ProtocolError(f"tune {loss} ended before its {proto.trials} completed trials (workers' logs: "
                             f"{proto.tune_dir(loss) / 'workers'}); rerun the same command to continue it")
     copy_tune(proto, loss)
+
+
+def check_drain(proto: Protocol) -> None:
+    if (proto.runs / DRAIN).is_file():
+        raise Drained()
+
+
+def drain(proto: Protocol) -> list[Path]:
+    """``--drain``: every running trial and seeded run finishes, and nothing new starts (a stop
+    with Ctrl-C loses the current epoch of each, and a fresh clone their checkpoints, which are
+    not committed).  Writes ``DRAIN`` into the study's run folder, each unfinished tune's and
+    each seeded phase's folder; returns them."""
+    marks = [proto.runs / DRAIN]
+    marks += [proto.tune_dir(n) / DRAIN for n in spec.LOSSES if proto.tune_dir(n).is_dir() and not proto.finished(n)]
+    marks += [proto.runs / kind / DRAIN for kind in STUDY_KINDS if (proto.runs / kind).is_dir()]
+    for mark in marks:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+    return marks
 
 
 def copy_tune(proto: Protocol, loss: str) -> None:
@@ -371,9 +403,11 @@ def run_study_phase(proto: Protocol, study, only: list[str]) -> None:
         return
     if all(r.finished for r in study.runs if any(r.key == k or r.key.startswith(k + "/") for k in only)):
         return  # nothing to train here (metrics.json of each): no worker processes to start
+    check_drain(proto)
     result = run_study(study, workers=proto.args.parallel, only=only)
     if result["interrupted"]:
         raise KeyboardInterrupt
+    check_drain(proto)
     if result["failed"]:
         proto.log(f"{study.name}: failed runs {result['failed']} (rerun to retry)")
 
@@ -1272,6 +1306,9 @@ def parse_args(argv=None):
     ap.add_argument("--restore", action="store_true",
                     help="train nothing: put the committed tunes (COPY/tunes, COPY/partial_tunes) into --runs "
                          "where it has none, to continue the study in a fresh clone")
+    ap.add_argument("--drain", action="store_true",
+                    help="train nothing: the running study's trials and seeded runs finish and nothing new starts "
+                         "(no work lost, unlike Ctrl-C); it then exits 0, and the same command continues it")
     ap.add_argument("--progress", action="store_true",
                     help="train nothing: print what has run and what is left, and write COPY/progress.md")
     ap.add_argument("--cut", nargs="+", default=None, metavar="LOSS",
@@ -1303,6 +1340,7 @@ def _tune_lane(proto: Protocol, loss: str, phases: list[str]) -> None:
 
 
 def _tune_one(proto: Protocol, loss: str, phases: list[str]) -> None:
+    check_drain(proto)  # draining: no lane starts another loss
     if proto.finished(loss):  # never tuned again: a tune restored from its outputs alone has no storage,
         proto.log(f"tune {loss}: finished already ({proto.tune_dir(loss)})")  # and would start over
     else:
@@ -1398,7 +1436,7 @@ def main(argv=None) -> int:
     import signal
 
     args = parse_args(argv)
-    trains = not (args.snapshot or args.summary or args.restore or args.progress)
+    trains = not (args.snapshot or args.summary or args.restore or args.progress or args.drain)
     previous = _stop_on_signals() if trains else {}
     try:
         return _main(args)
@@ -1420,6 +1458,11 @@ def _main(args) -> int:
         if args.progress:
             print(write_progress(proto))
             return 0
+        if args.drain:
+            marks = drain(proto)
+            proto.log(f"drain: {len(marks)} folder(s) marked; the running trials and runs finish, then the study "
+                      "stops (exit 0); the same command continues it")
+            return 0
         if args.summary:
             for loss in proto.tuned():
                 copy_tune(proto, loss)
@@ -1429,6 +1472,9 @@ def _main(args) -> int:
                 write_summary(proto)
                 copy_results(proto)
             return 0
+        if (proto.runs / DRAIN).is_file():  # left by the drain that stopped the last command
+            (proto.runs / DRAIN).unlink()
+            proto.log("the last drain's mark removed: continuing")
         run(proto, list(PHASES) if "all" in args.phase else list(args.phase))
     except (ProtocolError, ValueError) as exc:  # ValueError: TuneError, ConfigError (a changed set-up, a bad key)
         print(f"protocol_v2: error: {exc}", file=sys.stderr)
@@ -1436,6 +1482,10 @@ def _main(args) -> int:
     except KeyboardInterrupt:
         print("protocol_v2: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except Drained:
+        print("protocol_v2: drained (the running trials and runs finished, nothing else started); rerun the same "
+              "command to continue", file=sys.stderr)
+        return 0
     return 0
 
 

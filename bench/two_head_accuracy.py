@@ -34,7 +34,9 @@ interrupted one continues from its ``last.pt``), in this order:
 The seeded runs have no validation vendor, so nothing chooses an epoch: the test scores each
 run's last epoch (``last.pt``).  Twitter has one image of each of the 1,911 classes, so macro
 accuracy equals top-1 on this split (both are reported, as pre-registered).  Ctrl-C or SIGTERM
-checkpoints the running trainings and stops (exit 130); rerun the same command to resume.  A run
+checkpoints the running trainings and stops (exit 130); rerun the same command to resume.
+``touch OUT/DRAIN`` lets the running trainings finish and starts no other (exit 0; nothing lost,
+where a stop loses the current epoch); the next command removes the file and continues.  A run
 folder that holds another lr, seed or number of epochs than the one asked for is an error.
 
     python bench/two_head_accuracy.py --phase all                      # CPU, one run at a time
@@ -86,6 +88,13 @@ def recipe(variant: str) -> Path:
 
 class RunMismatch(ValueError):
     """A run folder that holds another training than the one asked for."""
+
+
+class Drained(Exception):
+    """``touch OUT/DRAIN``: the running trainings finished, no other started."""
+
+
+DRAIN = "DRAIN"
 
 
 @dataclass
@@ -234,8 +243,10 @@ def run_all(runs: list[Run], args) -> list[str]:
           flush=True)
     errors: list[str] = []
 
+    drain = Path(args.out) / DRAIN
+
     def one(run: Run) -> None:
-        if _STOP.is_set():
+        if _STOP.is_set() or drain.is_file():
             return
         t0 = time.perf_counter()
         try:
@@ -266,6 +277,8 @@ def run_all(runs: list[Run], args) -> list[str]:
     else:
         for run in todo:
             one(run)
+    if drain.is_file() and not all(r.done for r in runs):
+        raise Drained()
     return errors
 
 
@@ -546,6 +559,9 @@ def main(argv=None) -> int:
         previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
                     signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm_as_sigint)}
     try:
+        if (Path(args.out) / DRAIN).is_file():  # left by the drain that stopped the last command
+            (Path(args.out) / DRAIN).unlink()
+            print(f"[two_head_accuracy] {Path(args.out) / DRAIN} from the last drain removed: continuing", flush=True)
         rc = 0
         if args.phase in ("lr", "all"):
             rc |= phase_lr(args)
@@ -561,6 +577,10 @@ def main(argv=None) -> int:
         print("two_head_accuracy: interrupted (the running trainings saved last.pt); rerun the same command to "
               "resume", file=sys.stderr)
         return 130
+    except Drained:
+        print(f"two_head_accuracy: drained ({Path(args.out) / DRAIN}: the running trainings finished, no other "
+              "started); rerun the same command to continue", file=sys.stderr)
+        return 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -675,3 +675,44 @@ def test_a_diverged_seeded_run_has_ended_and_is_reported_as_such(tmp_path):
     assert re.search(r"\| 2 \| SM \| 2 \(1 diverged\) \| 50\.00 \|", text), text
     h2 = {r["id"]: r for r in json.loads((tmp_path / "verdicts.json").read_text())}["H2"]
     assert h2["test"]["n"] == 4 and h2["budget"].endswith("seeds 100, 102, 103, 104")
+
+
+def test_drain_lets_the_running_tunes_finish_their_trials_and_starts_nothing_new(tmp_path, monkeypatch):
+    """--drain (e.g. before a session ends: the trials' checkpoints are not committed, so a stop
+    with Ctrl-C loses their work): the running tunes' workers finish their trials (their own
+    DRAIN mark), no lane starts another loss, the command exits 0; the next one continues, and a
+    --summary meanwhile does not lift the drain."""
+    import threading
+    import time
+
+    import deepmetric.workflows.tune as tune
+
+    started, drained, lock = [], [], threading.Lock()
+    argv = ["--runs", str(tmp_path / "runs"), "--copy-to", str(tmp_path / "copy"), "--set",
+            "model.options.pretrained=null"]
+
+    def fake_run_tune(setup, workers=1):
+        loss = setup.study_name.split("__")[1]
+        setup.out.mkdir(parents=True, exist_ok=True)
+        with lock:
+            started.append(loss)
+        if loss == "HBN" and not drained:
+            drained.append(loss)
+            time.sleep(0.3)
+            assert bench.main(argv + ["--drain"]) == 0
+            assert bench.main(argv + ["--summary"]) == 0
+        while not (setup.out / tune.DRAIN).is_file() and time.monotonic() < deadline:  # a worker's trial
+            time.sleep(0.05)
+
+    monkeypatch.setattr(tune, "run_tune", fake_run_tune)
+    deadline = time.monotonic() + 30
+    assert bench.main(argv + ["--phase", "tune", "--lanes", "2"]) == 0
+    time.sleep(0.5)  # a lane that went on would have started by now
+    assert sorted(started) == ["BN", "HBN"], started
+    runs = tmp_path / "runs"
+    assert (runs / bench.DRAIN).is_file() and (runs / "tune" / "BN" / tune.DRAIN).is_file()
+    # the same command continues: the study's mark is removed (the tunes remove their own)
+    started.clear()
+    deadline = time.monotonic() + 0.5
+    assert bench.main(argv + ["--phase", "tune", "--only", "HBN"]) == 2  # (the fake tune never finishes)
+    assert started == ["HBN"] and not (runs / bench.DRAIN).exists()

@@ -241,3 +241,26 @@ def test_sigterm_checkpoints_the_parallel_trainings_and_starts_no_other(tmp_path
     assert rc == 130 and time.monotonic() - t0 < 30
     assert [(r / "stopped").is_file() for r in runs] == [True, True, False]  # the third never started
     assert signal.getsignal(signal.SIGTERM) is not bench._sigterm_as_sigint  # the handlers are restored
+
+
+def test_a_drain_lets_the_running_training_finish_and_starts_no_other(tmp_path, monkeypatch, capsys):
+    import types
+
+    import deepmetric.train
+
+    started = []
+
+    def fake_train(cfg, resume=None, overwrite=False):
+        started.append(cfg.optim.lr)
+        if len(started) == 1:
+            (tmp_path / bench.DRAIN).touch()  # drained while the first one trains
+        return types.SimpleNamespace(interrupted=False)
+
+    monkeypatch.setattr(deepmetric.train, "train", fake_train)
+    argv = ["--phase", "all", "--out", str(tmp_path), "--variants", "softmax", "--lrs", "0.01", "0.03", "--epochs", "1"]
+    assert bench.main(argv) == 0
+    assert started == [0.01] and "drained" in capsys.readouterr().err
+    assert not (tmp_path / "lr" / "chosen_lr.json").exists()  # no phase went on
+    # the next command removes the mark and continues (the fake writes no metrics.json: every lr trains again)
+    assert bench.main([*argv[:1], "lr", *argv[2:]]) == 0 and not (tmp_path / bench.DRAIN).exists()
+    assert started == [0.01, 0.01, 0.03]

@@ -354,3 +354,24 @@ def test_from_tune_values_survive_the_variants_own_overrides(tmp_path):
     runs = {r.key: r.raw for r in load_study(path).runs}
     assert runs["a/seed0"]["loss"][0]["options"]["alpha"] == 8.0 and runs["a/seed0"]["optim"]["lr"] == 0.0123
     assert runs["b/seed0"]["optim"]["lr"] == 0.5 and runs["b/seed0"]["loss"][0]["options"]["alpha"] == 8.0
+
+
+def test_a_drain_finishes_the_running_run_and_the_next_command_continues(tmp_path):
+    """``touch OUT/DRAIN`` while a run trains: it finishes, no other starts; the next command
+    removes the file and trains the rest."""
+    from deepmetric.workflows.study import DRAIN
+
+    path = _study(tmp_path, seeds=[0, 1], variants={"a16": []}, compare=[])
+    study = load_study(path)
+    said = []
+
+    def log(msg):
+        said.append(msg)
+        if msg.startswith("a16/seed0: training"):
+            (study.out_dir / DRAIN).touch()
+
+    result = run_study(study, log=log)
+    assert result["finished"] == ["a16/seed0"] and not result["failed"] and not result["interrupted"]
+    assert not study.runs[1].finished and any(m.startswith("drained") for m in said)
+    result = run_study(load_study(path), log=said.append)
+    assert result["finished"] == ["a16/seed1"] and not (study.out_dir / DRAIN).exists()

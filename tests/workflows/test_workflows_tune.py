@@ -572,3 +572,29 @@ def test_the_heartbeat_retry_of_a_ctrl_c_retry_resumes_the_original_trials_folde
     plain_heartbeat = add(system_attrs={"failed_trial": 0, "retry_history": [0]})
     assert [trial_origin(t) for t in (first, ctrl_c, heartbeat, plain_heartbeat)] == [0, 0, 0, 0]
     assert trial_origin(heartbeat, study) == 0  # read from the storage, as a live trial is
+
+
+def test_a_drain_finishes_the_running_trial_starts_no_other_and_the_next_command_continues(tmp_path):
+    """``touch OUT/DRAIN`` while a trial runs: that trial completes (its work kept: a Ctrl-C would
+    lose its current epoch, a fresh clone its checkpoint), no other starts, the command ends
+    normally with the study unfinished; the next command removes the file and finishes it."""
+    from deepmetric.workflows.tune import DRAIN, run_tune
+
+    recipe, sp = _files(tmp_path, epochs=2)
+    setup = prepare_tune(recipe, sp, trials=3, out=tmp_path / "out")
+    said = []
+
+    def log(msg):
+        said.append(msg)
+        if msg.startswith("trial 0:"):  # trial 0 has started: drain now
+            (setup.out / DRAIN).touch()
+
+    run_tune(setup, log=log)
+    assert _states(open_study(setup, create=False)) == {"COMPLETE": 1}
+    assert (setup.out / DRAIN).is_file() and any(m.startswith("drained") for m in said)
+    with open(setup.out / "trials.csv") as fh:
+        assert [r["state"] for r in csv.DictReader(fh)] == ["complete"]
+    said.clear()
+    run_tune(setup, log=said.append)
+    assert _states(open_study(setup, create=False)) == {"COMPLETE": 3} and not (setup.out / DRAIN).exists()
+    assert any("from the last drain removed" in m for m in said)

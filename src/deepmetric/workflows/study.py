@@ -50,6 +50,10 @@ with the wall time of each attempt, ``error.txt`` of a failed attempt) are in
 ``OUT/.study/<run key>/``, so run directories hold only what ``train`` writes; the workers'
 output is in ``OUT/.study/workers/``.
 
+``touch OUT/DRAIN`` stops a study without losing work: every worker finishes the run it trains
+and starts no other (a Ctrl-C loses the current epoch of each); the next command removes the
+file and continues.
+
 A variant can take its settings from a finished tune: ``VARIANT: [..., {from_tune: DIR}]``
 applies the best trial's values of the tune in ``DIR`` (``DIR/best_overrides.json``, written
 by ``deepmetric tune``) where it stands; a later override that replaces a whole mapping or list
@@ -90,6 +94,7 @@ __all__ = ["run_study", "collect_rows", "write_results", "run_row"]
 RUN_CONFIG = "config.yaml"         # the resolved config of a run, written before it starts
 RUN_RECORD = "attempts.json"       # wall time of each attempt
 RUN_ERROR = "error.txt"            # the exception of a failed in-process run
+DRAIN = "DRAIN"                    # OUT/DRAIN: every worker finishes its run and starts no other
 
 
 # --------------------------------------------------------------------------- one run's row
@@ -339,6 +344,9 @@ def run_worker(study: Study, *, storage: str | None = None, only: Sequence[str] 
     finished, failed, interrupted = [], [], False
     tried: set[str] = set()
     while True:
+        if (study.out_dir / DRAIN).is_file():
+            log(f"drained ({study.out_dir / DRAIN}): no other run starts here")
+            break
         fail_stale_trials(ostudy)  # a dead worker's run is free again (it resumes)
         trials = ostudy.get_trials(deepcopy=False)
         states = _trial_states(trials)
@@ -432,6 +440,9 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
     if unmatched:  # a typo must not silently shrink the study to the other keys
         raise ValueError(f"--only {unmatched} matches no run (keys match by whole path parts); "
                          f"runs are e.g. {', '.join(r.key for r in study.runs[:3])}")
+    if (study.out_dir / DRAIN).is_file():  # left by the drain that stopped the last command
+        (study.out_dir / DRAIN).unlink()
+        log(f"{study.out_dir / DRAIN} from the last drain removed: continuing")
     ostudy = open_trials(study, storage)
     sync_finished(study, ostudy.get_trials(deepcopy=False))
     runs = [r for r in study.runs if not only or any(_under(r.key, p) for p in only)]

@@ -44,6 +44,12 @@ completed`` it stops when ``N`` trials have *completed* (pruned and failed ones 
 when ``--max-trials`` (default 3 N) have finished or been pruned, whichever comes first: tunes of
 several losses then each get the same number of complete trials, and the cap is reported.
 
+To stop without losing the running trials' work (a machine that must be handed back, a session
+that ends: a stop at any other moment loses the current epoch of each, and a fresh clone loses
+their checkpoints altogether), create ``OUT/DRAIN`` (``touch OUT/DRAIN``): every worker finishes
+the trial it runs and starts no other; the command then writes the outputs and exits 0 with the
+study unfinished.  The next command removes the file and continues.
+
 Outputs in ``OUT`` (rewritten at the end of every command): ``best.yaml`` (the best trial's
 configuration as a runnable recipe), ``trials.csv`` / ``trials.md`` (every trial: state,
 parameters, validation value, wall time, the epoch a pruned trial stopped at; no test metric),
@@ -327,9 +333,18 @@ def _run_trial(setup: TuneSetup, study, trial, *, threads: int | None, log: Call
     return value
 
 
+#: a file in the tune's folder: every worker finishes its trial and starts no other
+DRAIN = "DRAIN"
+
+
+def draining(setup: TuneSetup) -> bool:
+    return (setup.out / DRAIN).is_file()
+
+
 def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[str], None] | None = None) -> None:
     """Run trials until the budget is met (``setup.trials`` finished or pruned, or completed
-    with ``count: completed``), counting every worker of the study, on any machine."""
+    with ``count: completed``), counting every worker of the study, on any machine, or until
+    ``OUT/DRAIN`` exists (checked between trials)."""
     tune_optuna()  # a clear error when Optuna is missing, before the storage is opened
     log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
     study = open_study(setup)
@@ -337,6 +352,8 @@ def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[s
     stop = {"interrupted": False}
     objective = _objective(setup, study, threads=threads, log=log, stop=stop)
     while True:
+        if draining(setup):
+            return
         fail_stale_trials(study)  # a dead worker's trial: failed, queued again
         c = _counts(study)
         if setup.reached(c):
@@ -380,6 +397,9 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
     log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
     setup.out.mkdir(parents=True, exist_ok=True)
     _check_same_tune(setup)
+    if draining(setup):  # left by the drain that stopped the last command: this one continues
+        (setup.out / DRAIN).unlink()
+        log(f"{setup.out / DRAIN} from the last drain removed: continuing")
     rundir.write_text_atomic(setup.out / "tune.json", json.dumps(_setup_record(setup), indent=1) + "\n")
     study = open_study(setup)
     c = _counts(study)
@@ -403,6 +423,10 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
     except KeyboardInterrupt:  # the tables show the interrupted trial; a second Ctrl-C skips this
         write_outputs(setup)
         raise
+    if draining(setup):
+        c = _counts(open_study(setup))
+        log(f"drained ({setup.out / DRAIN}): the running trials finished, no other started; {c['complete']} "
+            f"complete, {c['done']} finished or pruned; rerun the same command to continue")
     return write_outputs(setup)
 
 
