@@ -106,8 +106,9 @@ class Drained(Exception):
     """``--drain`` stopped the study between trials / runs: nothing lost, rerun to continue."""
 
 
-#: runs/protocol_v2/DRAIN (``--drain``): no tune, loss or run starts; each running one finishes
-DRAIN = "DRAIN"
+#: runs/protocol_v2/DRAIN (``--drain``; deepmetric's drain mark): no tune, loss or run starts;
+#: each running one finishes
+from deepmetric.workflows.engine import DRAIN, clear_drain, draining  # noqa: E402
 #: the study folders of the seeded phases (runs/protocol_v2/<kind>), which --drain drains too
 STUDY_KINDS = ("seeds", "control", "almn_beta", "almn_more", "glyphs")
 
@@ -214,7 +215,7 @@ def run_tune_phase(proto: Protocol, loss: str) -> None:
 
 
 def check_drain(proto: Protocol) -> None:
-    if (proto.runs / DRAIN).is_file():
+    if draining(proto.runs):
         raise Drained()
 
 
@@ -1472,9 +1473,7 @@ def _main(args) -> int:
                 write_summary(proto)
                 copy_results(proto)
             return 0
-        if (proto.runs / DRAIN).is_file():  # left by the drain that stopped the last command
-            (proto.runs / DRAIN).unlink()
-            proto.log("the last drain's mark removed: continuing")
+        clear_drain(proto.runs, proto.log)  # left by the drain that stopped the last command
         run(proto, list(PHASES) if "all" in args.phase else list(args.phase))
     except (ProtocolError, ValueError) as exc:  # ValueError: TuneError, ConfigError (a changed set-up, a bad key)
         print(f"protocol_v2: error: {exc}", file=sys.stderr)

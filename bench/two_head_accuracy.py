@@ -91,10 +91,7 @@ class RunMismatch(ValueError):
 
 
 class Drained(Exception):
-    """``touch OUT/DRAIN``: the running trainings finished, no other started."""
-
-
-DRAIN = "DRAIN"
+    """``touch OUT/DRAIN`` (deepmetric's drain mark): the running trainings finished, no other started."""
 
 
 @dataclass
@@ -243,10 +240,10 @@ def run_all(runs: list[Run], args) -> list[str]:
           flush=True)
     errors: list[str] = []
 
-    drain = Path(args.out) / DRAIN
+    from deepmetric.workflows.engine import draining
 
     def one(run: Run) -> None:
-        if _STOP.is_set() or drain.is_file():
+        if _STOP.is_set() or draining(args.out):
             return
         t0 = time.perf_counter()
         try:
@@ -277,7 +274,7 @@ def run_all(runs: list[Run], args) -> list[str]:
     else:
         for run in todo:
             one(run)
-    if drain.is_file() and not all(r.done for r in runs):
+    if draining(args.out) and not all(r.done for r in runs):
         raise Drained()
     return errors
 
@@ -551,6 +548,8 @@ def _sigterm_as_sigint(signum, frame) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from deepmetric.workflows.engine import DRAIN, clear_drain
+
     _STOP.clear()
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -559,9 +558,7 @@ def main(argv=None) -> int:
         previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
                     signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm_as_sigint)}
     try:
-        if (Path(args.out) / DRAIN).is_file():  # left by the drain that stopped the last command
-            (Path(args.out) / DRAIN).unlink()
-            print(f"[two_head_accuracy] {Path(args.out) / DRAIN} from the last drain removed: continuing", flush=True)
+        clear_drain(args.out, lambda msg: print(f"[two_head_accuracy] {msg}", flush=True))
         rc = 0
         if args.phase in ("lr", "all"):
             rc |= phase_lr(args)

@@ -247,13 +247,14 @@ def test_a_drain_lets_the_running_training_finish_and_starts_no_other(tmp_path, 
     import types
 
     import deepmetric.train
+    from deepmetric.workflows.engine import DRAIN
 
     started = []
 
     def fake_train(cfg, resume=None, overwrite=False):
         started.append(cfg.optim.lr)
         if len(started) == 1:
-            (tmp_path / bench.DRAIN).touch()  # drained while the first one trains
+            (tmp_path / DRAIN).touch()  # drained while the first one trains
         return types.SimpleNamespace(interrupted=False)
 
     monkeypatch.setattr(deepmetric.train, "train", fake_train)
@@ -262,5 +263,5 @@ def test_a_drain_lets_the_running_training_finish_and_starts_no_other(tmp_path, 
     assert started == [0.01] and "drained" in capsys.readouterr().err
     assert not (tmp_path / "lr" / "chosen_lr.json").exists()  # no phase went on
     # the next command removes the mark and continues (the fake writes no metrics.json: every lr trains again)
-    assert bench.main([*argv[:1], "lr", *argv[2:]]) == 0 and not (tmp_path / bench.DRAIN).exists()
+    assert bench.main([*argv[:1], "lr", *argv[2:]]) == 0 and not (tmp_path / DRAIN).exists()
     assert started == [0.01, 0.01, 0.03]

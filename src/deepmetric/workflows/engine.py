@@ -9,7 +9,9 @@ command on several machines works through one set of trials.  What they share li
   :data:`HEARTBEAT_S` seconds and is failed once none came for :data:`GRACE_S` (its process was
   killed, its machine lost), so a rerun of the command takes it up again;
 * the worker processes of ``--workers K`` (each with ``cores / K`` torch threads, stopped when
-  the parent dies) and the progress the parent prints while they run.
+  the parent dies) and the progress the parent prints while they run;
+* the drain mark (``OUT/DRAIN``): every worker finishes its trial or run and starts no other, and
+  the next command removes the mark and goes on.
 """
 from __future__ import annotations
 
@@ -23,11 +25,26 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 __all__ = ["HEARTBEAT_S", "GRACE_S", "optuna_module", "sqlite_url", "display_storage", "rdb_storage",
-           "fail_stale_trials", "Heartbeat", "cores", "run_workers"]
+           "fail_stale_trials", "Heartbeat", "cores", "run_workers", "DRAIN", "draining", "clear_drain"]
 
 # DEEPMETRIC_TUNE_HEARTBEAT (seconds) shortens the heartbeat in tests
 HEARTBEAT_S = int(os.environ.get("DEEPMETRIC_TUNE_HEARTBEAT", "10"))
 GRACE_S = 4 * HEARTBEAT_S
+
+#: a file in an output folder (``touch OUT/DRAIN``): its workers finish what they run, start nothing
+DRAIN = "DRAIN"
+
+
+def draining(folder: Path) -> bool:
+    return (Path(folder) / DRAIN).is_file()
+
+
+def clear_drain(folder: Path, log: Callable[[str], None]) -> None:
+    """Remove the mark a drain left in ``folder``, at the start of the command that continues."""
+    mark = Path(folder) / DRAIN
+    if mark.is_file():
+        mark.unlink()
+        log(f"{mark} from the last drain removed: continuing")
 
 
 def optuna_module():

@@ -83,8 +83,8 @@ from deepmetric.run import rundir
 from deepmetric.run.config_io import config_from_dict, save_config
 from deepmetric.run.rundir import write_text_atomic
 
-from .engine import (HEARTBEAT_S, Heartbeat, display_storage, fail_stale_trials, optuna_module, rdb_storage,
-                     run_workers, sqlite_url)
+from .engine import (DRAIN, HEARTBEAT_S, Heartbeat, clear_drain, display_storage, draining, fail_stale_trials,
+                     optuna_module, rdb_storage, run_workers, sqlite_url)
 from .study_file import Study, StudyRun
 
 __all__ = ["run_study", "collect_rows", "write_results", "run_row"]
@@ -94,7 +94,6 @@ __all__ = ["run_study", "collect_rows", "write_results", "run_row"]
 RUN_CONFIG = "config.yaml"         # the resolved config of a run, written before it starts
 RUN_RECORD = "attempts.json"       # wall time of each attempt
 RUN_ERROR = "error.txt"            # the exception of a failed in-process run
-DRAIN = "DRAIN"                    # OUT/DRAIN: every worker finishes its run and starts no other
 
 
 # --------------------------------------------------------------------------- one run's row
@@ -344,7 +343,7 @@ def run_worker(study: Study, *, storage: str | None = None, only: Sequence[str] 
     finished, failed, interrupted = [], [], False
     tried: set[str] = set()
     while True:
-        if (study.out_dir / DRAIN).is_file():
+        if draining(study.out_dir):
             log(f"drained ({study.out_dir / DRAIN}): no other run starts here")
             break
         fail_stale_trials(ostudy)  # a dead worker's run is free again (it resumes)
@@ -440,9 +439,7 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
     if unmatched:  # a typo must not silently shrink the study to the other keys
         raise ValueError(f"--only {unmatched} matches no run (keys match by whole path parts); "
                          f"runs are e.g. {', '.join(r.key for r in study.runs[:3])}")
-    if (study.out_dir / DRAIN).is_file():  # left by the drain that stopped the last command
-        (study.out_dir / DRAIN).unlink()
-        log(f"{study.out_dir / DRAIN} from the last drain removed: continuing")
+    clear_drain(study.out_dir, log)  # left by the drain that stopped the last command
     ostudy = open_trials(study, storage)
     sync_finished(study, ostudy.get_trials(deepcopy=False))
     runs = [r for r in study.runs if not only or any(_under(r.key, p) for p in only)]

@@ -75,7 +75,7 @@ from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import apply_overrides, read_yaml_mapping
 from deepmetric.registry import did_you_mean
 
-from .engine import HEARTBEAT_S, display_storage, fail_stale_trials, run_workers
+from .engine import DRAIN, HEARTBEAT_S, clear_drain, display_storage, draining, fail_stale_trials, run_workers
 from .tune_outputs import write_outputs
 from .tune_space import TuneError, format_value, load_space
 from .tune_study import TuneSetup, default_storage, open_study, trial_origin, trial_state_name, tune_optuna
@@ -333,14 +333,6 @@ def _run_trial(setup: TuneSetup, study, trial, *, threads: int | None, log: Call
     return value
 
 
-#: a file in the tune's folder: every worker finishes its trial and starts no other
-DRAIN = "DRAIN"
-
-
-def draining(setup: TuneSetup) -> bool:
-    return (setup.out / DRAIN).is_file()
-
-
 def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[str], None] | None = None) -> None:
     """Run trials until the budget is met (``setup.trials`` finished or pruned, or completed
     with ``count: completed``), counting every worker of the study, on any machine, or until
@@ -352,7 +344,7 @@ def run_worker(setup: TuneSetup, *, threads: int | None = None, log: Callable[[s
     stop = {"interrupted": False}
     objective = _objective(setup, study, threads=threads, log=log, stop=stop)
     while True:
-        if draining(setup):
+        if draining(setup.out):
             return
         fail_stale_trials(study)  # a dead worker's trial: failed, queued again
         c = _counts(study)
@@ -397,9 +389,7 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
     log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
     setup.out.mkdir(parents=True, exist_ok=True)
     _check_same_tune(setup)
-    if draining(setup):  # left by the drain that stopped the last command: this one continues
-        (setup.out / DRAIN).unlink()
-        log(f"{setup.out / DRAIN} from the last drain removed: continuing")
+    clear_drain(setup.out, log)  # left by the drain that stopped the last command: this one continues
     rundir.write_text_atomic(setup.out / "tune.json", json.dumps(_setup_record(setup), indent=1) + "\n")
     study = open_study(setup)
     c = _counts(study)
@@ -423,7 +413,7 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
     except KeyboardInterrupt:  # the tables show the interrupted trial; a second Ctrl-C skips this
         write_outputs(setup)
         raise
-    if draining(setup):
+    if draining(setup.out):
         c = _counts(open_study(setup))
         log(f"drained ({setup.out / DRAIN}): the running trials finished, no other started; {c['complete']} "
             f"complete, {c['done']} finished or pruned; rerun the same command to continue")
