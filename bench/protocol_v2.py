@@ -449,6 +449,12 @@ def kept_losses(proto: Protocol, step: str) -> list[str]:
     return [n for n in table if n not in cut]
 
 
+def cut_from(loss: str) -> list[str]:
+    """The ``--cut`` that leaves ``loss`` out: it and every loss after it in the table."""
+    table = list(spec.LOSSES)
+    return table[table.index(loss):]
+
+
 def winner(proto: Protocol) -> dict:
     """The loss with the best validation objective of all tunes (the whole table less ``--cut``;
     ``--only`` does not narrow it), once every one of them has finished.  It is recorded in
@@ -457,10 +463,9 @@ def winner(proto: Protocol) -> dict:
     kept = kept_losses(proto, "control")
     unfinished = [n for n in kept if not proto.finished(n)]
     if unfinished:
-        suffix = list(spec.LOSSES)[list(spec.LOSSES).index(unfinished[0]):]
         raise ProtocolError(f"control: the winner is the best validation objective of all tunes (pre-registered), "
                             f"and these have not finished theirs: {unfinished}. Finish them, or cut losses from the "
-                            f"end of the table (--cut {' '.join(suffix)})")
+                            f"end of the table (--cut {' '.join(cut_from(unfinished[0]))})")
     records = [tune_record(proto, n) for n in kept]
     win = max(records, key=lambda r: r["value"])
     path = proto.runs / "control" / "winner.json"
@@ -610,18 +615,24 @@ def check_preregistration(proto: Protocol) -> None:
                             "pre-registration (a correction is a new dated section, committed)")
 
 
-def val_curve(run_dir: Path, key: str) -> list[float]:
+def val_records(run_dir: Path, key: str) -> list[dict]:
+    """A run's validation evaluations that carry ``key``, in the order they ran."""
     from deepmetric.run.rundir import read_log
 
-    return [r[key] for r in read_log(run_dir, type="eval") if r.get("split") == "val" and key in r]
+    return [r for r in read_log(run_dir, type="eval") if r.get("split") == "val" and key in r]
+
+
+def val_curve(run_dir: Path, key: str) -> list[float]:
+    return [r[key] for r in val_records(run_dir, key)]
 
 
 def flattened(curve: list[float], points: float = 0.5) -> bool:
     """No gain above ``points`` (percentage points) over the last two evaluations: the best of
     the last two is at most ``points`` above the best before them (False with fewer than 3)."""
-    if len(curve) < 3:
-        return False
-    return max(curve[-2:]) - max(curve[:-2]) <= points / 100
+    from deepmetric.report.study_tables import last_gain
+
+    gain = last_gain(curve)
+    return gain is not None and gain <= points / 100
 
 
 def test_evaluation(run_dir: Path, device: str, cross_domain: bool = True) -> dict:
@@ -687,10 +698,7 @@ def selected(run, objective: str) -> dict:
     (the best validation record before the divergence; {} when it had none)."""
     if run.finished:
         return json.loads((run.out_dir / "metrics.json").read_text()).get("selected") or {}
-    from deepmetric.run.rundir import read_log
-
-    records = [r for r in read_log(run.out_dir, type="eval") if r.get("split") == "val" and objective in r]
-    best = max(records, key=lambda r: r[objective], default=None)
+    best = max(val_records(run.out_dir, objective), key=lambda r: r[objective], default=None)
     return {} if best is None else {"epoch": best.get("epoch"), "value": best[objective]}
 
 
@@ -801,8 +809,8 @@ def check_final_ready(proto: Protocol, study) -> list[str]:
             if extra is None or not all(evaluated(r) for r in extra.runs):
                 missing.append(f"{kind} (its phase)")
     if missing:
-        in_table = [table.index(m) for m in missing if m in table]
-        suffix = table[min(in_table):] if in_table else []  # from the first unfinished loss to the end
+        in_table = [m for m in table if m in missing]
+        suffix = cut_from(in_table[0]) if in_table else []  # from the first unfinished loss to the end
         raise ProtocolError(f"final: the test split is read once, at the end, and these have not finished their tune "
                             f"and seeded runs: {missing}. Finish them"
                             + (f", or cut losses from the end of the table (--cut {' '.join(suffix)})" if suffix else "")
@@ -818,10 +826,10 @@ def run_final_phase(proto: Protocol) -> None:
     kept = check_final_ready(proto, study)
     cut = [n for n in spec.LOSSES if n not in kept]
     final = proto.runs / "final.json"
-    if final.is_file() and json.loads(final.read_text())["cut"] != cut:
-        # test numbers exist: adding (or dropping) a loss now could change H6's pick after the fact
-        raise ProtocolError(f"final: the first final step cut {json.loads(final.read_text())['cut']} (recorded in "
-                            f"{final}); test numbers exist, so the cut stays as it was: run final with the same --cut")
+    first_cut = json.loads(final.read_text())["cut"] if final.is_file() else cut
+    if first_cut != cut:  # test numbers exist: adding (or dropping) a loss now could change H6's pick after the fact
+        raise ProtocolError(f"final: the first final step cut {first_cut} (recorded in {final}); test numbers "
+                            "exist, so the cut stays as it was: run final with the same --cut")
     write_text_atomic(final, json.dumps({"cut": cut}) + "\n")  # the summary says so
     if study is not None:
         groups = {n: (n, spec.seeds_of(n), tune_record(proto, n)["completed"]) for n in proto.tuned() if n in kept}
@@ -909,8 +917,8 @@ def paired(rows: list[dict], a: str, b: str, metric: str, key: str = "loss") -> 
 
     from deepmetric.report.study_tables import mean_ci
 
-    x = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == a and r.get(metric) not in ("", None)}
-    y = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == b and r.get(metric) not in ("", None)}
+    x = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == a and has_value(r, metric)}
+    y = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == b and has_value(r, metric)}
     seeds = sorted(set(x) & set(y))
     diffs = [x[s] - y[s] for s in seeds]
     ci = mean_ci(diffs)
@@ -1033,9 +1041,14 @@ def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
     return lines
 
 
+def has_value(row: dict, metric: str) -> bool:
+    """Whether a results row holds a test value of ``metric`` (a diverged run without a model has none)."""
+    return row.get(metric) not in ("", None)
+
+
 def tested(rows: list[dict], metric: str) -> list[float]:
-    """The test values of ``metric`` in ``rows`` (a diverged run without a model has none)."""
-    return [float(r[metric]) for r in rows if r.get(metric) not in ("", None)]
+    """The test values of ``metric`` in ``rows``."""
+    return [float(r[metric]) for r in rows if has_value(r, metric)]
 
 
 def interval_cell(t: dict) -> str:

@@ -304,9 +304,10 @@ def last_gain_points(top1: list[float]) -> float | None:
     """The gain of validation top-1 (points) over the last two evaluations, as pre-registered:
     the best of the last two minus the best of every evaluation before them; None with fewer
     than three evaluations."""
-    if len(top1) < 3:
-        return None
-    return 100 * (max(top1[-2:]) - max(top1[:-2]))
+    from deepmetric.report.study_tables import last_gain
+
+    gain = last_gain(top1)
+    return None if gain is None else 100 * gain
 
 
 def _val_curve(run: Run) -> list[dict]:

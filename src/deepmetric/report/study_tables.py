@@ -12,8 +12,17 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["mean_ci", "metric_columns", "summarize", "paired_differences", "summary_markdown",
+__all__ = ["mean_ci", "last_gain", "metric_columns", "summarize", "paired_differences", "summary_markdown",
            "plot_summary", "format_number"]
+
+
+def last_gain(curve: Sequence[float]) -> float | None:
+    """How much the best of a validation curve's last two values exceeds the best of every value
+    before them (the convergence rule of bench/studies/protocol_v2/PREREGISTRATION.md: a curve has
+    flattened when this is at most 0.5 points); None with fewer than three values."""
+    if len(curve) < 3:
+        return None
+    return max(curve[-2:]) - max(curve[:-2])
 
 
 def mean_ci(values: Sequence[float], confidence: float = 0.95) -> dict:
