@@ -278,7 +278,9 @@ def test_two_head_resnet50_paper_size_and_xavier_init():
     w, b = model.embedding_head.proj.weight, model.embedding_head.proj.bias
     assert w.shape == (256, 2048 * 7 * 7)
     bound = math.sqrt(6.0 / (2048 * 49 + 256))  # Xavier-uniform U(-a, a)
-    assert w.abs().max().item() <= bound
+    # a as the float32 weights hold it: it rounds up, and of 25 M draws one often equals it
+    # (the float64 bound failed for about 2 in 3 states of the global generator)
+    assert w.abs().max().item() <= torch.tensor(bound, dtype=w.dtype).item()
     assert w.var().item() == pytest.approx(bound**2 / 3, rel=0.02)
     assert torch.count_nonzero(b).item() == 0
     assert model.classifier.out_features == 200
