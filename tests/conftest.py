@@ -22,16 +22,6 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Every test starts with the one intra-op thread set above: a test that trains a recipe
-    with ``train.num_threads: 2`` in this process (the emoji demo) left torch at 2 threads for
-    the later tests of its xdist worker (3 threads beside the other worker on CI's 2 cores)."""
-    yield
-    if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
-
-
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

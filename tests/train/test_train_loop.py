@@ -48,6 +48,30 @@ def test_end_to_end_run_writes_config_log_checkpoints_and_learns(tmp_path):
         assert (tmp_path / name).is_file()
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_run_sets_threads_and_determinism_for_itself_and_puts_the_callers_back(tmp_path, fails):
+    """``train.num_threads`` / ``train.deterministic`` hold while the run trains; afterwards (and
+    after a run that raised) the calling process has its own settings again: a notebook that
+    trains once is not left on other threads."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(False)
+    seen = []
+
+    def on_eval(epoch, metrics, embedded):
+        seen.append((torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()))
+        if fails:
+            raise RuntimeError("the caller's callback failed")
+
+    cfg = config_from_dict(_raw(tmp_path, epochs=1, num_threads=2, deterministic=True))
+    if fails:
+        with pytest.raises(RuntimeError, match="callback failed"):
+            train(cfg, on_eval=on_eval)
+    else:
+        train(cfg, on_eval=on_eval)
+    assert seen and set(seen) == {(2, True)}  # the run's own settings while it ran
+    assert torch.get_num_threads() == 1 and not torch.are_deterministic_algorithms_enabled()
+
+
 def test_param_groups_new_layer_multiplier_and_regex_override():
     cfg = config_from_dict({
         "train": {"epochs": 1}, "model": {"name": "synthetic_mlp", "options": {"in_dim": 4}},

@@ -4,6 +4,7 @@ and the schedules, as one :class:`~deepmetric.train.training_run.TrainingRun`.""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,25 @@ from .state import Trainables, TrainState
 from .summary import format_run_summary
 from .training_run import TrainingRun
 
-__all__ = ["set_up"]
+__all__ = ["set_up", "torch_settings_kept"]
+
+
+@contextmanager
+def torch_settings_kept():
+    """Put back the process-wide torch settings a run changes (``train.num_threads``,
+    ``train.deterministic``, cuDNN autotuning) when it ends: ``train()`` called from a notebook,
+    a test or a tune worker leaves the caller's process as it found it (a CLI run exits anyway)."""
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    cudnn_benchmark = torch.backends.cudnn.benchmark
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.backends.cudnn.benchmark = cudnn_benchmark
 
 
 def _configure_torch(tc, device: torch.device) -> None:
