@@ -417,6 +417,7 @@ def _finish(run: TrainingRun, interrupted: bool) -> TrainResult:
 
 
 # --------------------------------------------------------------------------- the loop
+@torch_settings_kept()  # threads, determinism: the caller's again when the run ends (also after an error)
 def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bool = False,
           on_eval: Callable[[int, dict, dict], None] | None = None,
           on_validation: Callable[[int, dict], None] | None = None, quiet_interrupt: bool = False) -> TrainResult:
@@ -433,41 +434,40 @@ def train(cfg: Config, *, resume: str | os.PathLike | None = None, overwrite: bo
     but prints nothing: the caller says how to continue (``deepmetric tune``: rerun the command,
     not ``--resume``).
     """
-    with torch_settings_kept():  # threads, determinism: the caller's again when the run ends
-        run = set_up(cfg, resume=resume, overwrite=overwrite, on_eval=on_eval)      # steps 1-4
-        run.on_validation = on_validation
-        if resume is not None:
-            _resume(run, resume)                                                     # step 5
-        _open_log(run, resume)
-        with run.log:  # closes log.jsonl; an exception closes the trackers' run as failed
-            run.t_start, run.wall_before = time.perf_counter(), run.state.wall_time_s
-            _baselines(run, resume)
-            finished = run.finished
-            if run.reevaluate:
-                _evaluate_finished_resume(run)
-            interrupted = False
-            with GracefulInterrupt(quiet=quiet_interrupt) as interrupt:
-                while run.state.epoch < run.total_epochs and not finished:         # steps 6-7
-                    with linear_probe(run.model, active=linear_probe_epoch(run.cfg.train, run.state.epoch)):  # LP-FT
-                        outcome = _train_one_epoch(run, run.state.epoch, interrupt)
-                    if outcome == "interrupted":
-                        interrupted = True
-                        if run.main:
-                            run.save(R.LAST)
-                        if run.main and not quiet_interrupt:
-                            print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
-                                  f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})",
-                                  flush=True)
-                        break
-                    finished = _end_of_epoch(run, run.state.epoch + 1, finished=outcome == "finished")
-            if not interrupted:
-                test_selected(run)
-                wise_ft_after_training(run)
-                D.barrier()
-            result = _finish(run, interrupted)
-            run.log.finish(run.out_dir, interrupted=interrupted)  # trackers: final metrics, artifacts
-        D.cleanup_distributed(run.dist_info)
-        return result
+    run = set_up(cfg, resume=resume, overwrite=overwrite, on_eval=on_eval)      # steps 1-4
+    run.on_validation = on_validation
+    if resume is not None:
+        _resume(run, resume)                                                     # step 5
+    _open_log(run, resume)
+    with run.log:  # closes log.jsonl; an exception closes the trackers' run as failed
+        run.t_start, run.wall_before = time.perf_counter(), run.state.wall_time_s
+        _baselines(run, resume)
+        finished = run.finished
+        if run.reevaluate:
+            _evaluate_finished_resume(run)
+        interrupted = False
+        with GracefulInterrupt(quiet=quiet_interrupt) as interrupt:
+            while run.state.epoch < run.total_epochs and not finished:         # steps 6-7
+                with linear_probe(run.model, active=linear_probe_epoch(run.cfg.train, run.state.epoch)):  # LP-FT
+                    outcome = _train_one_epoch(run, run.state.epoch, interrupt)
+                if outcome == "interrupted":
+                    interrupted = True
+                    if run.main:
+                        run.save(R.LAST)
+                    if run.main and not quiet_interrupt:
+                        print(f"[deepmetric] interrupted at step {run.state.iteration}; checkpoint saved to "
+                              f"{run.out_dir / R.LAST} (continue with --resume {run.out_dir / R.LAST})",
+                              flush=True)
+                    break
+                finished = _end_of_epoch(run, run.state.epoch + 1, finished=outcome == "finished")
+        if not interrupted:
+            test_selected(run)
+            wise_ft_after_training(run)
+            D.barrier()
+        result = _finish(run, interrupted)
+        run.log.finish(run.out_dir, interrupted=interrupted)  # trackers: final metrics, artifacts
+    D.cleanup_distributed(run.dist_info)
+    return result
 
 
 def train_from_config_file(path: str, overrides: list[str] | None = None, resume: str | None = None,
