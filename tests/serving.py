@@ -1,16 +1,11 @@
-"""Run an ASGI app (``deepmetric serve``'s) with uvicorn in a thread on a free loopback port."""
+"""Run an ASGI app (``deepmetric serve``'s) with uvicorn in a thread, or ``deepmetric serve`` in a
+subprocess, on a free loopback port the server binds itself (no port chosen first that another
+process could take)."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -20,9 +15,12 @@ def serve_in_thread(app, host: str = "127.0.0.1", **limits):
     afterwards."""
     from deepmetric.search.connections import make_server
 
-    port = free_port()
+    from deepmetric.search.connections import bind
+
+    sock = bind(host, 0)  # bound here, before the server starts: no other process can take the port meanwhile
+    port = sock.getsockname()[1]
     server = make_server(app, host, port, **limits)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not server.started:
@@ -34,6 +32,7 @@ def serve_in_thread(app, host: str = "127.0.0.1", **limits):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()
 
 
 def request(url, method, path, body=None, headers=None, timeout=60):
@@ -77,38 +76,44 @@ def memory_kib(pid: int) -> dict:
 
 
 @contextlib.contextmanager
-def serve_subprocess(index_dir, *args, host: str = "127.0.0.1", start_timeout: float = 180):
-    """``deepmetric serve INDEX_DIR *args`` in a subprocess on a free port of ``host``; yields
-    ``(url, proc, output)`` where ``output()`` returns what it printed so far (after it stops:
-    everything). Stops it with SIGTERM."""
+def serve_subprocess(index_dir, *args, host: str | None = "127.0.0.1", start_timeout: float = 180):
+    """``deepmetric serve INDEX_DIR --port 0 *args`` in a subprocess (``--host host`` unless
+    ``host`` is None: serve's default); yields ``(url, proc, output)``, the URL read from the
+    banner (the port the server itself bound: no race with other processes for a port chosen
+    first), where ``output()`` returns what it printed so far (after it stops: everything).
+    Stops it with SIGTERM."""
     import os
+    import re
     import subprocess
     import sys
     import tempfile
     from pathlib import Path
 
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
                                                          os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "serve", str(index_dir), "--host", host,
-                             "--port", str(port), *args], env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "serve", str(index_dir),
+                             *(["--host", host] if host is not None else []), "--port", "0", *args],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
     def output() -> str:
         log.flush()
         log.seek(0)
         return log.read()
 
-    url = f"http://{host}:{port}"
     try:
         deadline = time.time() + start_timeout
+        url = None
         while True:
-            try:
-                if request(url, "GET", "/api/info", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
+            banner = re.search(r"^deepmetric serve: .* on (http://\S+):(\d+)/ ", output(), re.M)
+            if banner:  # printed once the socket listens
+                url = f"{banner[1]}:{banner[2]}"
+                try:
+                    if request(url, "GET", "/api/info", timeout=5)[0] == 200:
+                        break
+                except OSError:
+                    pass
             if time.time() > deadline or proc.poll() is not None:
                 raise AssertionError(f"deepmetric serve did not start: {output()}")
             time.sleep(0.3)

@@ -122,42 +122,24 @@ def test_thumbnails_only_serve_rows_of_the_index(server):
 
 
 def test_serve_command_binds_loopback_and_answers(server):
-    """``deepmetric serve`` itself, in a subprocess: binds 127.0.0.1 by default and serves."""
+    """``deepmetric serve`` itself, in a subprocess: binds 127.0.0.1 by default and serves; with
+    ``--port 0`` on the free port its banner names."""
     import os
-    import subprocess
-    import sys
-    import time
 
-    from serving import free_port
+    from serving import serve_subprocess
 
     _, shapes, _ = server
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "serve", str(shapes["index_dir"]),
-                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                status, _, data = _request(f"http://127.0.0.1:{port}", "GET", "/api/info")
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise AssertionError(f"deepmetric serve did not start: {proc.stdout.read() if proc.poll() is not None else ''}") from None
-                time.sleep(0.3)
+    with serve_subprocess(shapes["index_dir"], host=None) as (url, proc, output):
+        status, _, data = _request(url, "GET", "/api/info")
         assert status == 200 and json.loads(data)["count"] == 32
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
         # listening sockets on the port (Linux /proc/net/tcp[6]: local address hex, state 0A = LISTEN)
         listening = []
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             if os.path.exists(table):
                 for line in open(table).read().splitlines()[1:]:
                     local, state = line.split()[1], line.split()[3]
-                    if state == "0A" and int(local.split(":")[1], 16) == port:
+                    if state == "0A" and int(local.split(":")[1], 16) == int(port):
                         listening.append(local.split(":")[0])
         assert listening == ["0100007F"]  # 127.0.0.1 only
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-    assert f"on http://127.0.0.1:{port}/" in out

@@ -192,7 +192,7 @@ def add_serve_parser(sub) -> None:
     p = add_command(sub, _run_serve, "serve")
     p.add_argument("index_dir", metavar="INDEX_DIR", help="folder written by 'deepmetric index'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free port, printed in the banner)")
     p.add_argument("--k", type=int, default=10,
                    help="neighbours shown by default (default 10; at most 100 and the index size)")
     p.add_argument("--max-upload-mb", type=float, default=10.0, help="largest accepted upload in MiB (default 10)")

@@ -118,10 +118,11 @@ def protocol_class(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``, or a ValueError / OSError that says what is wrong
-    (a port outside 1..65535, an address in use, a host that does not resolve)."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ValueError(f"--port {port}: a port must be an integer in 1..65535")
+    """A listening socket on ``host:port`` (port 0: a free port the system picks; read it with
+    ``sock.getsockname()[1]``), or a ValueError / OSError that says what is wrong (a port outside
+    0..65535, an address in use, a host that does not resolve)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a port must be an integer in 1..65535, or 0 for a free one")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]

@@ -139,13 +139,15 @@ def serve(index_dir, *, host: str = "127.0.0.1", port: int = 8000, checkpoint=No
           workers: int = DEFAULT_WORKERS, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
           timeout_s: float = DEFAULT_TIMEOUT_S, allow_hosts=(), max_decode_mb: float | None = None,
           header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
-    """Bind ``host:port`` (a clear error when it cannot be), load the index into memory (every
+    """Bind ``host:port`` (a clear error when it cannot be; port 0: a free one, named in the
+    banner), load the index into memory (every
     file's SHA-256 checked) and its checkpoint, then serve until Ctrl-C; ``kill -HUP``
     reloads the index folder."""
     from .index import Index
 
     protocol_class(header_timeout_s, max_connections)  # its checks, before anything is loaded
     sock = bind(host, port)
+    port = sock.getsockname()[1]  # --port 0: the one the system picked, for the banner
     try:
         index = Index.load(index_dir, verify_hashes=True)
         index.model(checkpoint, device)
