@@ -281,22 +281,21 @@ def run_all(runs: list[Run], args) -> list[str]:
 
 # --------------------------------------------------------------------------- writing
 def write_csv(path: Path, rows: list[dict], columns) -> Path:
-    """Atomic CSV write (temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="raise")
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
-    return path
+    """Atomic CSV write (deepmetric's ``write_text_atomic``: temporary file, then rename)."""
+    import io
+
+    out = io.StringIO()
+    w = csv.DictWriter(out, fieldnames=list(columns), extrasaction="raise", lineterminator="\r\n")
+    w.writeheader()
+    w.writerows(rows)
+    return write_text(path, out.getvalue())
 
 
 def write_text(path: Path, text: str) -> Path:
+    from deepmetric.run.rundir import write_text_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
     return path
 
 

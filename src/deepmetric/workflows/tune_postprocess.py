@@ -11,11 +11,12 @@ to paste into the recipe, or give as ``--postprocess`` to ``deepmetric index``) 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import yaml
+
+from deepmetric.run.rundir import write_text_atomic
 
 __all__ = ["tune_postprocess", "validation_embeddings"]
 
@@ -75,16 +76,10 @@ def tune_postprocess(checkpoint: str | Path, *, split: str = "val", metric: str 
                 "embed_seconds": round(t_embed, 1)})
     out = Path(out) if out is not None else checkpoint.parent / "postprocess"
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / "postprocess_trials.json", json.dumps(res, indent=1) + "\n")
+    write_text_atomic(out / "postprocess_trials.json", json.dumps(res, indent=1) + "\n")
     header = (f"# chosen on the validation split ({split}, {res['images']} images) of {checkpoint}: {metric} "
               f"{100 * res['value']:.2f} (without post-processing {100 * res['baseline']:.2f}); no test metric was read\n")
-    _write(out / "postprocess.yaml", header + yaml.safe_dump({"search": {"postprocess": res["steps"]}},
+    write_text_atomic(out / "postprocess.yaml", header + yaml.safe_dump({"search": {"postprocess": res["steps"]}},
                                                              sort_keys=False))
     res["files"] = {"yaml": str(out / "postprocess.yaml"), "trials": str(out / "postprocess_trials.json")}
     return res
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
