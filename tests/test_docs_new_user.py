@@ -30,19 +30,25 @@ def test_the_demo_time_is_the_same_in_help_and_readme():
 
 def test_mlflow_ui_comes_with_the_full_mlflow_install():
     pin = re.search(r'"mlflow-skinny==([\d.]+)"', _text(ROOT / "pyproject.toml")).group(1)
+    seen = 0
     for path in DOCS:
         lines = _text(path).splitlines()
         for i, line in enumerate(lines):
             if line.lstrip("$ ").startswith("mlflow ui"):
                 before = "\n".join(lines[max(0, i - 3):i])
                 assert f"pip install mlflow=={pin}" in before, (path.name, i + 1)
+                seen += 1
+    assert seen, "no 'mlflow ui' line in the docs: this guard checks nothing (update it with the docs)"
 
 
 def test_the_default_demo_is_not_called_the_glyph_demo():
+    seen = 0
     for path in DOCS:
         for line in _text(path).splitlines():
             if re.match(r"\s*deepmetric demo\s*(#|$)", line):
                 assert "glyph" not in line, (path.name, line)
+                seen += 1
+    assert seen, "no 'deepmetric demo' line in the docs: this guard checks nothing (update it with the docs)"
 
 
 def test_several_machines_are_documented_with_commands():

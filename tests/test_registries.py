@@ -338,7 +338,8 @@ def test_a_registered_dataset_model_and_loss_train_without_any_other_edit(scratc
     model = build_model(cfg, num_classes=train.num_classes)
     (loss,) = build_losses(cfg, num_classes=train.num_classes, embedding_dim=4)
     assert loss.num_classes == 4 and loss.scale == 2.0  # num_classes filled in: the loss takes it
-    assert loss(model(train[0][0][None])["embedding"], torch.tensor([0])).item() >= 0
+    emb = model(train[0][0][None])["embedding"]
+    assert loss(emb, torch.tensor([0])).item() == pytest.approx(2.0 * emb.pow(2).mean().item())  # scale 2 reached it
     for section, bad, message in (
             ("data", {"name": "tiny-blobs", "options": {"clases": 4}},
              r"'data.options.clases': unknown option 'clases' for dataset 'tiny-blobs' \(did you mean 'classes'"),

@@ -28,16 +28,22 @@ def test_round_trip_matches_api(npz, tmp_path, capsys):
     assert got == pytest.approx(evaluate(x, y, ks=(1, 5)))
 
 
-def test_kmeans_restarts_option(npz, tmp_path):
-    path, x, y = npz
-    out = tmp_path / "m.json"
-    assert main(["evaluate", str(path), "--metrics", "nmi", "f1", "--kmeans-restarts", "4", "--seed", "2",
-                 "--out", str(out)]) == 0
+def test_kmeans_restarts_option(tmp_path):
     from deepmetric.evaluate import kmeans
     from deepmetric.evaluate.clustering import nmi_from_clusters
 
-    clusters = kmeans(x, 6, seed=2, restarts=4)
-    assert json.loads(out.read_text())["nmi"] == pytest.approx(nmi_from_clusters(y, clusters))
+    # overlapping classes, where 4 restarts and 1 give different clusterings (asserted below),
+    # so the NMI shows whether the option reached k-means
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 6, 120)
+    x = (rng.standard_normal((6, 8))[y] + rng.standard_normal((120, 8))).astype(np.float32)
+    path, out = tmp_path / "emb.npz", tmp_path / "m.json"
+    np.savez(path, embeddings=x, labels=y)
+    assert main(["evaluate", str(path), "--metrics", "nmi", "f1", "--kmeans-restarts", "4", "--seed", "2",
+                 "--out", str(out)]) == 0
+    four, one = (nmi_from_clusters(y, kmeans(x, 6, seed=2, restarts=r)) for r in (4, 1))
+    assert abs(four - one) > 0.05
+    assert json.loads(out.read_text())["nmi"] == pytest.approx(four)
 
 
 def test_query_gallery_masks_and_metric_subset(tmp_path, npz, capsys):

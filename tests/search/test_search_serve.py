@@ -133,7 +133,7 @@ def test_serve_command_binds_loopback_and_answers(server):
         status, _, data = _request(url, "GET", "/api/info")
         assert status == 200 and json.loads(data)["count"] == 32
         host, port = url.removeprefix("http://").rsplit(":", 1)
-        assert host == "127.0.0.1" and int(port) > 0
+        assert host == "127.0.0.1"
         # listening sockets on the port (Linux /proc/net/tcp[6]: local address hex, state 0A = LISTEN)
         listening = []
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):

@@ -162,26 +162,40 @@ def test_imports_run_one_way():
     import ast
     from pathlib import Path
 
-    import deepmetric.run as pkg
-    import deepmetric.train as train_pkg
+    import deepmetric
 
-    root = Path(pkg.__file__).parent
+    src = Path(deepmetric.__file__).parent
 
-    def imported(name):
-        tree = ast.parse((root / name).read_text())
-        mods = set()
-        for node in ast.walk(tree):
+    def imported(path: str, source: str | None = None) -> tuple[set, set]:
+        """The absolute names of the modules ``path`` (or ``source`` as if it were ``path``)
+        imports from, and of everything it imports (``from .a import b``:
+        ``deepmetric.<package>.a`` and ``...a.b``)."""
+        package = ["deepmetric", *Path(path).parent.parts]
+        modules, names = set(), set()
+        for node in ast.walk(ast.parse(source if source is not None else (src / path).read_text())):
             if isinstance(node, ast.ImportFrom):
-                mods.add(("." * node.level) + (node.module or ""))
+                base = package[:len(package) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                modules.add(target)
+                names.update(f"{target}.{a.name}" for a in node.names)
             elif isinstance(node, ast.Import):
-                mods.update(a.name for a in node.names)
-        return mods
+                modules.update(a.name for a in node.names)
+                names.update(a.name for a in node.names)
+        return modules, names
 
-    builders = {m for m in imported("builders.py") if m.startswith((".", "deepmetric"))}
-    assert builders <= {".config", ".config_checks", "deepmetric.data", "deepmetric.data.synthetic",
-                        "deepmetric.models", "deepmetric.losses"}, builders
-    for name in ("builders.py", "embed.py", "device.py", "checkpoint.py"):
-        assert not {".loop", "deepmetric.train.loop"} & imported(name), name
-    root = Path(train_pkg.__file__).parent
-    assert not {".loop", "deepmetric.train.loop"} & imported("module.py")
-    assert "deepmetric.run.builders" in imported("setup.py")
+    def imports_the_loop(path: str, source: str | None = None) -> bool:
+        modules, names = imported(path, source)
+        return any(n == "deepmetric.train.loop" or n.startswith("deepmetric.train.loop.") for n in modules | names)
+
+    builders = {m for m in imported("run/builders.py")[0] if m.startswith("deepmetric")}
+    assert builders <= {"deepmetric.run.config", "deepmetric.run.config_checks", "deepmetric.data",
+                        "deepmetric.data.synthetic", "deepmetric.models", "deepmetric.losses"}, builders
+    for name in ("run/builders.py", "run/embed.py", "run/device.py", "run/checkpoint.py", "train/module.py"):
+        assert not imports_the_loop(name), name
+    assert "deepmetric.run.builders" in imported("train/setup.py")[0]
+    # the check itself sees every spelling of an import of the loop
+    for spelling in ("from ..train.loop import train", "from ..train import loop", "from deepmetric.train import loop",
+                     "import deepmetric.train.loop", "def f():\n    from deepmetric.train.loop import train"):
+        assert imports_the_loop("run/embed.py", spelling), spelling
+    assert imports_the_loop("train/module.py", "from .loop import train")
+    assert not imports_the_loop("run/embed.py", "from ..train import setup")
