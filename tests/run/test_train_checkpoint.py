@@ -222,6 +222,9 @@ def test_version_1_checkpoints_still_resume_and_rebuild(tmp_path):
 
     res = train(config_from_dict(_raw(tmp_path / "resumed", epochs=3)), resume=v1)
     assert res.iteration == ref.iteration
+    # it applied the version-1 states: only the third epoch was trained here
+    assert [r["step"] for r in read_log(tmp_path / "resumed", type="step")] == list(
+        range(state["iteration"] + 1, ref.iteration + 1))
     a = torch.load(tmp_path / "ref" / "last.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "resumed" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)

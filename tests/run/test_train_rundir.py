@@ -57,6 +57,7 @@ def test_overwrite_starts_afresh_and_resume_is_allowed(tmp_path):
     raw2["train"]["epochs"] = 3
     again = train(config_from_dict(raw2), resume=run / "last.pt")
     assert again.epochs_completed == 3
+    assert _steps(run / "log.jsonl") == list(range(1, again.iteration + 1))  # continued, no step twice
 
 
 def test_cli_refuses_then_overwrites(tmp_path, capsys):

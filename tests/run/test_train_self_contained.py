@@ -13,6 +13,7 @@ from deepmetric.models import create_model
 from deepmetric.run.checkpoint import load_checkpoint, save_checkpoint
 from deepmetric.run.config_io import config_from_dict
 from deepmetric.run.embed import embed_checkpoint, load_model_from_checkpoint
+from deepmetric.run.rundir import read_log
 from deepmetric.train.loop import train
 
 GLYPH = {"in_chans": 1, "widths": [8, 16], "depths": [1, 1]}
@@ -80,6 +81,8 @@ def test_wise_ft_run_resumes_without_the_weights_file(digits, tmp_path):
     raw["train"]["epochs"] = 2
     train(config_from_dict(raw), resume=run / "last.pt")
     assert load_checkpoint(run / "last.pt")["epoch"] == 2
+    steps = [r["step"] for r in read_log(run, type="step")]
+    assert steps == list(range(1, 2 * first["iteration"] + 1))  # continued, no step twice
     # WiSE-FT after the resume mixed best.pt with the start state read from the checkpoint
     wise, best = load_checkpoint(run / "wise.pt"), load_checkpoint(run / "best.pt")
     a = json.loads((run / "metrics.json").read_text())["wise_ft"]["alpha"]

@@ -21,7 +21,9 @@ def test_resumed_epoch_with_a_worker_sees_the_same_augmented_batches():
     ds = build_synthetic_dataset("train", num_classes=4, per_class=12, dim=8, augment=0.5)
     sampler = RandomBatchSampler(len(ds), 8, seed=1)
     sampler.set_epoch(3)
-    full = _batches(make_train_loader(ds, sampler, epoch=3, start=0, run_seed=7, num_workers=1))
+    loader = make_train_loader(ds, sampler, epoch=3, start=0, run_seed=7, num_workers=1)
+    assert loader.num_workers == 1  # a worker process really loads (else the comparison below is trivial)
+    full = _batches(loader)
     assert len(full) == 6
     # the run resumes after 2 batches: the sampler skips them, the loader starts at batch 2
     sampler.load_state_dict(sampler.state_dict(batches_done=2))
@@ -56,7 +58,18 @@ def test_sample_seed_depends_on_every_part_of_the_position():
                 sample_seed(0, 0, 0, 1, 0), sample_seed(0, 0, 0, 0, 1)}) == 6
 
 
-def test_training_is_identical_with_zero_and_two_workers(tmp_path):
+def test_training_is_identical_with_zero_and_two_workers(tmp_path, monkeypatch):
+    import deepmetric.train.batches as batches
+
+    used = []
+
+    class Recording(torch.utils.data.DataLoader):  # the training loader's worker count, as built
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            used.append(self.num_workers)
+
+    monkeypatch.setattr(batches, "DataLoader", Recording)
+
     def run(workers):
         raw = synthetic_config(tmp_path / f"w{workers}", per_class=12,
                                data={"num_workers": workers, "options": {"augment": 0.3}},
@@ -65,6 +78,7 @@ def test_training_is_identical_with_zero_and_two_workers(tmp_path):
         return torch.load(tmp_path / f"w{workers}" / "last.pt", weights_only=True)["model"]
 
     a, b = run(0), run(2)
+    assert used and set(used) == {0, 2}  # the second run's batches did come from two workers
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -102,7 +116,9 @@ def test_batched_augmentation_runs_in_the_collate_seeded_by_the_batch_position()
     clean = torch.stack([ds.images[i].float() / 255 for i in sampler.batches_for_epoch(1)[0]])
     assert not torch.allclose(full[0][0], clean, atol=1e-3)
     # a worker, or a resume at batch 1, gives the same batches
-    with_worker = _batches(make_train_loader(ds, sampler, epoch=1, start=0, run_seed=7, num_workers=1))
+    loader = make_train_loader(ds, sampler, epoch=1, start=0, run_seed=7, num_workers=1)
+    assert loader.num_workers == 1
+    with_worker = _batches(loader)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(full, with_worker))
     sampler.load_state_dict(sampler.state_dict(batches_done=1))
     rest = _batches(make_train_loader(ds, sampler, epoch=1, start=1, run_seed=7, num_workers=0))

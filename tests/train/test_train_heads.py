@@ -354,6 +354,11 @@ def test_teacher_is_frozen_not_optimised_not_saved_and_rebuilt_on_resume(digits,
     run = tmp_path / "run"
     train(config_from_dict(_raw(digits, pretrained, run, loss=loss, train={"epochs": 1})))
     train(config_from_dict(_raw(digits, pretrained, run, loss=loss, train={"epochs": 2})), resume=run / "last.pt")
+    assert [r["step"] for r in read_log(run, type="step")] == [r["step"] for r in steps]  # continued, no step twice
+    assert len(teachers) == 3  # ref, the first epoch, the resumed run: each built its own
+    for k, v in teachers[2].net.state_dict().items():
+        if k.startswith("backbone."):
+            assert torch.equal(v, pre[k]), k  # rebuilt from the pretrained weights, not from last.pt
     a, b = load_checkpoint(ref_run / "last.pt")["model"], load_checkpoint(run / "last.pt")["model"]
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -70,11 +70,16 @@ def test_resume_in_its_own_directory_or_from_a_copy_of_its_last_pt_still_works(t
     shutil.copy(a / "last.pt", copy)
     res = train(config_from_dict(_raw(a, epochs=3)), resume=copy)  # the same bytes: the same run
     assert res.epochs_completed == 3
+    # it continued: the log holds one unbroken run, no step trained twice
+    assert [r["step"] for r in read_log(a, type="step")] == list(range(1, res.iteration + 1))
     res = train(config_from_dict(_raw(a, epochs=4)), resume=a / "last.pt")
     assert res.epochs_completed == 4
-    # an empty directory takes any checkpoint
+    assert [r["step"] for r in read_log(a, type="step")] == list(range(1, res.iteration + 1))
+    # an empty directory takes any checkpoint, and starts after its last step
+    done = ck.load_checkpoint(a / "last.pt")["iteration"]
     res = train(config_from_dict(_raw(tmp_path / "fresh", epochs=5)), resume=a / "last.pt")
     assert res.epochs_completed == 5
+    assert [r["step"] for r in read_log(tmp_path / "fresh", type="step")] == list(range(done + 1, res.iteration + 1))
 
 
 def test_a_killed_save_s_temporaries_are_removed_at_the_next_start(tmp_path):
