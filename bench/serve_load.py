@@ -362,6 +362,18 @@ def queries_of(index_dir: Path, limit: int) -> list:
     return out
 
 
+def shown(path) -> str | None:
+    """``path`` as a result may print it: relative to the repository, or ``.../NAME`` outside it
+    (a machine's own folders are not part of a committed result)."""
+    if path is None:
+        return None
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(ROOT))
+    except ValueError:
+        return f".../{p.name}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("index", nargs="?", help="index folder (or give --checkpoint to build one)")
@@ -400,8 +412,8 @@ def main(argv=None) -> int:
     proc, port, log = start_server(index_dir, a.host, a)
     try:
         info = json.loads(http(a.host, port, "GET", "/api/info")[1])
-        print(f"index {index_dir}: {info['count']} images, d={info['dim']}, {info['kind']}; checkpoint "
-              f"{(manifest.get('checkpoint') or {}).get('path')} (sha256 {str(info['checkpoint_sha256'])[:12]}); "
+        print(f"index {shown(index_dir)}: {info['count']} images, d={info['dim']}, {info['kind']}; checkpoint "
+              f"{shown((manifest.get('checkpoint') or {}).get('path'))} (sha256 {str(info['checkpoint_sha256'])[:12]}); "
               f"workers {a.workers}, max in flight {a.max_in_flight}, k {a.k}, {len(queries)} query images; "
               f"cpus {os.cpu_count()}, load average {os.getloadavg()}")
         print(f"server idle RSS {memory_kib(proc.pid)['VmRSS'] / 1024:.0f} MiB")

@@ -98,3 +98,31 @@ def test_the_closest_name_suggestion_is_written_once():
     hits = [str(p.relative_to(REPO)) for p in sorted((REPO / "src").rglob("*.py"))
             if "did you mean" in p.read_text(encoding="utf-8").lower()]
     assert hits == ["src/deepmetric/registry.py"]
+
+
+def _machine_paths(text: str) -> list[str]:
+    """Absolute paths under the folders a machine keeps its work in (``/work/...``, ``/home/...``,
+    ``/tmp/...``, ...), not inside a URL or a relative path."""
+    import re
+
+    roots = "work|home|tmp|root|Users|mnt|scratch|private|var/folders"
+    return re.findall(rf"(?<![\w.~:/-])/(?:{roots})/[^\s\"'`)|,;]+", text)
+
+
+def test_committed_results_hold_no_machine_paths():
+    """Committed results (bench/results/, bench/studies/: every data file, report and table, not
+    the READMEs' prose, which may name a machine's folder on purpose) give paths relative to the
+    repository: a path of the machine a result ran on says nothing to a reader (issue 30)."""
+    assert _machine_paths("checkpoint /work/main/runs/demo/last.pt; ok runs/demo/last.pt") == [
+        "/work/main/runs/demo/last.pt"]  # the check finds what it is for
+    assert _machine_paths("see https://example.org/home/x and runs/tmp/y and sqlite:///runs/t.db") == []
+    files = subprocess.run(["git", "ls-files", "bench/results", "bench/studies"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    found = []
+    for name in files:
+        path = REPO / name
+        if path.name == "README.md" or path.suffix in (".png", ".svg", ".db") or not path.is_file():
+            continue
+        hits = _machine_paths(path.read_text(encoding="utf-8", errors="replace"))
+        found += [f"{name}: {h}" for h in hits[:3]]
+    assert len(files) > 100 and not found, found[:20]
