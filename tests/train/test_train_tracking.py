@@ -387,3 +387,33 @@ def test_overwrite_removes_the_trackers_files_and_a_failing_tracker_does_not_sto
     assert read_metrics(out) is not None and len(read_log(out, type="step")) == result.iteration == 12
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # the first run's file is gone
     assert tb_scalars(out / "tensorboard") == {}
+
+
+def test_a_missing_tracker_package_is_one_line_before_anything_is_built(tmp_path, capsys, monkeypatch):
+    """docs/tracking.md: a logger whose library is not installed stops ``deepmetric train`` with
+    one line naming the config key and the install command (exit 2, no traceback), before the
+    run folder exists; an ImportError without an install command is a bug and still raises."""
+    import importlib.util
+
+    from deepmetric import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    out = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(synthetic_config(out, train={"epochs": 1, "loggers": ["mlflow"]})))
+    assert cli.main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("deepmetric train: error: config key 'train.loggers' names 'mlflow', but the mlflow-skinny package "
+                   "is not installed: pip install 'deepmetric[tracking]' (or remove 'mlflow' from train.loggers)\n")
+    assert not out.exists()
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+
+    def broken(args):
+        raise ImportError("cannot import name 'helper' from 'deepmetric.somewhere'")
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser.commands["train"].set_defaults(func=broken)
+    with pytest.raises(ImportError, match="cannot import name 'helper'"):
+        cli.main(["train", str(cfg)])

@@ -88,12 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_command_line(parser, argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, TypeError, KeyError, OSError, RuntimeError) as exc:
+    except (ValueError, FileNotFoundError, TypeError, KeyError, OSError, RuntimeError, ImportError) as exc:
         from deepmetric.data.loader import worker_error_message
 
         in_worker = worker_error_message(exc)
         if os.environ.get("DEEPMETRIC_DEBUG") or (isinstance(exc, RuntimeError) and in_worker is None):
             raise
+        if isinstance(exc, ImportError) and "pip install" not in str(exc):
+            raise  # only a missing optional package we name (with its install command) is the user's to fix
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         msg = in_worker if in_worker is not None else msg
         # a file name that is not UTF-8 is shown with its bytes escaped (caf\xe9.png)

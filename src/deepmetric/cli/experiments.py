@@ -94,7 +94,7 @@ def add_tune_parser(sub) -> None:
     p.add_argument("--storage", default=None,
                    help="Optuna storage URL (default sqlite:///OUT/tune.db; postgresql://... to share a study)")
     p.add_argument("--study-name", default=None, help="study name in the storage (default RECIPE__SPACE)")
-    p.add_argument("--out", default=None, help="tune directory (default runs/tune/<study name>)")
+    p.add_argument("--out", default=None, help="tune directory (default runs/tune/<study name>; with --postprocess: the checkpoint's folder/postprocess)")
     p.add_argument("--report-only", action="store_true", help="train nothing: rewrite the outputs from the storage")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a child of --workers K
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",

@@ -21,7 +21,8 @@ def add_train_parser(sub) -> None:
                         "checkpoint into a non-empty train.out_dir needs --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in a non-empty train.out_dir, removing the previous run's config.yaml, "
-                        "log.jsonl, last.pt, best.pt and metrics.json (without it a new run refuses such a directory)")
+                        "log.jsonl, last.pt, best.pt, wise.pt, metrics.json and the trackers' files (without it a new run "
+                        "refuses such a directory)")
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -58,7 +59,7 @@ def add_embed_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output .npz (embeddings, labels[, is_query, is_gallery, paths, class_names])")
     p.add_argument("--shard-size", type=int, default=None,
                    help="under torchrun: images per shard file (default 4096); a restarted rank skips finished "
-                        "shards (docs/search.md, section 7)")
+                        "shards (docs/search.md, section 8)")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     p.add_argument("--device", default="auto",
                    help="where the model runs: auto (CUDA when available), cpu, cuda or cuda:INDEX")

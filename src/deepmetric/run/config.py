@@ -390,7 +390,7 @@ class EvalConfig:
     split: Optional[str] = "test"
     gallery_split: Optional[str] = None
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    #: retrieval / clustering metrics (null: all); ``[]``: none, only ``eval.classification``'s
+    #: retrieval / clustering metrics (null: recall, map@r, r_precision, nmi, f1); ``[]``: none, only ``eval.classification``'s
     #: (a closed-set split with one image per class has no retrieval positives)
     metrics: Optional[list[str]] = None
     best_metric: Optional[str] = None
@@ -425,8 +425,8 @@ class SearchConfig:
 
     ``postprocess``: retrieval post-processing steps, run in the order whiten -> dba -> aqe ->
     kreciprocal wherever a search happens: the in-training evaluation (validation and test,
-    so ``best.pt`` is chosen on the post-processed validation metric), ``deepmetric evaluate``
-    with ``--config``, ``deepmetric index`` (fitted parameters stored in the index; ``search``
+    so ``best.pt`` is chosen on the post-processed validation metric), ``deepmetric evaluate
+    --postprocess``, ``deepmetric index`` (fitted parameters stored in the index; ``search``
     and ``serve`` apply the query side), the report and the export's preprocessing JSON. Each
     step is a mapping with ``name`` and its keys, e.g. ``[{name: whiten, dim: 256, fit: gallery},
     {name: dba, k: 3, alpha: 3}, {name: aqe, k: 2, alpha: 3}]``
