@@ -599,7 +599,12 @@ def run_glyph_phase(proto: Protocol) -> None:
 def check_preregistration(proto: Protocol) -> None:
     """The test split is read only after the pre-registration exists (in the repository's copy:
     committed to git)."""
-    path = proto.copy / "PREREGISTRATION.md"
+    check_preregistration_file(proto.copy / "PREREGISTRATION.md")
+
+
+def check_preregistration_file(path: Path) -> None:
+    """``path`` exists and, inside this repository, is committed without later edits (also the
+    two-head study's final step, bench/two_head_accuracy.py, calls this)."""
     if not path.is_file():
         raise ProtocolError(f"final: {path} does not exist; the pre-registration comes before any test number")
     try:

@@ -21,12 +21,13 @@ interrupted one continues from its ``last.pt``), in this order:
    to the smaller lr);
 2. ``seeds``: per variant, seeds 100-104 at its chosen lr, trained on the five non-test vendors,
    no evaluation at all during training; ``seeds/runs.csv`` (no metric of any held-out image);
-3. ``final``: the one step that looks at twitter: every finished seeded run's ``last.pt``
+3. ``final``: the one step that looks at twitter, and only once every seeded run has finished and
+   the pre-registration is committed (before that it evaluates nothing): each run's ``last.pt``
    classifies the test vendor's images; ``two_head_accuracy.csv`` (``variant, seed, top1,
    macro_accuracy``: macro = the mean over test classes of per-class accuracy) and
    ``summary.md`` / ``summary.json`` (per variant mean, sample sd and 95 % Student-t interval;
-   per triplet variant the paired difference to softmax by seed with its 95 % interval); once
-   every seeded run has finished, these and the lr phase's tables are copied into ``--copy-to``
+   per triplet variant the paired difference to softmax by seed with its 95 % interval); these and
+   the lr phase's tables are copied into ``--copy-to``
    (bench/studies/protocol_v2, where protocol v2's H5a / H5b read two_head_accuracy.csv).  The
    committed folder only takes the pre-registered study: the three variants, seeds 100-104, 15
    epochs, the lr grid and lr seed above, no ``--set``; anything else is copied nowhere there.
@@ -444,24 +445,33 @@ def summary_markdown(summary: dict, args, lrs: dict, runs: list[dict]) -> str:
 
 
 def phase_final(args) -> int:
-    """The one step that evaluates the test vendor: every finished seeded run."""
+    """The one step that evaluates the test vendor, once every seeded run has finished and the
+    pre-registration is committed (PREREGISTRATION.md: test numbers come last); before that it
+    evaluates nothing and says what is missing."""
     runs = seed_runs(args)
     for run in runs:
         run.check_identity()
     unfinished = [str(r.out_dir) for r in runs if not r.done]
     if unfinished:
         print(f"[two_head_accuracy] final: {len(unfinished)} seeded run(s) not finished (run --phase seeds): "
-              + ", ".join(unfinished), flush=True)
+              + ", ".join(unfinished) + "; the test vendor is read once, after the last of them: nothing evaluated",
+              flush=True)
+        return 1
+    protocol = _protocol_v2()
+    try:
+        protocol.check_preregistration_file(PREREGISTRATION)
+    except protocol.ProtocolError as exc:
+        print(f"[two_head_accuracy] {exc}: nothing evaluated", flush=True)
+        return 1
     rows, extra = [], []
     for r in runs:
-        if r.done:
-            acc = test_accuracy(r.out_dir, args.device)
-            rows.append({"variant": r.variant, "seed": r.seed, "top1": acc["top1"],
-                         "macro_accuracy": acc["macro_accuracy"]})
-            m = r.metrics()
-            extra.append({**rows[-1], "lr": r.lr, "epochs": m["epochs"], "wall_time_s": m["wall_time_s"],
-                          "cpu_s": cpu_seconds(r), "test_images": acc["test_images"],
-                          "test_classes": acc["test_classes"]})
+        acc = test_accuracy(r.out_dir, args.device)
+        rows.append({"variant": r.variant, "seed": r.seed, "top1": acc["top1"],
+                     "macro_accuracy": acc["macro_accuracy"]})
+        m = r.metrics()
+        extra.append({**rows[-1], "lr": r.lr, "epochs": m["epochs"], "wall_time_s": m["wall_time_s"],
+                      "cpu_s": cpu_seconds(r), "test_images": acc["test_images"],
+                      "test_classes": acc["test_classes"]})
     out = Path(args.out)
     write_csv(out / "two_head_accuracy.csv", rows, CSV_COLUMNS)
     summary = summarize(rows, args.variants)
@@ -471,17 +481,30 @@ def phase_final(args) -> int:
     text = summary_markdown(summary, args, lrs, extra)
     write_text(out / "summary.md", text)
     print(text, flush=True)
-    if not unfinished and args.copy_to:
+    if args.copy_to:
         departures = departures_from_preregistration(args)
         if departures and Path(args.copy_to).resolve() == COMMITTED.resolve():
             print(f"[two_head_accuracy] final: not copied into {COMMITTED} (the committed study "
                   f"takes the pre-registered runs only): {'; '.join(departures)}", flush=True)
             return 1
         copy_results(out, Path(args.copy_to))
-    return 1 if unfinished else 0
+    return 0
+
+
+def _protocol_v2():
+    """bench/protocol_v2.py as a module (its pre-registration check; bench/ is not a package)."""
+    import importlib.util
+
+    if "protocol_v2_bench" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("protocol_v2_bench", ROOT / "bench" / "protocol_v2.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["protocol_v2_bench"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["protocol_v2_bench"]
 
 
 COMMITTED = ROOT / "bench" / "studies" / "protocol_v2"
+PREREGISTRATION = COMMITTED / "PREREGISTRATION.md"
 
 
 def departures_from_preregistration(args) -> list[str]:

@@ -128,10 +128,14 @@ def test_resume_trains_nothing_and_parallel_uses_subprocesses(study, capsys):
         assert all(float(r["cpu_s"]) > 0 for r in csv.DictReader(fh))
     # one seeded run lost: --parallel 2 retrains just it, in a `deepmetric train` subprocess
     shutil.rmtree(out / "seeds" / "semihard" / "seed101")
-    # a final step over unfinished runs writes its partial table here, never into the committed copy
+    # a final step over unfinished runs evaluates nothing: the test vendor is read once, at the end
     committed = (base / "copy" / "two_head_accuracy.csv").read_text()
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
     assert bench.main(_args(base / "tree", out, "--phase", "final")) == 1
-    assert len((out / "two_head_accuracy.csv").read_text().splitlines()) == 4  # header + 3 runs
+    said = capsys.readouterr().out
+    assert "1 seeded run(s) not finished" in said and "nothing evaluated" in said and "top1" not in said
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # the old table untouched
     assert (base / "copy" / "two_head_accuracy.csv").read_text() == committed
     assert bench.main(_args(base / "tree", out, "--phase", "seeds", "--parallel", "2")) == 0
     assert "3 of 4 runs finished, 1 to train" in capsys.readouterr().out
@@ -185,6 +189,13 @@ def test_only_the_preregistered_study_reaches_the_committed_folder(study, monkey
     args[args.index("--copy-to") + 1] = str(committed)
     assert bench.main(args) == 1
     assert "not copied" in capsys.readouterr().out and not committed.exists()
+    # no test number before the pre-registration exists (committed, unchanged)
+    monkeypatch.setattr(bench, "PREREGISTRATION", base / "nowhere" / "PREREGISTRATION.md")
+    table = (out / "two_head_accuracy.csv").read_bytes()
+    assert bench.main(args) == 1
+    said = capsys.readouterr().out
+    assert "PREREGISTRATION.md does not exist" in said and "nothing evaluated" in said
+    assert (out / "two_head_accuracy.csv").read_bytes() == table
 
 
 def test_the_lr_seed_is_no_final_seed():
