@@ -266,8 +266,10 @@ def protocol_v2_section(root: Path = STUDIES) -> list[str]:
     for r in records:
         holm = "-" if r.get("holm_p") is None else f"{r['holm_p']:.3g}"
         primary, secondary = _v2_cell(r["test"]), _v2_cell(r["secondary"])
+        shown = f"**{r['verdict']}**" + (f" (provisional: {', '.join(r['pending_tests'])} not run yet)"
+                                         if r.get("provisional") else "")
         lines.append(f"| {r['id']} | {r['claim']} | {r['paper']} | {r['budget']} | "
-                     f"{primary if primary == '-' else r['metric'] + ': ' + primary} | {holm} | **{r['verdict']}** | "
+                     f"{primary if primary == '-' else r['metric'] + ': ' + primary} | {holm} | {shown} | "
                      f"{secondary if secondary == '-' else r['secondary_metric'] + ': ' + secondary} |")
     return lines + [""]
 

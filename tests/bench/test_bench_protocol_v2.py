@@ -214,6 +214,13 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     with open(copy / "control.csv", newline="") as f:
         control = list(csv.DictReader(f))
     assert sorted(r["loss"] for r in control) == sorted(losses) and len({r["winner"] for r in control}) == 1
+    for r in control:  # at the winner's settings: the run's own selection, and MAP@R of that epoch from its log
+        run_dir = runs / "control" / r["loss"] / "seed100"
+        chosen = json.loads((run_dir / "metrics.json").read_text())["selected"]
+        at = [e for e in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())
+              if e.get("type") == "eval" and e.get("split") == "val" and e.get("epoch") == chosen["epoch"]][-1]
+        assert float(r["val_at_winner_settings"]) == pytest.approx(chosen["value"], rel=1e-5)
+        assert float(r["val_map_at_winner_settings"]) == pytest.approx(at["cross_domain_map@r"], rel=1e-5)
     winner = json.loads((runs / "control" / "winner.json").read_text())
     for run_dir in (runs / "control").glob("*/seed100"):
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -443,10 +450,18 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     primary = text.split("### cross_domain_recall@1")[1].split("###")[0]
     got = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in primary.splitlines()
            if re.match(r"\| H\d", line)}
-    assert got == {"H1": "holds", "H2": "does not hold", "H3": "not resolved", "H4": "reversed", "H5a": "",
-                   "H5b": "", "H6": "holds"}, got
+    # H5a / H5b have no runs here: every verdict is provisional (they count as p = 1 in Holm)
+    assert "**Provisional**: H5a, H5b have no runs yet" in primary
+    assert got == {"H1": "holds (provisional)", "H2": "does not hold (provisional)", "H3": "not resolved (provisional)",
+                   "H4": "reversed (provisional)", "H5a": "", "H5b": "", "H6": "holds (provisional)"}, got
+    got = {h: v.removesuffix(" (provisional)") for h, v in got.items()}
+    # the budget beside each verdict (pre-registered), the 64 px of H1-H3 with it
+    h1 = [line for line in primary.splitlines() if line.startswith("| H1 |")][0]
+    assert "| emoji 64 px, 10 epochs, 12 completed tune trials per loss, seeds 100-104 | holds (provisional) |" in h1
     assert "| H5a | not run yet |" in primary and "best of ours (HBN)" in text and "(pml_proxy_anchor)" in text
     assert "| 1 | HBN | 3 | 60.02 |" in text  # the ranked table: seeds 100-102 for every loss (5 seeds: 60.00)
+    second = [line for line in text.splitlines() if line.startswith("| 2 |")][0].split("|")
+    assert float(second[11].split()[0]) == pytest.approx(float(second[7].split()[0]) / 2, abs=0.011)  # MAP@R = R@1 / 2 here
     hbn = [line for line in text.splitlines() if line.startswith("| 1 | HBN |")][0]
     assert hbn.endswith("| 5/5 | 12.0 |")  # flattened runs; mean wall time (600-840 s) in minutes
     secondary = text.split("### cross_domain_map@r")[1]
@@ -455,6 +470,8 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     # verdicts.json (what bench/study_claims.py puts in CLAIMS.md): the same verdicts, with budgets
     records = {r["id"]: r for r in json.loads((runs / "verdicts.json").read_text())}
     assert {h: r["verdict"] for h, r in records.items()} == {**got, "H5a": "pending", "H5b": "pending"}
+    assert all(r["provisional"] == (r["test"] is not None) and r["pending_tests"] == ["H5a", "H5b"]
+               for r in records.values())
     assert records["H1"]["test"]["mean"] == pytest.approx(10.0) and records["H1"]["secondary"]["mean"] == pytest.approx(5.0)
     assert "10 epochs, 12 completed tune trials" in records["H1"]["budget"] and records["H5a"]["test"] is None
     assert records["H1"]["budget"].endswith("seeds 100-104") and records["H6"]["budget"].endswith("seeds 100-102")
