@@ -133,7 +133,9 @@ class EmbeddingHead(nn.Module):
         bn_divide_sqrt_k: paper Eq. 13 divides BN^(f) by sqrt(k) (default True).  The
             official code instead folds 1/sqrt(k) into the softmax scale alpha; set False to
             reproduce that and multiply alpha by ``head.alpha_factor`` (= 1/sqrt(k)) in the
-            loss.  Both give identical logits alpha * <f_hat, w_hat>.
+            loss.  Both give identical logits alpha * <f_hat, w_hat>; with the class bias inside
+            alpha (the loss's ``alpha_scales_bias``, its default) the bias term is scaled by the
+            changed alpha as well, so only a zero or ``alpha_scales_bias=False`` bias keeps them equal.
         init: ``"default"`` (PyTorch Linear init) or ``"xavier"`` (Xavier-uniform weight,
             zero bias -- the two-head paper's embedding layer).
         bias: whether the projection has a bias.
