@@ -152,3 +152,41 @@ def test_evaluate_shows_progress_on_large_files(tmp_path, capsys, monkeypatch):
     with np.load(f) as z:  # the progress lines change nothing in the result
         want = evaluate(z["embeddings"], z["labels"], metrics=["recall"])["recall@1"]
     assert json.loads((tmp_path / "m.json").read_text())["recall@1"] == pytest.approx(want)
+
+
+def _tree(folder):
+    return {p: p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
+
+
+def test_an_output_over_an_input_is_refused_before_any_work(shapes, tmp_path, capsys):
+    """The hostile trial's data-loss cases: an output path equal to an input, or inside the index
+    a command reads, is one line (exit 2) and every input stays as it was."""
+    import shutil
+
+    index = tmp_path / "index"
+    shutil.copytree(shapes["index_dir"], index)
+    query = tmp_path / "q.png"
+    shutil.copy(sorted(Path(shapes["queries"]).rglob("*.png"))[0], query)
+    ckpt = tmp_path / "last.pt"
+    shutil.copy(shapes["checkpoint"], ckpt)
+    npz = tmp_path / "e.npz"
+    np.savez(npz, embeddings=np.random.default_rng(0).normal(size=(20, 4)).astype(np.float32),
+             labels=np.repeat(np.arange(4), 5))
+    before = {**_tree(index), **_tree(tmp_path)}
+    cases = [
+        (["search", str(index), str(query), "--html", str(query)], "--html", "that is the input"),
+        (["search", str(index), str(query), "--html", str(index / "manifest.json")], "--html", "inside"),
+        (["index", "export", str(index), "--to", f"parquet:{index / 'manifest.json'}"], "--to", "inside"),
+        (["index", "export", str(index), "--to", f"qdrant:{index}"], "--to", "inside"),
+        (["export", str(ckpt), "--out", str(ckpt)], "--out", "that is the input"),
+        (["evaluate", str(npz), "--out", str(npz)], "--out", "that is the input"),
+    ]
+    for argv, flag, needle in cases:
+        capsys.readouterr()
+        assert cli.main(argv) == 2, argv
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err and out.err.count("\n") == 1 and flag in out.err and needle in out.err, out.err
+        assert {**_tree(index), **_tree(tmp_path)} == before, argv
+    # a fine path still works, and evaluate writes its metrics atomically there
+    assert cli.main(["evaluate", str(npz), "--out", str(tmp_path / "m.json")]) == 0
+    assert "recall@1" in json.loads((tmp_path / "m.json").read_text())

@@ -121,3 +121,33 @@ def test_config_diff_lists_changed_keys():
     assert config_diff(a, b) == [("loss.0.options.alpha", 16.0, 8.0),
                                  ("model.options.embedding_dim", 8, 4), ("train.out_dir", "a", "b")]
     assert config_diff(a, a) == []
+
+
+def test_overwrite_removes_nothing_when_the_new_run_fails_while_it_is_built(tmp_path):
+    """--overwrite replaces the old run only once the new one has been built: a new config that
+    fails on its data (a batch larger than the split) or its model leaves every old file as it
+    was; a config that builds replaces them."""
+    run = tmp_path / "run"
+    train(config_from_dict(_raw(run)))
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    for bad in ({"train": {"batch_size": 100_000}}, {"model": {"options": {"embedding_dim": -8}}}):
+        raw = _raw(run)
+        for section, values in bad.items():
+            for key, value in values.items():
+                if isinstance(value, dict):
+                    raw[section].setdefault(key, {}).update(value)
+                else:
+                    raw[section][key] = value
+        with pytest.raises((ValueError, RuntimeError)):
+            train(config_from_dict(raw), overwrite=True)
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before, bad
+    for key, value, message in (("optim.lr", float("nan"), "'optim.lr': must be a finite number"),
+                                ("train.seed", -1, "'train.seed': must be an integer in 0 .. 4294967295")):
+        raw = _raw(run)
+        section, name = key.split(".")
+        raw[section][name] = value
+        with pytest.raises(ValueError, match=message):
+            train(config_from_dict(raw), overwrite=True)
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before, key
+    res = train(config_from_dict(_raw(run)), overwrite=True)
+    assert _steps(run / "log.jsonl") == list(range(1, res.iteration + 1))  # replaced: one run's steps only

@@ -48,3 +48,18 @@ def add_command(sub, run, name: str) -> argparse.ArgumentParser:
                             description=description, epilog=texts["epilog"])
     parser.set_defaults(func=run)
     return parser
+
+
+def refuse_output_over_inputs(flag: str, out, inputs=(), folders=()) -> None:
+    """Before any work: an output path that is one of the command's input files, or lies inside a
+    folder it reads (an index), is refused with a ValueError naming both; writing there would
+    destroy what the command reads."""
+    target = Path(out).resolve()
+    for given in inputs:
+        if given is not None and Path(given).resolve() == target:
+            raise ValueError(f"{flag} {out}: that is the input {given}; writing there would destroy it "
+                             "(choose another path)")
+    for folder in folders:
+        if folder is not None and (target == Path(folder).resolve() or Path(folder).resolve() in target.parents):
+            raise ValueError(f"{flag} {out}: inside {folder}, which this command reads; writing there would damage "
+                             "it (choose a path outside it)")

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from deepmetric.cli.common import add_command, add_model_device_arguments
+from deepmetric.cli.common import add_command, add_model_device_arguments, refuse_output_over_inputs
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -57,6 +57,8 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     from deepmetric.evaluate.postprocess import parse_steps
 
     steps = parse_steps(getattr(args, "postprocess", None))  # a bad step is refused before any work
+    if args.out:
+        refuse_output_over_inputs("--out", args.out, inputs=(args.npz, getattr(args, "fit_embeddings", None)))
     data = load_npz(args.npz)
     emb = data["embeddings"]
     fit_sets = None
@@ -82,10 +84,12 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         raise type(exc)(f"{args.npz}: {exc}") from None
     print(format_table(res))
     if args.out:
+        from deepmetric.run.rundir import write_text_atomic
+
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({k: (int(v) if isinstance(v, (int, np.integer)) else float(v))
-                                   for k, v in res.items()}, indent=2) + "\n")
+        write_text_atomic(out, json.dumps({k: (int(v) if isinstance(v, (int, np.integer)) else float(v))
+                                           for k, v in res.items()}, indent=2) + "\n")
         print(f"wrote {out}")
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deepmetric.cli.common import add_command, add_model_device_arguments
+from deepmetric.cli.common import add_command, add_model_device_arguments, refuse_output_over_inputs
 
 
 # --------------------------------------------------------------------------- index / search / export / serve
@@ -116,6 +116,8 @@ def _run_index_export(args: argparse.Namespace) -> int:
     from deepmetric.search.interchange import export_parquet, export_qdrant, export_warning, parse_target
 
     scheme, where = parse_target(args.to)
+    if "://" not in str(where):  # a file or a local Qdrant folder, not a server's URL
+        refuse_output_over_inputs("--to", where, folders=(args.index_dir,))
     index = Index.load(args.index_dir, mmap=True, verify_hashes=True)  # never export a damaged index
     if scheme == "parquet":
         export_parquet(index, where)
@@ -158,6 +160,8 @@ def _run_search(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
     from deepmetric.search.output import results_html, results_json, results_text
 
+    if args.html:
+        refuse_output_over_inputs("--html", args.html, inputs=args.images, folders=(args.index_dir,))
     index = Index.load(args.index_dir, mmap=True, verify_hashes=True)
     index.model(args.checkpoint, args.device)
     sims, idx = index.search(list(args.images), args.k)
@@ -183,6 +187,7 @@ def add_export_parser(sub) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from deepmetric.search.export import export_model
 
+    refuse_output_over_inputs("--out", args.out, inputs=(args.checkpoint,))
     out, side = export_model(args.checkpoint, args.out, args.fmt, normalize=not args.raw, opset=args.opset)
     print(f"wrote {out} and {side}")
     return 0

@@ -131,13 +131,15 @@ def _same_run(out_dir: Path, resume) -> bool:
     return False
 
 
-def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> None:
+def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool, remove: bool = True) -> bool:
     """Create ``out_dir``.  A new run refuses a non-empty directory (the report would mix
     runs) unless ``overwrite`` (the previous run's files are removed) or ``resume`` of this
     directory's own checkpoint; a ``resume`` of another run's checkpoint into a non-empty
     directory needs ``overwrite`` too (it would replace this run's ``last.pt`` and splice the
     logs).  Temporary files of a killed save are removed first
-    (:func:`remove_stale_temporaries`)."""
+    (:func:`remove_stale_temporaries`).  Returns whether the previous run's files are to go;
+    ``remove=False`` leaves them for the caller to remove (:func:`remove_run_files`) once the
+    new run has passed every check, so a run that fails while it is being built loses nothing."""
     if out_dir.exists() and not out_dir.is_dir():
         raise RunDirectoryError(f"config key 'train.out_dir': {out_dir} is a file, not a directory")
     if out_dir.is_dir():
@@ -151,7 +153,7 @@ def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> None:
                 f"a run ({shown}); continuing there would replace its last.pt and splice the two logs. "
                 f"Choose an empty train.out_dir=..., resume that run's own checkpoint "
                 f"({out_dir / LAST}), or add --overwrite to replace it")
-        remove_run_files(out_dir)
+        clear = True
     elif existing and resume is None:
         if not overwrite:
             shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
@@ -161,8 +163,13 @@ def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> None:
                 f"checkpoints with the old ones. Continue the old run with{hint or ' --resume CHECKPOINT'}, "
                 f"replace it with --overwrite (train(cfg, overwrite=True)), or choose another "
                 f"train.out_dir=...")
+        clear = True
+    else:
+        clear = False
+    if clear and remove:
         remove_run_files(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    return clear
 
 
 def looks_like_run_dir(path: Path) -> bool:

@@ -75,7 +75,7 @@ def _run_length(tc, batches_per_epoch: int) -> tuple[int, int]:
 
 def set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> TrainingRun:
     """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules."""
-    dist_info, out_dir, resume_ckpt = _start(cfg, resume=resume, overwrite=overwrite)
+    dist_info, out_dir, resume_ckpt, replaces = _start(cfg, resume=resume, overwrite=overwrite)
     data = _build_data(cfg, dist_info)
     model, losses, teacher, embedding_dim, run_warnings = _build_model_and_losses(cfg, data, dist_info, resume_ckpt)
     if dist_info.is_main:
@@ -106,14 +106,17 @@ def set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> TrainingRun:
         last_ckpt=out_dir / R.LAST, resume_ckpt=resume_ckpt, pretrained_state=pretrained_state)
     run.evaluate = Evaluator(model, losses, data["eval_sets"], cfg, device=dist_info.device, world=world,
                              log=run.log, on_eval=on_eval)
+    if replaces and dist_info.is_main:  # --overwrite: the old run goes only now, once the new one is built
+        R.remove_run_files(out_dir)
     return run
 
 
 def _start(cfg: Config, *, resume, overwrite: bool):
     """Step 1: the config's names checked, the process group, torch's settings, the run
-    directory (every rank stops when rank 0 refuses it) and the ``--resume`` checkpoint, loaded
+    directory (every rank stops when rank 0 refuses it; ``--overwrite`` removes the previous
+    run's files only at the end of set-up, ``replaces``) and the ``--resume`` checkpoint, loaded
     (a damaged one fails here, before the data, the model and the run summary).  Returns
-    ``(dist_info, out_dir, resume_ckpt)``."""
+    ``(dist_info, out_dir, resume_ckpt, replaces)``."""
     tc = cfg.train
     resolve_model_preprocessing(cfg)  # data.transform: timm: the model's numbers, saved with the config
     check_config(cfg)  # option and metric names: fail before anything is built
@@ -122,17 +125,17 @@ def _start(cfg: Config, *, resume, overwrite: bool):
     device = dist_info.device
     _configure_torch(tc, device)
     out_dir = Path(tc.out_dir)
-    refused = None
+    refused, replaces = None, False
     if dist_info.is_main:
         try:
-            prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
+            replaces = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite, remove=False)
         except RunDirectoryError as exc:
             refused = exc
     if D.any_true(refused is not None, device):  # every rank stops, before anything is written
         raise refused or RunDirectoryError(f"rank 0 refused the run directory {out_dir}")
     resume_ckpt = load_checkpoint(resume, map_location=device) if resume is not None else None
     seed_everything(tc.seed)  # identical model/loss initialisation on every rank
-    return dist_info, out_dir, resume_ckpt
+    return dist_info, out_dir, resume_ckpt, replaces
 
 
 def _build_data(cfg: Config, dist_info) -> dict:
