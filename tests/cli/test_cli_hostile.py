@@ -190,3 +190,27 @@ def test_an_output_over_an_input_is_refused_before_any_work(shapes, tmp_path, ca
     # a fine path still works, and evaluate writes its metrics atomically there
     assert cli.main(["evaluate", str(npz), "--out", str(tmp_path / "m.json")]) == 0
     assert "recall@1" in json.loads((tmp_path / "m.json").read_text())
+
+
+def test_broken_files_and_bad_devices_are_one_line_not_a_traceback(shapes, tmp_path, capsys):
+    """The hostile trial's tracebacks: an empty or truncated .npz for index / report, a device that
+    is not one (or absent) for search, an infinite --memory-mb."""
+    good = tmp_path / "good.npz"
+    np.savez(good, embeddings=np.ones((8, 4), np.float32), labels=np.arange(8) % 2)
+    empty, truncated = tmp_path / "empty.npz", tmp_path / "trunc.npz"
+    empty.write_bytes(b"")
+    truncated.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    query = sorted(Path(shapes["queries"]).rglob("*.png"))[0]
+    cases = [(["index", "--embeddings", str(bad), "--out", str(tmp_path / "idx")], str(bad))
+             for bad in (empty, truncated)]
+    cases += [(["search", str(shapes["index_dir"]), str(query), "--device", "bogus"], "--device 'bogus'"),
+              (["serve", str(shapes["index_dir"]), "--device", "bogus", "--port", "0"], "--device 'bogus'")]
+    if not torch.cuda.is_available():
+        cases += [(["search", str(shapes["index_dir"]), str(query), "--device", "cuda"], "CUDA is not available")]
+    for argv, needle in cases:
+        capsys.readouterr()
+        assert cli.main(argv) == 2, argv
+        _one_clear_line(capsys, needle)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["evaluate", str(good), "--memory-mb", "inf"])
+    assert exc.value.code == 2 and "expected a finite number > 0, got 'inf'" in capsys.readouterr().err

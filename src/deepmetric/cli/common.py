@@ -63,3 +63,16 @@ def refuse_output_over_inputs(flag: str, out, inputs=(), folders=()) -> None:
         if folder is not None and (target == Path(folder).resolve() or Path(folder).resolve() in target.parents):
             raise ValueError(f"{flag} {out}: inside {folder}, which this command reads; writing there would damage "
                              "it (choose a path outside it)")
+
+
+def positive_finite(text: str) -> float:
+    """An argparse type: a finite number > 0 (an infinite or NaN budget is refused by the parser)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value

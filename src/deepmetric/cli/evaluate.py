@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from deepmetric.cli.common import add_command, add_model_device_arguments, refuse_output_over_inputs
+from deepmetric.cli.common import add_command, add_model_device_arguments, positive_finite, refuse_output_over_inputs
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -34,7 +34,7 @@ def add_evaluate_parser(sub) -> None:
                         "free memory and --backend allows it; else the CPU), cpu, cuda or cuda:INDEX")
     p.add_argument("--chunk-size", type=int, default=None,
                    help="queries per search chunk (default: derived from --memory-mb)")
-    p.add_argument("--memory-mb", type=float, default=None,
+    p.add_argument("--memory-mb", type=positive_finite, default=None,
                    help="memory budget for one search chunk in MiB (default 256)")
     p.add_argument("--seed", type=int, default=0, help="k-means seed for NMI / F1")
     p.add_argument("--nmi-average", default="arithmetic", choices=["arithmetic", "geometric"],

@@ -162,8 +162,11 @@ def _run_search(args: argparse.Namespace) -> int:
 
     if args.html:
         refuse_output_over_inputs("--html", args.html, inputs=args.images, folders=(args.index_dir,))
+    from deepmetric.run.device import resolve_device
+
+    device = str(resolve_device(args.device, name="--device"))  # a bad or absent device: one line, first
     index = Index.load(args.index_dir, mmap=True, verify_hashes=True)
-    index.model(args.checkpoint, args.device)
+    index.model(args.checkpoint, device)
     sims, idx = index.search(list(args.images), args.k)
     results = index.neighbours(sims, idx)
     print(results_json(args.images, results, args.k) if args.json else results_text(args.images, results))

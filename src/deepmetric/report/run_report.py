@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,7 @@ def load_embeddings_npz(path: str | Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:  # empty, truncated, not an archive
         raise ValueError(f"{path}: not a readable .npz file ({exc})") from None
     for key in ("embeddings", "labels"):
         if key not in data:

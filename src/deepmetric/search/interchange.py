@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,7 +66,7 @@ def read_embeddings_file(path: str | Path) -> dict:
         return _read_parquet(p)
     try:
         z = np.load(p, allow_pickle=False)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:  # empty, truncated, not an archive
         raise ValueError(f"--embeddings {p}: not a readable .npz / .npy ({exc})") from None
     with z:
         if "embeddings" not in z.files:

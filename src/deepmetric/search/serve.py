@@ -145,7 +145,10 @@ def serve(index_dir, *, host: str = "127.0.0.1", port: int = 8000, checkpoint=No
     reloads the index folder."""
     from .index import Index
 
+    from deepmetric.run.device import resolve_device
+
     protocol_class(header_timeout_s, max_connections)  # its checks, before anything is loaded
+    device = str(resolve_device(device, name="--device"))
     sock = bind(host, port)
     port = sock.getsockname()[1]  # --port 0: the one the system picked, for the banner
     try:
