@@ -214,3 +214,14 @@ def test_broken_files_and_bad_devices_are_one_line_not_a_traceback(shapes, tmp_p
     with pytest.raises(SystemExit) as exc:
         cli.main(["evaluate", str(good), "--memory-mb", "inf"])
     assert exc.value.code == 2 and "expected a finite number > 0, got 'inf'" in capsys.readouterr().err
+
+
+def test_export_to_a_qdrant_server_that_is_not_there_is_one_line(shapes, capsys):
+    import socket
+
+    pytest.importorskip("qdrant_client")
+    with socket.socket() as s:  # a loopback port nothing listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert cli.main(["index", "export", str(shapes["index_dir"]), "--to", f"qdrant:http://127.0.0.1:{port}"]) == 2
+    _one_clear_line(capsys, f"--to qdrant:http://127.0.0.1:{port}: cannot reach a Qdrant server there")

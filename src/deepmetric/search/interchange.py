@@ -235,10 +235,16 @@ def export_qdrant(index, where: str, *, collection: str = "deepmetric", batch: i
     """Upload every row of ``index`` as a point (id = row, cosine distance, payload path / label /
     class_name) into ``collection`` (re-created). Returns the manifest stored with it."""
     from qdrant_client import models
+    from qdrant_client.http.exceptions import ResponseHandlingException
 
     client = qdrant_client_for(where)
     try:
-        if client.collection_exists(collection):
+        try:
+            exists = client.collection_exists(collection)
+        except ResponseHandlingException as exc:  # no server there (connection refused, a bad name)
+            raise OSError(f"--to qdrant:{where}: cannot reach a Qdrant server there ({exc}); start it, or give "
+                          "a folder for an embedded store") from None
+        if exists:
             client.delete_collection(collection)
         client.create_collection(collection, vectors_config=models.VectorParams(
             size=index.dim, distance=models.Distance.COSINE))
