@@ -151,3 +151,18 @@ def test_overwrite_removes_nothing_when_the_new_run_fails_while_it_is_built(tmp_
         assert {p.name: p.read_bytes() for p in run.iterdir()} == before, key
     res = train(config_from_dict(_raw(run)), overwrite=True)
     assert _steps(run / "log.jsonl") == list(range(1, res.iteration + 1))  # replaced: one run's steps only
+
+
+def test_resume_of_a_missing_file_says_so(tmp_path, capsys):
+    """--resume of a path that is not there is named as missing (not as another run's
+    checkpoint, as it was in a non-empty folder), and the folder is untouched."""
+    run = tmp_path / "run"
+    train(config_from_dict(_raw(run)))
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(_raw(run)))
+    for missing, needle in ((tmp_path / "nosuch.pt", "no such file"), (tmp_path, "not a file")):
+        assert cli.main(["train", str(cfg), "--resume", str(missing)]) == 2
+        err = capsys.readouterr().err
+        assert f"--resume {missing}: {needle}" in err and "another run" not in err and err.count("\n") == 1, err
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before

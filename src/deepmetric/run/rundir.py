@@ -142,6 +142,9 @@ def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool, remove: bool = Tr
     new run has passed every check, so a run that fails while it is being built loses nothing."""
     if out_dir.exists() and not out_dir.is_dir():
         raise RunDirectoryError(f"config key 'train.out_dir': {out_dir} is a file, not a directory")
+    if resume is not None and not Path(resume).is_file():  # before it could be taken for another run's
+        raise FileNotFoundError(f"--resume {resume}: no such file" if not Path(resume).exists()
+                                else f"--resume {resume}: not a file (a checkpoint such as {out_dir / LAST})")
     if out_dir.is_dir():
         remove_stale_temporaries(out_dir)
     existing = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
