@@ -166,3 +166,15 @@ def test_resume_of_a_missing_file_says_so(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"--resume {missing}: {needle}" in err and "another run" not in err and err.count("\n") == 1, err
         assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_an_atomic_write_that_fails_names_the_file_asked_for(tmp_path):
+    from deepmetric.run.rundir import write_text_atomic
+
+    (tmp_path / "afile").write_text("x")
+    target = tmp_path / "afile" / "m.json"  # its folder is a file: the write fails
+    with pytest.raises(OSError) as exc:
+        write_text_atomic(target, "{}")
+    assert str(exc.value).startswith(f"{target}: cannot write there (") and ".tmp" not in str(exc.value)
+    write_text_atomic(tmp_path / "ok.json", "{}")
+    assert (tmp_path / "ok.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ok.json"]

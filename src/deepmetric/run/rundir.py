@@ -344,8 +344,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     sees half a file, and a crash leaves the previous version."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:  # the error names the file asked for, not the hidden temporary
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise OSError(f"{path}: cannot write there ({exc.strerror or exc})") from None
 
 
 def write_metrics(run_dir: Path, summary: dict[str, Any]) -> Path:
