@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib.util
 import json
 import math
@@ -78,6 +79,12 @@ def _load_script(name: str, path: Path):
 
 
 spec = _load_script("protocol_v2_table", ROOT / "studies" / "protocol_v2.py")
+
+
+@functools.lru_cache(maxsize=1)
+def two_head_script():
+    """bench/two_head_accuracy.py (its epochs, variants, seeds and run folders' names), loaded once."""
+    return _load_script("two_head_accuracy", ROOT / "bench" / "two_head_accuracy.py")
 
 PHASES = ("tune", "seeds", "control", "almn_beta", "almn_more", "glyphs", "final")
 TUNE_FILES = ("trials.md", "trials.csv", "best.yaml", "best_overrides.json", "tune.json", "report.html",
@@ -1025,7 +1032,7 @@ def comparison_budget(h: str, t: dict | None, rows: list[dict]) -> str:
     """What a hypothesis's verdict rests on (pre-registered: printed beside it): epochs, completed
     trials and the seeds paired; the two-head tests' own closed-set budget."""
     if h.startswith("H5"):
-        two = _load_script("two_head_accuracy", ROOT / "bench" / "two_head_accuracy.py")
+        two = two_head_script()
         return (f"emoji closed set, 1,911 classes, {two.EPOCHS} epochs, lr on a validation vendor, "
                 f"seeds {seed_list(t)}")
     return budget_text(rows, t)
@@ -1295,7 +1302,7 @@ def progress_markdown(proto: Protocol) -> str:
     more_keys = [f"{v}/seed{s}" for v in spec.ALMN_MORE for s in spec.BETA_SEEDS]
     glyph_keys = [f"{v}/seed{s}" for v in spec.GLYPH_VARIANTS for s in spec.CLAIM_SEEDS]
     results = read_csv(proto.runs / "results.csv")
-    two = _load_script("two_head_accuracy", ROOT / "bench" / "two_head_accuracy.py")  # its run folders' names
+    two = two_head_script()  # its run folders' names
     two_lr = [f"lr/{v}/{two._lr_name(lr)}_seed{two.LR_SEED}" for v in two.VARIANTS for lr in two.LRS]
     two_seeds = [f"seeds/{v}/seed{s}" for v in two.VARIANTS for s in two.SEEDS]
     lines += ["", "## The other phases", "", "| part | finished | of |", "|---|---|---|",

@@ -157,13 +157,12 @@ def add_search_parser(sub) -> None:
 
 
 def _run_search(args: argparse.Namespace) -> int:
+    from deepmetric.run.device import resolve_device
     from deepmetric.search import Index
     from deepmetric.search.output import results_html, results_json, results_text
 
     if args.html:
         refuse_output_over_inputs("--html", args.html, inputs=args.images, folders=(args.index_dir,))
-    from deepmetric.run.device import resolve_device
-
     device = str(resolve_device(args.device, name="--device"))  # a bad or absent device: one line, first
     index = Index.load(args.index_dir, mmap=True, verify_hashes=True)
     index.model(args.checkpoint, device)

@@ -90,13 +90,12 @@ def _check_optim_and_eval(cfg: Config) -> None:
     """``loss``, ``optim`` and ``eval`` values, each on its own."""
     if not cfg.loss:
         raise ConfigError("config key 'loss': needs at least one loss term")
-    if not cfg.optim.lr >= 0 or cfg.optim.lr == float("inf"):  # nan fails every comparison
+    if not 0 <= cfg.optim.lr < float("inf"):  # nan fails every comparison
         raise ConfigError(f"config key 'optim.lr': must be a finite number >= 0, got {cfg.optim.lr}")
-    if cfg.optim.weight_decay is not None and not 0 <= cfg.optim.weight_decay < float("inf"):
+    if not 0 <= cfg.optim.weight_decay < float("inf"):
         raise ConfigError(f"config key 'optim.weight_decay': must be a finite number >= 0, got {cfg.optim.weight_decay}")
-    seed = cfg.train.seed
-    if seed is not None and not 0 <= seed < 2**32:  # NumPy's generators take 0 .. 2**32 - 1
-        raise ConfigError(f"config key 'train.seed': must be an integer in 0 .. 4294967295, got {seed}")
+    if not 0 <= cfg.train.seed < 2**32:  # NumPy's generators take 0 .. 2**32 - 1
+        raise ConfigError(f"config key 'train.seed': must be an integer in 0 .. 4294967295, got {cfg.train.seed}")
     if cfg.optim.layer_decay is not None and not 0.0 < cfg.optim.layer_decay <= 1.0:
         raise ConfigError(f"config key 'optim.layer_decay': must be in (0, 1] (the lr factor per stage "
                           f"below the top one), got {cfg.optim.layer_decay}")

@@ -131,15 +131,14 @@ def _same_run(out_dir: Path, resume) -> bool:
     return False
 
 
-def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool, remove: bool = True) -> bool:
+def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> bool:
     """Create ``out_dir``.  A new run refuses a non-empty directory (the report would mix
-    runs) unless ``overwrite`` (the previous run's files are removed) or ``resume`` of this
-    directory's own checkpoint; a ``resume`` of another run's checkpoint into a non-empty
-    directory needs ``overwrite`` too (it would replace this run's ``last.pt`` and splice the
-    logs).  Temporary files of a killed save are removed first
-    (:func:`remove_stale_temporaries`).  Returns whether the previous run's files are to go;
-    ``remove=False`` leaves them for the caller to remove (:func:`remove_run_files`) once the
-    new run has passed every check, so a run that fails while it is being built loses nothing."""
+    runs) unless ``overwrite`` or ``resume`` of this directory's own checkpoint; a ``resume``
+    of another run's checkpoint into a non-empty directory needs ``overwrite`` too (it would
+    replace this run's ``last.pt`` and splice the logs).  Temporary files of a killed save are
+    removed first (:func:`remove_stale_temporaries`).  Returns whether the previous run's files
+    are to go: the caller removes them (:func:`remove_run_files`) once the new run has passed
+    every check, so a run that fails while it is being built loses nothing."""
     if out_dir.exists() and not out_dir.is_dir():
         raise RunDirectoryError(f"config key 'train.out_dir': {out_dir} is a file, not a directory")
     if resume is not None and not Path(resume).is_file():  # before it could be taken for another run's
@@ -169,8 +168,6 @@ def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool, remove: bool = Tr
         clear = True
     else:
         clear = False
-    if clear and remove:
-        remove_run_files(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return clear
 

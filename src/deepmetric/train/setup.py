@@ -128,7 +128,7 @@ def _start(cfg: Config, *, resume, overwrite: bool):
     refused, replaces = None, False
     if dist_info.is_main:
         try:
-            replaces = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite, remove=False)
+            replaces = prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
         except RunDirectoryError as exc:
             refused = exc
     if D.any_true(refused is not None, device):  # every rank stops, before anything is written
