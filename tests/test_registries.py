@@ -202,6 +202,31 @@ def test_register_model_refuses_a_name_twice(scratch_registries):
             register_model(name)(SyntheticMLP)
 
 
+def test_model_options_of_impossible_size_are_a_config_error(scratch_registries):
+    """A layer of negative size is torch's RuntimeError, which the CLI shows as a traceback:
+    the built-in MLP checks its sizes, and a model registered elsewhere that does not gets a
+    ConfigError naming model.options from the builder."""
+    from deepmetric.run.builders import build_model
+    from deepmetric.run.config import ConfigError
+
+    with pytest.raises(ValueError, match=r"^synthetic_mlp: embedding_dim must be a positive int, got -8$"):
+        create_model("synthetic_mlp", embedding_dim=-8)
+    with pytest.raises(ValueError, match=r"synthetic_mlp: hidden must be a positive int, got 0"):
+        create_model("synthetic_mlp", hidden=0)
+
+    class Unchecked(nn.Module):
+        def __init__(self, width: int = 4, num_classes=None):
+            super().__init__()
+            self.layer = nn.Linear(4, width)
+
+    register_model("unchecked_width")(Unchecked)
+    cfg = _cfg(model={"name": "unchecked_width", "options": {"width": -3}})
+    with pytest.raises(ConfigError, match=r"^config key 'model.options': model 'unchecked_width' cannot be built "
+                                          r"with options \{'width': -3\}: .*negative dimension -3"):
+        build_model(cfg)
+    assert isinstance(build_model(_cfg(model={"name": "unchecked_width", "options": {"width": 3}})).layer, nn.Linear)
+
+
 def test_synthetic_mlp_is_created_like_any_model():
     assert model_options("synthetic_mlp") == {"in_dim", "hidden", "embedding_dim", "normalization", "num_classes",
                                               "two_head"}

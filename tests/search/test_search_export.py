@@ -1,6 +1,7 @@
 """deepmetric export: ONNX (onnxruntime) and TorchScript outputs equal PyTorch's on real images,
 and the preprocessing JSON written beside them re-implemented by hand gives the same input."""
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -181,3 +182,32 @@ def test_two_head_model_exports_its_embedding(tmp_path, embedding_head):
     got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(["embedding"], {"image": x.numpy()})[0]
     assert got.shape == (3, 8 if embedding_head else model.num_features)
     assert np.abs(got - ref).max() < 1e-4
+
+
+def test_a_model_of_vectors_refuses_images_in_one_line(tmp_path, capsys):
+    """A checkpoint trained on vectors (the synthetic data) can build an index of its vectors,
+    but an image query, an export (an image-shaped example) or a served page cannot use it: each
+    says so in one line (torch's shape error was a traceback) and writes nothing."""
+    from conftest import synthetic_config
+    from deepmetric.run.config_io import config_from_dict
+    from deepmetric.train.loop import train
+
+    train(config_from_dict(synthetic_config(tmp_path / "run", train={"epochs": 1})))
+    ckpt = tmp_path / "run" / "last.pt"
+    assert cli.main(["index", str(ckpt), "--out", str(tmp_path / "idx"), "--no-progress"]) == 0
+    Image.new("RGB", (20, 20), (200, 10, 10)).save(tmp_path / "q.png")
+    capsys.readouterr()
+    said = r"cannot embed images: after the checkpoint's preprocessing an image is a tensor of shape \[3, \d+, \d+\]"
+    assert cli.main(["search", str(tmp_path / "idx"), str(tmp_path / "q.png"),
+                     "--html", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(said, err) and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r.html").exists()
+    assert cli.main(["export", str(ckpt), "--out", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(said, err) and "trained on vectors" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx", "q.png", "run"]  # no partial export
+    from deepmetric.search.served import prepare  # serve's start-up check, before it listens
+
+    with pytest.raises(ValueError, match=said):
+        prepare(Index.load(tmp_path / "idx"), generation=0, max_decode_mb=None)

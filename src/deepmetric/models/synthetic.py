@@ -33,6 +33,9 @@ class SyntheticMLP(nn.Module):
         super().__init__()
         if normalization not in ("none", "l2"):
             raise ValueError(f"synthetic_mlp: normalization must be 'none' or 'l2', got {normalization!r}")
+        for key, value in (("in_dim", in_dim), ("hidden", hidden), ("embedding_dim", embedding_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"synthetic_mlp: {key} must be a positive int, got {value!r}")
         self.backbone = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, embedding_dim)
         self.normalization = normalization

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import Config
+from .config import Config, ConfigError
 from .config_checks import loss_term_options
 
 __all__ = ["VAL_SPLIT", "seed_everything", "build_split", "build_sampler", "build_model", "build_losses",
@@ -302,7 +302,15 @@ def build_model(cfg: Config, num_classes: int | None = None, *, pretrained: bool
         options.pop("pretrained", None)
     # create_model accepts num_classes for every model: nothing to filter; a model registered
     # elsewhere gets the defaults of the model contract's parts it lacks
-    return with_model_defaults(_call_filling(create_model, m.name, options, {"num_classes": num_classes}))
+    try:
+        model = _call_filling(create_model, m.name, options, {"num_classes": num_classes})
+    except RuntimeError as exc:
+        # torch refuses a layer of impossible size with a RuntimeError, which the CLI treats as
+        # a bug (traceback); here it is the user's options that a model registered elsewhere
+        # did not check
+        raise ConfigError(f"config key 'model.options': model {m.name!r} cannot be built with options "
+                          f"{options}: {exc}") from exc
+    return with_model_defaults(model)
 
 
 def fill_model_input_size(cfg: Config, dataset) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .query import preprocessing_from_config
+from .query import model_input_error, preprocessing_from_config
 
 __all__ = ["EmbeddingOnly", "export_model", "check_finite_weights", "FORMATS", "preprocessing_path"]
 
@@ -107,7 +107,10 @@ def _write(net: nn.Module, example: torch.Tensor, path: Path, fmt: str, opset: i
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit.trace
         warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript-based ONNX exporter
         warnings.simplefilter("ignore", UserWarning)  # an opset newer than the exporter's tested ones
-        dim = int(net(example).shape[1])
+        try:
+            dim = int(net(example).shape[1])
+        except RuntimeError as exc:  # a model of vectors given an image-shaped example: a traceback otherwise
+            raise model_input_error("the checkpoint's model", tuple(example.shape[1:]), exc) from None
         if fmt == "torchscript":
             traced = torch.jit.trace(net, example, check_trace=False)
             traced.save(str(path))

@@ -168,6 +168,15 @@ def load_image(path: str | Path, *, mode: str | None = "RGB", max_bytes: int | N
     return _decode(Path(path).expanduser(), mode=mode, max_bytes=max_bytes)
 
 
+def model_input_error(model: str, shape: tuple[int, ...], exc: Exception) -> ValueError:
+    """The error of a network that cannot take the images its checkpoint's preprocessing makes,
+    typically one trained on vectors (``data.name: synthetic``) asked to embed image files."""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return ValueError(f"{model} cannot embed images: after the checkpoint's preprocessing an image is a tensor of "
+                      f"shape {list(shape)}, and the network's forward pass failed on it ({reason}). A model trained "
+                      "on vectors (data 'synthetic', an .npz) cannot embed image files: train one on images")
+
+
 @torch.no_grad()
 def embed_images(model: torch.nn.Module, preprocess: Preprocessing,
                  images: Iterable[str | Path | Image.Image], *, batch_size: int = 64,
@@ -179,7 +188,12 @@ def embed_images(model: torch.nn.Module, preprocess: Preprocessing,
 
     def flush():
         x = torch.stack(batch).to(device)
-        e = model.forward_head(model.forward_features(x)).float()
+        try:
+            e = model.forward_head(model.forward_features(x)).float()
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:  # torch's shape error is a traceback in the CLI, and says nothing of why
+            raise model_input_error("the checkpoint's model", tuple(x.shape[1:]), exc) from None
         out.append(torch.nn.functional.normalize(e, dim=1).cpu().numpy())
         batch.clear()
 
