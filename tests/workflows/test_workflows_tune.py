@@ -444,9 +444,31 @@ def test_storage_creation_retries_only_the_table_creation_race(tmp_path, monkeyp
         raise sqlalchemy.exc.OperationalError("connect", {}, Exception("unable to open database file"))
 
     monkeypatch.setattr(optuna.storages, "RDBStorage", broken)
-    with pytest.raises(sqlalchemy.exc.OperationalError, match="unable to open"):
+    with pytest.raises(ValueError, match=r"^--storage sqlite:///.*race.db cannot be opened \(unable to open database "
+                                         r"file\); expected sqlite:///"):
         engine.rdb_storage(url, retry_stale=False)
     assert len(calls) == 1
+
+
+def test_a_storage_url_that_does_not_open_is_one_line(tmp_path, capsys):
+    """SQLAlchemy's refusals (no such dialect, not a URL, no server) were tracebacks; each is
+    one line naming --storage (password masked) and the two forms expected."""
+    study = tmp_path / "s.yaml"
+    study.write_text(yaml.safe_dump({"base": synthetic_config(tmp_path / "never"), "variants": {"A": []},
+                                     "seeds": [0], "out_dir": str(tmp_path / "out")}))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    cases = {"bogus://x": r"--storage bogus://x is not a database URL SQLAlchemy can read \(Can't load plugin",
+             "notaurl": r"--storage notaurl is not a database URL SQLAlchemy can read \(Could not parse",
+             f"postgresql://me:secret@127.0.0.1:{closed}/db": r"--storage postgresql://me:\*\*\*@127.0.0.1:\d+/db "
+                                                             r"cannot be opened \(.*refused"}
+    for url, said in cases.items():
+        assert cli.main(["study", str(study), "--storage", url]) == 2
+        err = capsys.readouterr().err
+        assert re.search(said, err) and "secret" not in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "never").exists()
 
 
 # --------------------------------------------------------------------------- PostgreSQL

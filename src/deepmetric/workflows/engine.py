@@ -93,6 +93,8 @@ def rdb_storage(url: str, *, retry_stale: bool):
         try:
             return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S,
                                               grace_period=GRACE_S, heartbeat_stale_trial_callback=callback)
+        except (sqlalchemy.exc.NoSuchModuleError, sqlalchemy.exc.ArgumentError) as exc:
+            raise _storage_error(url, exc, "is not a database URL SQLAlchemy can read") from None
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.OperationalError) as exc:
             # two processes creating the tables of a new database at once (optuna/optuna#1092):
             # PostgreSQL refuses the second CREATE TYPE / TABLE (IntegrityError, ProgrammingError),
@@ -100,9 +102,21 @@ def rdb_storage(url: str, *, retry_stale: bool):
             # them, so try again.  Any other OperationalError (a wrong URL, a locked file after
             # the 60 s timeout) is the user's to see at once.
             race = not isinstance(exc, sqlalchemy.exc.OperationalError) or "already exists" in str(exc)
-            if not race or attempt == 4:
+            if not race:
+                raise _storage_error(url, exc, "cannot be opened") from None
+            if attempt == 4:
                 raise
             time.sleep(0.5 + attempt)
+
+
+def _storage_error(url: str, exc: Exception, what: str) -> ValueError:
+    """A storage URL that does not open, in one line (SQLAlchemy's errors are tracebacks with a
+    link), its password masked."""
+    reason = getattr(exc, "orig", None) or exc  # the driver's own message, without SQLAlchemy's footer
+    lines = [line.strip() for line in str(reason).strip().splitlines() if line.strip()]
+    return ValueError(f"--storage {display_storage(url)} {what} ({' '.join(lines)[:300] or type(exc).__name__}); "
+                      "expected sqlite:///PATH/TO/FILE.db or postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE "
+                      "of a running server")
 
 
 def _now():
