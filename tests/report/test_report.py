@@ -632,6 +632,13 @@ def test_report_without_the_dataset_still_reports_the_log(tmp_path, rng):
     assert "embedding with last.pt failed" in (run / "report" / "report.html").read_text()
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
         make_report(run, checkpoint=run / "nope.pt")
+    # a split asked for (report --split bogus) is the error, not a page without embeddings
+    before = (run / "report" / "report.html").read_bytes()
+    state["config"]["data"]["options"]["dim"] = 6
+    torch.save(state, run / "last.pt")
+    with pytest.raises(ValueError, match=r"synthetic: split must be train, test, query or gallery, got 'bogus'"):
+        make_report(run, split="bogus")
+    assert (run / "report" / "report.html").read_bytes() == before  # the last page is kept
 
 
 def test_report_of_a_query_gallery_run(tmp_path):

@@ -157,7 +157,8 @@ def _embeddings(run_dir: Path, embeddings, checkpoint, *, split, device, batch_s
     """``(data, source, config, why_none)``: the embeddings the report shows (the ``.npz``
     ``embeddings``, else the run's ``checkpoint`` on ``split``), where they came from, the
     config the checkpoint holds (None unless it was used), and why there are none (data None).
-    A failing default checkpoint is a warning, so that the log and metrics are still reported."""
+    A failing default checkpoint on the default split is a warning, so that the log and metrics
+    are still reported; with a checkpoint or a split asked for, it is the error."""
     why_none = "no embeddings: pass --embeddings EMB.npz, or keep best.pt / last.pt in the run directory"
     if embeddings is not None:
         return load_embeddings_npz(embeddings), f"`{Path(embeddings).name}`", None, why_none
@@ -173,7 +174,7 @@ def _embeddings(run_dir: Path, embeddings, checkpoint, *, split, device, batch_s
         data, cfg_from_ckpt = embed_run(ckpt, split=split, device=device, batch_size=batch_size,
                                         embed_train=embed_train)
     except Exception as exc:  # noqa: BLE001 - reported on the page and as a warning
-        if explicit:
+        if explicit or split is not None:  # the user asked for these embeddings (--checkpoint, --split)
             raise
         # e.g. the dataset is not on this machine: still report the log and metrics
         why_none = (f"no embeddings: embedding with {ckpt.name} failed "
