@@ -201,8 +201,14 @@ def test_broken_files_and_bad_devices_are_one_line_not_a_traceback(shapes, tmp_p
     empty.write_bytes(b"")
     truncated.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
     query = sorted(Path(shapes["queries"]).rglob("*.png"))[0]
+    text = tmp_path / "notes.npz"
+    text.write_text("hello world\n")  # numpy's reason for text was "pickled (object) data"
     cases = [(["index", "--embeddings", str(bad), "--out", str(tmp_path / "idx")], str(bad))
              for bad in (empty, truncated)]
+    cases += [(["index", "--embeddings", str(text), "--out", str(tmp_path / "idx")],
+               f"--embeddings {text}: this is a text file (it starts with 'hello world')"),
+              (["report", str(Path(shapes["checkpoint"]).parent), "--embeddings", str(text)],
+               f"{text}: this is a text file (it starts with 'hello world'); expected an .npz")]
     cases += [(["search", str(shapes["index_dir"]), str(query), "--device", "bogus"], "--device 'bogus'"),
               (["serve", str(shapes["index_dir"]), "--device", "bogus", "--port", "0"], "--device 'bogus'")]
     if not torch.cuda.is_available():

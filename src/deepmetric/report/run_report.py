@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from . import page as pg
+from deepmetric.evaluate.io import describe_file
 from deepmetric.run import rundir
 
 from deepmetric.run.evaluation import command_search_device
@@ -65,7 +66,9 @@ def load_embeddings_npz(path: str | Path) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:  # empty, truncated, not an archive
-        raise ValueError(f"{path}: not a readable .npz file ({exc})") from None
+        what = describe_file(path)  # text, an image, a checkpoint: numpy's reason would say "pickled data"
+        raise ValueError(f"{path}: {f'this is {what}' if what else f'not a readable .npz file ({exc})'}; "
+                         "expected an .npz with 'embeddings' and 'labels' ('deepmetric embed')") from None
     for key in ("embeddings", "labels"):
         if key not in data:
             raise ValueError(f"{path}: missing array '{key}' (found: {', '.join(sorted(data)) or 'none'})")

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from deepmetric.evaluate.io import describe_file
+
 if TYPE_CHECKING:
     from .index import Index
 
@@ -67,7 +69,10 @@ def read_embeddings_file(path: str | Path) -> dict:
     try:
         z = np.load(p, allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:  # empty, truncated, not an archive
-        raise ValueError(f"--embeddings {p}: not a readable .npz / .npy ({exc})") from None
+        what = describe_file(p)  # text, an image, a checkpoint: numpy's reason would say "pickled data"
+        raise ValueError(f"--embeddings {p}: {f'this is {what}' if what else f'not a readable .npz / .npy ({exc})'}; "
+                         "expected an .npz with 'embeddings', an .npy, or a parquet file of "
+                         "'deepmetric index export'") from None
     with z:
         if "embeddings" not in z.files:
             raise KeyError(f"--embeddings {p} has no array 'embeddings' (it has {', '.join(z.files) or 'none'})")
