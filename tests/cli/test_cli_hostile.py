@@ -180,12 +180,20 @@ def test_an_output_over_an_input_is_refused_before_any_work(shapes, tmp_path, ca
         (["index", "export", str(index), "--to", f"qdrant:{index}"], "--to", "inside"),
         (["export", str(ckpt), "--out", str(ckpt)], "--out", "that is the input"),
         (["evaluate", str(npz), "--out", str(npz)], "--out", "that is the input"),
+        # an output whose folder cannot be made (below a file) or that is a folder: refused before
+        # the work (evaluate printed its whole table, then failed naming only the folder)
+        (["evaluate", str(npz), "--out", str(npz / "m.json")], "--out", "cannot be created"),
+        (["evaluate", str(npz), "--out", str(tmp_path)], "--out", "is a folder"),
+        (["search", str(index), str(query), "--html", str(query / "r.html")], "--html", "cannot be created"),
+        (["export", str(ckpt), "--out", str(npz / "m.onnx")], "--out", "cannot be created"),
+        (["index", "export", str(index), "--to", f"parquet:{npz / 'a.parquet'}"], "--to", "cannot be created"),
     ]
     for argv, flag, needle in cases:
         capsys.readouterr()
         assert cli.main(argv) == 2, argv
         out = capsys.readouterr()
         assert "Traceback" not in out.err and out.err.count("\n") == 1 and flag in out.err and needle in out.err, out.err
+        assert out.out == "", (argv, out.out)  # nothing done first
         assert {**_tree(index), **_tree(tmp_path)} == before, argv
     # a fine path still works, and evaluate writes its metrics atomically there
     assert cli.main(["evaluate", str(npz), "--out", str(tmp_path / "m.json")]) == 0

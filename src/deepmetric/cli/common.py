@@ -65,6 +65,22 @@ def refuse_output_over_inputs(flag: str, out, inputs=(), folders=()) -> None:
                              "it (choose a path outside it)")
 
 
+def check_output_file(flag: str, out) -> None:
+    """Before any work: the folder of the output file ``out`` exists or is created now, and
+    ``out`` is not a folder; otherwise a ValueError naming ``flag`` (it was an OSError naming
+    only the folder, after the work was done)."""
+    target = Path(out)
+    if target.is_dir():
+        raise ValueError(f"{flag} {out}: is a folder; give a file name inside it")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {out}: its folder {target.parent} cannot be created "
+                         f"({exc.strerror or exc}); choose a path you can write") from None
+    if not target.parent.is_dir():
+        raise ValueError(f"{flag} {out}: {target.parent} is not a folder; choose a path you can write")
+
+
 def positive_finite(text: str) -> float:
     """An argparse type: a finite number > 0 (an infinite or NaN budget is refused by the parser)."""
     import math

@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from deepmetric.cli.common import add_command, add_model_device_arguments, positive_finite, refuse_output_over_inputs
+from deepmetric.cli.common import (add_command, add_model_device_arguments, check_output_file, positive_finite,
+                                   refuse_output_over_inputs)
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -59,6 +60,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     steps = parse_steps(getattr(args, "postprocess", None))  # a bad step is refused before any work
     if args.out:
         refuse_output_over_inputs("--out", args.out, inputs=(args.npz, getattr(args, "fit_embeddings", None)))
+        check_output_file("--out", args.out)
     data = load_npz(args.npz)
     emb = data["embeddings"]
     fit_sets = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deepmetric.cli.common import add_command, add_model_device_arguments, refuse_output_over_inputs
+from deepmetric.cli.common import add_command, add_model_device_arguments, check_output_file, refuse_output_over_inputs
 
 
 # --------------------------------------------------------------------------- index / search / export / serve
@@ -118,6 +118,8 @@ def _run_index_export(args: argparse.Namespace) -> int:
     scheme, where = parse_target(args.to)
     if "://" not in str(where):  # a file or a local Qdrant folder, not a server's URL
         refuse_output_over_inputs("--to", where, folders=(args.index_dir,))
+        if scheme == "parquet":
+            check_output_file("--to", where)
     index = Index.load(args.index_dir, mmap=True, verify_hashes=True)  # never export a damaged index
     if scheme == "parquet":
         export_parquet(index, where)
@@ -163,6 +165,7 @@ def _run_search(args: argparse.Namespace) -> int:
 
     if args.html:
         refuse_output_over_inputs("--html", args.html, inputs=args.images, folders=(args.index_dir,))
+        check_output_file("--html", args.html)
     device = str(resolve_device(args.device, name="--device"))  # a bad or absent device: one line, first
     index = Index.load(args.index_dir, mmap=True, verify_hashes=True)
     index.model(args.checkpoint, device)
@@ -190,6 +193,7 @@ def _run_export(args: argparse.Namespace) -> int:
     from deepmetric.search.export import export_model
 
     refuse_output_over_inputs("--out", args.out, inputs=(args.checkpoint,))
+    check_output_file("--out", args.out)
     out, side = export_model(args.checkpoint, args.out, args.fmt, normalize=not args.raw, opset=args.opset)
     print(f"wrote {out} and {side}")
     return 0
