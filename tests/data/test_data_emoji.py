@@ -298,6 +298,11 @@ def test_installer_extracts_only_what_is_used(tmp_path, monkeypatch):
     # without a tarball, npm is needed (never reached here: a missing or failing npm is reported)
     with pytest.raises(FileNotFoundError, match="no-such-npm.*not found"):
         em.install_emoji_packages(tmp_path / "x", packages=["openmoji"], npm="no-such-npm", verbose=False)
+    # a --from folder that does not exist is a typo, not a reason to go to npm (offline: it cannot)
+    with pytest.raises(FileNotFoundError, match=r"--from .*tgs: no such folder .*openmoji-17.0.0.tgz"):
+        em.install_emoji_packages(tmp_path / "y", packages=["openmoji"], tarball_dir=tmp_path / "tgs",
+                                  npm="no-such-npm", verbose=False)
+    assert not (tmp_path / "y").exists()
     with pytest.raises(OSError, match=r"pack --silent .*openmoji@17\.0\.0.*failed \(exit 1\)"):
         em.install_emoji_packages(tmp_path / "x", packages=["openmoji"], npm="false", verbose=False)
     assert not (em.emoji_packages_dir(tmp_path / "x") / "openmoji@17.0.0").exists()
