@@ -90,6 +90,11 @@ def test_export_refuses_nan_weights(shapes, tmp_path, capsys):
         assert cli.main(["export", str(bad), "--format", fmt, "--out", str(out)]) == 2
         _one_clear_line(capsys, f"checkpoint {bad}: weight {name!r} holds 1 NaN or infinite value(s)")
     assert not out.exists()
+    # embed wrote an .npz of NaN rows that every metric then refused: now refused, nothing written
+    npz = tmp_path / "e.npz"
+    assert cli.main(["embed", str(bad), "--split", "all", "--out", str(npz)]) == 2
+    _one_clear_line(capsys, f"checkpoint {bad} embeds ", "image(s) as NaN / inf, the first ", "nothing was written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diverged.pt"]
 
 
 # --------------------------------------------------------------------------- weights_only

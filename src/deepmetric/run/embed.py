@@ -299,10 +299,17 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
         arrays = {"embeddings": r["embeddings"], "labels": r["labels"],
                   **dataset_query_gallery_masks(ds)}
         parts = [r]
-    out.parent.mkdir(parents=True, exist_ok=True)
     # image paths and class names, when known
     if all("paths" in p for p in parts):
         arrays["paths"] = np.concatenate([p["paths"] for p in parts])
+    bad = ~np.isfinite(arrays["embeddings"]).all(axis=1)
+    if bad.any():  # a diverged checkpoint: an .npz of NaN that every metric would refuse later
+        i = int(np.flatnonzero(bad)[0])
+        which = arrays["paths"][i] if "paths" in arrays else f"row {i} of split {split!r}"
+        raise ValueError(f"checkpoint {checkpoint} embeds {int(bad.sum())} of {len(bad)} image(s) as NaN / inf, the "
+                         f"first {which}; nothing was written to {out} (a diverged run? embed with an earlier "
+                         "checkpoint, best.pt)")
+    out.parent.mkdir(parents=True, exist_ok=True)
     if "class_names" in parts[0]:
         arrays["class_names"] = parts[0]["class_names"]
     part = out.with_name(f".{out.name}.{os.getpid()}.tmp.npz")  # whole or not at all
