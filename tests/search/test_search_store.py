@@ -154,6 +154,10 @@ def test_old_index_without_file_list_loads_with_a_warning_and_add_upgrades_it(sh
     out = built[0]
     m = json.loads((out / "manifest.json").read_text())
     del m["files"]
+    # a current manifest without its file list was edited: refused, not loaded unchecked
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"manifest.json: index version 3 but no 'files'.*--overwrite"):
+        Index.load(out, verify_hashes=True)
     m["version"] = 1
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.warns(UserWarning, match=r"older deepmetric \(version 1\).*--overwrite"):

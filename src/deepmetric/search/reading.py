@@ -89,6 +89,10 @@ def read_manifest(folder: "Folder", d: Path) -> tuple[dict, dict]:
         raise ValueError(f"{d / 'manifest.json'}: kind {manifest.get('kind')!r}, expected one of {KINDS}")
     if manifest.get("files") is not None:
         check_listed_names(d, manifest["files"])
+    elif manifest.get("version", 1) >= 2:  # every writer of version 2 on lists them: not to be skipped silently
+        raise ValueError(f"{d / 'manifest.json'}: index version {manifest['version']} but no 'files' (the size and "
+                         "SHA-256 of every file, written with the index): the manifest was edited or damaged, so "
+                         f"the index cannot be checked; rebuild it ('deepmetric index ... --out {d} --overwrite')")
     return manifest, raw
 
 
