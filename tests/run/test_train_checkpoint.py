@@ -63,6 +63,12 @@ def test_missing_and_corrupt_checkpoints_name_the_file(tmp_path):
     torch.save({"hello": 1}, other)
     with pytest.raises(ValueError, match="not a deepmetric checkpoint"):
         ck.load_checkpoint(other)
+    # edited by hand: a config or weights that are not mappings are named, not torch's own errors
+    for key, value, said in (("config", [1, 2], r"'config' is of type list, expected a mapping \(the training config\)"),
+                             ("model", 5, r"'model' is of type int, expected a mapping \(parameter name -> tensor\)")):
+        edited = ck.save_checkpoint({"model": {"w": torch.zeros(2)}, "config": {}, key: value}, tmp_path / f"{key}.pt")
+        with pytest.raises(ValueError, match=rf"checkpoint .*{key}\.pt: {said}; the file was edited"):
+            ck.load_checkpoint(edited)
 
 
 def test_rng_state_round_trip_through_weights_only_file(tmp_path):

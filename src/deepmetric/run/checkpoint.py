@@ -144,6 +144,10 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     for key in ("model", "config"):
         if key not in state:
             raise ValueError(f"checkpoint {path} is incomplete: missing '{key}'")
+        if not isinstance(state[key], dict):  # an edited file: torch's own error would not name it
+            raise ValueError(f"checkpoint {path}: '{key}' is of type {type(state[key]).__name__}, expected a "
+                             f"mapping ({'parameter name -> tensor' if key == 'model' else 'the training config'}); "
+                             "the file was edited or damaged")
     if version == 1:
         state = _upgrade_v1(state)
     return state
