@@ -100,6 +100,19 @@ def test_the_closest_name_suggestion_is_written_once():
     assert hits == ["src/deepmetric/registry.py"]
 
 
+def test_a_missing_optional_package_is_always_the_cli_s_one_line_error():
+    """An ImportError the package raises itself names a package to install, so it must be a
+    MissingPackageError (the CLI keeps the traceback of any other ImportError)."""
+    import re
+
+    plain = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "src").rglob("*.py"))
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"raise ImportError\b", line)]
+    assert plain == []
+    raised = [p for p in (REPO / "src").rglob("*.py") if "raise MissingPackageError(" in p.read_text(encoding="utf-8")]
+    assert len(raised) >= 5  # the check above reads the files it should
+
+
 def _machine_paths(text: str) -> list[str]:
     """Absolute paths under the folders a machine keeps its work in (``/work/...``, ``/home/...``,
     ``/tmp/...``, ...), not inside a URL or a relative path."""

