@@ -244,3 +244,18 @@ def test_export_to_a_qdrant_server_that_is_not_there_is_one_line(shapes, capsys)
         port = s.getsockname()[1]
         assert cli.main(["index", "export", str(shapes["index_dir"]), "--to", f"qdrant:http://127.0.0.1:{port}"]) == 2
     _one_clear_line(capsys, f"--to qdrant:http://127.0.0.1:{port}: cannot reach a Qdrant server there")
+
+
+def test_a_qdrant_url_of_another_scheme_is_refused_not_made_a_folder(shapes, tmp_path, capsys, monkeypatch):
+    """The CLI took any 'x://' for a server while the client took all but http(s) for a local
+    folder: qdrant:grpc://host made a folder named 'grpc:'. Both read one rule now."""
+    from deepmetric.search.interchange import is_server_url, parse_target
+
+    monkeypatch.chdir(tmp_path)
+    for target in ("qdrant:grpc://127.0.0.1:6334", "qdrant:ftp://host/x"):
+        assert cli.main(["index", "export", str(shapes["index_dir"]), "--to", target]) == 2
+        _one_clear_line(capsys, f"--to '{target}': a Qdrant server is reached at http://HOST:PORT")
+    assert list(tmp_path.iterdir()) == []
+    assert parse_target("qdrant:https://db.example:6333") == ("qdrant", "https://db.example:6333")
+    assert is_server_url("http://127.0.0.1:6333") and not is_server_url("exports/qdrant")
+    assert parse_target("qdrant:exports/qdrant") == ("qdrant", "exports/qdrant")

@@ -113,10 +113,11 @@ def add_index_tools_parsers(sub) -> None:
 
 def _run_index_export(args: argparse.Namespace) -> int:
     from deepmetric.search import Index
-    from deepmetric.search.interchange import export_parquet, export_qdrant, export_warning, parse_target
+    from deepmetric.search.interchange import (export_parquet, export_qdrant, export_warning, is_server_url,
+                                               parse_target)
 
     scheme, where = parse_target(args.to)
-    if "://" not in str(where):  # a file or a local Qdrant folder, not a server's URL
+    if not is_server_url(where):  # a file or a local Qdrant folder, not a server's URL
         refuse_output_over_inputs("--to", where, folders=(args.index_dir,))
         if scheme == "parquet":
             check_output_file("--to", where)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .index import Index
 
 __all__ = ["index_from_file", "read_embeddings_file", "export_parquet", "export_qdrant", "export_warning",
-           "parse_target", "ROW_GROUP"]
+           "parse_target", "is_server_url", "ROW_GROUP"]
 
 ROW_GROUP = 65536
 
@@ -148,7 +148,15 @@ def parse_target(target: str) -> tuple[str, str]:
     scheme, sep, rest = target.partition(":")
     if not sep or scheme not in ("parquet", "qdrant") or not rest:
         raise ValueError(f"--to {target!r}: expected parquet:FILE or qdrant:PATH_OR_URL")
+    if scheme == "qdrant" and "://" in rest and not is_server_url(rest):  # else a folder named 'grpc:'
+        raise ValueError(f"--to {target!r}: a Qdrant server is reached at http://HOST:PORT or https://HOST:PORT "
+                         "(the REST port, 6333 by default); anything else is a local folder")
     return scheme, rest
+
+
+def is_server_url(where: str) -> bool:
+    """Whether ``qdrant:WHERE`` names a server (``http(s)://``), not a local folder."""
+    return where.startswith(("http://", "https://"))
 
 
 #: query-side steps an engine that ranks by plain cosine does not apply (they need the gallery)
@@ -232,7 +240,7 @@ def qdrant_client_for(where: str):
         from qdrant_client import QdrantClient
     except ImportError:
         raise MissingPackageError("exporting to Qdrant needs qdrant-client: pip install 'deepmetric[qdrant]'") from None
-    if where.startswith(("http://", "https://")):
+    if is_server_url(where):
         return QdrantClient(url=where)
     return QdrantClient(path=where)
 
