@@ -37,6 +37,16 @@ def _deep_update(base: dict, extra: dict) -> dict:
     return base
 
 
+def free_port() -> int:
+    """A loopback port free a moment ago (bound, then closed): for a server or rendezvous that a
+    test starts itself, on 127.0.0.1 only."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def synthetic_config(out_dir=None, *, classes: int = 6, per_class: int = 16, data_seed: int = 5,
                      hidden: int = 32, **sections) -> dict:
     """The small synthetic run most training tests use (well under a second): ``classes``

@@ -2,28 +2,21 @@
 --node_rank, --rdzv_endpoint, gloo on the CPU), each with its own train.out_dir: the run trains
 on both, and only global rank 0 (node 0) writes the run's files, as docs/training.md says."""
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from conftest import synthetic_config
+from conftest import free_port, synthetic_config
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_with_per_node_out_dirs_only_node_0_writes(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(synthetic_config(eval={"baselines": False}, train={"epochs": 2, "device": "cpu"})))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     procs = []
     for node in (0, 1):

@@ -1,7 +1,6 @@
 """DDP on CPU (gloo, 2 processes): one step with 2 ranks x batch B gives the gradients of
 1 process with batch 2B, for pair-based (gathered) and classifier (local) losses."""
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from deepmetric.data.synthetic import SyntheticMLP
 from deepmetric.losses import build_loss
 from deepmetric.run.config import LossTermConfig
 from deepmetric.train.module import TrainingModule
+from conftest import free_port
 
 B, C, DIM, K = 8, 4, 16, 8
 
@@ -92,16 +92,10 @@ def _worker(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
@@ -182,7 +176,7 @@ def test_sync_bn_keeps_the_heads_shift_and_matches_one_process_on_the_whole_batc
     into an affine-less SyncBatchNorm and dropped its learned shift. Ours keeps the module, and
     2 ranks x B rows give the outputs, input gradients, summed parameter gradients and running
     statistics of one process on all 2B rows."""
-    mp.spawn(_sync_bn_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_sync_bn_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"sync{r}.pt", weights_only=True) for r in range(2)]
     ref_model = _sync_bn_model()
     x, g = _sync_bn_data()

@@ -6,7 +6,6 @@ rank 0 tracks; a missing library is a clear error.  No network: MLflow uses SQLi
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -22,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import metadata as hp_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import synthetic_config
+from conftest import free_port, synthetic_config
 from deepmetric.run.config import ConfigError
 from deepmetric.run.config_io import config_from_dict
 from deepmetric.train.loop import train
@@ -315,12 +314,6 @@ def test_failed_run_resumed_gets_a_new_mlflow_run(tmp_path, store):
 
 
 # --------------------------------------------------------------------------- rank 0 only
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank, world, port, raw):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -331,7 +324,7 @@ def _ddp_worker(rank, world, port, raw):
 def test_only_rank_0_tracks_under_ddp(tmp_path, store):
     out = tmp_path / "run"
     raw = _raw(out, epochs=2, tracking={"mlflow_uri": store, "experiment": "ddp"})
-    mp.spawn(_ddp_worker, args=(2, _free_port(), raw), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), raw), nprocs=2, join=True)
     records = read_log(out)
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
     client = MlflowClient(tracking_uri=store)

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import synthetic_config
+from conftest import free_port, synthetic_config
 
 from deepmetric import cli
 from deepmetric.run.config_io import load_config
@@ -456,9 +455,7 @@ def test_a_storage_url_that_does_not_open_is_one_line(tmp_path, capsys):
     study = tmp_path / "s.yaml"
     study.write_text(yaml.safe_dump({"base": synthetic_config(tmp_path / "never"), "variants": {"A": []},
                                      "seeds": [0], "out_dir": str(tmp_path / "out")}))
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+    closed = free_port()  # nothing listens there
     cases = {"bogus://x": r"--storage bogus://x is not a database URL SQLAlchemy can read \(Can't load plugin",
              "notaurl": r"--storage notaurl is not a database URL SQLAlchemy can read \(Could not parse",
              f"postgresql://me:secret@127.0.0.1:{closed}/db": r"--storage postgresql://me:\*\*\*@127.0.0.1:\d+/db "
@@ -480,12 +477,6 @@ def _pg_bin() -> Path | None:
     return Path(which).parent if which else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def postgres(tmp_path):
     """A PostgreSQL server of the Debian package on 127.0.0.1 (trust auth, a temporary data
@@ -505,7 +496,7 @@ def postgres(tmp_path):
         pw = pwd.getpwnam("postgres")
         os.chown(root, pw.pw_uid, pw.pw_gid)
         as_user = ["runuser", "-u", "postgres", "--"]
-    port = _free_port()
+    port = free_port()
     data = root / "data"
     run = lambda *a: subprocess.run(as_user + [str(bindir / a[0]), *a[1:]], check=True,  # noqa: E731
                                     capture_output=True, text=True, timeout=120)
