@@ -86,3 +86,18 @@ def test_worker_error_is_unwrapped_to_the_workers_message(tmp_path):
     assert msg.startswith(f"folder: cannot read image {bad}: not an image that can be decoded (image file is truncated")
     assert "Traceback" not in msg and "File \"" not in msg
     assert worker_error_message(ValueError("plain")) is None
+
+
+def test_index_export_and_migrate_are_named_as_typed(tmp_path, capsys):
+    """'deepmetric index export' is parsed as the sub-command index-export; its usage, its
+    argparse errors and its one-line errors say 'index export', as the user typed it."""
+    with pytest.raises(SystemExit):
+        main(["index", "export", str(tmp_path)])  # --to missing: argparse's error
+    assert "deepmetric index export: error: the following arguments are required: --to" in capsys.readouterr().err
+    assert main(["index", "export", str(tmp_path / "none"), "--to", f"parquet:{tmp_path / 'a.parquet'}"]) == 2
+    assert capsys.readouterr().err.startswith("deepmetric index export: error: index folder ")
+    assert main(["index", "migrate", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith("deepmetric index migrate: error: ")
+    with pytest.raises(SystemExit):
+        main(["index", "migrate", "--help"])
+    assert capsys.readouterr().out.startswith("usage: deepmetric index migrate ")

@@ -21,7 +21,9 @@ import re
 import sys
 
 from deepmetric.cli import evaluate, experiments, search, train
+from deepmetric.cli.common import spoken
 from deepmetric.errors import MissingPackageError
+
 
 class _Parser(argparse.ArgumentParser):
     """The top-level parser: 'deepmetric index export|migrate ...' are the sub-commands
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = in_worker if in_worker is not None else msg
         # a file name that is not UTF-8 is shown with its bytes escaped (caf\xe9.png)
         msg = str(msg).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        print(f"deepmetric {args.command}: error: {msg}", file=sys.stderr)
+        print(f"deepmetric {spoken(args.command)}: error: {msg}", file=sys.stderr)
         return 2
 
 

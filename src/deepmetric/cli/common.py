@@ -45,9 +45,14 @@ def add_command(sub, run, name: str) -> argparse.ArgumentParser:
     texts = command_texts()[name]
     description = wrap(texts["description"]) if texts.get("wrap") else texts["description"]
     parser = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, help=texts["help"],
-                            description=description, epilog=texts["epilog"])
+                            description=description, epilog=texts["epilog"], prog=f"deepmetric {spoken(name)}")
     parser.set_defaults(func=run)
     return parser
+
+
+def spoken(command: str) -> str:
+    """A sub-command as the user types it: 'index-export' is 'index export' (messages name it so)."""
+    return command.replace("-", " ", 1) if command.startswith("index-") else command
 
 
 def refuse_output_over_inputs(flag: str, out, inputs=(), folders=()) -> None:
