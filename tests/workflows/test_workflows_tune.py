@@ -140,9 +140,24 @@ def test_tune_end_to_end_objective_from_validation_only_and_best_recipe_trains(t
     assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "4", "--out", str(out)]) == 0
     assert "4 finished or pruned" in capsys.readouterr().out
     assert len(open_study(setup, create=False).get_trials()) == len(trials)
-    # ... and another space in the same directory is refused
-    sp.write_text(yaml.safe_dump({**SPACE, "params": {"optim.lr": SPACE["params"]["optim.lr"]}}))
-    assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "4", "--out", str(out)]) == 2
+    # --report-only rewrites the same outputs from the storage
+    before = {name: (out / name).read_bytes() for name in ("best.yaml", "trials.csv", "trials.md")}
+    assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "4", "--out", str(out), "--report-only"]) == 0
+    assert {name: (out / name).read_bytes() for name in before} == before
+    # ... and another space in the same directory is refused, by a rerun and by --report-only (it
+    # relabelled the trials with the new objective and chose best.yaml by its direction)
+    flipped = {**SPACE, "objective": {"metric": "recall@1", "direction": "minimize"}}
+    for space in (flipped, {**SPACE, "params": {"optim.lr": SPACE["params"]["optim.lr"]}}):
+        sp.write_text(yaml.safe_dump(space))
+        for extra in ([], ["--report-only"]):
+            capsys.readouterr()
+            assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "4", "--out", str(out), *extra]) == 2
+            assert "holds a tune with another space" in capsys.readouterr().err
+    assert {name: (out / name).read_bytes() for name in before} == before
+    # a folder without a tune: refused, no empty study made there
+    assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "4", "--out", str(tmp_path / "none"),
+                     "--report-only"]) == 2
+    assert "holds no tune (no tune.json)" in capsys.readouterr().err and not (tmp_path / "none" / "tune.db").exists()
 
 
 # a test metric, however written: test/recall@1, test_map@r, "test: recall@1=...", a JSON record of

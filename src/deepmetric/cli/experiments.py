@@ -117,8 +117,7 @@ def _run_tune_postprocess(args: argparse.Namespace) -> int:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    from deepmetric.workflows.tune import prepare_tune, run_tune, run_worker
-    from deepmetric.workflows.tune_outputs import write_outputs
+    from deepmetric.workflows.tune import prepare_tune, report_tune, run_tune, run_worker
     from deepmetric.workflows.tune_space import TuneError
 
     if args.postprocess:
@@ -139,7 +138,7 @@ def _run_tune(args: argparse.Namespace) -> int:
 
             run_worker(setup, threads=worker_threads())
             return 0
-        paths = write_outputs(setup) if args.report_only else run_tune(setup, workers=args.workers)
+        paths = report_tune(setup) if args.report_only else run_tune(setup, workers=args.workers)
     except KeyboardInterrupt:
         print("deepmetric tune: interrupted; rerun the same command to continue the study", file=sys.stderr)
         return 130

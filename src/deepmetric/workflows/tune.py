@@ -80,7 +80,7 @@ from .tune_outputs import write_outputs
 from .tune_space import TuneError, format_value, load_space
 from .tune_study import TuneSetup, default_storage, open_study, trial_origin, trial_state_name, tune_optuna
 
-__all__ = ["prepare_tune", "run_tune", "run_worker"]
+__all__ = ["prepare_tune", "report_tune", "run_tune", "run_worker"]
 
 
 def _validation_metrics(cfg) -> list[str]:
@@ -381,6 +381,20 @@ def _worker_command(setup: TuneSetup) -> list[str]:
     if setup.max_trials is not None:
         cmd += ["--max-trials", str(setup.max_trials)]
     return cmd
+
+
+def report_tune(setup: TuneSetup) -> dict[str, Path]:
+    """``--report-only``: rewrite the outputs of the tune in ``setup.out`` from its storage, after
+    the checks a rerun gets (a space whose objective or parameters differ would relabel the
+    trials and choose best.yaml by another rule); a folder without a tune is refused, not given
+    an empty study."""
+    if not (setup.out / "tune.json").is_file():
+        raise TuneError(f"--report-only: {setup.out} holds no tune (no tune.json); run the tune first "
+                        "(the same command without --report-only)")
+    _check_same_tune(setup)
+    from .tune_outputs import write_outputs
+
+    return write_outputs(setup)
 
 
 def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] | None = None) -> dict[str, Path]:
