@@ -2,6 +2,7 @@
 metrics.json (old and new layouts), resume after a kill, parallel workers."""
 import csv
 import json
+import re
 import math
 import os
 import signal
@@ -104,6 +105,14 @@ def test_load_study_builds_validated_runs_in_order(tmp_path):
         load_study(raw={"base": BASE, "variant": {}})
     with pytest.raises(ConfigError, match=r"compare.0: unknown variant 'C'"):
         load_study(raw={"base": BASE, "variants": {"A": []}, "compare": [["A", "C"]]})
+    # a name is a folder of the study's runs: '..' put a run outside OUT (where another run's
+    # files were resumed or counted); so would '.', a hidden name or a Windows separator
+    for name in ("..", ".", ".hidden", "a/b", "a\\b", ""):
+        with pytest.raises(ConfigError, match=rf"variant name {re.escape(repr(name))}: expected a non-empty name"):
+            load_study(raw={"base": BASE, "variants": {name: []}, "out_dir": str(tmp_path / "o")})
+        with pytest.raises(ConfigError, match=rf"benchmark name {re.escape(repr(name))}: expected"):
+            load_study(raw={"benchmarks": {name: BASE}, "variants": {"A": []}, "out_dir": str(tmp_path / "o")})
+    assert [r.key for r in load_study(raw={"base": BASE, "variants": {"a..b": []}}).runs] == ["a..b/seed0"]
 
 
 # --------------------------------------------------------------------------- reading metrics.json

@@ -180,9 +180,16 @@ def _variants(raw: dict, where: str) -> dict:
     if not isinstance(variants, dict) or not variants:
         raise _err(where, "'variants' must be a mapping NAME -> list of overrides (at least one)")
     for v in variants:
-        if not isinstance(v, str) or not v or "/" in v:
-            raise _err(where, f"variant name {v!r}: expected a non-empty string without '/'")
+        check_folder_name(v, "variant", where)
     return variants
+
+
+def check_folder_name(name, what: str, where: str) -> None:
+    """A variant or benchmark name is a folder of the study's runs: one plain name inside OUT
+    ('..' put a run outside it, where another run's files would be resumed or counted)."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+        raise _err(where, f"{what} name {name!r}: expected a non-empty name without '/' or '\\' that does not "
+                          "start with '.' (it names a folder of the study's runs)")
 
 
 def _seeds(raw: dict, where: str) -> list:
@@ -207,8 +214,7 @@ def _benchmarks(raw: dict, study_dir: Path, where: str) -> dict[str | None, tupl
     benches: dict[str | None, tuple[dict, list[str]]] = {}
     for b, spec in benchmarks_raw.items():
         bw = f"{where}: benchmarks.{b}"
-        if not isinstance(b, str) or not b or "/" in b:
-            raise _err(where, f"benchmark name {b!r}: expected a non-empty string without '/'")
+        check_folder_name(b, "benchmark", where)
         extra: list[str] = []
         if isinstance(spec, dict) and "base" in spec:
             bad = sorted(set(spec) - {"base", "overrides"})
