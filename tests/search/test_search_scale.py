@@ -255,6 +255,22 @@ def test_index_from_npy_file_read_in_chunks(kind, tmp_path):
     assert len(Index.load(tmp_path / "ix")) == 2000
 
 
+def test_ivfpq_refuses_a_gallery_too_small_to_train_on(tmp_path):
+    """faiss's OPQ training crashed the process (segfault, heap corruption) on fewer than about
+    d points (measured: d=8 with 2-6 vectors, d=32 with 33, d=128 with 140; never from 2 d on):
+    refused below 2 d, before faiss is called, and nothing is written."""
+    from deepmetric.search.compressed import plan_ivfpq
+
+    x = np.random.default_rng(0).standard_normal((15, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"ivfpq needs at least 2 x d = 16 vectors .* got 15"):
+        Index.from_embeddings(x, np.arange(15) % 3, approximate="ivfpq")
+    np.savez(tmp_path / "e.npz", embeddings=x, labels=np.arange(15) % 3)
+    assert cli.main(["index", "--embeddings", str(tmp_path / "e.npz"), "--out", str(tmp_path / "idx"),
+                     "--approximate", "ivfpq"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.npz"]
+    assert plan_ivfpq(16, 8)["nlist"] == 1  # from 2 d on it plans (and builds: the tests above)
+
+
 def test_ivfpq_with_pca_reduction_keeps_full_vectors_for_reranking():
     x, lab = clustered(1500, seed=8)
     index = Index.from_embeddings(x, lab, approximate="ivfpq", options={"reduce_dim": 8})

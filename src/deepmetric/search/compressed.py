@@ -75,6 +75,10 @@ def plan_ivfpq(n: int, d: int, *, memory_gb: float | None = None, reduce_dim: in
     dr = int(reduce_dim) if reduce_dim else d
     if reduce_dim is not None and not 1 <= dr <= d:
         raise ValueError(f"--reduce-dim {reduce_dim} must be between 1 and the dimension {d}")
+    if n < 2 * d:  # faiss's OPQ training corrupts memory (segfault, abort) on fewer points; measured
+        raise ValueError(f"--approximate ivfpq needs at least 2 x d = {2 * d} vectors to train its rotation and "
+                         f"codes, got {n}; search so few exactly (the default) "
+                         "or with --approximate hnsw")
     nlist = _nlist_for(n)
     fits = [m for m in _M_CHOICES if dr % m == 0 and m <= max(4, dr // 8)] or [m for m in (4, 2, 1) if dr % m == 0]
     if memory_gb is not None:
