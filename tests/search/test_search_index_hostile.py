@@ -181,6 +181,24 @@ def test_a_nan_row_and_a_label_without_a_name_are_clear_errors(shapes, tmp_path,
     assert "Traceback" not in err
 
 
+def test_negative_or_huge_labels_are_refused_before_anything_is_written(tmp_path, capsys):
+    """A negative label made an index ('0 classes') that export and --add could not read back; a
+    label of 3e12 without class names made the index name 3e12 classes (the kernel killed it)."""
+    x = np.random.default_rng(0).standard_normal((40, 8)).astype(np.float32)
+    cases = {"negative": (np.arange(40) % 4 - 10, "label -10 is negative"),
+             "huge": ((np.arange(40) % 4) * 10**12, "label 3000000000000 without class_names")}
+    for name, (labels, said) in cases.items():
+        np.savez(tmp_path / f"{name}.npz", embeddings=x, labels=labels)
+        assert cli.main(["index", "--embeddings", str(tmp_path / f"{name}.npz"), "--out", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "numpy.unique(labels, return_inverse=True)" in err and err.count("\n") == 1
+        assert not (tmp_path / name).exists()
+    # large labels with their class names are fine: the names list is given, not made
+    names = [f"c{i}" for i in range(10**6 + 1)]
+    index = Index.from_embeddings(x[:2], np.array([0, 10**6]), class_names=names)
+    assert index.class_names[10**6] == "c1000000"
+
+
 @pytest.mark.parametrize("listed", ["../../../../etc/hostname", "/etc/hostname", "images/../../outside.txt"])
 def test_a_manifest_listing_files_outside_is_refused_before_touching_them(shapes, tmp_path, monkeypatch, listed):
     ix = tmp_path / "deep" / "er" / "ix"

@@ -103,6 +103,16 @@ def test_embeddings_errors(tmp_path, capsys):
     assert cli.main(["index", "--embeddings", str(tmp_path / "ok.npz"), "--out", str(tmp_path / "o"),
                      "--memory-budget", "1"]) == 2
     assert "apply to --approximate ivfpq" in capsys.readouterr().err
+    # 0 was taken for "not given" and silently ignored (a negative was refused)
+    assert cli.main(["index", "--embeddings", str(tmp_path / "ok.npz"), "--out", str(tmp_path / "o"),
+                     "--approximate", "ivfpq", "--reduce-dim", "0"]) == 2
+    assert "--reduce-dim must be a whole number >= 1" in capsys.readouterr().err
+    for budget in ("0", "nan"):
+        with pytest.raises(SystemExit):
+            cli.main(["index", "--embeddings", str(tmp_path / "ok.npz"), "--out", str(tmp_path / "o"),
+                      "--approximate", "ivfpq", "--memory-budget", budget])
+        assert f"expected a finite number > 0, got '{budget}'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def _as_version_2(d: Path) -> None:

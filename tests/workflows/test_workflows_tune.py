@@ -61,6 +61,9 @@ def _states(study):
     ({"optim.lr": {"type": "float", "low": 0.1, "high": 1, "lowe": 2}}, "unknown field"),
     ({"b": {"type": "categorical", "keys": ["train.m", "train.n"], "choices": [[16, 4], 32]}}, "list of 2 values"),
     ({"optim.lr": {"type": "categorical", "choices": []}}, "non-empty list"),
+    # bool("false") is True: a quoted false tuned on a log scale
+    ({"optim.lr": {"type": "float", "low": 0.1, "high": 1, "log": "false"}},
+     r"params.optim.lr.log: expected true or false, got 'false'"),
 ])
 def test_space_file_mistakes_name_the_file_and_key(tmp_path, params, match):
     p = tmp_path / "s.yaml"

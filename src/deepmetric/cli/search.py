@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deepmetric.cli.common import add_command, add_model_device_arguments, check_output_file, refuse_output_over_inputs
+from deepmetric.cli.common import (add_command, add_model_device_arguments, check_output_file, positive_finite,
+                                   refuse_output_over_inputs)
 
 
 # --------------------------------------------------------------------------- index / search / export / serve
@@ -25,7 +26,7 @@ def add_index_parser(sub) -> None:
                    help="build an approximate faiss index (large galleries); its recall@10 against exact "
                         "search is measured and stored in manifest.json. ivfpq: OPQ + IVF + PQ codes in memory, "
                         "candidates re-ranked with float16 vectors read from disk (docs/search.md)")
-    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+    p.add_argument("--memory-budget", type=positive_finite, default=None, metavar="GB",
                    help="ivfpq: resident memory the index may take; chooses the lists, PQ bytes and refinement")
     p.add_argument("--reduce-dim", type=int, default=None, metavar="D",
                    help="ivfpq: PCA to D dimensions before the PQ codes (re-ranking keeps every dimension)")
@@ -56,7 +57,9 @@ def _run_index(args: argparse.Namespace) -> int:
 
     if (args.checkpoint is None) == (args.embeddings is None):
         raise ValueError("give either CHECKPOINT (embed images) or --embeddings FILE (vectors you have)")
-    options = {k: v for k, v in (("memory_gb", args.memory_budget), ("reduce_dim", args.reduce_dim)) if v}
+    if args.reduce_dim is not None and args.reduce_dim < 1:  # 0 was taken for "not given"
+        raise ValueError(f"--reduce-dim must be a whole number >= 1 (the PCA's dimensions), got {args.reduce_dim}")
+    options = {k: v for k, v in (("memory_gb", args.memory_budget), ("reduce_dim", args.reduce_dim)) if v is not None}
     if options and args.approximate != "ivfpq":
         raise ValueError("--memory-budget / --reduce-dim apply to --approximate ivfpq")
     steps = args.postprocess

@@ -134,7 +134,10 @@ def _param(name: str, spec: Any, path) -> ParamSpec:
         keys = [keys]
     if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
         raise _space_error(path, f"{where}.keys: expected a list of config keys, got {keys!r}")
-    p = ParamSpec(name=name, keys=keys, type=kind, log=bool(spec.get("log", False)))
+    log = spec.get("log", False)
+    if not isinstance(log, bool):  # bool("false") is True: a quoted false would tune on a log scale
+        raise _space_error(path, f"{where}.log: expected true or false, got {log!r}")
+    p = ParamSpec(name=name, keys=keys, type=kind, log=log)
     if kind == "categorical":
         choices = spec.get("choices")
         if not isinstance(choices, list) or not choices:
