@@ -177,6 +177,26 @@ def test_kreciprocal_matches_dense_reference(rng, k1, k2, lam, cands):
     assert got.tolist() == [r[:width] for r in ref]
 
 
+def test_kreciprocal_with_k1_past_the_gallery_matches_the_reference(rng):
+    """k1 = 20 (the default) on a gallery of 12 was an IndexError in evaluate, and an index built
+    so answered every search with one: each list is as long as the gallery allows, as the
+    reference's slicing (and Zhong et al.'s code) has it."""
+    g, _ = clustered(rng, 12, classes=3)
+    q, _ = clustered(rng, 6, classes=3)
+    q[:2] = g[[0, 7]]
+    self_pos = np.array([0, 7, -1, -1, -1, -1])
+    sims = np.zeros((6, 12), np.float32)
+    idx = np.full((6, 12), -1, np.int64)
+    for i in range(6):
+        order = ranked(g @ q[i], self_pos[i])
+        idx[i, :len(order)], sims[i, :len(order)] = order, (g @ q[i])[order]
+    for k1 in (20, 1000):
+        graph = KReciprocalGraph.build(g, k1, 3)
+        _, got = rerank(graph, q, g, sims, idx, self_pos=self_pos, lam=0.3, candidates=12)
+        ref = ref_kreciprocal(q, g, self_pos, k1, 3, 0.3, 12)
+        assert [[y for y in row if y >= 0] for row in got.tolist()] == ref
+
+
 def test_kreciprocal_graph_is_sparse_and_rows_sum_to_one(rng):
     g, _ = clustered(rng, 300, classes=10)
     graph = KReciprocalGraph.build(g, 10, 4)

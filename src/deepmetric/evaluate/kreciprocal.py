@@ -140,8 +140,16 @@ class KReciprocalGraph:
 
 
 def _lists(query, gallery, k: int, self_pos: np.ndarray, backend: str, memory_mb):
+    """Top-``k`` (cosines, ids) of each query, padded to ``k`` columns with (-inf, -1): a k1
+    past the gallery's size (k1 = 20 on 10 images) leaves every list short, which the graph
+    reads as padding (as Zhong et al.'s code slices a shorter ranking)."""
     parts = list(iter_knn(query, gallery, k, self_pos=self_pos, backend=backend, memory_mb=memory_mb))
-    return np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+    sims, idx = np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+    short = k - idx.shape[1]
+    if short > 0:
+        sims = np.pad(sims, ((0, 0), (0, short)), constant_values=-np.inf)
+        idx = np.pad(idx, ((0, 0), (0, short)), constant_values=-1)
+    return sims, idx
 
 
 def _query_rows(graph: KReciprocalGraph, query, gallery, sims, idx, self_pos, memory_mb) -> sp.csr_matrix:
