@@ -168,6 +168,17 @@ def test_export_parquet_round_trips(tmp_path):
     assert np.array_equal(back.labels, index.labels)
     assert np.array_equal(back.search(x[:20], k=5)[1], index.search(x[:20], k=5)[1])
     assert list(back.paths) == list(index.paths) and back.class_names == index.class_names
+    # a parquet export is read back whatever its name (out.pq was taken for an .npz), and
+    # replaces an earlier export; a file there that is not parquet is kept, and refused
+    assert cli.main(["index", "export", str(d), "--to", f"parquet:{tmp_path / 'out.pq'}"]) == 0
+    assert cli.main(["index", "export", str(d), "--to", f"parquet:{tmp_path / 'out.pq'}"]) == 0
+    assert cli.main(["index", "--embeddings", str(tmp_path / "out.pq"), "--out", str(tmp_path / "back2")]) == 0
+    assert np.array_equal(Index.load(tmp_path / "back2").labels, index.labels)
+    victim = tmp_path / "keep.npz"
+    np.savez(victim, embeddings=x)
+    before = victim.read_bytes()
+    assert cli.main(["index", "export", str(d), "--to", f"parquet:{victim}"]) == 2
+    assert victim.read_bytes() == before
 
 
 def test_export_of_a_whitened_index_carries_what_queries_need(tmp_path, capsys):

@@ -65,7 +65,7 @@ def read_embeddings_file(path: str | Path) -> dict:
                                 "parquet file of 'deepmetric index export')")
     if p.suffix == ".npy":
         return {"embeddings": NpyRows(p), "labels": None, "paths": None, "class_names": None}
-    if p.suffix == ".parquet":
+    if p.suffix == ".parquet" or _is_parquet(p):  # an export named out.pq is still parquet
         return _read_parquet(p)
     try:
         z = np.load(p, allow_pickle=False)
@@ -210,12 +210,20 @@ def _batches(index, rows: int):
         yield a, b, vec, np.asarray(index.labels[a:b]), list(index.paths[a:b])
 
 
+def _is_parquet(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PAR1"
+
+
 def export_parquet(index, out: str | Path) -> Path:
     """Write every row of ``index`` to a parquet file (atomically: a temporary file renamed)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out = Path(out)
+    if out.is_file() and not _is_parquet(out):  # an earlier export is replaced; anything else is kept
+        raise ValueError(f"--to parquet:{out}: that file exists and is not a parquet file; writing there would "
+                         "destroy it (remove it first, or choose another path)")
     out.parent.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([("id", pa.int64()), ("path", pa.string()), ("label", pa.int64()),
                         ("class_name", pa.string()), ("vector", pa.list_(pa.float32(), index.dim))],
