@@ -73,6 +73,29 @@ def test_space_file_mistakes_name_the_file_and_key(tmp_path, params, match):
     assert str(p) in str(exc.value)
 
 
+@pytest.mark.parametrize("part, match", [
+    ({"pruner": {"name": "median", "bogus": 3}}, r"pruner: median does not take these options \(.*'bogus'"),
+    ({"pruner": {"name": "median", "n_startup_trials": -1}}, r"pruner: median does not take these options"),
+    ({"sampler": {"name": "tpe", "seed": "abc"}}, r"sampler.seed: expected a whole number, got 'abc'"),
+    ({"pruner": [1]}, r"pruner: expected a mapping"),
+])
+def test_pruner_and_sampler_options_are_checked_when_the_space_loads(tmp_path, part, match):
+    """They failed after tune.json was written, which then refused the corrected space as
+    'another space'; now the space file is refused first, naming the key."""
+    recipe, sp = _files(tmp_path, space={**SPACE, **part})
+    with pytest.raises(TuneError, match=match) as exc:
+        load_space(sp)
+    assert str(sp) in str(exc.value)
+    assert cli.main(["tune", str(recipe), "--space", str(sp), "--trials", "1", "--out", str(tmp_path / "o")]) == 2
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_pruner_or_sampler_by_its_name_alone_loads(tmp_path):
+    _, sp = _files(tmp_path, space={**SPACE, "pruner": "none", "sampler": "random"})
+    space = load_space(sp)
+    assert space.pruner == {"name": "none"} and space.sampler == {"name": "random"}
+
+
 def test_the_issues_space_file_and_a_multi_key_parameter_load(tmp_path):
     recipe, sp = _files(tmp_path, space={**SPACE, "params": {
         **SPACE["params"], "batch": {"type": "categorical", "keys": ["train.m", "train.n"],

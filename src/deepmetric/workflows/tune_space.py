@@ -197,17 +197,42 @@ def load_space(path: str | os.PathLike) -> SearchSpace:
             if k in seen:
                 raise _space_error(path, f"params.{p.name}: config key {k!r} is also set by params.{seen[k]}")
             seen[k] = p.name
-    pruner = dict(raw.get("pruner") or {"name": "median"})
-    if pruner.get("name", "median") not in PRUNERS:
-        raise _space_error(path, f"pruner.name: expected one of {', '.join(PRUNERS)}, got {pruner.get('name')!r}")
-    sampler = dict(raw.get("sampler") or {"name": "tpe"})
-    if sampler.get("name", "tpe") not in SAMPLERS:
-        raise _space_error(path, f"sampler.name: expected one of {', '.join(SAMPLERS)}, got {sampler.get('name')!r}")
+    pruner = _engine_part(raw, "pruner", "median", PRUNERS, path)
+    sampler = _engine_part(raw, "sampler", "tpe", SAMPLERS, path)
     overrides = raw.get("overrides") or []
     if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
         raise _space_error(path, f"overrides: expected a list of KEY=VALUE strings, got {overrides!r}")
     return SearchSpace(metric=obj["metric"], direction=direction, params=specs, pruner=pruner, sampler=sampler,
                        overrides=list(overrides), raw=raw)
+
+
+def _engine_part(raw: dict, key: str, default: str, names: tuple, path) -> dict:
+    """The space's ``pruner`` / ``sampler``: ``{name, options...}`` (a bare name is accepted),
+    its options checked by building it now: a typo found after tune.json was written locked the
+    folder to the mistaken space."""
+    part = raw.get(key) or {"name": default}
+    if isinstance(part, str):
+        part = {"name": part}
+    if not isinstance(part, dict):
+        raise _space_error(path, f"{key}: expected a mapping {{name: ..., options...}}, got {part!r}")
+    part = dict(part)
+    name = part.get("name", default)
+    if name not in names:
+        raise _space_error(path, f"{key}.name: expected one of {', '.join(names)}, got {name!r}")
+    options = {k: v for k, v in part.items() if k != "name"}
+    seed = options.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _space_error(path, f"{key}.seed: expected a whole number, got {seed!r}")
+    import optuna
+
+    cls = {"median": optuna.pruners.MedianPruner, "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+           "none": optuna.pruners.NopPruner, "tpe": optuna.samplers.TPESampler,
+           "random": optuna.samplers.RandomSampler}[name]
+    try:
+        cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise _space_error(path, f"{key}: {name} does not take these options ({exc})") from None
+    return part
 
 
 def format_value(v: Any) -> str:
