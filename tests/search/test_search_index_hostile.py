@@ -340,3 +340,22 @@ def test_add_migrate_and_export_refuse_a_flipped_byte(tmp_path, capsys):
         assert name in err and "SHA-256" in err and "Traceback" not in err, (cmd, err)
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_vectors_from_a_file_are_not_added_to_an_index_of_a_checkpoint(shapes, tmp_path, capsys):
+    """They were added (exit 0) and answered searches as images of the index's classes, while
+    the manifest still credited the checkpoint: refused, the index unchanged."""
+    ix = tmp_path / "ix"
+    shutil.copytree(shapes["index_dir"], ix)
+    before = _tree_bytes(ix)
+    dim = Index.load(ix).dim
+    np.savez(tmp_path / "v.npz", embeddings=np.random.default_rng(0).standard_normal((3, dim)).astype(np.float32),
+             labels=np.array([0, 1, 2]))
+    assert cli.main(["index", "--embeddings", str(tmp_path / "v.npz"), "--out", str(ix), "--add"]) == 2
+    err = capsys.readouterr().err
+    assert "holds images embedded by the checkpoint" in err and "Traceback" not in err
+    assert _tree_bytes(ix) == before
+
+
+def _tree_bytes(d) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(Path(d).rglob("*")) if p.is_file()}

@@ -311,6 +311,11 @@ def index_from_file(path: str | Path, out: str | Path, *, approximate: str | Non
                          "--postprocess")
     with index_transaction(out) as tmp:
         index = Index.load(out, verify_hashes=True)  # never bless a damaged index with fresh hashes
+        if index.meta.get("checkpoint"):  # vectors of unknown origin among a model's: search would mix them
+            raise ValueError(f"--add --embeddings {path}: {out} holds images embedded by the checkpoint "
+                             f"{index.meta['checkpoint'].get('path')}, and vectors from a file cannot be checked to "
+                             "come from it; add images with 'deepmetric index CHECKPOINT ... --add', or build a "
+                             "separate index of the vectors")
         index.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
         index.meta.setdefault("added", []).append(source)
         rel_paths = index._write(tmp, out)
