@@ -59,6 +59,10 @@ def test_page_info_and_search_returns_expected_neighbours(server):
         assert [n["id"] for n in out["neighbours"]] == list(idx[0])
         assert [n["cosine"] for n in out["neighbours"]] == pytest.approx(list(sims[0]), abs=1e-5)
         assert all(n["thumbnail"] == f"/thumb/{n['id']}" for n in out["neighbours"])
+    # k past the index's 32 images: every image, and "k" says how many (it said 100)
+    body, headers = _multipart({"k": "100"}, {"image": (q.name, q.read_bytes())})
+    out = json.loads(_request(url, "POST", "/search", body, headers)[2])
+    assert out["k"] == len(out["neighbours"]) == 32
 
 
 def test_upload_bounds_and_bad_images(server):

@@ -148,7 +148,8 @@ async def search(state: AppState, request):
     for r in rows:
         r["thumbnail"] = f"/thumb/{r['id']}"
         r["path"] = Path(r["path"]).name if r["path"] else ""
-    return JSONResponse({"query": name, "k": k, "neighbours": rows})
+    # "k": the neighbours given, fewer than asked for an index smaller than k
+    return JSONResponse({"query": name, "k": len(rows), "neighbours": rows})
 
 
 async def thumb(state: AppState, request):
