@@ -60,3 +60,10 @@ def test_tune_postprocess_refuses_test_and_runs_without_validation(run_with_val,
         validation_embeddings(model, cfg)
     assert cli.main(["tune", str(run_with_val / "last.pt")]) == 2
     assert "required: --space, --trials" in capsys.readouterr().err
+    # the other mode's options were ignored silently (an override did not change the validation)
+    ckpt = str(run_with_val / "last.pt")
+    assert cli.main(["tune", ckpt, "--postprocess", "--trials", "3", "--workers", "2", "data.val_classes=0.5"]) == 2
+    assert ("--trials, --workers, KEY=VALUE overrides: not taken here (--postprocess tunes the post-processing"
+            in capsys.readouterr().err)
+    assert cli.main(["tune", ckpt, "--space", "s.yaml", "--trials", "1", "--kreciprocal", "--device", "cpu"]) == 2
+    assert "--kreciprocal, --device: not taken here (they apply to --postprocess)" in capsys.readouterr().err

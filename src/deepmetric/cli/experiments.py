@@ -116,12 +116,26 @@ def _run_tune_postprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_options(args: argparse.Namespace, why: str, given: dict) -> None:
+    """The options of the other tune mode, which would be ignored silently, are refused."""
+    used = [flag for flag, value in given.items() if value]
+    if used:
+        raise ValueError(f"{', '.join(used)}: not taken here ({why}); leave {'them' if len(used) > 1 else 'it'} out")
+
+
 def _run_tune(args: argparse.Namespace) -> int:
     from deepmetric.workflows.tune import prepare_tune, report_tune, run_tune, run_worker
     from deepmetric.workflows.tune_space import TuneError
 
     if args.postprocess:
+        _refuse_options(args, "--postprocess tunes the post-processing of a checkpoint",
+                        {"--space": args.space, "--trials": args.trials, "--max-trials": args.max_trials,
+                         "--workers": args.workers != 1, "--storage": args.storage, "--study-name": args.study_name,
+                         "--report-only": args.report_only, "--count": args.count != "finished",
+                         "KEY=VALUE overrides": args.overrides})
         return _run_tune_postprocess(args)
+    _refuse_options(args, "they apply to --postprocess",
+                    {"--metric": args.metric, "--kreciprocal": args.kreciprocal, "--device": args.device != "auto"})
     if args.space is None or args.trials is None:
         print("deepmetric tune: error: the following arguments are required: --space, --trials "
               "(or --postprocess with a checkpoint)", file=sys.stderr)
