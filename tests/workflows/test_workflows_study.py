@@ -265,7 +265,7 @@ def test_cli_list_and_summary(tmp_path, capsys):
     assert cli.main(["study", str(tmp_path / "missing.yaml")]) == 2
 
 
-def test_only_matches_whole_key_parts_and_rejects_a_key_that_matches_nothing(tmp_path):
+def test_only_matches_whole_key_parts_and_rejects_a_key_that_matches_nothing(tmp_path, capsys):
     """`--only a` must not select a16 / a4 (path parts, not string prefixes), and a typo among
     good keys is an error, not a silently smaller study (seen on a GPU run: `--only triplet`
     next to exact names trained nothing of triplet_semihard / triplet_hard)."""
@@ -273,6 +273,20 @@ def test_only_matches_whole_key_parts_and_rejects_a_key_that_matches_nothing(tmp
     with pytest.raises(ValueError, match=r"\['a'\] matches no run"):
         run_study(study, only=["a16/seed0", "a"], log=lambda m: None)
     assert not (tmp_path / "out" / "a16" / "seed0" / "metrics.json").exists()  # nothing trained
+    # a trailing slash (a shell's completion) selects the same runs; --list takes --only and
+    # refuses a key that matches nothing; --summary refuses it (its tables cover every run)
+    from deepmetric.workflows.study import select_runs
+
+    assert [r.key for r in select_runs(study, ["a16/"])] == [r.key for r in select_runs(study, ["a16"])] == \
+        ["a16/seed0", "a16/seed1"]
+    path = _study(tmp_path)
+    assert cli.main(["study", str(path), "--list", "--only", "a4/seed1/"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["a4/seed1"]
+    assert cli.main(["study", str(path), "--list", "--only", "zzz"]) == 2
+    assert "['zzz'] matches no run" in capsys.readouterr().err
+    assert cli.main(["study", str(path), "--summary", "--only", "a4"]) == 2
+    assert "--only does not apply to --summary" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["emoji", "glyphs_cross_family", "fashion_mnist_two_head", "emoji_almn_margin",

@@ -35,7 +35,8 @@ def add_study_parser(sub) -> None:
 
 
 def _run_study(args: argparse.Namespace) -> int:
-    from deepmetric.workflows.study import default_storage, open_trials, run_study, run_worker, sync_finished, write_results
+    from deepmetric.workflows.study import (default_storage, open_trials, run_study, run_worker, select_runs,
+                                           sync_finished, write_results)
     from deepmetric.workflows.study_file import load_study
 
     study = load_study(args.study, out_dir=args.out, overrides=args.overrides)
@@ -48,12 +49,15 @@ def _run_study(args: argparse.Namespace) -> int:
         result = run_worker(study, storage=storage, only=args.only, threads=worker_threads(), progress=args.progress)
         return 130 if result["interrupted"] else 0
     if args.list:
+        runs = select_runs(study, args.only)
         sync_finished(study, open_trials(study, storage).get_trials(deepcopy=False))
-        for run in study.runs:
+        for run in runs:
             state = "finished" if run.finished else ("partial" if (run.out_dir / rundir.LAST).is_file() else "-")
             print(f"{run.key:40s} {state:9s} {run.out_dir}")
         return 0
     if args.summary:
+        if args.only:  # it was ignored: the tables always cover every run
+            raise ValueError("--only does not apply to --summary: the tables cover every run of the study")
         paths = write_results(study, storage=storage)
         print(f"wrote {', '.join(str(p) for p in paths.values())}")
         return 0

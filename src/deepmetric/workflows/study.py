@@ -87,7 +87,7 @@ from .engine import (DRAIN, HEARTBEAT_S, Heartbeat, clear_drain, display_storage
                      optuna_module, rdb_storage, run_workers, sqlite_url)
 from .study_file import Study, StudyRun
 
-__all__ = ["run_study", "collect_rows", "write_results", "run_row"]
+__all__ = ["run_study", "collect_rows", "write_results", "run_row", "select_runs"]
 
 # The runner's own files of a run live in OUT/.study/<run key>/, never in the run directory
 # (train refuses to start a new run in a directory holding foreign files).
@@ -388,7 +388,18 @@ def run_worker(study: Study, *, storage: str | None = None, only: Sequence[str] 
 
 
 def _under(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith(prefix.rstrip("/") + "/")
+    prefix = prefix.rstrip("/")  # 'HBN/seed0/', as a shell's completion writes it
+    return key == prefix or key.startswith(prefix + "/")
+
+
+def select_runs(study: Study, only: Sequence[str] | None) -> list:
+    """The study's runs under one of the keys ``only`` (all without), by whole path parts; a
+    key that matches no run is a ValueError (a typo must not silently shrink the study)."""
+    unmatched = [p for p in only or () if not any(_under(r.key, p) for r in study.runs)]
+    if unmatched:
+        raise ValueError(f"--only {unmatched} matches no run (keys match by whole path parts); "
+                         f"runs are e.g. {', '.join(r.key for r in study.runs[:3])}")
+    return [r for r in study.runs if not only or any(_under(r.key, p) for p in only)]
 
 
 def _git_commit(paths: list[Path], message: str, log: Callable[[str], None]) -> None:
@@ -435,14 +446,10 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
     log = log or (lambda msg: print(f"[study {study.name}] {msg}", flush=True))
     workers = workers or study.workers
     storage = storage or default_storage(study)
-    unmatched = [p for p in only or () if not any(_under(r.key, p) for r in study.runs)]
-    if unmatched:  # a typo must not silently shrink the study to the other keys
-        raise ValueError(f"--only {unmatched} matches no run (keys match by whole path parts); "
-                         f"runs are e.g. {', '.join(r.key for r in study.runs[:3])}")
+    runs = select_runs(study, only)
     clear_drain(study.out_dir, log)  # left by the drain that stopped the last command
     ostudy = open_trials(study, storage)
     sync_finished(study, ostudy.get_trials(deepcopy=False))
-    runs = [r for r in study.runs if not only or any(_under(r.key, p) for p in only)]
     skipped = [r.key for r in runs if r.finished]
     paths = write_results(study, storage=storage)
     log(f"{len(runs)} runs: {len(skipped)} already finished, {len(runs) - len(skipped)} to train"
