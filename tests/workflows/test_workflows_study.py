@@ -377,6 +377,11 @@ def test_from_tune_values_survive_the_variants_own_overrides(tmp_path):
     runs = {r.key: r.raw for r in load_study(path).runs}
     assert runs["a/seed0"]["loss"][0]["options"]["alpha"] == 8.0 and runs["a/seed0"]["optim"]["lr"] == 0.0123
     assert runs["b/seed0"]["optim"]["lr"] == 0.5 and runs["b/seed0"]["loss"][0]["options"]["alpha"] == 8.0
+    # a damaged best_overrides.json is named ('overrides' / 'Expecting value' before)
+    for text, said in (('{"trial": 3}', "has no list 'overrides'"), ("not json", "is not JSON")):
+        (tune / "best_overrides.json").write_text(text)
+        with pytest.raises(ConfigError, match=rf"from_tune: .*best_overrides.json {said}.*--report-only"):
+            load_study(path)
 
 
 def test_a_drain_finishes_the_running_run_and_the_next_command_continues(tmp_path):

@@ -96,7 +96,14 @@ def _tune_overrides(value: Any, study_dir: Path, where: str) -> list[str]:
     if not path.is_file():
         raise _err(where, f"from_tune: {path} not found; run (or finish) 'deepmetric tune ... --out {value}' first "
                           f"(it writes best_overrides.json once a trial has finished)")
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _err(where, f"from_tune: {path} is not JSON ({exc}); rewrite it with 'deepmetric tune ... "
+                          f"--out {value} --report-only'") from None
+    if not isinstance(data, dict) or not isinstance(data.get("overrides"), list):
+        raise _err(where, f"from_tune: {path} has no list 'overrides' (the best trial's KEY=VALUE strings); "
+                          f"rewrite it with 'deepmetric tune ... --out {value} --report-only'")
     return [str(o) for o in data["overrides"]]
 
 
