@@ -59,6 +59,12 @@ def test_missing_and_corrupt_checkpoints_name_the_file(tmp_path):
     good.write_bytes(good.read_bytes()[:200])
     with pytest.raises(ValueError, match=r"t\.pt is corrupt"):
         ck.load_checkpoint(good)
+    # a config or an image given as the checkpoint is named as such (torch said "Unsupported operand 100")
+    config = tmp_path / "cfg.yaml"
+    config.write_text("data: {name: synthetic}\n")
+    with pytest.raises(ValueError, match=r"cfg\.yaml is a text file \(it starts with 'data: \{name: synthetic\}'\), "
+                                         r"not a checkpoint \(last\.pt / best\.pt"):
+        ck.load_checkpoint(config)
     other = tmp_path / "other.pt"
     torch.save({"hello": 1}, other)
     with pytest.raises(ValueError, match="not a deepmetric checkpoint"):

@@ -134,6 +134,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises several types for damaged files
+        from deepmetric.evaluate.io import describe_file
+
+        what = describe_file(path)  # a config or an image given as the checkpoint: say so
+        with open(path, "rb") as f:
+            binary = b"\x00" in f.read(512)  # text has no NUL byte; a damaged file may start as if it were text
+        if what is not None and (what.startswith(("a PNG", "a JPEG")) or (what.startswith("a text") and not binary)):
+            raise ValueError(f"checkpoint {path} is {what.split(';')[0]}, not a checkpoint (last.pt / best.pt of "
+                             "'deepmetric train')") from None
         raise ValueError(f"checkpoint {path} is corrupt or unreadable ({_load_failure(exc)})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint {path} is not a deepmetric checkpoint (no 'format' marker)")
