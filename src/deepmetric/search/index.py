@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .compressed import VECTORS_FILE, RefinedIndex
-from .metadata import CLASS_NAMES_FILE, METADATA_FILE, write_metadata
+from .metadata import CLASS_NAMES_FILE, METADATA_FILE, check_label_range, write_metadata
 from .reading import (INDEX_FORMAT, INDEX_VERSION, KINDS, Folder, check_files, check_present, check_rows, exists,
                       load_postprocess, read_manifest, read_parts)
 from .query import (Preprocessing, approximate_search, as_query_list, embed_images, exact_search,
@@ -111,27 +111,7 @@ def _normalised(x, name: str) -> np.ndarray:
     from deepmetric.evaluate import check_embeddings
 
     arr = np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
-    if arr.ndim == 1:
-        arr = arr[None, :]
-    return check_embeddings(arr, name)
-
-
-#: the largest label an index without class names takes (it names every class 0..max)
-MAX_UNNAMED_LABEL = 10_000_000
-
-
-def _check_label_range(labels: np.ndarray, class_names) -> None:
-    """Labels are class numbers: none negative (an index of them could not be read back), and
-    without class names none so large that naming 0..max would exhaust memory."""
-    if not labels.size:
-        return
-    low, high = int(labels.min()), int(labels.max())
-    renumber = "renumber them (numpy.unique(labels, return_inverse=True)) and give their class_names"
-    if low < 0:
-        raise ValueError(f"index: label {low} is negative; labels are class numbers 0, 1, ...: {renumber}")
-    if class_names is None and high > MAX_UNNAMED_LABEL:
-        raise ValueError(f"index: label {high} without class_names: the index would name every class from 0 to "
-                         f"{high}; {renumber}")
+    return check_embeddings(arr[None, :] if arr.ndim == 1 else arr, name)
 
 
 class Index:
@@ -163,7 +143,7 @@ class Index:
                        else np.asarray(labels, dtype=np.int64).reshape(-1))
         if self.labels.shape[0] != n:
             raise ValueError(f"index: {self.labels.shape[0]} labels for {n} embeddings")
-        _check_label_range(self.labels, class_names)
+        check_label_range(self.labels, class_names)
         self.class_names = ([str(c) for c in class_names] if class_names is not None
                             else [str(i) for i in range(int(self.labels.max()) + 1 if n else 0)])
         if n and self.labels.max() >= len(self.class_names):

@@ -20,7 +20,8 @@ import numpy as np
 
 from .store import IndexFilesError, write_file
 
-__all__ = ["METADATA_FILE", "CLASS_NAMES_FILE", "BATCH_ROWS", "write_metadata", "read_metadata", "LazyPaths"]
+__all__ = ["METADATA_FILE", "CLASS_NAMES_FILE", "BATCH_ROWS", "write_metadata", "read_metadata", "LazyPaths",
+           "check_label_range", "MAX_UNNAMED_LABEL"]
 
 METADATA_FILE = "metadata.arrow"
 CLASS_NAMES_FILE = "class_names.arrow"
@@ -124,3 +125,21 @@ def read_metadata(folder: Path, raw: dict | None = None) -> tuple[LazyPaths, np.
     labels = table.column("label").to_numpy()
     return LazyPaths(table.column("path"), folder.resolve()), np.asarray(labels, np.int64), \
         [str(c) for c in names.column("name").to_pylist()]
+
+
+#: the largest label an index without class names takes (it names every class 0..max)
+MAX_UNNAMED_LABEL = 10_000_000
+
+
+def check_label_range(labels: np.ndarray, class_names) -> None:
+    """Labels are class numbers: none negative (an index of them could not be read back), and
+    without class names none so large that naming 0..max would exhaust memory."""
+    if not labels.size:
+        return
+    low, high = int(labels.min()), int(labels.max())
+    renumber = "renumber them (numpy.unique(labels, return_inverse=True)) and give their class_names"
+    if low < 0:
+        raise ValueError(f"index: label {low} is negative; labels are class numbers 0, 1, ...: {renumber}")
+    if class_names is None and high > MAX_UNNAMED_LABEL:
+        raise ValueError(f"index: label {high} without class_names: the index would name every class from 0 to "
+                         f"{high}; {renumber}")
