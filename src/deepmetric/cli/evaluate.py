@@ -88,8 +88,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     if args.out:
         from deepmetric.run.rundir import write_text_atomic
 
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out = Path(args.out)  # its folder was made by check_output_file, before the work
         write_text_atomic(out, json.dumps({k: (int(v) if isinstance(v, (int, np.integer)) else float(v))
                                            for k, v in res.items()}, indent=2) + "\n")
         print(f"wrote {out}")

@@ -392,8 +392,6 @@ def report_tune(setup: TuneSetup) -> dict[str, Path]:
         raise TuneError(f"--report-only: {setup.out} holds no tune (no tune.json); run the tune first "
                         "(the same command without --report-only)")
     _check_same_tune(setup)
-    from .tune_outputs import write_outputs
-
     return write_outputs(setup)
 
 

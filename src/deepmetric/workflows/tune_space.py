@@ -223,16 +223,22 @@ def _engine_part(raw: dict, key: str, default: str, names: tuple, path) -> dict:
     seed = options.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise _space_error(path, f"{key}.seed: expected a whole number, got {seed!r}")
-    import optuna
-
-    cls = {"median": optuna.pruners.MedianPruner, "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
-           "none": optuna.pruners.NopPruner, "tpe": optuna.samplers.TPESampler,
-           "random": optuna.samplers.RandomSampler}[name]
     try:
-        cls(**options)
+        engine_class(name)(**options)
     except (TypeError, ValueError) as exc:
         raise _space_error(path, f"{key}: {name} does not take these options ({exc})") from None
     return part
+
+
+def engine_class(name: str):
+    """The Optuna class of a pruner (``PRUNERS``) or sampler (``SAMPLERS``) name: the one table
+    the space's check and the study it opens both read."""
+    from .engine import optuna_module
+
+    optuna = optuna_module()
+    return {"median": optuna.pruners.MedianPruner, "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+            "none": optuna.pruners.NopPruner, "tpe": optuna.samplers.TPESampler,
+            "random": optuna.samplers.RandomSampler}[name]
 
 
 def format_value(v: Any) -> str:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from deepmetric.run.config_io import apply_overrides, config_from_dict
 
 from .engine import optuna_module, rdb_storage, sqlite_url
-from .tune_space import SearchSpace, TuneError
+from .tune_space import SearchSpace, TuneError, engine_class
 
 
 # --------------------------------------------------------------------------- the set-up
@@ -86,13 +86,11 @@ def make_sampler(space: SearchSpace):
     same values.  Trial numbers are unique in the storage, so per-number seeds avoid both, on
     any number of workers and machines, and the same seed offers the same candidates to trial
     ``n`` of every tune with the same ranges, stopped or not."""
-    optuna = tune_optuna()
     name = space.sampler.get("name", "tpe")
     opts = {k: v for k, v in space.sampler.items() if k != "name"}
 
     def build(seed):
-        cls = optuna.samplers.TPESampler if name == "tpe" else optuna.samplers.RandomSampler
-        return cls(**{**opts, "seed": seed})
+        return engine_class(name)(**{**opts, "seed": seed})
 
     if opts.get("seed") is None:
         return build(None)
@@ -145,11 +143,7 @@ def open_study(setup: TuneSetup, *, create: bool = True):
     if pname == "median":
         popts.setdefault("n_startup_trials", 2)   # compare from the 3rd trial on ...
         popts.setdefault("n_warmup_steps", 0)     # ... at every evaluation, the first included
-        pruner = optuna.pruners.MedianPruner(**popts)
-    elif pname == "successive_halving":
-        pruner = optuna.pruners.SuccessiveHalvingPruner(**popts)
-    else:
-        pruner = optuna.pruners.NopPruner()
+    pruner = engine_class(pname)(**popts)  # options the class refuses were refused when the space loaded
     if create:
         return optuna.create_study(storage=storage, study_name=setup.study_name, direction=sp.direction,
                                    sampler=sampler, pruner=pruner, load_if_exists=True)
