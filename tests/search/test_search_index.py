@@ -146,6 +146,21 @@ def test_search_cli_table_json_and_html(shapes, tmp_path, capsys):
     assert text[2].split()[:3] == ["1", text[2].split()[1], Path(q[0]).parent.name]
 
 
+def test_search_json_k_is_the_neighbours_given_as_serve_says(shapes, capsys):
+    """--k 100 on the 32-image index: 'k' said 100 (the k asked); it is the neighbours given, the
+    index's size, for the answer and each query, as serve's answer (routes.py) gives it."""
+    q = [str(p) for p in _queries(shapes)[:2]]
+    capsys.readouterr()
+    assert cli.main(["search", str(shapes["index_dir"]), *q, "--k", "100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["k"] == 32 and [a["k"] for a in out["queries"]] == [32, 32]
+    assert all(len(a["neighbours"]) == 32 for a in out["queries"])
+    index = Index.load(shapes["index_dir"])
+    sims, idx = index.search(q, k=32)
+    assert [r["id"] for r in out["queries"][1]["neighbours"]] == list(idx[1])
+    assert sorted(r["id"] for r in out["queries"][0]["neighbours"]) == list(range(32))
+
+
 def test_errors_name_the_problem(shapes, tmp_path, capsys):
     d = str(shapes["index_dir"])
     assert cli.main(["search", d, str(tmp_path / "nope.png")]) == 2

@@ -294,8 +294,18 @@ def test_a_checkpoint_that_embeds_nan_indexes_nothing_and_names_the_image(shapes
     capsys.readouterr()
     assert _index(bad, few, tmp_path / "ix") == 2
     err = capsys.readouterr().err
-    assert f"checkpoint {bad} embeds 2 image(s) as NaN / inf, the first {few / 'red_disc' / 'red_disc_00.png'}" in err
-    assert "Traceback" not in err and not (tmp_path / "ix").exists()
+    first = few / "red_disc" / "red_disc_00.png"
+    assert err == (f"deepmetric index: error: checkpoint {bad} embeds 2 of 2 image(s) as NaN / inf, the first "
+                   f"{first}; nothing was indexed (a diverged run? index with an earlier checkpoint, best.pt)\n")
+    assert not (tmp_path / "ix").exists()
+    # embed refuses the same checkpoint with the same check (one function, run.embed's), not a twin
+    npz = tmp_path / "e.npz"
+    assert cli.main(["embed", str(bad), "--data", "folder", "--root", str(few), "--split", "all",
+                     "--out", str(npz)]) == 2
+    assert capsys.readouterr().err == (
+        f"deepmetric embed: error: checkpoint {bad} embeds 2 of 2 image(s) as NaN / inf, the first {first}; "
+        f"nothing was written to {npz} (a diverged run? embed with an earlier checkpoint, best.pt)\n")
+    assert not npz.exists()
 
 
 def test_a_query_that_embeds_as_nan_is_refused(shapes, monkeypatch):

@@ -115,6 +115,88 @@ def test_embeddings_errors(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("key, arrays, needle", [
+    # arrays of Python objects: numpy's "Object arrays cannot be loaded when allow_pickle=False"
+    # named neither the file nor the array
+    ("paths", {"paths": np.array(["a", "b", "c", "d"], dtype=object)},
+     "array 'paths' holds Python objects (dtype object)"),
+    ("labels", {"labels": np.array(["x", "x", "y", "y"], dtype=object)},
+     "array 'labels' holds Python objects (dtype object)"),
+    ("embeddings", {"embeddings": np.eye(4).astype(object)}, "array 'embeddings' holds Python objects"),
+    # a 1-d array was indexed as one vector, a 0-d one ended in a traceback (IndexError)
+    ("embeddings", {"embeddings": np.ones(8, np.float32)}, "array 'embeddings' has shape (8,), expected (N, d)"),
+    ("embeddings", {"embeddings": np.float32(3)}, "array 'embeddings' has shape (), expected (N, d)"),
+    ("embeddings", {"embeddings": np.ones((2, 2, 2), np.float32)},
+     "array 'embeddings' has shape (2, 2, 2), expected (N, d)"),
+    ("paths", {"paths": np.array(["a", "b", "c"])}, "array 'paths' has shape (3,), expected (4,)"),
+    ("labels", {"labels": np.ones(4)}, "array 'labels' must be integers or strings, got dtype float64"),
+])
+def test_embeddings_npz_errors_name_the_file_and_the_array(tmp_path, capsys, key, arrays, needle):
+    npz = tmp_path / "e.npz"
+    np.savez(npz, **{"embeddings": np.eye(4, dtype=np.float32), **arrays})
+    out = tmp_path / "o"
+    capsys.readouterr()
+    assert cli.main(["index", "--embeddings", str(npz), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"deepmetric index: error: --embeddings {npz}: {needle}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_a_tiny_memory_budget_is_refused_with_a_need_that_fits(tmp_path, capsys):
+    """--memory-budget 1e-9: the message said the smallest codes 'need 0.00 GB', a need the
+    budget seemed to meet; it shows the budget given and a need that is itself a budget that fits."""
+    import re
+
+    from deepmetric.search.compressed import plan_ivfpq, resident_bytes
+
+    x, _ = clustered(400, seed=4)
+    npz = tmp_path / "e.npz"
+    np.savez(npz, embeddings=x)
+    capsys.readouterr()
+    assert cli.main(["index", "--embeddings", str(npz), "--out", str(tmp_path / "o"), "--approximate", "ivfpq",
+                     "--memory-budget", "1e-9"]) == 2
+    err = capsys.readouterr().err
+    assert "0.00 GB" not in err and err.count("\n") == 1 and not (tmp_path / "o").exists()
+    need = re.fullmatch(r"deepmetric index: error: --memory-budget 1e-09 GB is too small for 400 vectors of "
+                        r"dimension 16: the smallest codes \(4 bytes per vector\) need ([0-9.]+) GB resident\n", err)
+    assert need, err
+    gb = float(need.group(1))
+    plan = plan_ivfpq(400, 16, memory_gb=gb)  # the need shown fits ...
+    exact = resident_bytes(400, 16, plan["m"], plan["nlist"]) / 2 ** 30
+    assert plan["m"] == 4 and exact <= gb < exact * 1.01  # ... and is the need to 3 significant figures
+
+
+def test_adding_vectors_skips_paths_already_indexed_as_adding_images_does(tmp_path, capsys):
+    """``index --embeddings FILE --add`` appended rows whose path the index held already (each
+    query then met the same image twice); an --add of images skips and counts them."""
+    x, _ = clustered(8, seed=5)
+    names = np.array(["a", "a", "b", "b", "b", "c", "c", "c"])
+    first, second = tmp_path / "first.npz", tmp_path / "second.npz"
+    np.savez(first, embeddings=x[:4], labels=names[:4], paths=np.array([f"/p/{i}.png" for i in range(4)]))
+    # rows 2 and 3 again, with vectors that differ (a re-embedded folder): the indexed rows are kept
+    again = np.r_[x[2:4] + 1.0, x[4:]]
+    np.savez(second, embeddings=again, labels=names[2:], paths=np.array([f"/p/{i}.png" for i in range(2, 8)]))
+    out = tmp_path / "ix"
+    assert cli.main(["index", "--embeddings", str(first), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli.main(["index", "--embeddings", str(second), "--out", str(out), "--add"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "skipped 2 vector(s) whose path is already in the index"
+    ix = Index.load(out, verify_hashes=True)
+    assert ix.paths == [f"/p/{i}.png" for i in range(8)]
+    assert [ix.class_names[i] for i in ix.labels] == list(names)
+    unit = x / np.linalg.norm(x, axis=1, keepdims=True)
+    assert np.allclose(ix.embeddings, unit, atol=1e-6)  # rows 2, 3 are the first file's
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["skipped_already_indexed"] == 2 and manifest["added"][-1]["images"] == 4
+    # nothing new: the index keeps its rows; rows without a path are always added
+    assert cli.main(["index", "--embeddings", str(second), "--out", str(out), "--add"]) == 0
+    assert "skipped 6 vector(s)" in capsys.readouterr().out and len(Index.load(out)) == 8
+    bare = tmp_path / "bare.npz"
+    np.savez(bare, embeddings=x[:2])
+    assert cli.main(["index", "--embeddings", str(bare), "--out", str(out), "--add"]) == 0
+    assert "skipped" not in capsys.readouterr().out and Index.load(out).paths[8:] == ["", ""]
+
+
 def _as_version_2(d: Path) -> None:
     """Rewrite a version-3 folder in the layout of version 2 (JSON metadata, labels.npy)."""
     import pyarrow as pa

@@ -198,6 +198,43 @@ def test_owned_images_are_carried_as_hard_links(tmp_path, rng):
     assert leftovers(tmp_path) == []
 
 
+def test_migrating_an_old_index_that_lost_an_image_names_the_image_and_changes_nothing(tmp_path, rng, capsys):
+    """A version-1 index lists no files, so an image gone from its images/ is only met when
+    ``index migrate`` carries it into the new folder: that said a bare '[Errno 2] ...'."""
+    a = tmp_path / "a"
+    (a / "images").mkdir(parents=True)
+    paths = []
+    for i in range(3):
+        paths.append(a / "images" / f"{i:06d}.png")
+        Image.new("L", (4, 4), i * 60).save(paths[-1])
+    index = Index.from_embeddings(rng.normal(size=(3, 5)), [0, 1, 1], [str(p) for p in paths], ["x", "y"])
+    index.directory = a  # as if loaded from a: the images are the index's own
+    d = tmp_path / "ix"
+    index.save(d)
+    shutil.rmtree(a)
+    m = json.loads((d / "manifest.json").read_text())
+    del m["files"]
+    m["version"] = 1
+    (d / "manifest.json").write_text(json.dumps(m))
+    gone = d / "images" / "000001.png"
+    kept = gone.read_bytes()
+    gone.unlink()
+    before = snapshot(d)
+    capsys.readouterr()
+    assert cli.main(["index", "migrate", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"deepmetric index migrate: error: image {gone.resolve()} of the index is missing: an index keeps "
+                   "the images inside its folder and carries each one along when it is rewritten, so each must be "
+                   "there; restore it, or rebuild the index with 'deepmetric index ... --overwrite' (the index was "
+                   "not changed)\n")
+    assert snapshot(d) == before and leftovers(tmp_path) == []
+    gone.write_bytes(kept)  # restored, as the message says: migrated, every file listed
+    assert cli.main(["index", "migrate", str(d)]) == 0
+    listed = json.loads((d / "manifest.json").read_text())["files"]
+    assert listed["images/000001.png"]["sha256"] == hashlib.sha256(kept).hexdigest()
+    assert Index.load(d, verify_hashes=True).paths[1] == str(gone.resolve())
+
+
 def test_stale_temporary_folders_of_killed_writers_are_removed(tmp_path, rng):
     dead = subprocess.Popen(["true"])  # a process id that no longer runs
     dead.wait()

@@ -72,6 +72,8 @@ def _run_index(args: argparse.Namespace) -> int:
                                 overwrite=args.overwrite, options=options, postprocess=steps)
         print(f"{'added' if args.add else 'indexed'} {args.embeddings} -> {args.out}: {len(index)} vectors, "
               f"{len(index.class_names)} classes, d={index.dim}, {index.kind}")
+        if args.add and index.meta.get("skipped_already_indexed"):
+            print(f"skipped {index.meta['skipped_already_indexed']} vector(s) whose path is already in the index")
         _print_recall(index)
         return 0
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
@@ -175,7 +177,7 @@ def _run_search(args: argparse.Namespace) -> int:
     index.model(args.checkpoint, device)
     sims, idx = index.search(list(args.images), args.k)
     results = index.neighbours(sims, idx)
-    print(results_json(args.images, results, args.k) if args.json else results_text(args.images, results))
+    print(results_json(args.images, results) if args.json else results_text(args.images, results))
     if args.html:
         out = results_html(args.images, results, args.html)
         print(f"wrote {out}", file=sys.stderr if args.json else sys.stdout)

@@ -27,7 +27,7 @@ from .shards import torchrun_world
 __all__ = ["compute_embeddings", "embed_checkpoint", "load_model_from_checkpoint", "load_search_network",
            "ProjectionAsEmbedding", "dataset_query_gallery_masks",
            "dataset_paths_and_class_names", "dataset_domains", "EMBEDDING_OUTPUTS", "make_eval_loader",
-           "npz_out_path"]
+           "npz_out_path", "check_finite_embeddings"]
 
 # compute_embeddings(output=...): forward_head(fmap), forward_head(fmap, pre_logits=True) and the
 # projection head's output (forward's "projection", eval.embedding: projection)
@@ -302,13 +302,10 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
     # image paths and class names, when known
     if all("paths" in p for p in parts):
         arrays["paths"] = np.concatenate([p["paths"] for p in parts])
-    bad = ~np.isfinite(arrays["embeddings"]).all(axis=1)
-    if bad.any():  # a diverged checkpoint: an .npz of NaN that every metric would refuse later
-        i = int(np.flatnonzero(bad)[0])
-        which = arrays["paths"][i] if "paths" in arrays else f"row {i} of split {split!r}"
-        raise ValueError(f"checkpoint {checkpoint} embeds {int(bad.sum())} of {len(bad)} image(s) as NaN / inf, the "
-                         f"first {which}; nothing was written to {out} (a diverged run? embed with an earlier "
-                         "checkpoint, best.pt)")
+    # an .npz of NaN would be refused by every metric later: refuse it now, naming the image
+    check_finite_embeddings(arrays["embeddings"], checkpoint,
+                            lambda i: arrays["paths"][i] if "paths" in arrays else f"row {i} of split {split!r}",
+                            nothing=f"nothing was written to {out}", verb="embed")
     out.parent.mkdir(parents=True, exist_ok=True)
     if "class_names" in parts[0]:
         arrays["class_names"] = parts[0]["class_names"]
@@ -319,6 +316,20 @@ def embed_checkpoint(checkpoint: str | Path, out: str | Path, *, data: str | Non
     finally:
         part.unlink(missing_ok=True)
     return out
+
+
+def check_finite_embeddings(emb: np.ndarray, checkpoint, row_name, *, nothing: str, verb: str) -> None:
+    """ValueError when ``checkpoint`` embedded any row of ``emb`` as NaN / inf: a diverged run,
+    or an image that drives the model there. The message names how many rows, the first one's
+    image (``row_name(i)``), what was therefore not written (``nothing``) and the command to
+    rerun with an earlier checkpoint (``verb``). ``deepmetric embed`` and ``deepmetric index``
+    share it, so both refuse alike."""
+    bad = ~np.isfinite(emb).all(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"checkpoint {checkpoint} embeds {int(bad.sum())} of {len(bad)} image(s) as NaN / inf, the "
+                         f"first {row_name(i)}; {nothing} (a diverged run? {verb} with an earlier checkpoint, "
+                         "best.pt)")
 
 
 def npz_out_path(out: str | Path) -> Path:

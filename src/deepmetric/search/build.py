@@ -80,15 +80,6 @@ def _embed_in_chunks(model, ds, keep, labels, dev, *, batch_size, num_workers, p
     return (np.concatenate(embs) if embs else np.zeros((0, 0), np.float32)), labels
 
 
-def _check_finite(emb, checkpoint, keep, paths) -> None:
-    bad = ~np.isfinite(emb).all(axis=1) if emb.size else np.zeros(0, bool)
-    if bad.any():  # a diverged checkpoint, or an image that drives it there: name the image
-        i = int(np.flatnonzero(bad)[0])
-        which = paths[keep[i]] if paths is not None else f"image {keep[i]} of the split"
-        raise ValueError(f"checkpoint {checkpoint} embeds {int(bad.sum())} image(s) as NaN / inf, the first "
-                         f"{which}; nothing was indexed (a diverged run? index with an earlier checkpoint)")
-
-
 def _indexed_paths(ds, keep, paths, in_memory: bool, images_dir, first_image_number: int, progress) -> list[str]:
     """The image file of every indexed row: its own, a PNG copy written into ``images_dir`` for
     an in-memory benchmark, or "" (no file)."""
@@ -147,7 +138,7 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
     output embedded is the checkpoint's ``eval.embedding`` (what its validation chose it on), or
     for rows added to an index (``index_meta``, its manifest), the output already in it."""
     from deepmetric.run.device import resolve_device
-    from deepmetric.run.embed import load_search_network
+    from deepmetric.run.embed import check_finite_embeddings, load_search_network
 
     if not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} not found (expected last.pt / best.pt of 'deepmetric train')")
@@ -181,7 +172,9 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
                              batch_size=batch_size, num_workers=num_workers, progress=progress, output=output)
     emb, labels = _embed_in_chunks(model, ds, keep, labels, dev, batch_size=batch_size, num_workers=num_workers,
                                    progress=progress)
-    _check_finite(emb, checkpoint, keep, paths)
+    check_finite_embeddings(emb, checkpoint,
+                            lambda i: paths[keep[i]] if paths is not None else f"image {keep[i]} of the split",
+                            nothing="nothing was indexed", verb="index")
     out_paths = _indexed_paths(ds, keep, paths, in_memory, images_dir, first_image_number, progress)
     return _index_input(emb, labels, out_paths, names, cfg, state, preprocessing, split, n, keep, output)
 

@@ -67,6 +67,16 @@ def resident_bytes(n: int, d: int, m: int, nlist: int, d_reduced: int | None = N
     return int(n * (m + 8) + nlist * dr * 4 + d * dr * 4 + 256 * dr * 4 + n * 8)
 
 
+def _gb_rounded_up(gb: float, digits: int = 3) -> str:
+    """``gb`` to ``digits`` significant figures, rounded up and never in exponent notation: a
+    need of a few kB reads 0.0000573, not 0.00 (as ``:.2f`` gave), and the value shown is itself
+    a budget that fits."""
+    if gb <= 0:
+        return "0"
+    decimals = digits - 1 - math.floor(math.log10(gb))
+    return f"{math.ceil(gb * 10 ** decimals) / 10 ** decimals:.{max(0, decimals)}f}"
+
+
 def plan_ivfpq(n: int, d: int, *, memory_gb: float | None = None, reduce_dim: int | None = None) -> dict:
     """``nlist``, PQ bytes ``m``, ``nprobe``, refinement ``k_factor`` and the faiss factory string
     for ``n`` vectors of dimension ``d``. Without a budget: the largest ``m`` <= d'/8 (at most 64);
@@ -87,7 +97,8 @@ def plan_ivfpq(n: int, d: int, *, memory_gb: float | None = None, reduce_dim: in
         if not ok:
             need = resident_bytes(n, d, fits[-1], nlist, dr) / 2 ** 30
             raise ValueError(f"--memory-budget {memory_gb} GB is too small for {n} vectors of dimension {d}: "
-                             f"the smallest codes ({fits[-1]} bytes per vector) need {need:.2f} GB resident")
+                             f"the smallest codes ({fits[-1]} bytes per vector) need {_gb_rounded_up(need)} GB "
+                             "resident")
         fits = ok
     m = fits[0]
     nbits = 8 if n >= 39 * 256 else max(1, min(8, int(math.log2(max(2, n // 39)))))

@@ -44,7 +44,7 @@ __all__ = ["index_from_file", "read_embeddings_file", "export_parquet", "export_
 ROW_GROUP = 65536
 
 
-def _labels_and_names(labels, class_names):
+def _labels_and_names(labels, class_names, where: str):
     if labels is None:
         return None, None if class_names is None else [str(c) for c in class_names]
     labels = np.asarray(labels)
@@ -52,8 +52,44 @@ def _labels_and_names(labels, class_names):
         names, codes = np.unique(labels.astype(str), return_inverse=True)
         return codes.astype(np.int64), [str(c) for c in names]
     if labels.dtype.kind not in "iu":
-        raise ValueError(f"labels must be integers or strings, got dtype {labels.dtype}")
+        raise ValueError(f"{where} must be integers or strings, got dtype {labels.dtype}")
     return labels.astype(np.int64), None if class_names is None else [str(c) for c in class_names]
+
+
+def _npz_array(z, key: str, p: Path) -> np.ndarray:
+    """Array ``key`` of the open .npz ``z`` (the file ``p``); what numpy cannot read is named
+    with the file and the key (numpy's own message names neither)."""
+    try:
+        return z[key]
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        if "Object arrays" in str(exc):  # allow_pickle=False: reading them would run pickled code
+            dtype = "np.float32" if key == "embeddings" else "str"
+            raise ValueError(f"--embeddings {p}: array '{key}' holds Python objects (dtype object), which are not "
+                             "read (unpickling a file can run code); save it as numbers or strings, e.g. "
+                             f"np.savez(..., {key}=np.asarray({key}, dtype={dtype}))") from None
+        raise ValueError(f"--embeddings {p}: array '{key}' cannot be read ({exc})") from None
+
+
+def _read_npz(p: Path, z) -> dict:
+    """The parts of the open .npz ``z`` (the file ``p``), each checked against the embeddings'
+    shape [N, d]: errors name the file, the key, the shape found and the one expected."""
+    if "embeddings" not in z.files:
+        raise KeyError(f"--embeddings {p} has no array 'embeddings' (it has {', '.join(z.files) or 'none'})")
+    emb = _npz_array(z, "embeddings", p)
+    if emb.ndim != 2:  # a 1-d array was taken for one vector, a 0-d one failed with a traceback
+        raise ValueError(f"--embeddings {p}: array 'embeddings' has shape {emb.shape}, expected (N, d): one row "
+                         "of d numbers per vector (a single vector v: save v[None, :])")
+    parts = {}
+    for key in ("labels", "paths"):
+        if key in z.files:
+            arr = parts[key] = _npz_array(z, key, p)
+            if arr.shape != (emb.shape[0],):
+                raise ValueError(f"--embeddings {p}: array '{key}' has shape {arr.shape}, expected "
+                                 f"({emb.shape[0]},): one per row of 'embeddings' {emb.shape}")
+    names = _npz_array(z, "class_names", p) if "class_names" in z.files else None
+    labels, names = _labels_and_names(parts.get("labels"), names, where=f"--embeddings {p}: array 'labels'")
+    paths = [str(s) for s in parts["paths"]] if "paths" in parts else None
+    return {"embeddings": emb, "labels": labels, "paths": paths, "class_names": names}
 
 
 def read_embeddings_file(path: str | Path) -> dict:
@@ -75,12 +111,7 @@ def read_embeddings_file(path: str | Path) -> dict:
                          "expected an .npz with 'embeddings', an .npy, or a parquet file of "
                          "'deepmetric index export'") from None
     with z:
-        if "embeddings" not in z.files:
-            raise KeyError(f"--embeddings {p} has no array 'embeddings' (it has {', '.join(z.files) or 'none'})")
-        labels, names = _labels_and_names(z["labels"] if "labels" in z.files else None,
-                                          z["class_names"] if "class_names" in z.files else None)
-        paths = [str(s) for s in z["paths"]] if "paths" in z.files else None
-        return {"embeddings": z["embeddings"], "labels": labels, "paths": paths, "class_names": names}
+        return _read_npz(p, z)
 
 
 class NpyRows:
@@ -284,6 +315,23 @@ def export_qdrant(index, where: str, *, collection: str = "deepmetric", batch: i
     return manifest
 
 
+def _skip_indexed(got: dict, indexed) -> int:
+    """Drop from ``got`` (:func:`read_embeddings_file`) the rows whose path the index already
+    holds, as ``index --add`` of images skips the images already indexed (adding them again
+    would answer every query with the same image twice); returns how many were dropped. Rows
+    without a path are always added: nothing says they are already there."""
+    have = {p for p in indexed if p}
+    if got["paths"] is None or not have:
+        return 0
+    keep = [i for i, p in enumerate(got["paths"]) if not (p and p in have)]
+    skipped = len(got["paths"]) - len(keep)
+    if skipped:
+        got["embeddings"] = np.asarray(got["embeddings"])[keep]
+        got["labels"] = None if got["labels"] is None else got["labels"][keep]
+        got["paths"] = [got["paths"][i] for i in keep]
+    return skipped
+
+
 def index_from_file(path: str | Path, out: str | Path, *, approximate: str | None = None, add: bool = False,
                     overwrite: bool = False, options: dict | None = None, postprocess=None) -> "Index":
     """``deepmetric index --embeddings FILE``: an index of the vectors in ``path``
@@ -316,8 +364,11 @@ def index_from_file(path: str | Path, out: str | Path, *, approximate: str | Non
                              f"{index.meta['checkpoint'].get('path')}, and vectors from a file cannot be checked to "
                              "come from it; add images with 'deepmetric index CHECKPOINT ... --add', or build a "
                              "separate index of the vectors")
-        index.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
-        index.meta.setdefault("added", []).append(source)
+        skipped = _skip_indexed(got, index.paths)
+        if len(got["embeddings"]):
+            index.add(got["embeddings"], got["labels"], got["paths"], got["class_names"])
+        index.meta.setdefault("added", []).append({**source, "images": len(got["embeddings"])})
+        index.meta["skipped_already_indexed"] = skipped
         rel_paths = index._write(tmp, out)
     index._settle(out, rel_paths)
     return index

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PIL import Image
 
-__all__ = ["results_text", "results_json", "results_html", "thumbnail_png", "displayable"]
+__all__ = ["results_text", "results_json", "query_answer", "results_html", "thumbnail_png", "displayable"]
 
 
 def thumbnail_png(path: str | Path, size: int = 160, max_bytes: int | None = None) -> bytes:
@@ -66,9 +66,18 @@ def results_text(queries: list[str], results: list[list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def results_json(queries: list[str], results: list[list[dict]], k: int) -> str:
-    return json.dumps({"k": k, "queries": [{"query": displayable(q), "neighbours": rows}
-                                           for q, rows in zip(queries, results)]}, indent=1,
+def query_answer(query: str, rows: list[dict]) -> dict:
+    """One query's answer as ``search --json`` and ``serve`` give it: ``{"query", "k",
+    "neighbours"}``, where ``k`` is the number of neighbours given, fewer than the k asked when
+    the index holds fewer images (or an approximate index finds fewer)."""
+    return {"query": displayable(query), "k": len(rows), "neighbours": rows}
+
+
+def results_json(queries: list[str], results: list[list[dict]]) -> str:
+    """``{"k", "queries": [query_answer, ...]}``; the top ``k`` is the most neighbours any query
+    was given (the k asked, or the index's size when it holds fewer), as each query's own ``k``."""
+    answers = [query_answer(q, rows) for q, rows in zip(queries, results)]
+    return json.dumps({"k": max((a["k"] for a in answers), default=0), "queries": answers}, indent=1,
                       ensure_ascii=False)
 
 

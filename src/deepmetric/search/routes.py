@@ -22,7 +22,7 @@ from deepmetric.data.decode import ImageDecodeError, ImageSizeError, decode_imag
 
 from .guard import BodyTooLarge
 from .limits import THUMB_IN_FLIGHT, Slots, ThumbnailCache, read_k, read_thumb_size, too_large_message
-from .output import displayable, thumbnail_png
+from .output import displayable, query_answer, thumbnail_png
 from .served import Loaded, load_folder
 
 __all__ = ["AppState", "routes", "exception_handlers", "reload"]
@@ -148,8 +148,7 @@ async def search(state: AppState, request):
     for r in rows:
         r["thumbnail"] = f"/thumb/{r['id']}"
         r["path"] = Path(r["path"]).name if r["path"] else ""
-    # "k": the neighbours given, fewer than asked for an index smaller than k
-    return JSONResponse({"query": name, "k": len(rows), "neighbours": rows})
+    return JSONResponse(query_answer(name, rows))  # "k": the neighbours given, as 'search --json' says
 
 
 async def thumb(state: AppState, request):

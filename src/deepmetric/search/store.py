@@ -175,7 +175,14 @@ def write_file(path: Path, data) -> None:
 
 
 def carry_file(src: Path, dst: Path) -> None:
-    """``dst`` becomes the same file as ``src``: a hard link, or a copy where links fail."""
+    """``dst`` becomes the same file as ``src``: a hard link, or a copy where links fail. A
+    missing ``src`` is named as the index's image it is: an index written before version 2
+    lists no files, so nothing noticed it was gone until the index was rewritten."""
+    if not src.is_file():
+        raise FileNotFoundError(f"image {src} of the index is missing: an index keeps the images inside its folder "
+                                "and carries each one along when it is rewritten, so each must be there; restore it, "
+                                "or rebuild the index with 'deepmetric index ... --overwrite' (the index was not "
+                                "changed)")
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(src, dst)
