@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["Registry", "did_you_mean", "suggest", "signature_options"]
+__all__ = ["Registry", "did_you_mean", "suggest", "signature_options", "SUGGESTION_OPENING"]
 
 
 def did_you_mean(word: object, choices: Iterable[str] | Mapping[str, str], *, prefix: str = "",
@@ -35,9 +35,14 @@ def did_you_mean(word: object, choices: Iterable[str] | Mapping[str, str], *, pr
     return suggest(f"'{prefix}{choices[close[0]] if isinstance(choices, Mapping) else close[0]}'", sentence=sentence)
 
 
+#: the words that open every suggestion, so that a reader of a message can tell it apart
+SUGGESTION_OPENING = "did you mean"
+
+
 def suggest(suggestion: str, *, sentence: bool = False) -> str:
     """The one wording of a suggestion: ``" (did you mean X?)"`` (``sentence``: ``" Did you mean X?"``)."""
-    return f" Did you mean {suggestion}?" if sentence else f" (did you mean {suggestion}?)"
+    opening = SUGGESTION_OPENING
+    return f" {opening.capitalize()} {suggestion}?" if sentence else f" ({opening} {suggestion}?)"
 
 
 def signature_options(fn: Callable, *, skip: Iterable[str] = ()) -> set[str] | None:

@@ -403,3 +403,51 @@ def test_a_drain_finishes_the_running_run_and_the_next_command_continues(tmp_pat
     assert not study.runs[1].finished and any(m.startswith("drained") for m in said)
     result = run_study(load_study(path), log=said.append)
     assert result["finished"] == ["a16/seed1"] and not (study.out_dir / DRAIN).exists()
+
+
+# --------------------------------------------------------------------------- the metrics columns
+def test_a_misspelt_metrics_column_is_refused_when_the_study_loads(tmp_path, capsys):
+    """A typo in ``metrics`` ran the whole study, showed an empty '-' column and exited 0; now
+    the file is refused before any run, in one line naming the file, the key, the bad value
+    (with the closest column) and the columns its runs give."""
+    path = _study(tmp_path, metrics=["final/recall@1", "final/recal@2", "wall_time_s"])
+    assert cli.main(["study", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"deepmetric study: error: {path}: metrics: unknown column(s) 'final/recal@2' "
+                          "(did you mean 'final/recall@2'?); the runs of this study give: "), err
+    # BASE evaluates recall (ks 1, 2) and nmi, without validation classes: no selected/ column
+    assert err.endswith("final/recall@1, final/recall@2, final/nmi, wall_time_s, images_per_s, epochs, steps"), err
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
+    # a column only a validation split gives is refused without one, and accepted with one
+    with pytest.raises(ConfigError, match=r"metrics: unknown column\(s\) 'selected/recall@1'"):
+        load_study(_study(tmp_path, metrics=["selected/recall@1"]))
+    study = load_study(_study(tmp_path, metrics=["selected/recall@1", "selected/epoch"],
+                              overrides=["data.val_classes=2"]))
+    assert study.metrics == ["selected/recall@1", "selected/epoch"]
+
+
+@pytest.mark.parametrize("name", ["emoji_almn_margin", "fashion_mnist_two_head", "glyphs_cross_family"])
+def test_the_known_columns_are_those_of_the_committed_results(name):
+    """The columns a study's ``metrics`` is checked against are exactly the columns its real,
+    finished runs wrote (bench/studies/NAME/results.csv: selected/ from validation classes,
+    wise/ from WiSE-FT, cross-domain and the two-head classification with training
+    neighbours)."""
+    from deepmetric.run.config_io import config_from_dict
+    from deepmetric.workflows.study_file import result_columns
+
+    root = Path(__file__).resolve().parents[2]
+    study = load_study(root / "studies" / f"{name}.yaml")
+    known = {c for run in study.runs for c in result_columns(config_from_dict(run.raw))}
+    with open(root / "bench" / "studies" / name / "results.csv", newline="", encoding="utf-8") as f:
+        written = set(next(csv.reader(f))) - {"benchmark", "variant", "seed"}
+    assert known == written
+
+
+def test_the_training_neighbour_keys_are_those_the_evaluation_returns():
+    from deepmetric.evaluate import TRAIN_NEIGHBOUR_KEYS, misclassified_neighbour_agreement
+
+    rng = np.random.default_rng(0)
+    got = misclassified_neighbour_agreement(np.array([0, 1, 1]), np.array([0, 1, 0]), rng.normal(size=(3, 4)),
+                                            rng.normal(size=(5, 4)), np.array([0, 1, 0, 1, 0]))
+    assert set(got) == set(TRAIN_NEIGHBOUR_KEYS)

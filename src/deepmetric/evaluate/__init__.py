@@ -15,8 +15,9 @@ See docs/evaluation.md. Public API::
     choose_search_device(request, default=None, backend="auto", nbytes=0) -> where a search runs
 """
 from deepmetric.evaluate._checks import check_embeddings
-from deepmetric.evaluate.classification import (classification_accuracy, format_per_class_table,
-                                                misclassified_neighbour_agreement, per_class_accuracy)
+from deepmetric.evaluate.classification import (TRAIN_NEIGHBOUR_KEYS, classification_accuracy,
+                                                format_per_class_table, misclassified_neighbour_agreement,
+                                                per_class_accuracy)
 from deepmetric.evaluate.clustering import (
     kmeans,
     nmi,
@@ -49,6 +50,7 @@ __all__ = [
     "per_class_accuracy",
     "format_per_class_table",
     "misclassified_neighbour_agreement",
+    "TRAIN_NEIGHBOUR_KEYS",
     "evaluate",
     "evaluate_cross_domain",
     "kmeans",

@@ -10,7 +10,11 @@ from deepmetric.evaluate._checks import to_numpy_labels
 
 
 __all__ = ["classification_accuracy", "per_class_accuracy", "format_per_class_table",
-           "misclassified_neighbour_agreement"]
+           "misclassified_neighbour_agreement", "TRAIN_NEIGHBOUR_KEYS"]
+
+#: the keys :func:`misclassified_neighbour_agreement` returns (a run's ``eval.train_neighbours``
+#: adds them to its final test metrics; a study's ``metrics`` columns are checked against them)
+TRAIN_NEIGHBOUR_KEYS = ("misclassified_nn_agrees", "misclassified", "train_1nn_top1")
 
 
 def _predictions(logits_or_preds) -> np.ndarray:

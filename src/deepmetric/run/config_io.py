@@ -69,8 +69,12 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r}: empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
+    except yaml.YAMLError as exc:  # PyYAML's own text spans several lines (context, a caret): one line here
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        mark = getattr(exc, "problem_mark", None)
+        at = "" if mark is None else (f" at character {mark.column + 1} of the value" if mark.column < len(raw)
+                                      else " at the end of the value")
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({problem}{at})") from None
     return key.split("."), value
 
 

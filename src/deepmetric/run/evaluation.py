@@ -24,7 +24,7 @@ from .config import Config, ConfigError
 from .device import resolve_device
 from .embed import compute_embeddings, dataset_domains, dataset_query_gallery_masks
 
-__all__ = ["expected_metrics", "split_names", "cross_domain_metrics",
+__all__ = ["expected_metrics", "final_test_metrics", "split_names", "cross_domain_metrics",
            "eval_search_device", "SEARCH_DEVICE_CHOICES", "command_search_device", "place_for_search",
            "train_neighbour_metrics", "evaluate_model", "evaluate_split"]
 
@@ -40,6 +40,15 @@ def expected_metrics(cfg: Config) -> list[str]:
         return evaluation_keys(e.metrics, e.ks, classification=e.classification, cross_domain=e.cross_domain)
     except ValueError as exc:
         raise ConfigError(f"config key 'eval.metrics': {exc}") from None
+
+
+def final_test_metrics(cfg: Config) -> list[str]:
+    """The metric names of a run's final test evaluation (``metrics.json``'s ``final.test``):
+    :func:`expected_metrics`, then with ``eval.train_neighbours`` the keys of
+    :func:`train_neighbour_metrics`, which only the final evaluation adds."""
+    from deepmetric.evaluate import TRAIN_NEIGHBOUR_KEYS
+
+    return expected_metrics(cfg) + (list(TRAIN_NEIGHBOUR_KEYS) if cfg.eval.train_neighbours else [])
 
 
 def split_names(cfg: Config, eval_sets: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -83,7 +83,12 @@ def rdb_storage(url: str, *, retry_stale: bool):
     again with the same parameters (a tune; a study's worker finds its unfinished run itself)."""
     optuna = optuna_module()
     if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(url[len("sqlite:///"):]).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # it was "[Errno 2] No such file or directory: '/x'", naming neither
+            raise ValueError(f"storage {display_storage(url)}: its folder {folder} cannot be created "
+                             f"({exc.strerror or exc}); give --storage or --out a folder you can write") from None
         engine_kwargs = {"connect_args": {"timeout": 60}}
     else:
         engine_kwargs = {"pool_pre_ping": True}

@@ -171,11 +171,16 @@ def load_study(path: str | os.PathLike | None = None, *, raw: dict | None = None
     workers, confidence, metrics = _settings(raw, where)
     compare = _compare(raw, variants, where)
     runs = []
+    # the result columns the runs give, collected only to check 'metrics' (a study without it is
+    # read as before)
+    columns: dict[str, None] | None = {} if metrics is not None else None
     for b, (base_raw, b_over) in benches.items():
         for v, v_items in variants.items():
             v_over = _override_strings(v_items, f"{where}: variants.{v}", study_dir)
             runs.extend(_variant_runs(base_raw, common + b_over + v_over + list(overrides), seeds, out,
-                                      benchmark=b, variant=v, where=where))
+                                      benchmark=b, variant=v, where=where, columns=columns))
+    if metrics is not None:
+        _check_metrics(metrics, list(columns or {}), where)
     return Study(name=name, path=study_path, out_dir=out, runs=runs, variants=list(variants),
                  benchmarks=list(benches), seeds=[int(s) for s in seeds], workers=workers,
                  metrics=metrics, compare=compare, confidence=float(confidence),
@@ -264,8 +269,9 @@ def _compare(raw: dict, variants: dict, where: str) -> list[tuple[str, str]]:
 
 
 def _variant_runs(base_raw: dict, overrides: list[str], seeds: list, out: Path, *, benchmark: str | None,
-                  variant: str, where: str) -> list[StudyRun]:
-    """The runs of one (benchmark, variant), one per seed, each config validated now."""
+                  variant: str, where: str, columns: dict[str, None] | None = None) -> list[StudyRun]:
+    """The runs of one (benchmark, variant), one per seed, each config validated now; with
+    ``columns``, the :func:`result_columns` of each run are added to it."""
     runs = []
     for s in seeds:
         key = "/".join(p for p in (benchmark, variant, f"seed{s}") if p is not None)
@@ -274,8 +280,39 @@ def _variant_runs(base_raw: dict, overrides: list[str], seeds: list, out: Path, 
         try:
             apply_overrides(cfg_raw, overrides)
             apply_overrides(cfg_raw, [f"train.seed={s}", f"train.out_dir={json.dumps(str(run_dir))}"])
-            config_from_dict(copy.deepcopy(cfg_raw))  # validate now
+            cfg = config_from_dict(copy.deepcopy(cfg_raw))  # validate now
         except ConfigError as exc:
             raise _err(where, f"run {key}: {exc}") from None
+        if columns is not None:
+            columns.update(dict.fromkeys(result_columns(cfg)))
         runs.append(StudyRun(key, benchmark, variant, int(s), run_dir, cfg_raw, out / ".study" / key))
     return runs
+
+
+#: the columns :func:`deepmetric.workflows.study.run_row` gives every finished run besides its metrics
+RUN_COLUMNS = ("wall_time_s", "images_per_s", "epochs", "steps")
+
+
+def result_columns(cfg) -> list[str]:
+    """The columns a finished run of ``cfg`` can have in the study's results (``study.run_row``):
+    ``final/<metric>`` of its final test evaluation; with a validation split ``selected/epoch``
+    and ``selected/<metric>`` (the model chosen on it); with ``eval.wise_ft`` ``wise/alpha`` and
+    ``wise/<metric>``; then :data:`RUN_COLUMNS`."""
+    from deepmetric.run.evaluation import final_test_metrics
+
+    names = final_test_metrics(cfg)
+    out = [f"final/{n}" for n in names]
+    if cfg.data.has_validation:
+        out += ["selected/epoch"] + [f"selected/{n}" for n in names]
+    if cfg.eval.wise_ft is not None:
+        out += ["wise/alpha"] + [f"wise/{n}" for n in names]
+    return out + list(RUN_COLUMNS)
+
+
+def _check_metrics(metrics: list[str], columns: list[str], where: str) -> None:
+    """Every ``metrics`` column is one the study's runs give: a misspelt one ran the whole study
+    and showed an empty '-' column for it."""
+    unknown = [m for m in metrics if m not in columns]
+    if unknown:
+        named = ", ".join(f"{m!r}{did_you_mean(m, columns)}" for m in unknown)
+        raise _err(where, f"metrics: unknown column(s) {named}; the runs of this study give: {', '.join(columns)}")

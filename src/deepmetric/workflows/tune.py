@@ -62,6 +62,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -72,8 +73,9 @@ import yaml
 from deepmetric.search.store import file_sha256
 from deepmetric.run import rundir
 from deepmetric.run.config import ConfigError
+from deepmetric.run.config_checks import check_config_options
 from deepmetric.run.config_io import apply_overrides, read_yaml_mapping
-from deepmetric.registry import did_you_mean
+from deepmetric.registry import SUGGESTION_OPENING, did_you_mean
 
 from .engine import DRAIN, HEARTBEAT_S, clear_drain, display_storage, draining, fail_stale_trials, run_workers
 from .tune_outputs import write_outputs
@@ -110,9 +112,14 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
         raw = read_yaml_mapping(recipe, "recipe")
         if not isinstance(raw, dict):
             raise TuneError(f"{recipe}: top level must be a mapping (a training recipe)")
-        apply_overrides(raw, list(overrides) + space.overrides)
     except (ConfigError, yaml.YAMLError) as exc:
         raise TuneError(f"{recipe}: {exc}") from None
+    # each source named in its own errors (a space file's bad override was blamed on the recipe)
+    for given, source in ((list(overrides), "the command line"), (space.overrides, f"{space_path}: overrides")):
+        try:
+            apply_overrides(raw, given)
+        except ConfigError as exc:
+            raise TuneError(f"{source}: {exc}") from None
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     if data.get("val_classes") is None and data.get("val_folds") is None:  # DataConfig.has_validation
         raise TuneError(f"{recipe} has no validation classes: tuning chooses on validation, never on the test "
@@ -124,11 +131,11 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
                       cli_overrides=list(overrides), count=count, max_trials=max_trials)
     try:  # the recipe as a trial sees it (the parameters may set required keys, e.g. m x n)
         cfg = setup.trial_config({p.name: p.examples()[0] for p in space.params}, out / "check")
+        # the option names too (train checks them only when a trial starts: a misspelt loss option
+        # failed trial 0 with Optuna's traceback, after tune.json and the storage were written)
+        check_config_options(cfg)
     except ConfigError as exc:
-        culprit = next((p for p in space.params if any(f"'{k}'" in str(exc) for k in p.keys)), None)
-        if culprit is not None:
-            raise TuneError(f"{space_path}: params.{culprit.name}: {exc}") from None
-        raise TuneError(f"{recipe}: {exc}") from None
+        raise TuneError(_source_of(setup, exc)) from None
     names = _validation_metrics(cfg)
     if space.metric not in names:
         raise TuneError(f"{space_path}: objective.metric {space.metric!r} is not a metric this recipe's "
@@ -138,10 +145,34 @@ def prepare_tune(recipe: str | os.PathLike, space_path: str | os.PathLike, *, tr
         for v in p.examples():
             values = {q.name: (v if q is p else q.examples()[0]) for q in space.params}
             try:
-                setup.trial_config(values, out / "check")
+                check_config_options(setup.trial_config(values, out / "check"))
             except ConfigError as exc:
                 raise TuneError(f"{space_path}: params.{p.name} = {v!r}: {exc}") from None
     return setup
+
+
+def _source_of(setup: TuneSetup, exc: ConfigError) -> str:
+    """``exc`` (a trial's config refused) prefixed with where the value it names came from: the
+    last of the recipe, the command line's overrides, the space's overrides and its parameters
+    (applied in that order) that sets a key the message names (or a key above it: ``loss=[...]``
+    sets ``loss.0.options.alpha``).  A key only named in a suggestion (registry.suggest's
+    closest name) is not the culprit."""
+    before_suggestion = re.split(f"(?i){SUGGESTION_OPENING}", str(exc))[0]
+    named = set(re.findall(r"'([A-Za-z_][\w.]*)'", before_suggestion))
+
+    def sets(key: str) -> bool:
+        return any(n == key or n.startswith(key + ".") for n in named)
+
+    space = setup.space_path
+    culprit = next((p for p in setup.space.params if any(sets(k) for k in p.keys)), None)
+    if culprit is not None:
+        return f"{space}: params.{culprit.name}: {exc}"
+    for given, source in ((setup.space.overrides, f"{space}: overrides: "),
+                          (setup.cli_overrides, "the command line: override ")):
+        override = next((o for o in reversed(given) if sets(o.split("=", 1)[0].strip())), None)
+        if override is not None:
+            return f"{source}{override!r}: {exc}"
+    return f"{setup.recipe}: {exc}"
 
 
 def _setup_record(setup: TuneSetup) -> dict:
@@ -399,16 +430,14 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
     """Run the study to ``setup.trials`` finished trials with ``workers`` processes on this
     machine, then write the outputs.  Returns their paths."""
     log = log or (lambda msg: print(f"[tune {setup.study_name}] {msg}", flush=True))
-    setup.out.mkdir(parents=True, exist_ok=True)
     _check_same_tune(setup)
+    # the storage first: a URL that does not open leaves the folder as it was (no tune.json of a
+    # tune that never ran, an older one not overwritten, the drain mark kept)
+    study = open_study(setup)
+    setup.out.mkdir(parents=True, exist_ok=True)
     clear_drain(setup.out, log)  # left by the drain that stopped the last command: this one continues
     rundir.write_text_atomic(setup.out / "tune.json", json.dumps(_setup_record(setup), indent=1) + "\n")
-    study = open_study(setup)
-    c = _counts(study)
-    log(f"{setup.budget_text()} wanted: {c['done']} finished or pruned ({c['complete']} complete), "
-        f"{c['running']} running, "
-        f"{c['waiting']} queued; storage {display_storage(setup.storage)}; objective validation "
-        f"{setup.space.metric} ({setup.space.direction})")
+    log(_start_line(setup, _counts(study)))
     try:
         if workers <= 1:
             run_worker(setup, threads=None, log=log)
@@ -430,6 +459,28 @@ def run_tune(setup: TuneSetup, *, workers: int = 1, log: Callable[[str], None] |
         log(f"drained ({setup.out / DRAIN}): the running trials finished, no other started; {c['complete']} "
             f"complete, {c['done']} finished or pruned; rerun the same command to continue")
     return write_outputs(setup)
+
+
+def _start_line(setup: TuneSetup, c: dict[str, int]) -> str:
+    """The command's first line: the budget and the study's counts; when the storage already
+    meets the budget, that no trial runs (a rerun with a smaller --trials printed the smaller
+    budget as if it were the study's)."""
+    tail = (f"{c['running']} running, {c['waiting']} queued; storage {display_storage(setup.storage)}; "
+            f"objective validation {setup.space.metric} ({setup.space.direction})")
+    if not setup.reached(c):
+        return f"{setup.budget_text()} wanted: {c['done']} finished or pruned ({c['complete']} complete), {tail}"
+    if setup.count == "completed" and c["complete"] >= setup.trials:
+        held, have = f"{c['complete']} completed trials ({c['done']} finished or pruned)", c["complete"]
+        asked, want = f"the {setup.trials} asked (--trials {setup.trials} --count completed)", setup.trials
+    else:  # finished or pruned trials: the budget, or with --count completed the cap on all trials
+        held, have = f"{c['done']} finished or pruned trials ({c['complete']} complete)", c["done"]
+        if setup.count == "completed":
+            cap = f"--max-trials {setup.cap}" if setup.max_trials is not None else f"3 x --trials {setup.trials}"
+            asked, want = f"the cap of {setup.cap} ({cap})", setup.cap
+        else:
+            asked, want = f"the {setup.trials} asked (--trials {setup.trials})", setup.trials
+    return (f"the storage already holds {held}, {'more than' if have > want else 'as many as'} {asked}: "
+            f"no trial runs, the outputs are rewritten from the storage; {tail}")
 
 
 def _report_progress(study, seen: set[int], log: Callable[[str], None]) -> set[int]:
