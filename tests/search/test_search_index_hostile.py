@@ -308,6 +308,37 @@ def test_a_checkpoint_that_embeds_nan_indexes_nothing_and_names_the_image(shapes
     assert not npz.exists()
 
 
+def test_the_torchrun_branch_refuses_nan_embeddings_as_one_process_does(shapes, tmp_path):
+    """Rank 0 of a torchrun index read its shards back and indexed them without the NaN check of
+    the one-process branch.  A stand-in shard plan embeds every row in this process (the real
+    plan's ``run`` contract: rank 0 gets all rows back, in order)."""
+    import torch
+
+    from deepmetric.search.build import embed_dataset_for_index
+
+    class InProcessShards:
+        def run(self, rows, paths, embed, *, progress=False):
+            return embed(list(rows))
+
+        def summary(self):
+            return {}
+
+    state = torch.load(shapes["checkpoint"], weights_only=True)
+    name = next(k for k, v in state["model"].items() if v.is_floating_point() and v.ndim > 1)
+    few = make_shapes_folder(tmp_path / "few", classes=["red_disc"], per_class=2)
+    good = embed_dataset_for_index(shapes["checkpoint"], data="folder", root=str(few), split="all",
+                                   device="cpu", progress=False, shards=InProcessShards())
+    assert good["embeddings"].shape[0] == 2 and np.isfinite(good["embeddings"]).all()
+    state["model"][name].view(-1)[0] = float("nan")
+    bad = tmp_path / "diverged.pt"
+    torch.save(state, bad)
+    first = (few / "red_disc" / "red_disc_00.png").resolve()
+    with pytest.raises(ValueError, match=rf"embeds 2 of 2 image\(s\) as NaN / inf, the first {first}; nothing was "
+                                         r"indexed"):
+        embed_dataset_for_index(bad, data="folder", root=str(few), split="all", device="cpu", progress=False,
+                                shards=InProcessShards())
+
+
 def test_a_query_that_embeds_as_nan_is_refused(shapes, monkeypatch):
     index = Index.load(shapes["index_dir"])
     good = index.embeddings[:2].copy()

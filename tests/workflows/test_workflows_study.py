@@ -405,6 +405,19 @@ def test_a_drain_finishes_the_running_run_and_the_next_command_continues(tmp_pat
     assert result["finished"] == ["a16/seed1"] and not (study.out_dir / DRAIN).exists()
 
 
+def test_a_storage_that_does_not_open_keeps_the_drain_mark(tmp_path):
+    """The drain mark was removed before the storage opened: a --storage that does not open
+    lost it (and the next good command would not know it had been drained)."""
+    from deepmetric.workflows.study import DRAIN
+
+    study = load_study(_study(tmp_path, seeds=[0], variants={"a16": []}, compare=[]))
+    study.out_dir.mkdir(parents=True, exist_ok=True)
+    (study.out_dir / DRAIN).touch()
+    with pytest.raises(ValueError, match=r"--storage sqlite:///.* cannot be opened"):
+        run_study(study, storage=f"sqlite:///{tmp_path}", log=lambda msg: None)  # a folder, not a database
+    assert (study.out_dir / DRAIN).exists() and not study.runs[0].finished
+
+
 # --------------------------------------------------------------------------- the metrics columns
 def test_a_misspelt_metrics_column_is_refused_when_the_study_loads(tmp_path, capsys):
     """A typo in ``metrics`` ran the whole study, showed an empty '-' column and exited 0; now

@@ -169,7 +169,7 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
         ds = _ImageFiles(paths, np.asarray(ds.labels, dtype=np.int64), preprocessing)
     if shards is not None:
         return _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, preprocessing, split, n,
-                             batch_size=batch_size, num_workers=num_workers, progress=progress, output=output)
+                             checkpoint=checkpoint, batch_size=batch_size, num_workers=num_workers, progress=progress, output=output)
     emb, labels = _embed_in_chunks(model, ds, keep, labels, dev, batch_size=batch_size, num_workers=num_workers,
                                    progress=progress)
     check_finite_embeddings(emb, checkpoint,
@@ -180,9 +180,9 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
 
 
 def _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, preprocessing, split, n, *,
-                  batch_size, num_workers, progress, output) -> dict | None:
+                  checkpoint, batch_size, num_workers, progress, output) -> dict | None:
     """The torchrun branch of :func:`embed_dataset_for_index` (see its ``shards``)."""
-    from deepmetric.run.embed import compute_embeddings
+    from deepmetric.run.embed import check_finite_embeddings, compute_embeddings
 
     if paths is None:
         raise ValueError(f"embedding over torchrun needs a dataset of image files (folder, csv), not "
@@ -195,6 +195,8 @@ def _embed_shards(shards, model, ds, keep, paths, names, dev, cfg, state, prepro
     emb = shards.run(keep, [paths[i] for i in keep], embed, progress=progress)
     if emb is None:
         return None
+    # as one process does: name the first image a diverged checkpoint embeds as NaN / inf
+    check_finite_embeddings(emb, checkpoint, lambda i: paths[keep[i]], nothing="nothing was indexed", verb="index")
     return {**_index_input(emb, np.asarray(ds.labels, dtype=np.int64)[keep], [paths[i] for i in keep], names, cfg,
                            state, preprocessing, split, n, keep, output),
             "shards": shards.summary()}

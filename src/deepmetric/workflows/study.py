@@ -447,8 +447,8 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
     workers = workers or study.workers
     storage = storage or default_storage(study)
     runs = select_runs(study, only)
+    ostudy = open_trials(study, storage)  # first: a storage that does not open keeps the drain mark
     clear_drain(study.out_dir, log)  # left by the drain that stopped the last command
-    ostudy = open_trials(study, storage)
     sync_finished(study, ostudy.get_trials(deepcopy=False))
     skipped = [r.key for r in runs if r.finished]
     paths = write_results(study, storage=storage)
