@@ -31,8 +31,8 @@ def add_index_parser(sub) -> None:
     p.add_argument("--reduce-dim", type=int, default=None, metavar="D",
                    help="ivfpq: PCA to D dimensions before the PQ codes (re-ranking keeps every dimension)")
     p.add_argument("--add", action="store_true",
-                   help="add the images to the existing index in --out (same checkpoint; already indexed "
-                        "paths are skipped)")
+                   help="add the images (same checkpoint), or the --embeddings vectors, to the existing index in "
+                        "--out; paths already indexed are skipped and counted")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the index in --out (without --add or --overwrite an existing index is "
                         "refused; a folder that is not an index always is; a symbolic link --out: the folder it "
