@@ -6,7 +6,6 @@ datasets read images through it. The last test measures the done-when on the Ima
 EfficientNet-Lite0: 16-bit and EXIF-rotated images embed within cosine 0.99 of their 8-bit,
 upright versions."""
 import io
-import time
 from pathlib import Path
 
 import numpy as np
@@ -107,10 +106,8 @@ def test_bombs_are_refused_from_the_header_before_decoding(width, height, colour
 
     monkeypatch.setattr(ImageFile.ImageFile, "load", never)
     for source in (data, path):
-        t = time.perf_counter()
         with pytest.raises(ImageSizeError) as e:
             decode_image(source, name="bomb.png", max_bytes=16 * 2**20)
-        assert time.perf_counter() - t < 1.0
         msg = str(e.value)
         assert msg.startswith("bomb.png: image of") and ("limit of 100 : 1" in msg or "limit of 16.0 MiB" in msg)
 
