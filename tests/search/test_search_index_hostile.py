@@ -400,3 +400,67 @@ def test_vectors_from_a_file_are_not_added_to_an_index_of_a_checkpoint(shapes, t
 
 def _tree_bytes(d) -> dict:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(Path(d).rglob("*")) if p.is_file()}
+
+
+def _parquet(file, n=6, d=4, **columns):
+    """A parquet file with the export's columns, as another tool writes it (pandas-style plain
+    lists unless ``vector`` is given)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((n, d)).astype(np.float32)
+    table = {"path": pa.array([f"img{i}.png" for i in range(n)]), "label": pa.array([i % 3 for i in range(n)]),
+             "class_name": pa.array([f"c{i % 3}" for i in range(n)]), "vector": pa.array([list(v) for v in vectors])}
+    table.update(columns)
+    pq.write_table(pa.table(table), file)
+    return vectors
+
+
+def test_parquet_from_another_tool_is_read_or_refused_naming_the_column(tmp_path, capsys):
+    """A parquet file not written by 'index export' (the hostile trial): plain list vectors and
+    string labels are read; float labels (truncated before), null labels / paths, a column of
+    strings for vectors and ragged vectors (tracebacks before) are refused naming the file, the
+    column and the row, and nothing is written."""
+    pa = pytest.importorskip("pyarrow")
+    plain = tmp_path / "plain.parquet"
+    vectors = _parquet(plain, label=pa.array(["dog", "cat", "dog", "ant", "cat", "ant"]))
+    assert cli.main(["index", "--embeddings", str(plain), "--out", str(tmp_path / "ok")]) == 0
+    index = Index.load(tmp_path / "ok")
+    ref = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    assert np.abs(np.asarray(index.embeddings) - ref).max() < 1e-6
+    assert index.class_names == ["ant", "cat", "dog"] and list(index.labels) == [2, 1, 2, 0, 1, 0]
+    cases = {
+        "float_labels": ({"label": pa.array([0.5, 1.0, 0.0, 1.0, 2.0, 2.0])},
+                         "column 'label' holds double; expected integers (class numbers) or strings"),
+        "null_label": ({"label": pa.array([0, 1, None, 1, 2, 2])}, "column 'label' is empty (null) in 1 row(s), "
+                       "the first row 2"),
+        "null_path": ({"path": pa.array(["a", "b", "c", "d", None, None])}, "column 'path' is empty (null) in 2 "
+                      "row(s), the first row 4"),
+        "string_vectors": ({"vector": pa.array(["x"] * 6)}, "column 'vector' holds string; expected a list of "
+                           "numbers per row"),
+        "ragged": ({"vector": pa.array([[1.0, 2.0]] * 3 + [[1.0, 2.0, 3.0]] * 3)}, "column 'vector': row 3 has 3 "
+                   "numbers, row 0 has 2; every vector must have the same length"),
+        "nan": ({"vector": pa.array([[1.0, 2.0]] * 5 + [[float("nan"), 2.0]])}, "column 'vector': 1 row(s) hold "
+                "NaN or infinite values, the first row 5"),
+    }
+    capsys.readouterr()
+    for name, (columns, said) in cases.items():
+        f = tmp_path / f"{name}.parquet"
+        _parquet(f, **columns)
+        assert cli.main(["index", "--embeddings", str(f), "--out", str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert f"--embeddings {f}: {said}" in err and err.count("\n") == 1, (name, err)
+        assert not (tmp_path / name).exists()
+
+
+def test_npz_vectors_that_are_not_finite_numbers_are_refused_naming_the_file(tmp_path, capsys):
+    x = np.ones((5, 3), np.float32)
+    x[3, 1] = np.inf
+    cases = {"inf": (x, "array 'embeddings': 1 row(s) hold NaN or infinite values, the first row 3"),
+             "text": (np.array([["a", "b"]]), "array 'embeddings' holds <U1; expected numbers (float32)")}
+    for name, (emb, said) in cases.items():
+        np.savez(tmp_path / f"{name}.npz", embeddings=emb)
+        assert cli.main(["index", "--embeddings", str(tmp_path / f"{name}.npz"), "--out", str(tmp_path / name)]) == 2
+        assert f"--embeddings {tmp_path / f'{name}.npz'}: {said}" in capsys.readouterr().err
+        assert not (tmp_path / name).exists()

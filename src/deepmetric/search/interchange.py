@@ -70,6 +70,15 @@ def _npz_array(z, key: str, p: Path) -> np.ndarray:
         raise ValueError(f"--embeddings {p}: array '{key}' cannot be read ({exc})") from None
 
 
+def _refuse_non_finite(emb: np.ndarray, what: str) -> None:
+    """ValueError naming ``what`` (the file and its array or column) and the first row of
+    ``emb`` that holds NaN or infinite values."""
+    finite = np.isfinite(emb).all(axis=1)
+    if not finite.all():
+        row = int(np.flatnonzero(~finite)[0])
+        raise ValueError(f"{what}: {int((~finite).sum())} row(s) hold NaN or infinite values, the first row {row}")
+
+
 def _read_npz(p: Path, z) -> dict:
     """The parts of the open .npz ``z`` (the file ``p``), each checked against the embeddings'
     shape [N, d]: errors name the file, the key, the shape found and the one expected."""
@@ -79,6 +88,9 @@ def _read_npz(p: Path, z) -> dict:
     if emb.ndim != 2:  # a 1-d array was taken for one vector, a 0-d one failed with a traceback
         raise ValueError(f"--embeddings {p}: array 'embeddings' has shape {emb.shape}, expected (N, d): one row "
                          "of d numbers per vector (a single vector v: save v[None, :])")
+    if emb.dtype.kind not in "fiu":
+        raise ValueError(f"--embeddings {p}: array 'embeddings' holds {emb.dtype}; expected numbers (float32)")
+    _refuse_non_finite(emb, f"--embeddings {p}: array 'embeddings'")
     parts = {}
     for key in ("labels", "paths"):
         if key in z.files:
@@ -155,6 +167,12 @@ class NpyRows:
 
 
 def _read_parquet(p: Path) -> dict:
+    """The parts of a parquet file (an ``index export``, or one written elsewhere with the same
+    columns): ``vector`` a list of numbers per row, all of one length (fixed-size or not),
+    ``label`` integers or strings, ``path`` and ``class_name`` strings; errors name the file,
+    the column, what it holds and what was expected."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     table = pq.read_table(p)
@@ -162,15 +180,44 @@ def _read_parquet(p: Path) -> dict:
     if not need <= set(table.schema.names):
         raise KeyError(f"--embeddings {p}: a parquet file needs the columns {sorted(need)} "
                        f"('deepmetric index export --to parquet:FILE'); it has {table.schema.names}")
+    where = f"--embeddings {p}: column"
+    for name in need:
+        nulls = table.column(name).null_count
+        if nulls and name != "class_name":  # a missing class name falls back to the label's number
+            first = int(pc.index(pc.is_null(table.column(name)), True).as_py())
+            raise ValueError(f"{where} '{name}' is empty (null) in {nulls} row(s), the first row {first}")
     vec = table.column("vector").combine_chunks()
-    d = vec.type.list_size
-    emb = np.array(vec.values.to_numpy(zero_copy_only=False)).reshape(-1, d)  # writable, for torch
-    labels = table.column("label").to_numpy()
+    if not (pa.types.is_list(vec.type) or pa.types.is_large_list(vec.type)
+            or pa.types.is_fixed_size_list(vec.type)) or not (pa.types.is_floating(vec.type.value_type)
+                                                              or pa.types.is_integer(vec.type.value_type)):
+        raise ValueError(f"{where} 'vector' holds {vec.type}; expected a list of numbers per row "
+                         "(fixed_size_list<float32>[d], as 'index export' writes)")
+    lengths = pc.list_value_length(vec).to_numpy(zero_copy_only=False) if len(vec) else np.zeros(0, int)
+    if len(lengths) and (lengths != lengths[0]).any():
+        row = int(np.flatnonzero(lengths != lengths[0])[0])
+        raise ValueError(f"{where} 'vector': row {row} has {lengths[row]} numbers, row 0 has {lengths[0]}; "
+                         "every vector must have the same length")
+    d = int(lengths[0]) if len(lengths) else (vec.type.list_size if pa.types.is_fixed_size_list(vec.type) else 0)
+    values = pc.list_flatten(vec).to_numpy(zero_copy_only=False)
+    emb = np.array(values, dtype=np.float32 if values.dtype.kind in "iu" else values.dtype).reshape(-1, d)
+    _refuse_non_finite(emb, f"{where} 'vector'")
+    label_type = table.column("label").type
+    if not (pa.types.is_integer(label_type) or pa.types.is_string(label_type)
+            or pa.types.is_large_string(label_type)):
+        raise ValueError(f"{where} 'label' holds {label_type}; expected integers (class numbers) or strings "
+                         "(class names)")
+    raw = table.column("label").to_numpy(zero_copy_only=False)
+    if raw.dtype.kind == "O":  # strings: their sorted distinct values are the classes, as for an .npz
+        labels, class_names = _labels_and_names(raw.astype(str), None, where=f"{where} 'label'")
+        return {"embeddings": emb, "labels": labels, "paths": table.column("path").to_pylist(),
+                "class_names": class_names}
+    labels = raw.astype(np.int64)
     names = {}
     for lab, name in zip(labels.tolist(), table.column("class_name").to_pylist()):
-        names.setdefault(int(lab), name)
-    class_names = [names.get(i, str(i)) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
-    return {"embeddings": emb, "labels": labels.astype(np.int64), "paths": table.column("path").to_pylist(),
+        if name is not None:
+            names.setdefault(int(lab), str(name))
+    class_names = [names.get(i, str(i)) for i in range(int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0)]
+    return {"embeddings": emb, "labels": labels, "paths": [str(s) for s in table.column("path").to_pylist()],
             "class_names": class_names}
 
 
