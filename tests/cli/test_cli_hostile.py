@@ -188,7 +188,10 @@ def test_an_output_over_an_input_is_refused_before_any_work(shapes, tmp_path, ca
         # an output whose folder cannot be made (below a file) or that is a folder: refused before
         # the work (evaluate printed its whole table, then failed naming only the folder)
         (["evaluate", str(npz), "--out", str(npz / "m.json")], "--out", "cannot be created"),
-        (["evaluate", str(npz), "--out", str(tmp_path)], "--out", "is a folder"),
+        (["evaluate", str(npz), "--out", str(tmp_path)], "--out", f"is a folder; give a file name inside it, such as "
+                                                                   f"{tmp_path / 'metrics.json'}"),
+        (["export", str(ckpt), "--out", str(tmp_path)], "--out", f"such as {tmp_path / 'model.onnx'}"),
+        (["search", str(index), str(query), "--html", str(tmp_path)], "--html", f"such as {tmp_path / 'results.html'}"),
         (["search", str(index), str(query), "--html", str(query / "r.html")], "--html", "cannot be created"),
         (["export", str(ckpt), "--out", str(npz / "m.onnx")], "--out", "cannot be created"),
         (["index", "export", str(index), "--to", f"parquet:{npz / 'a.parquet'}"], "--to", "cannot be created"),

@@ -70,13 +70,13 @@ def refuse_output_over_inputs(flag: str, out, inputs=(), folders=()) -> None:
                              "it (choose a path outside it)")
 
 
-def check_output_file(flag: str, out) -> None:
+def check_output_file(flag: str, out, example: str) -> None:
     """Before any work: the folder of the output file ``out`` exists or is created now, and
-    ``out`` is not a folder; otherwise a ValueError naming ``flag`` (it was an OSError naming
-    only the folder, after the work was done)."""
+    ``out`` is not a folder (the message suggests ``out/example``); otherwise a ValueError
+    naming ``flag`` (it was an OSError naming only the folder, after the work was done)."""
     target = Path(out)
     if target.is_dir():
-        raise ValueError(f"{flag} {out}: is a folder; give a file name inside it")
+        raise ValueError(f"{flag} {out}: is a folder; give a file name inside it, such as {target / example}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -60,7 +60,7 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     steps = parse_steps(getattr(args, "postprocess", None))  # a bad step is refused before any work
     if args.out:
         refuse_output_over_inputs("--out", args.out, inputs=(args.npz, getattr(args, "fit_embeddings", None)))
-        check_output_file("--out", args.out)
+        check_output_file("--out", args.out, "metrics.json")
     data = load_npz(args.npz)
     emb = data["embeddings"]
     fit_sets = None

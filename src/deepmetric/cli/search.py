@@ -125,7 +125,7 @@ def _run_index_export(args: argparse.Namespace) -> int:
     if not is_server_url(where):  # a file or a local Qdrant folder, not a server's URL
         refuse_output_over_inputs("--to", where, folders=(args.index_dir,))
         if scheme == "parquet":
-            check_output_file("--to", where)
+            check_output_file("--to", where, "index.parquet")
     index = Index.load(args.index_dir, mmap=True, verify_hashes=True)  # never export a damaged index
     if scheme == "parquet":
         export_parquet(index, where)
@@ -171,7 +171,7 @@ def _run_search(args: argparse.Namespace) -> int:
 
     if args.html:
         refuse_output_over_inputs("--html", args.html, inputs=args.images, folders=(args.index_dir,))
-        check_output_file("--html", args.html)
+        check_output_file("--html", args.html, "results.html")
     device = str(resolve_device(args.device, name="--device"))  # a bad or absent device: one line, first
     index = Index.load(args.index_dir, mmap=True, verify_hashes=True)
     index.model(args.checkpoint, device)
@@ -199,7 +199,7 @@ def _run_export(args: argparse.Namespace) -> int:
     from deepmetric.search.export import export_model
 
     refuse_output_over_inputs("--out", args.out, inputs=(args.checkpoint,))
-    check_output_file("--out", args.out)
+    check_output_file("--out", args.out, "model.onnx" if args.fmt == "onnx" else "model.pt")
     out, side = export_model(args.checkpoint, args.out, args.fmt, normalize=not args.raw, opset=args.opset)
     print(f"wrote {out} and {side}")
     return 0
