@@ -43,6 +43,20 @@ def test_end_to_end_run_writes_config_log_checkpoints_and_learns(tmp_path):
     assert summary["selected"] is None and res.selected is None and not (tmp_path / "best.pt").exists()
     assert summary["final"] == {"test": summary["metrics"]} == res.final
     assert summary["epochs"] == 6 and summary["steps"] == res.iteration
+    # the logged Recall@1 of the last evaluation, recomputed here by brute force from last.pt:
+    # each test point's nearest other point by cosine has its class
+    from deepmetric.run.builders import build_split
+    from deepmetric.run.embed import load_model_from_checkpoint
+
+    model, _, cfg, _ = load_model_from_checkpoint(tmp_path / "last.pt")
+    test = build_split(cfg, "test", train=False)
+    with torch.no_grad():
+        x = torch.stack([test[i][0] for i in range(len(test))])
+        e = torch.nn.functional.normalize(model.eval()(x)["embedding"], dim=1).numpy()
+    sims = e @ e.T
+    np.fill_diagonal(sims, -np.inf)
+    labels = np.asarray([test[i][1] for i in range(len(test))])
+    assert evals[-1]["recall@1"] == pytest.approx(np.mean(labels[sims.argmax(1)] == labels), abs=1e-6)
     assert summary["wall_time_s"] > 0 and summary["train_images_per_s"] > 0
     for name in ("config.yaml", "last.pt"):
         assert (tmp_path / name).is_file()
