@@ -49,23 +49,89 @@ def add_evaluate_parser(sub) -> None:
 PROGRESS_ROWS = 100_000
 
 
+def _check_evaluate_flags(args: argparse.Namespace, steps: list[dict]) -> None:
+    """The flags' values, before any file is read: an error names the flag, not the .npz."""
+    from deepmetric.evaluate import check_metric_names
+
+    for k in args.ks:
+        if k < 1:
+            raise ValueError(f"--k {k}: every K must be a whole number >= 1")
+    try:
+        check_metric_names(args.metrics)
+    except ValueError as exc:
+        raise ValueError(f"--metrics: {exc}") from None
+    for flag, value, low in (("--chunk-size", args.chunk_size, 1), ("--kmeans-restarts", args.kmeans_restarts, 1),
+                             ("--seed", args.seed, 0)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} {value}: expected a whole number >= {low}")
+    fit_train = any(s["name"] == "whiten" and s["fit"] == "train" for s in steps)
+    if getattr(args, "fit_embeddings", None) and not fit_train:  # it would be ignored without a word
+        raise ValueError(f"--fit-embeddings {args.fit_embeddings}: only the step whiten:fit=train reads it; add "
+                         "--postprocess whiten:fit=train (with dim=...), or leave the flag out")
+
+
+def _load_fit_set(path: str, emb):
+    """The whitening fit set of ``--fit-embeddings`` (its labels are not needed), checked here so
+    that an error names that file, not the evaluated one."""
+    from deepmetric.evaluate import check_embeddings
+    from deepmetric.evaluate.io import load_npz
+
+    fit = load_npz(path, require_labels=False)["embeddings"]
+    try:
+        check_embeddings(fit, "'embeddings'")
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    if fit.shape[1] != emb.shape[1]:
+        raise ValueError(f"{path}: 'embeddings' have {fit.shape[1]} columns but the evaluated embeddings have "
+                         f"{emb.shape[1]}; --fit-embeddings must come from the same model")
+    return fit
+
+
+def _new_folders(folder: Path) -> list[Path]:
+    """The folders (deepest first) that creating ``folder`` would make: removed again when the
+    command fails, so that a failed evaluation leaves nothing behind."""
+    out = []
+    while not folder.exists() and folder != folder.parent:
+        out.append(folder)
+        folder = folder.parent
+    return out
+
+
 def _run_evaluate(args: argparse.Namespace) -> int:
+    from deepmetric.evaluate.postprocess import parse_steps
+
+    steps = parse_steps(getattr(args, "postprocess", None))  # a bad step is refused before any work
+    _check_evaluate_flags(args, steps)
+    made = []
+    if args.out:
+        refuse_output_over_inputs("--out", args.out, inputs=(args.npz, getattr(args, "fit_embeddings", None)))
+        made = _new_folders(Path(args.out).absolute().parent)
+        check_output_file("--out", args.out, "metrics.json")
+    try:
+        return _evaluate_file(args, steps)
+    except BaseException:
+        for folder in made:  # only folders this command created, and only while still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _evaluate_file(args: argparse.Namespace, steps: list[dict]) -> int:
+    import warnings
+
     import numpy as np
     import torch
 
     from deepmetric.evaluate.engine import evaluate
     from deepmetric.evaluate.io import evaluate_cli_search_device, format_table, load_npz
-    from deepmetric.evaluate.postprocess import parse_steps
 
-    steps = parse_steps(getattr(args, "postprocess", None))  # a bad step is refused before any work
-    if args.out:
-        refuse_output_over_inputs("--out", args.out, inputs=(args.npz, getattr(args, "fit_embeddings", None)))
-        check_output_file("--out", args.out, "metrics.json")
     data = load_npz(args.npz)
     emb = data["embeddings"]
     fit_sets = None
     if getattr(args, "fit_embeddings", None):
-        fit_sets = {"train": load_npz(args.fit_embeddings)["embeddings"]}
+        fit_sets = {"train": _load_fit_set(args.fit_embeddings, emb)}
     device = evaluate_cli_search_device(args, nbytes=4 * emb.size)
     if device.type != "cpu":  # float32 before the copy: half the bytes of a float64 file
         emb = torch.from_numpy(np.ascontiguousarray(emb, dtype=np.float32)).to(device)
@@ -76,14 +142,20 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         print(f"evaluating {len(emb):,} embeddings of {args.npz} on {device} (a k-NN bar follows; the "
               "clustering metrics, NMI and F1, come after it)", file=sys.stderr, flush=True)
     try:
-        res = evaluate(emb, data["labels"], is_query=data["is_query"],
-                       is_gallery=data["is_gallery"], ks=args.ks, metrics=args.metrics,
-                       seed=args.seed, chunk_size=args.chunk_size, backend=args.backend,
-                       memory_mb=args.memory_mb, nmi_average=args.nmi_average,
-                       kmeans_restarts=args.kmeans_restarts, progress=progress, postprocess=steps,
-                       fit_sets=fit_sets)
+        # the library's warnings (queries without a positive) as one line each, not Python's
+        # two-line "file:line: UserWarning" with a source line
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            res = evaluate(emb, data["labels"], is_query=data["is_query"],
+                           is_gallery=data["is_gallery"], ks=args.ks, metrics=args.metrics,
+                           seed=args.seed, chunk_size=args.chunk_size, backend=args.backend,
+                           memory_mb=args.memory_mb, nmi_average=args.nmi_average,
+                           kmeans_restarts=args.kmeans_restarts, progress=progress, postprocess=steps,
+                           fit_sets=fit_sets)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{args.npz}: {exc}") from None
+    for w in caught:
+        print(f"deepmetric evaluate: note: {args.npz}: {w.message}", file=sys.stderr)
     print(format_table(res))
     if args.out:
         from deepmetric.run.rundir import write_text_atomic
@@ -93,7 +165,6 @@ def _run_evaluate(args: argparse.Namespace) -> int:
                                            for k, v in res.items()}, indent=2) + "\n")
         print(f"wrote {out}")
     return 0
-
 
 
 def add_report_parser(sub) -> None:
@@ -126,13 +197,23 @@ def add_report_parser(sub) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    import warnings
+
     from deepmetric.report import make_report
 
-    path = make_report(args.run_dir, args.embeddings, out_dir=args.out, max_pairs=args.max_pairs,
-                       seed=args.seed, checkpoint=False if args.no_embed else args.checkpoint,
-                       split=args.split, device=args.device, batch_size=args.batch_size,
-                       embed_train=False if args.skip_train else None, images=not args.no_images,
-                       n_queries=args.queries, top_k=args.top_k, search_device=args.search_device)
+    # the report's warnings (a truncated last log line, queries without a positive, a checkpoint
+    # that could not embed) as one line each, not Python's "file:line: UserWarning" and source line
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        try:
+            path = make_report(args.run_dir, args.embeddings, out_dir=args.out, max_pairs=args.max_pairs,
+                               seed=args.seed, checkpoint=False if args.no_embed else args.checkpoint,
+                               split=args.split, device=args.device, batch_size=args.batch_size,
+                               embed_train=False if args.skip_train else None, images=not args.no_images,
+                               n_queries=args.queries, top_k=args.top_k, search_device=args.search_device)
+        finally:
+            for w in caught:
+                print(f"deepmetric report: note: {w.message}", file=sys.stderr)
     print(f"report written to {path.with_name('report.html')} (and {path.name}, figures in {path.parent})")
     from deepmetric.train.tracking import log_report, read_tracking
 

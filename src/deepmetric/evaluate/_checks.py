@@ -37,18 +37,29 @@ def check_embeddings(embeddings, name: str = "embeddings"):
         raise ValueError(f"{name} must be 2-D (N x d), got shape {tuple(x.shape)}")
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{name} is empty (shape {tuple(x.shape)}): nothing to evaluate")
-    x = x.to(torch.float32)
+    # float64 stays float64 until the checks are done: a finite float64 value above float32's
+    # range (1e200) must not be reported as infinite, nor a tiny one (1e-300) as zero
+    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     finite = torch.isfinite(x).all(dim=1)
     if not bool(finite.all()):
         bad = torch.nonzero(~finite).flatten()
         raise ValueError(f"{name} contain NaN or infinite values in {bad.numel()} row(s), "
                          f"first at row {int(bad[0])}")
-    norms = torch.linalg.vector_norm(x, dim=1)
-    zero = norms == 0
+    peak = x.abs().amax(dim=1)
+    zero = peak == 0
     if bool(zero.any()):
         bad = torch.nonzero(zero).flatten()
         raise ValueError(f"{name} contain {bad.numel()} all-zero row(s) (first at row "
                          f"{int(bad[0])}); they cannot be l2-normalised")
+    # The squares of a float32 norm overflow above about 1e19 and underflow below 1e-19: such a
+    # row (a float32 row of 1e30s) would get an infinite or zero norm and come out all zero.
+    # Those rows alone are first divided by their largest |value| (the direction is unchanged);
+    # every other row is normalised exactly as before (same float32 rounding).
+    extreme = (peak > 1e18) | (peak < 1e-18)
+    if bool(extreme.any()):
+        x = torch.where(extreme[:, None], x / peak[:, None], x)
+    x = x.to(torch.float32)
+    norms = torch.linalg.vector_norm(x, dim=1)
     x = x / norms[:, None]
     if x.device.type == "cpu":
         return np.ascontiguousarray(x.numpy())

@@ -17,8 +17,8 @@ from typing import Sequence
 import numpy as np
 
 from deepmetric.evaluate._checks import check_embeddings, to_numpy_labels
-from deepmetric.evaluate.engine import evaluate
-from deepmetric.evaluate.metrics import CLUSTERING_METRICS
+from deepmetric.evaluate.engine import _check_ks, evaluate
+from deepmetric.evaluate.metrics import CLUSTERING_METRICS, check_metric_names
 
 __all__ = ["evaluate_cross_domain"]
 
@@ -41,9 +41,15 @@ def evaluate_cross_domain(embeddings, labels, domains, *, domain_names: Sequence
         ..., "mean": {metric: average over the domains}}``.
     """
     metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+    fixed = sorted({"is_query", "is_gallery"} & set(evaluate_kw))
+    if fixed:
+        raise ValueError(f"evaluate_cross_domain: {', '.join(fixed)} cannot be given; each domain's queries "
+                         "and gallery come from domains")
     if any(m in CLUSTERING_METRICS for m in metrics):
         raise ValueError("evaluate_cross_domain: nmi/f1 are clustering metrics of one set, not "
                          "query-vs-gallery metrics; use evaluate() for them")
+    check_metric_names(metrics)  # the selection's errors before any domain's (which would name the domain)
+    _check_ks(ks)
     x = check_embeddings(embeddings)
     n = x.shape[0]
     y = to_numpy_labels(labels, n=n)
@@ -57,13 +63,24 @@ def evaluate_cross_domain(embeddings, labels, domains, *, domain_names: Sequence
         domain_names = list(domain_names)
         if present.min() < 0 or present.max() >= len(domain_names):
             raise ValueError(f"domain ids {present.tolist()} do not index domain_names ({len(domain_names)} names)")
+        # the result is keyed by name: a repeated name, or one called "mean", would silently replace
+        # another domain's metrics (and change the mean)
+        used = [str(domain_names[d]) for d in present]
+        clash = sorted({n for n in used if used.count(n) > 1 or n == "mean"})
+        if clash:
+            raise ValueError(f"domain_names: {', '.join(map(repr, clash))} would name two entries of the result "
+                             f"(each domain needs its own name, and 'mean' is the average's)")
     out: dict[str, dict[str, float]] = {}
     for d in present:
         name = domain_names[d] if domain_names is not None else str(int(d))
         q = dom == d
         with warnings.catch_warnings():  # queries without positive are reported in the result
             warnings.simplefilter("ignore", UserWarning)
-            res = evaluate(x, y, is_query=q, is_gallery=~q, ks=ks, metrics=metrics, **evaluate_kw)
+            try:
+                res = evaluate(x, y, is_query=q, is_gallery=~q, ks=ks, metrics=metrics, **evaluate_kw)
+            except ValueError as exc:  # e.g. no query of this domain has its class in another one
+                raise ValueError(f"domain {name!r} (its {int(q.sum())} queries against the other domains): "
+                                 f"{exc}") from None
         res["queries"] = int(q.sum())
         res.setdefault("queries_without_positive", 0)
         out[name] = res

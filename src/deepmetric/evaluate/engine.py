@@ -145,7 +145,8 @@ def _retrieval(qx, gx, q_labels, g_labels, self_pos, metrics, ks, backend, post,
     k_recall = max(ks) if (approximate or max(ks) <= RECALL_LIST_CAP) else RECALL_LIST_CAP
     k = max(k_recall if want_rank else 1, int(r.max()) if want_map else 1, max(ks) if want_map_k else 1,
             post.list_length, 1)
-    acc = RetrievalAccumulator(ks, want_map=want_map, want_rank=want_rank, want_map_k=want_map_k)
+    acc = RetrievalAccumulator(ks, want_map=want_map, want_rank=want_rank, want_map_k=want_map_k,
+                               gallery_size=len(g_labels))
     exact_rank = any(METRICS.info(m)["exact_rank"] for m in metrics if m in RETRIEVAL_METRICS)
     need_rank_fn = want_rank and (exact_rank or max(ks) > k)
     bar = None

@@ -61,10 +61,11 @@ def describe_file(path: Path) -> str | None:
     return f"a text file (it starts with {first!r})"
 
 
-def load_npz(path) -> dict[str, np.ndarray | None]:
+def load_npz(path, *, require_labels: bool = True) -> dict[str, np.ndarray | None]:
     """Load ``embeddings`` (N x d float), ``labels`` (N int) and optional boolean ``is_query`` /
     ``is_gallery`` from an .npz file; every problem is reported with the file and key.  A file
-    that is something else (an .npy array, an image, a checkpoint, text) is named as such."""
+    that is something else (an .npy array, an image, a checkpoint, text) is named as such.
+    ``require_labels=False`` (a whitening fit set: no labels needed) makes ``labels`` optional."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path}: is a folder; expected {_EXPECTED}")
@@ -81,15 +82,19 @@ def load_npz(path) -> dict[str, np.ndarray | None]:
         keys = set(data.files)
         out = {}
         for key in ("embeddings", "labels"):
-            if key not in keys:
+            if key not in keys and (key == "embeddings" or require_labels):
                 raise ValueError(f"{path}: missing array '{key}' (found: {', '.join(sorted(keys)) or 'none'})")
-            out[key] = data[key]
-        for key in ("is_query", "is_gallery"):
-            out[key] = data[key] if key in keys else None
+        for key in ("embeddings", "labels", "is_query", "is_gallery"):
+            try:  # an object array (pickled) or a damaged member fails only here, when it is read
+                out[key] = data[key] if key in keys else None
+            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+                raise ValueError(f"{path}: array '{key}' cannot be read ({exc}); expected {_EXPECTED}") from None
     emb, lab = out["embeddings"], out["labels"]
     if emb.ndim != 2 or not np.issubdtype(emb.dtype, np.floating):
         raise ValueError(f"{path}: 'embeddings' must be a 2-D float array (N x d), "
                          f"got shape {emb.shape} dtype {emb.dtype}")
+    if lab is None:
+        return out
     if lab.ndim != 1 or not np.issubdtype(lab.dtype, np.integer):
         raise ValueError(f"{path}: 'labels' must be a 1-D integer array, got shape {lab.shape} dtype {lab.dtype}")
     if len(lab) != len(emb):

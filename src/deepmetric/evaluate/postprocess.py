@@ -68,8 +68,11 @@ def parse_step(text: str) -> dict:
         if not eq:
             raise ValueError(f"post-processing step {text!r}: {part!r} is not KEY=VALUE")
         key = key.strip()
+        if key in step:  # 'whiten:dim=4,dim=6' would keep the last one silently
+            raise ValueError(f"--postprocess {text!r}: {key} is given twice")
         tp = spec.get(key, (str, None))[0]
-        step[key] = None if val.strip().lower() in ("none", "null") else _value(val.strip(), tp, f"{text!r} {key}")
+        where = f"--postprocess {text!r} ({step['name']}): {key}"
+        step[key] = None if val.strip().lower() in ("none", "null") else _value(val.strip(), tp, where)
     return _check_step(step, f"--postprocess {text!r}")
 
 
@@ -157,9 +160,18 @@ def fit_whitening(x, dim: int | None = None, shrinkage: float = 0.0, *,
     ``memory_mb`` (float64); eigenvalues are floored at ``EIG_FLOOR`` x the largest."""
     xt = _torch(check_embeddings(x, "whitening fit set"))
     n, d = xt.shape
+    given = dim
     dim = d if dim is None else int(dim)
     if not 1 <= dim <= d:
         raise ValueError(f"whiten: dim must be in [1, {d}] (the embedding size), got {dim}")
+    if dim > n - 1:
+        # n centred rows span at most n - 1 directions: the others have eigenvalue 0 and would be
+        # scaled up from rounding noise (recall fell to 0 on a 6-row gallery with dim 8), so such a
+        # whitening is refused rather than returned (postprocess_choice skips these options too)
+        what = f"dim={dim}" if given is not None else f"dim (default: the embedding size, {d})"
+        fix = f"give dim <= {n - 1}, or fit on more embeddings" if n > 1 else "fit on more embeddings"
+        raise ValueError(f"whiten: {what} is more than a fit set of {n} row(s) spans ({n - 1} directions "
+                         f"after centring); {fix}")
     step = max(1, _budget(memory_mb) // (8 * d))
     mean = torch.zeros(d, dtype=torch.float64, device=xt.device)
     for a in range(0, n, step):
@@ -182,8 +194,11 @@ def fit_whitening(x, dim: int | None = None, shrinkage: float = 0.0, *,
         lam, vec = torch.linalg.eigh(cov / n)  # ascending
         lam, vec = lam.flip(0), vec.flip(1)
     lam = lam.clamp_min(0)
+    if not float(lam[0]) > 0:  # every fit row the same vector: no direction to scale by
+        raise ValueError(f"whiten: the {n} rows of the fit set are all the same direction (zero covariance); "
+                         "fit the whitening on embeddings that differ")
     lam = (1 - shrinkage) * lam + shrinkage * lam.sum() / d  # tr(C) / d
-    lam = lam.clamp_min(EIG_FLOOR * float(lam[0]) if float(lam[0]) > 0 else 1e-12)
+    lam = lam.clamp_min(EIG_FLOOR * float(lam[0]))
     proj = vec[:, :dim] / lam[:dim].sqrt()
     return {"mean": mean.float().cpu().numpy(), "projection": proj.float().cpu().numpy()}
 

@@ -31,12 +31,15 @@ class RetrievalAccumulator:
 
     ``ks``: K of Recall@K (and of mAP@K with ``want_map_k``); ``want_rank``: keep the first
     positive's rank (Recall@K, MRR); ``want_map``: MAP@R / R-Precision (the first R neighbours).
+    ``gallery_size``: the number of gallery rows; a K of mAP@K above it is read from a list
+    that already holds the whole gallery.
     """
 
     ks: tuple[int, ...]
     want_map: bool = True
     want_rank: bool | None = None
     want_map_k: bool = False
+    gallery_size: int | None = None
     n_no_positive: int = 0
     parts: dict = field(default_factory=dict)
 
@@ -78,7 +81,9 @@ class RetrievalAccumulator:
         prec = cum / np.arange(1, match.shape[1] + 1)[None, :]
         if self.want_map_k:
             for k in self.ks:
-                if k > match.shape[1]:
+                # a K past the gallery (mAP@100 on 40 images): the list holds every reference,
+                # so the sum up to K is the sum over the whole list
+                if match.shape[1] < min(k, self.gallery_size if self.gallery_size is not None else k):
                     raise RuntimeError("internal error: k-NN list shorter than K of mAP@K")
                 self._keep(f"ap@{k}", (prec[:, :k] * match[:, :k]).sum(axis=1) / r)
         if self.want_map:

@@ -156,7 +156,11 @@ def read_training_log(path: str | Path) -> TrainingLog:
     steps: list[dict] = []
     evals: list[dict] = []
     other: list[dict] = []
-    for rec in read_records(path, strict=True):
+    try:
+        records = read_records(path, strict=True)
+    except UnicodeDecodeError as exc:  # a binary file: name it (the codec's message names no file)
+        raise ValueError(f"{path}: not a text file of JSON lines ({exc.reason} at byte {exc.start})") from None
+    for rec in records:
         kind = rec.get("type")
         if kind is None:
             if any(k.startswith(("recall@", "nmi", "map@r", "f1", "top1")) for k in rec):

@@ -129,11 +129,14 @@ def _embedding_section(report: Report, data, names, *, seed: int) -> None:
     weights and training embeddings, the gradient norm against alpha of its samples (Fig. 1)."""
     x = data["embeddings"]
     y = dg._as_labels(data["labels"], len(x))
-    plots.plot_embedding_2d(x, y, report.out / "embedding_2d.png", seed=seed, normalize=x.shape[1] > 2,
-                            class_names=names)
-    report.figures.append(("embedding (heated-up Fig. 2 style)", "embedding_2d.png"))
-    emb_body = [pg.figure(report.out / "embedding_2d.png", "2-d embedding coloured by class (PCA of the "
-                          "l2-normalised embedding when it has more than 2 dimensions)", "2-d embedding")]
+    if x.shape[1] < 2:  # one number per image: nothing to scatter (it was an error ending the report)
+        emb_body = ['<p class="note">a 1-d embedding: no 2-d picture</p>']
+    else:
+        plots.plot_embedding_2d(x, y, report.out / "embedding_2d.png", seed=seed, normalize=x.shape[1] > 2,
+                                class_names=names)
+        report.figures.append(("embedding (heated-up Fig. 2 style)", "embedding_2d.png"))
+        emb_body = [pg.figure(report.out / "embedding_2d.png", "2-d embedding coloured by class (PCA of the "
+                              "l2-normalised embedding when it has more than 2 dimensions)", "2-d embedding")]
     if "class_weights" in data and "train_embeddings" in data:
         w = data["class_weights"]
         xtr, ytr = data["train_embeddings"], dg._as_labels(data["train_labels"], len(data["train_embeddings"]))

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import diagnostics as dg
 from . import page as pg
 from deepmetric.evaluate.io import describe_file
 from deepmetric.run import rundir
@@ -51,7 +52,7 @@ from .embedding_sections import embedding_sections
 from .run_inputs import check_run_dir, embed_run, find_checkpoint
 from .run_sections import Report, full_config_section, summary_section, training_section
 
-__all__ = ["make_report", "load_embeddings_npz", "CONFIG_NAMES", "LOG_NAME"]
+__all__ = ["make_report", "load_embeddings_npz", "check_embedding_arrays", "CONFIG_NAMES", "LOG_NAME"]
 
 LOG_NAME = rundir.LOG
 CONFIG_NAMES = rundir.CONFIG_NAMES
@@ -72,26 +73,85 @@ def load_embeddings_npz(path: str | Path) -> dict[str, np.ndarray]:
     for key in ("embeddings", "labels"):
         if key not in data:
             raise ValueError(f"{path}: missing array '{key}' (found: {', '.join(sorted(data)) or 'none'})")
-    n = len(data["embeddings"])
+    n = len(data["embeddings"]) if np.ndim(data["embeddings"]) else 0
     for key in ("labels", "is_query", "is_gallery", "logits", "predictions"):
-        if key in data and len(data[key]) != n:
+        if key in data and np.ndim(data[key]) and len(data[key]) != n:
             raise ValueError(f"{path}: '{key}' has {len(data[key])} rows but 'embeddings' has {n}")
     if ("train_embeddings" in data) != ("train_labels" in data):
         raise ValueError(f"{path}: 'train_embeddings' and 'train_labels' must be given together")
+    check_embedding_arrays(data, str(path))
     return data
 
 
+def check_embedding_arrays(data: dict, where: str) -> None:
+    """The arrays the report's sections read (module docstring), checked before anything is
+    written: a problem is one ``ValueError`` naming ``where`` (the .npz, or the checkpoint that
+    embedded them) instead of a traceback, or an error without a file, half-way through the page."""
+    from deepmetric.evaluate import check_embeddings
+
+    try:
+        x = np.asarray(data["embeddings"])
+        check_embeddings(x, "'embeddings'")  # 2-D numbers, finite, no all-zero row
+        n, d = x.shape
+        y = dg._as_labels(data["labels"], n, "'labels'")
+        masks = []
+        for key in ("is_query", "is_gallery"):
+            m = np.ones(n, bool) if data.get(key) is None else np.asarray(data[key])
+            if m.dtype != bool or m.shape != (n,):
+                raise ValueError(f"'{key}' must be a boolean array of shape ({n},), got shape {m.shape} dtype {m.dtype}")
+            if not m.any():
+                raise ValueError(f"'{key}' selects no row")
+            masks.append(m)
+        q, g = masks
+        if len(np.unique(y[q | g])) < 2:
+            raise ValueError("every row has the same label: retrieval and its figures need at least 2 classes")
+        classes, counts = np.unique(y[g], return_counts=True)
+        at = np.clip(np.searchsorted(classes, y[q]), 0, len(classes) - 1)
+        refs = np.where(classes[at] == y[q], counts[at], 0) - g[q]  # same-label references, itself excluded
+        if not (refs > 0).any():
+            raise ValueError("no query has another row of its label to retrieve (each label occurs once, or only "
+                             "among the queries)")
+        if "train_embeddings" in data:
+            xt = np.asarray(data["train_embeddings"])
+            check_embeddings(xt, "'train_embeddings'")
+            if xt.shape[1] != d:
+                raise ValueError(f"'train_embeddings' have {xt.shape[1]} columns but 'embeddings' have {d}")
+            dg._as_labels(data["train_labels"], len(xt), "'train_labels'")
+        w = data.get("class_weights")
+        if w is not None and (np.ndim(w) != 2 or np.shape(w)[1] != d):
+            raise ValueError(f"'class_weights' must be (classes, {d}) like the embeddings, got shape {np.shape(w)}")
+        if data.get("logits") is not None and (np.ndim(data["logits"]) != 2 or len(data["logits"]) != n):
+            raise ValueError(f"'logits' must be ({n}, classes), one row per embedding, got shape "
+                             f"{np.shape(data['logits'])}")
+        if data.get("predictions") is not None:
+            dg._as_labels(data["predictions"], n, "'predictions'")
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def _read_config(run_dir: Path) -> tuple[dict | None, Path | None]:
+    """The run's config as a mapping and its path; a file that is not one (bad YAML, binary, a
+    list) is a one-line ``ValueError`` naming it (it was shown as "no config.yaml", or a
+    multi-line PyYAML message)."""
     import yaml
 
     for name in CONFIG_NAMES:
         p = run_dir / name
         if p.is_file():
             try:
-                raw = yaml.safe_load(p.read_text())
+                raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{p}: not a text file ({exc.reason} at byte {exc.start}); expected the run's "
+                                 "YAML configuration") from None
             except yaml.YAMLError as exc:
-                raise ValueError(f"{p}: invalid YAML ({exc})") from None
-            return (raw if isinstance(raw, dict) else None), p
+                mark = getattr(exc, "problem_mark", None)
+                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+                raise ValueError(f"{p}: invalid YAML ({problem}{at})") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"{p}: expected the run's configuration (a YAML mapping such as 'data: ...'), "
+                                 f"got {'an empty file' if raw is None else type(raw).__name__}")
+            return raw, p
     return None, None
 
 
@@ -121,21 +181,26 @@ def make_report(run_dir: str | Path, embeddings: str | Path | None = None, *,
     command_search_device(device, search_device)  # a bad --device / --search-device fails before any work
     _check_counts({"--queries": n_queries, "--top-k": top_k, "--max-pairs": max_pairs, "--batch-size": batch_size})
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
     if embeddings is None and (run_dir / "embeddings.npz").is_file():
         embeddings = run_dir / "embeddings.npz"
 
+    # every input is read and checked before the report folder is made: an unreadable config,
+    # metrics.json or log, or bad embeddings, is an error that leaves nothing written
     cfg_raw, cfg_path = _read_config(run_dir)
+    summary = rundir.read_metrics(run_dir)
+    log_path = run_dir / LOG_NAME
+    log = dg.read_training_log(log_path) if log_path.is_file() else None
+    data, source, cfg_from_ckpt, why_none = _embeddings(run_dir, embeddings, checkpoint, split=split, device=device,
+                                                        batch_size=batch_size, embed_train=embed_train)
+    out.mkdir(parents=True, exist_ok=True)
     report = Report(out, pg.HtmlPage(f"Run report: {run_dir.name}",
                                      str(cfg_raw.get("description") or "") if cfg_raw else ""),
                     md=[f"# Run report: `{run_dir.name}`", ""])
     cfg_obj, cfg_note = _config_object(cfg_raw)
     eval_cfg = (cfg_raw or {}).get("eval")
     eval_split = str(eval_cfg.get("split", "test")) if isinstance(eval_cfg, dict) else "test"
-    baselines = summary_section(report, cfg_raw, cfg_path, rundir.read_metrics(run_dir), eval_split)
-    baselines += training_section(report, run_dir / LOG_NAME, run_dir.name, eval_split)
-    data, source, cfg_from_ckpt, why_none = _embeddings(run_dir, embeddings, checkpoint, split=split, device=device,
-                                                        batch_size=batch_size, embed_train=embed_train)
+    baselines = summary_section(report, cfg_raw, cfg_path, summary, eval_split)
+    baselines += training_section(report, log_path, run_dir.name, eval_split, log=log)
     if data is not None:
         where = command_search_device(device, search_device, nbytes=4 * int(np.asarray(data["embeddings"]).size))
         embedding_sections(
@@ -176,6 +241,7 @@ def _embeddings(run_dir: Path, embeddings, checkpoint, *, split, device, batch_s
     try:
         data, cfg_from_ckpt = embed_run(ckpt, split=split, device=device, batch_size=batch_size,
                                         embed_train=embed_train)
+        check_embedding_arrays(data, f"the {split or 'test'} embeddings of {ckpt}")  # e.g. NaN: a diverged run
     except Exception as exc:  # noqa: BLE001 - reported on the page and as a warning
         if explicit or split is not None:  # the user asked for these embeddings (--checkpoint, --split)
             raise

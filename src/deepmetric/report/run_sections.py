@@ -276,14 +276,15 @@ def summary_section(report: Report, cfg_raw: dict | None, cfg_path: Path | None,
     return baselines
 
 
-def training_section(report: Report, log_path: Path, title: str, eval_split: str) -> list[dict]:
-    """Evaluations during training and the training curves, from the log at ``log_path`` (a
-    note when there is none); the baseline rows the log holds."""
-    if not log_path.is_file():
+def training_section(report: Report, log_path: Path, title: str, eval_split: str,
+                     log: dg.TrainingLog | None = None) -> list[dict]:
+    """Evaluations during training and the training curves, from ``log`` (default: read from
+    ``log_path``; a note when there is none); the baseline rows the log holds."""
+    if log is None and not log_path.is_file():
         report.md += ["## Training", "", f"- no `{log_path.name}` in the run directory", ""]
         report.html.add("training", "Training curves", f'<p class="note">no {log_path.name} in the run directory</p>')
         return []
-    log = dg.read_training_log(log_path)
+    log = log if log is not None else dg.read_training_log(log_path)
     plots.plot_training_curves(log, report.out / "training_curves.png", title=title)
     report.figures.append(("training curves", "training_curves.png"))
     report.md += _log_section(log)
