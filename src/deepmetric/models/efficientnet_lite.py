@@ -36,6 +36,8 @@ from torch import nn
 
 from deepmetric.errors import MissingPackageError
 
+from .options import float_option
+
 __all__ = [
     "EFFICIENTNET_LITE_NAMES",
     "PRETRAINED_CFGS",
@@ -262,9 +264,8 @@ class EfficientNetLiteBackbone(nn.Module):
                 f"{name}: freeze_stages must be an int in [0, {self.NUM_STAGES}] (stem, 7 block stages, "
                 f"head), got {freeze_stages!r}"
             )
-        if not 0.0 <= float(drop_path_rate) < 1.0:
-            raise ValueError(f"{name}: drop_path_rate must be in [0, 1), got {drop_path_rate!r}")
-        model = _timm_model(name, in_chans=in_chans, drop_path_rate=float(drop_path_rate))
+        drop_path_rate = float_option(f"{name}: drop_path_rate", drop_path_rate, 0.0, 1.0)
+        model = _timm_model(name, in_chans=in_chans, drop_path_rate=drop_path_rate)
         self.conv_stem = model.conv_stem
         self.bn1 = model.bn1
         self.blocks = model.blocks

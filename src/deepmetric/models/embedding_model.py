@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .heads import HEAD_INITS, EmbeddingHead, ProjectionHead
+from .options import int_option
 
 __all__ = ["EmbeddingModel", "global_pool", "pool_features", "TOKEN_POOLS", "pooling_note", "POOLS", "GEM_P", "FREEZE_BN", "batchnorm_layers", "check_freeze_bn",
            "freeze_batchnorm_parameters", "build_projection"]
@@ -186,6 +187,9 @@ class EmbeddingModel(nn.Module):
         self.num_prefix_tokens = int(getattr(backbone, "num_prefix_tokens", 0) or 0)
         if pool == "cls" and self.num_prefix_tokens < 1:
             raise ValueError("pool 'cls': this token backbone has no class token; use avg, max or gem")
+        # checked, not int()-converted: 2.5, True or "8" would silently become 2, 1 or 8
+        embedding_dim = int_option("embedding_dim", embedding_dim, minimum=0,
+                                   expected="a positive int (or 0: no linear layer)")
         if head_init is not None and head_init not in HEAD_INITS:
             raise ValueError(f"head_init must be None or one of {HEAD_INITS}, got {head_init!r}")
         if head_init is not None and embedding_dim == 0:
@@ -195,7 +199,7 @@ class EmbeddingModel(nn.Module):
         self.backbone = backbone
         self.pool = pool
         self.num_features = int(backbone.num_features)
-        self.head = EmbeddingHead(self.num_features, int(embedding_dim), norm=norm, dropout=dropout, **head_options)
+        self.head = EmbeddingHead(self.num_features, embedding_dim, norm=norm, dropout=dropout, **head_options)
         self.embedding_dim = self.head.embedding_dim  # embedding_dim 0: the pooled features' size
         self.classifier = nn.Linear(self.embedding_dim, num_classes) if num_classes is not None else None
         self.num_classes = num_classes

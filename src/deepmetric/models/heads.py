@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .options import bool_option, float_option
+
 __all__ = ["NORMS", "HEAD_INITS", "ShiftOnlyBatchNorm1d", "EmbeddingHead", "ProjectionHead", "check_norm",
            "pca_directions"]
 
@@ -58,10 +60,9 @@ class ShiftOnlyBatchNorm1d(nn.BatchNorm1d):
     """
 
     def __init__(self, num_features: int, eps: float = BN_EPS, momentum: float = BN_MOMENTUM):
-        if not 0.0 < momentum <= 1.0:
-            raise ValueError(f"bn momentum must be in (0, 1] (PyTorch convention, = 1 - TF decay), got {momentum}")
-        if eps <= 0:
-            raise ValueError(f"bn eps must be > 0, got {eps}")
+        # bn_momentum: PyTorch's convention, = 1 - TensorFlow's decay
+        momentum = float_option("bn_momentum", momentum, 0.0, 1.0, low_open=True, high_open=False)
+        eps = float_option("bn_eps", eps, 0.0, math.inf, low_open=True)
         # affine=False: no weight at all (rather than a frozen weight) so that no optimiser,
         # weight decay or checkpoint can ever touch a scale.
         super().__init__(num_features, eps=eps, momentum=momentum, affine=False)
@@ -158,8 +159,9 @@ class EmbeddingHead(nn.Module):
             raise ValueError(f"embedding_dim must be a positive int (or 0: no linear layer), got {embedding_dim!r}")
         if not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features must be a positive int, got {in_features!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        dropout = float_option("dropout", dropout, 0.0, 1.0)
+        bias = bool_option("bias", bias)
+        bn_divide_sqrt_k = bool_option("bn_divide_sqrt_k", bn_divide_sqrt_k)
         if init not in ("default", "xavier"):
             raise ValueError(f"init must be 'default' or 'xavier', got {init!r}")
         self.norm = check_norm(norm)

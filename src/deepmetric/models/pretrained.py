@@ -17,8 +17,10 @@ and the offending keys.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -28,6 +30,9 @@ from torch import nn
 __all__ = [
     "LoadReport",
     "read_state_dict",
+    "read_weights_file",
+    "check_not_a_folder",
+    "tensor_mapping",
     "weights_only_reason",
     "clean_state_dict",
     "load_pretrained",
@@ -70,28 +75,55 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     the file holds something other than a mapping of names to tensors.
     """
     path = os.fspath(path)
+    check_not_a_folder(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"pretrained weights file not found: {path!r} (deepmetric never downloads weights; "
             "pass the path of a local .pth/.pt state dict or .safetensors file)"
         )
+    return tensor_mapping(path, read_weights_file(path), _WRAPPER_KEYS)
+
+
+def check_not_a_folder(path: str) -> None:
+    """A folder given as the weights file (a hub download's folder, a run directory) is said to
+    be one, not reported as a file that is not found."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"pretrained weights {path!r} is a folder; pass the weights file inside it "
+                                "(.safetensors, .pth, .bin)")
+
+
+def read_weights_file(path: str) -> object:
+    """What the existing file ``path`` holds: ``safetensors``' tensors, or ``torch.load`` with
+    ``weights_only=True`` (nothing pickled runs).  ``ValueError`` in one line naming the file
+    when it cannot be read (empty, text, truncated, pickled code)."""
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
         try:
-            obj = load_file(path, device="cpu")
+            return load_file(path, device="cpu")
         except Exception as exc:  # safetensors raises its own error types
-            raise ValueError(f"could not read safetensors file {path!r}: {exc}") from exc
-    else:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise ValueError(
-                f"could not read {path!r} with torch.load(weights_only=True): {weights_only_reason(exc)}. "
-                "Save plain state dicts (model.state_dict()) or use .safetensors."
-            ) from None
+            raise ValueError(f"could not read safetensors file {path!r}: {unreadable_reason(path, exc)}") from None
+    try:
+        # argparse.Namespace: timm's training checkpoints keep their arguments in one (timm
+        # allows it too); a plain attribute holder, no more able to run code than a dict
+        with torch.serialization.safe_globals([argparse.Namespace]), warnings.catch_warnings():
+            # a plain pickle (not torch.save) draws a warning about its protocol before the
+            # refusal below: a second line above the one error line
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(
+            f"could not read {path!r} with torch.load(weights_only=True): {unreadable_reason(path, exc)}. "
+            "Save plain state dicts (model.state_dict()) or use .safetensors."
+        ) from None
+
+
+def tensor_mapping(path: str, obj: object, wrapper_keys: Iterable[str] = _WRAPPER_KEYS) -> dict[str, torch.Tensor]:
+    """``obj`` (read from ``path``) as a state dict: unwrapped from the first of
+    ``wrapper_keys`` that holds a mapping, every value a tensor, else ``ValueError`` naming the
+    file and the entries that are not tensors."""
     if isinstance(obj, Mapping):
-        for key in _WRAPPER_KEYS:
+        for key in wrapper_keys:
             inner = obj.get(key)
             if isinstance(inner, Mapping):
                 obj = inner
@@ -104,6 +136,28 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"{path!r} is not a plain state dict: entries {_fmt_keys([str(b) for b in bad])} are not tensors"
         )
     return dict(obj)
+
+
+def unreadable_reason(path: str, exc: Exception) -> str:
+    """Why the weights file ``path`` could not be read, in one line: empty, a text file (a
+    config or a note saved under a weights name; torch.load would say ``KeyError: 101``), or
+    the reader's own reason (:func:`weights_only_reason`)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        head = None
+    if head == b"":
+        return "the file is empty (0 bytes)"
+    if head and b"\x00" not in head:
+        try:
+            text = head.decode("utf-8")
+        except UnicodeDecodeError as err:  # the 512 bytes may end inside a character
+            text = head[:err.start].decode("utf-8") if err.start >= len(head) - 3 else None
+        if text is not None and text.strip():
+            first = text.strip().splitlines()[0][:40]
+            return f"it is a text file (it starts with {first!r}), not a weights file"
+    return weights_only_reason(exc)
 
 
 def clean_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -15,6 +15,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .options import int_option
+
 __all__ = ["LeNet", "GlyphResNet", "BasicBlock"]
 
 
@@ -30,6 +32,7 @@ class LeNet(nn.Module):
 
     def __init__(self, in_chans: int = 1, hidden: int = 500, conv_channels: Sequence[int] = (20, 50)):
         super().__init__()
+        hidden = int_option("lenet: hidden", hidden)
         c1, c2 = conv_channels
         self.conv1 = nn.Conv2d(in_chans, c1, 5)
         self.pool1 = nn.MaxPool2d(2, 2)
@@ -87,6 +90,10 @@ class GlyphResNet(nn.Module):
         super().__init__()
         if len(widths) != len(depths) or not widths:
             raise ValueError(f"widths {tuple(widths)} and depths {tuple(depths)} must be non-empty and of equal length")
+        # a depth of 0 would still build one block (the stage's first), a negative width a
+        # tensor torch refuses: every entry is a positive int
+        widths = [int_option("glyph_resnet: widths entry", w) for w in widths]
+        depths = [int_option("glyph_resnet: depths entry", d) for d in depths]
         self.stem = nn.Sequential(
             nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False),
             nn.BatchNorm2d(widths[0]),

@@ -14,8 +14,8 @@ for their gradients; they stay in the state dict, so timm's files load as they a
 
 Weights (``pretrained``):
 
-* a local file (``.safetensors``, ``.pth``, ``.bin``) with timm's key names, read with timm's
-  ``load_state_dict`` (safetensors, or ``torch.load(weights_only=True)``), passed through the
+* a local file (``.safetensors``, ``.pth``, ``.bin``) with timm's key names, read as timm's
+  ``load_state_dict`` reads it (safetensors, or ``torch.load(weights_only=True)``), passed through the
   model module's ``checkpoint_filter_fn`` (timm's own conversion: e.g. a ViT's position
   embedding resampled to ``img_size``), the ImageNet classifier dropped, then loaded strictly
   (:func:`~deepmetric.models.load_pretrained`: missing / unexpected keys name the file);
@@ -41,10 +41,13 @@ from torch import nn
 
 from deepmetric.registry import did_you_mean
 
-from .pretrained import LoadReport, load_pretrained
+from .options import bool_option, float_option, int_option
+from .pretrained import (LoadReport, check_not_a_folder, clean_state_dict, load_pretrained, read_weights_file,
+                         tensor_mapping)
 
 __all__ = ["TIMM_PREFIX", "HUB", "is_timm_name", "timm_model_name", "TimmBackbone", "create_timm_backbone",
-           "timm_data_config", "TIMM_OPTIONS", "read_timm_file", "load_timm_weights", "takes_img_size"]
+           "timm_data_config", "TIMM_OPTIONS", "read_timm_file", "load_timm_weights", "takes_img_size",
+           "img_size_option"]
 
 TIMM_PREFIX = "timm/"
 HUB = "hub"  # pretrained= value: timm's own loading from the Hugging Face hub / its cache
@@ -62,10 +65,17 @@ def timm_model_name(name: str) -> str:
     import timm
 
     arch = name[len(TIMM_PREFIX):] if is_timm_name(name) else str(name)
-    if not timm.is_model(arch.split(".")[0]):
-        hint = did_you_mean(arch.split(".")[0], timm.list_models(), prefix=TIMM_PREFIX, sentence=True)
+    base, _, tag = arch.partition(".")
+    if not timm.is_model(base):
+        hint = did_you_mean(base, timm.list_models(), prefix=TIMM_PREFIX, sentence=True)
         raise ValueError(f"unknown timm model {arch!r} (model.name {name!r}).{hint} "
                          f"timm.list_models() lists the names")
+    if tag:  # timm itself refuses an unknown tag with a RuntimeError, which the CLI shows as a bug
+        tags = [n.partition(".")[2] for n in timm.list_pretrained(f"{base}.*")]
+        if tag not in tags:
+            hint = did_you_mean(tag, tags, prefix=f"{TIMM_PREFIX}{base}.", sentence=True)
+            raise ValueError(f"timm model {base!r} has no weights tag {tag!r} (model.name {name!r}).{hint} "
+                             f"Its tags: {', '.join(tags) or 'none'} (without a tag timm picks its default).")
     return arch
 
 
@@ -95,15 +105,26 @@ def _timm_kwargs(arch: str, in_chans: int, drop_path_rate: float, img_size, dyna
     ``dynamic_img_size``: any input size, the position embedding resampled at every forward
     pass (ONNX cannot export that resampling; prefer ``img_size``)."""
     kwargs: dict = {"num_classes": 0, "in_chans": int(in_chans), "drop_path_rate": float(drop_path_rate)}
+    dynamic_img_size = bool_option("dynamic_img_size", dynamic_img_size)
+    if img_size is not None:
+        img_size = img_size_option(img_size)
     takes = _init_parameters(arch) if (img_size is not None or dynamic_img_size) else set()
     for key, value in (("img_size", img_size), ("dynamic_img_size", dynamic_img_size or None)):
         if value is None:
             continue
         if key not in takes:
             raise ValueError(f"timm model {arch!r} has no {key} option (it is not built for one input size)")
-        kwargs[key] = value if key == "dynamic_img_size" else (
-            [int(v) for v in value] if isinstance(value, (list, tuple)) else int(value))
+        kwargs[key] = value
     return kwargs
+
+
+def img_size_option(value) -> int | list[int]:
+    """The ``img_size`` option: a positive int or ``[H, W]`` (``int("x")``'s error would not name it)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2:
+            raise ValueError(f"img_size must be a positive int or [H, W], got {value!r}")
+        return [int_option("img_size", v) for v in value]
+    return int_option("img_size", value, expected="a positive int or [H, W]")
 
 
 def _probe(net: nn.Module, input_size) -> tuple[int, set[str]]:
@@ -153,8 +174,8 @@ class TimmBackbone(nn.Module):
         import timm
 
         arch = timm_model_name(name)
-        if not 0.0 <= float(drop_path_rate) < 1.0:
-            raise ValueError(f"{name}: drop_path_rate must be in [0, 1), got {drop_path_rate!r}")
+        drop_path_rate = float_option(f"{name}: drop_path_rate", drop_path_rate, 0.0, 1.0)
+        grad_checkpointing = bool_option("grad_checkpointing", grad_checkpointing)
         kwargs = _timm_kwargs(arch, in_chans, drop_path_rate, img_size, dynamic_img_size)
         if hub:
             self.net = _create_from_hub(arch, kwargs)
@@ -169,7 +190,12 @@ class TimmBackbone(nn.Module):
         size = self.pretrained_cfg["input_size"]
         key = (arch, repr(sorted(kwargs.items())), tuple(size))
         if key not in _PROBED:  # one meta pass per architecture and size in a process
-            _PROBED[key] = _probe(self.net, size)
+            try:
+                _PROBED[key] = _probe(self.net, size)
+            except (RuntimeError, AssertionError) as exc:  # e.g. img_size smaller than a ViT's patch
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                raise ValueError(f"{self.name} cannot take {size[1]}x{size[2]} inputs (model.options.img_size or "
+                                 f"the size of the training images): {reason}") from None
         ndim, unused = _PROBED[key]
         if ndim not in (3, 4):
             raise ValueError(f"{self.name}: forward_features gives a {ndim}-d output; a backbone needs a map "
@@ -215,9 +241,25 @@ class TimmBackbone(nn.Module):
                     m.eval()
         return self
 
+    def fixed_input_size(self) -> tuple[int, int] | None:
+        """(H, W) a ViT built for one input size takes (its patch embedding's ``img_size``), or
+        None when any size goes (CNNs, ``dynamic_img_size``)."""
+        pe = getattr(self.net, "patch_embed", None)
+        size = getattr(pe, "img_size", None)
+        if size is None or not getattr(pe, "strict_img_size", False) or getattr(self.net, "dynamic_img_size", False):
+            return None
+        return int(size[0]), int(size[1])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4:
             raise ValueError(f"backbone {self.name!r} expects images [B, C, H, W], got shape {tuple(x.shape)}")
+        # timm refuses another size with an AssertionError, which the CLI shows as a bug
+        # (embedding a folder of other-sized images with a transform that does not resize)
+        size = self.fixed_input_size()
+        if size is not None and tuple(x.shape[-2:]) != size:
+            raise ValueError(f"backbone {self.name!r} was built for {size[0]}x{size[1]} images (model.options.img_size, "
+                             f"saved with the run), got {x.shape[-2]}x{x.shape[-1]}: resize the images to that size "
+                             f"(data.transform_options), or train with model.options.dynamic_img_size: true")
         out = self.net.forward_features(x)
         if self.nhwc and out.dim() == 4:
             out = out.permute(0, 3, 1, 2)
@@ -268,20 +310,23 @@ def _checkpoint_filter(net: nn.Module):
     return getattr(sys.modules.get(type(net).__module__), "checkpoint_filter_fn", None)
 
 
-def read_timm_file(path) -> dict:
-    """A weights file read with timm's ``load_state_dict`` (safetensors, or ``torch.load`` with
-    ``weights_only=True``; a ``state_dict`` / ``model`` / EMA wrapper unwrapped, ``module.``
-    stripped); errors name the file."""
-    from timm.models import load_state_dict
+#: the keys timm's ``load_state_dict`` unwraps a checkpoint from, in its order (EMA weights first)
+_TIMM_WRAPPER_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
 
+
+def read_timm_file(path) -> dict:
+    """A weights file read as timm's ``load_state_dict`` reads it (safetensors, or ``torch.load``
+    with ``weights_only=True``; the EMA weights of a training checkpoint first, else its
+    ``state_dict`` / ``model``), every value checked to be a tensor: errors name the file in one
+    line (:func:`~deepmetric.models.pretrained.read_weights_file`), never torch's advice to
+    retry with ``weights_only=False`` nor a filter's error about a value that is no tensor."""
     path = os.fspath(path)
+    check_not_a_folder(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pretrained weights file not found: {path!r} (model.options.pretrained: a "
                                 f"local .safetensors / .pth / .bin file with timm's keys, or 'hub')")
-    try:
-        return dict(load_state_dict(path, weights_only=True))
-    except Exception as exc:
-        raise ValueError(f"could not read weights file {path!r}: {type(exc).__name__}: {exc}") from None
+    # module. / _orig_mod. prefixes stripped (timm strips module.) before the caller looks for backbone.*
+    return clean_state_dict(tensor_mapping(path, read_weights_file(path), _TIMM_WRAPPER_KEYS))
 
 
 def load_timm_weights(backbone: TimmBackbone, path, state: dict | None = None) -> LoadReport:

@@ -13,12 +13,15 @@ One forward gives both, so at inference a single pass classifies and embeds.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from .embedding_model import POOLS, batchnorm_layers, check_freeze_bn, freeze_batchnorm_parameters, global_pool
 from .heads import EmbeddingHead
+from .options import bool_option, float_option, int_option
 
 __all__ = ["TwoHeadModel", "feature_map_shape"]
 
@@ -29,11 +32,11 @@ def feature_map_shape(backbone: nn.Module, input_size: int | tuple[int, int], in
     Computed by a dry run on the ``meta`` device: shapes propagate but no arithmetic is done
     and the real parameters / running statistics are untouched.
     """
-    if isinstance(input_size, int):
+    if isinstance(input_size, numbers.Integral) and not isinstance(input_size, bool):
         input_size = (input_size, input_size)
-    h, w = (int(v) for v in input_size)
-    if h < 1 or w < 1:
-        raise ValueError(f"input_size must be positive, got {input_size}")
+    if not isinstance(input_size, (list, tuple)) or len(input_size) != 2:
+        raise ValueError(f"input_size must be a positive int or [H, W], got {input_size!r}")
+    h, w = (int_option("input_size", v) for v in input_size)
     tensors = {n: t.to("meta") for n, t in backbone.named_parameters()}
     tensors.update({n: t.to("meta") for n, t in backbone.named_buffers()})
     # Batch of 2 in eval mode: BN layers would refuse a 1x1 map with batch 1 in training mode.
@@ -113,7 +116,9 @@ class TwoHeadModel(nn.Module):
         self.backbone = backbone
         self.pool = pool
         self.num_classes = num_classes
-        self.embedding_dim = int(embedding_dim)
+        embedding_dim = int_option("embedding_dim", embedding_dim, minimum=0,
+                                   expected="a positive int (or 0: no linear layer)")
+        embedding_head = bool_option("embedding_head", embedding_head)
         self.num_features = int(backbone.num_features)
         if feature_shape is None:
             feature_shape = feature_map_shape(backbone, input_size, in_chans)
@@ -126,6 +131,7 @@ class TwoHeadModel(nn.Module):
         c, h, w = self.feature_shape
         self.input_size = input_size
         # Eq. 8: new classifier on the pooled features (PyTorch's default Linear init).
+        dropout = float_option("dropout", dropout, 0.0, 1.0)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.classifier = nn.Linear(c, num_classes)
         # Eq. 9: FC on flatten(h) -> k, Xavier-uniform weight and zero bias, then l2.
@@ -134,6 +140,8 @@ class TwoHeadModel(nn.Module):
             self.embedding_head = EmbeddingHead(
                 c * h * w, embedding_dim, norm=norm, dropout=dropout, init="xavier", **head_options
             )
+            # the head's size: embedding_dim 0 (no linear layer) embeds the flattened map, C*H*W
+            self.embedding_dim = self.embedding_head.embedding_dim
         else:  # single-head softmax baseline: the pooled features are the embedding
             self.embedding_dim = c
         self.freeze_bn = check_freeze_bn(freeze_bn)

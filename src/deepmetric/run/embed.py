@@ -10,6 +10,7 @@ query/gallery data, ``is_query`` and ``is_gallery``).  Evaluating the embeddings
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from .builders import build_split, build_losses, build_model
-from .checkpoint import load_checkpoint
+from .checkpoint import load_checkpoint, state_dict_mismatch
 from .config_io import config_from_dict
 from .device import autocast_context, resolve_device
 from .shards import torchrun_world
@@ -163,26 +164,56 @@ def load_model_from_checkpoint(path: str | Path, device: str | torch.device = "c
     The checkpoint holds every weight of the model, so the model is built without
     ``model.options.pretrained`` (the file may have moved, the hub may be out of reach) and
     filled from the checkpoint alone.  Returns ``(model, losses, cfg, state)``; the model is in
-    eval mode on ``device``.
+    eval mode on ``device``.  A checkpoint whose config, model or loss terms cannot be rebuilt
+    (a model that no longer exists, weights of another shape, an edited file) is one
+    ``ValueError`` naming the file.
     """
     state = load_checkpoint(path)
-    cfg = config_from_dict(state["config"])
     model_args = state.get("model_args", {})
+    if not isinstance(model_args, dict):  # an edited file; .get() below would be an AttributeError
+        raise ValueError(f"checkpoint {path}: 'model_args' is of type {type(model_args).__name__}, expected a "
+                         "mapping (num_classes, embedding_dim); the file was edited or damaged")
     num_classes = model_args.get("num_classes")
-    model = build_model(cfg, num_classes=num_classes, pretrained=False)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as exc:
-        raise ValueError(f"checkpoint {path}: model weights do not match the config's model "
-                         f"({str(exc)[:300]})") from None
-    losses = build_losses(cfg, num_classes=num_classes, embedding_dim=model_args.get("embedding_dim"),
-                          projection_dim=model.projection_dim)
-    for loss, ls in zip(losses, state.get("loss", [])):
-        loss.load_state_dict(ls)
+    with _rebuilding(path, "its config"):
+        cfg = config_from_dict(state["config"])
+    with _rebuilding(path, f"its model {cfg.model.name!r}"):
+        model = build_model(cfg, num_classes=num_classes, pretrained=False)
+    _load_weights(path, "model", model, state["model"])
+    with _rebuilding(path, "its loss terms"):
+        losses = build_losses(cfg, num_classes=num_classes, embedding_dim=model_args.get("embedding_dim"),
+                              projection_dim=model.projection_dim)
+    for i, (loss, ls) in enumerate(zip(losses, state.get("loss", []))):
+        _load_weights(path, f"loss term {i} ({cfg.loss[i].name})", loss, ls)
     device = torch.device(device)
     model.to(device).eval()
     losses.to(device).eval()
     return model, losses, cfg, state
+
+
+@contextlib.contextmanager
+def _rebuilding(path, what: str):
+    """A config error met while rebuilding ``what`` of checkpoint ``path`` names the checkpoint
+    (the user gave a checkpoint, not a config: 'unknown model' alone would not say which file)."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as exc:
+        reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise ValueError(f"checkpoint {path}: cannot rebuild {what} from the config it holds: {reason}") from None
+
+
+def _load_weights(path, what: str, module: nn.Module, saved) -> None:
+    """``module.load_state_dict(saved)``; a mismatch is one line naming the checkpoint and the
+    first offending tensors (torch's own message spans several lines, and for a loss term it
+    was a RuntimeError, which the CLI shows as a traceback)."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"checkpoint {path}: its saved {what} weights are of type {type(saved).__name__}, "
+                         "expected a mapping (name -> tensor); the file was edited or damaged")
+    try:
+        module.load_state_dict(saved)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        detail = state_dict_mismatch(saved, module) or " ".join(str(exc).split())[:300]
+        raise ValueError(f"checkpoint {path}: its saved {what} weights do not fit the {what} its config "
+                         f"builds: {detail}") from None
 
 
 class ProjectionAsEmbedding(nn.Module):
