@@ -68,6 +68,7 @@ def test_query_gallery_masks_and_metric_subset(tmp_path, npz, capsys):
     ({"embeddings": np.ones((4, 2), np.float32), "labels": np.arange(4), "is_query": np.ones(4)},
      "'is_query' must be a boolean"),
     ({"embeddings": np.full((4, 2), np.nan, np.float32), "labels": np.arange(4)}, "NaN"),
+    ({"embeddings": np.ones((4, 2), bool), "labels": np.arange(4)}, "'embeddings' must be a 2-D float"),
 ])
 def test_bad_npz_clear_error_no_traceback(tmp_path, capsys, arrays, message):
     path = tmp_path / "bad.npz"
@@ -135,3 +136,18 @@ def test_version_flag(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert __version__ in capsys.readouterr().out
+
+
+def test_integer_embeddings_are_evaluated_as_their_float_values(tmp_path):
+    """Quantised (int8) vectors are numbers: the same metrics as their float32 copy (they were
+    refused, while report, index --embeddings and the Python API read them)."""
+    x = np.random.default_rng(0).integers(-100, 100, (40, 8))
+    y = np.arange(40) % 4
+    got = {}
+    for dtype in (np.int8, np.float32):
+        np.savez(tmp_path / "e.npz", embeddings=x.astype(dtype), labels=y)
+        assert main(["evaluate", str(tmp_path / "e.npz"), "--metrics", "recall", "map@r", "--out",
+                     str(tmp_path / f"{np.dtype(dtype).name}.json")]) == 0
+        got[dtype] = json.loads((tmp_path / f"{np.dtype(dtype).name}.json").read_text())
+    assert got[np.int8] == got[np.float32] and got[np.int8] == pytest.approx(
+        evaluate(x.astype(np.float32), y, metrics=["recall", "map@r"]))

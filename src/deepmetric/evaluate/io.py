@@ -90,7 +90,9 @@ def load_npz(path, *, require_labels: bool = True) -> dict[str, np.ndarray | Non
             except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
                 raise ValueError(f"{path}: array '{key}' cannot be read ({exc}); expected {_EXPECTED}") from None
     emb, lab = out["embeddings"], out["labels"]
-    if emb.ndim != 2 or not np.issubdtype(emb.dtype, np.floating):
+    # integers are numbers too (quantised vectors): as `report`, `index --embeddings` and the
+    # Python API read them; bool, complex, strings are not
+    if emb.ndim != 2 or not (np.issubdtype(emb.dtype, np.floating) or np.issubdtype(emb.dtype, np.integer)):
         raise ValueError(f"{path}: 'embeddings' must be a 2-D float array (N x d), "
                          f"got shape {emb.shape} dtype {emb.dtype}")
     if lab is None:
