@@ -352,7 +352,7 @@ def test_cross_domain_matches_brute_force(rng):
         evaluate_cross_domain(x, y, np.zeros(len(y), int))
 
 
-@pytest.mark.filterwarnings("ignore:1 queries have no same-label")  # France has no apple image
+@pytest.mark.filterwarnings("ignore:1 query has no same-label")  # France has no apple image
 def test_cli_counts_pixels_and_errors(tree, capsys):
     from deepmetric.cli import main
 

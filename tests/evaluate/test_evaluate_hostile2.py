@@ -236,12 +236,12 @@ def test_whitening_wider_than_the_gallery_from_the_command_line(tmp_path, capsys
 
 
 def test_warnings_are_one_line_notes(tmp_path, capsys, rng):
-    """'1 queries have no same-label reference' came as Python's 'file.py:79: UserWarning' plus
+    """'1 query has no same-label reference' came as Python's 'file.py:79: UserWarning' plus
     the source line of the call."""
     path = tmp_path / "lonely.npz"
     np.savez(path, embeddings=rng.normal(size=(5, 4)).astype(np.float32), labels=np.array([0, 0, 1, 1, 2]))
     assert main(["evaluate", str(path), "--device", "cpu", "--metrics", "recall"]) == 0
     captured = capsys.readouterr()
-    assert captured.err.strip() == (f"deepmetric evaluate: note: {path}: 1 queries have no same-label reference "
-                                    "in the gallery; they are excluded from the retrieval metrics")
+    assert captured.err.strip() == (f"deepmetric evaluate: note: {path}: 1 query has no same-label reference "
+                                    "in the gallery; it is excluded from the retrieval metrics")
     assert "queries_without_positive  1" in captured.out

@@ -94,7 +94,7 @@ def test_queries_without_positive_are_excluded_and_counted(data):
     x, y = data
     y = y.copy()
     y[0] = 42  # a class of one: in all-vs-all mode it has no other positive
-    with pytest.warns(UserWarning, match="1 queries have no same-label"):
+    with pytest.warns(UserWarning, match="1 query has no same-label"):
         res = evaluate(x, y, metrics=["recall"], ks=(1, 100))
     assert res["queries_without_positive"] == 1
     assert res["recall@100"] == 1.0  # every remaining query finds its positive eventually

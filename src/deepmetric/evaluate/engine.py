@@ -172,8 +172,9 @@ def _retrieval(qx, gx, q_labels, g_labels, self_pos, metrics, ks, backend, post,
         bar.close()
     out = neighbour_metric_values(acc.per_query(), metrics, ks, "_approx" if approximate else "")
     if acc.n_no_positive:
-        warnings.warn(f"{acc.n_no_positive} queries have no same-label reference in the "
-                      "gallery; they are excluded from the retrieval metrics", stacklevel=3)
+        n = acc.n_no_positive
+        warnings.warn(f"{n} {'query has' if n == 1 else 'queries have'} no same-label reference in the gallery; "
+                      f"{'it is' if n == 1 else 'they are'} excluded from the retrieval metrics", stacklevel=3)
         out["queries_without_positive"] = acc.n_no_positive
     return out
 
