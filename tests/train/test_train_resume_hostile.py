@@ -109,3 +109,21 @@ def test_checkpoint_temporaries_carry_the_writer_s_pid(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", spy)
     ck.save_checkpoint({"model": {}, "config": {}}, tmp_path / "last.pt")
     assert seen and seen[0].startswith(f".last.pt.{os.getpid()}.") and seen[0].endswith(".tmp")
+
+
+def test_a_run_that_fails_while_it_is_built_leaves_no_empty_run_directory(tmp_path, capsys):
+    """A bad model option fails after the run directory is made (the names are checked before,
+    the values when the model is built): the directory it made is removed again; one that was
+    already there (empty) is kept, as the user made it."""
+    raw = _raw(tmp_path / "new" / "run")
+    raw["model"]["options"]["embedding_dim"] = 2.5
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["train", str(path)]) == 2
+    assert "embedding_dim must be" in capsys.readouterr().err
+    assert not (tmp_path / "new" / "run").exists()
+    (tmp_path / "mine").mkdir()
+    raw["train"]["out_dir"] = str(tmp_path / "mine")
+    with pytest.raises(ValueError, match="embedding_dim must be"):
+        train(config_from_dict(raw))
+    assert (tmp_path / "mine").is_dir()

@@ -4,7 +4,7 @@ and the schedules, as one :class:`~deepmetric.train.training_run.TrainingRun`.""
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +74,21 @@ def _run_length(tc, batches_per_epoch: int) -> tuple[int, int]:
 
 
 def set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> TrainingRun:
-    """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules."""
+    """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules. A run
+    directory that step 1 created is removed again, while still empty, when a later step
+    fails (a bad model option left an empty train.out_dir behind)."""
+    created = not Path(cfg.train.out_dir).exists()
+    try:
+        return _set_up(cfg, resume=resume, overwrite=overwrite, on_eval=on_eval)
+    except BaseException:
+        out_dir = Path(cfg.train.out_dir)
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            with suppress(OSError):  # another rank may remove it first
+                out_dir.rmdir()
+        raise
+
+
+def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> TrainingRun:
     dist_info, out_dir, resume_ckpt, replaces = _start(cfg, resume=resume, overwrite=overwrite)
     data = _build_data(cfg, dist_info)
     model, losses, teacher, embedding_dim, run_warnings = _build_model_and_losses(cfg, data, dist_info, resume_ckpt)
