@@ -288,3 +288,7 @@ def test_corrupt_resume_checkpoint_is_reported_first_without_unsafe_advice(tmp_p
         assert f"checkpoint {last} is corrupt or unreadable" in err and why in err
         assert "weights_only=False" not in err + out and "weights_only` set to `False" not in err + out
         assert out == ""  # nothing printed before the error: no run summary
+    # an empty file (a save that never completed): said so, not torch's bare "EOFError: "
+    last.write_bytes(b"")
+    assert cli.main(base + ["--resume", str(last)]) == 2
+    assert f"checkpoint {last} is empty (0 bytes)" in capsys.readouterr().err

@@ -142,6 +142,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
         if what is not None and (what.startswith(("a PNG", "a JPEG")) or (what.startswith("a text") and not binary)):
             raise ValueError(f"checkpoint {path} is {what.split(';')[0]}, not a checkpoint (last.pt / best.pt of "
                              "'deepmetric train')") from None
+        if path.stat().st_size == 0:  # torch's reason would be a bare "EOFError: "
+            raise ValueError(f"checkpoint {path} is empty (0 bytes): a save that never completed, or not the "
+                             "checkpoint (last.pt / best.pt of 'deepmetric train')") from None
         raise ValueError(f"checkpoint {path} is corrupt or unreadable ({_load_failure(exc)})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint {path} is not a deepmetric checkpoint (no 'format' marker)")
