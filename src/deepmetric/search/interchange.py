@@ -171,7 +171,6 @@ def _read_parquet(p: Path) -> dict:
     columns): ``vector`` a list of numbers per row, all of one length (fixed-size or not),
     ``label`` integers or strings, ``path`` and ``class_name`` strings; errors name the file,
     the column, what it holds and what was expected."""
-    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -181,44 +180,56 @@ def _read_parquet(p: Path) -> dict:
         raise KeyError(f"--embeddings {p}: a parquet file needs the columns {sorted(need)} "
                        f"('deepmetric index export --to parquet:FILE'); it has {table.schema.names}")
     where = f"--embeddings {p}: column"
-    for name in need:
+    for name in need - {"class_name"}:  # a missing class name falls back to the label's number
         nulls = table.column(name).null_count
-        if nulls and name != "class_name":  # a missing class name falls back to the label's number
+        if nulls:
             first = int(pc.index(pc.is_null(table.column(name)), True).as_py())
             raise ValueError(f"{where} '{name}' is empty (null) in {nulls} row(s), the first row {first}")
-    vec = table.column("vector").combine_chunks()
-    if not (pa.types.is_list(vec.type) or pa.types.is_large_list(vec.type)
-            or pa.types.is_fixed_size_list(vec.type)) or not (pa.types.is_floating(vec.type.value_type)
-                                                              or pa.types.is_integer(vec.type.value_type)):
-        raise ValueError(f"{where} 'vector' holds {vec.type}; expected a list of numbers per row "
+    emb = _parquet_vectors(table.column("vector").combine_chunks(), f"{where} 'vector'")
+    labels, class_names = _parquet_labels(table, f"{where} 'label'")
+    return {"embeddings": emb, "labels": labels, "paths": [str(s) for s in table.column("path").to_pylist()],
+            "class_names": class_names}
+
+
+def _parquet_vectors(vec, where: str) -> np.ndarray:
+    """[N, d] array of the list column ``vec`` (fixed-size or plain lists of numbers, all of one
+    length, finite); integers become float32."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    is_list = pa.types.is_list(vec.type) or pa.types.is_large_list(vec.type) or pa.types.is_fixed_size_list(vec.type)
+    if not is_list or not (pa.types.is_floating(vec.type.value_type) or pa.types.is_integer(vec.type.value_type)):
+        raise ValueError(f"{where} holds {vec.type}; expected a list of numbers per row "
                          "(fixed_size_list<float32>[d], as 'index export' writes)")
     lengths = pc.list_value_length(vec).to_numpy(zero_copy_only=False) if len(vec) else np.zeros(0, int)
     if len(lengths) and (lengths != lengths[0]).any():
         row = int(np.flatnonzero(lengths != lengths[0])[0])
-        raise ValueError(f"{where} 'vector': row {row} has {lengths[row]} numbers, row 0 has {lengths[0]}; "
+        raise ValueError(f"{where}: row {row} has {lengths[row]} numbers, row 0 has {lengths[0]}; "
                          "every vector must have the same length")
     d = int(lengths[0]) if len(lengths) else (vec.type.list_size if pa.types.is_fixed_size_list(vec.type) else 0)
     values = pc.list_flatten(vec).to_numpy(zero_copy_only=False)
     emb = np.array(values, dtype=np.float32 if values.dtype.kind in "iu" else values.dtype).reshape(-1, d)
-    _refuse_non_finite(emb, f"{where} 'vector'")
+    _refuse_non_finite(emb, where)  # np.array above: a writable copy, for torch
+    return emb
+
+
+def _parquet_labels(table, where: str) -> tuple[np.ndarray, list[str]]:
+    """(labels, class names) of the ``label`` column: strings become class numbers (their sorted
+    distinct values, as for an .npz); integers take their names from ``class_name``."""
+    import pyarrow as pa
+
     label_type = table.column("label").type
-    if not (pa.types.is_integer(label_type) or pa.types.is_string(label_type)
-            or pa.types.is_large_string(label_type)):
-        raise ValueError(f"{where} 'label' holds {label_type}; expected integers (class numbers) or strings "
-                         "(class names)")
-    raw = table.column("label").to_numpy(zero_copy_only=False)
-    if raw.dtype.kind == "O":  # strings: their sorted distinct values are the classes, as for an .npz
-        labels, class_names = _labels_and_names(raw.astype(str), None, where=f"{where} 'label'")
-        return {"embeddings": emb, "labels": labels, "paths": table.column("path").to_pylist(),
-                "class_names": class_names}
-    labels = raw.astype(np.int64)
+    if pa.types.is_string(label_type) or pa.types.is_large_string(label_type):
+        return _labels_and_names(table.column("label").to_numpy(zero_copy_only=False).astype(str), None, where=where)
+    if not pa.types.is_integer(label_type):
+        raise ValueError(f"{where} holds {label_type}; expected integers (class numbers) or strings (class names)")
+    labels = table.column("label").to_numpy(zero_copy_only=False).astype(np.int64)
     names = {}
     for lab, name in zip(labels.tolist(), table.column("class_name").to_pylist()):
         if name is not None:
-            names.setdefault(int(lab), str(name))
-    class_names = [names.get(i, str(i)) for i in range(int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0)]
-    return {"embeddings": emb, "labels": labels, "paths": [str(s) for s in table.column("path").to_pylist()],
-            "class_names": class_names}
+            names.setdefault(lab, str(name))
+    top = int(labels.max()) + 1 if len(labels) and labels.max() >= 0 else 0
+    return labels, [names.get(i, str(i)) for i in range(top)]
 
 
 def parse_target(target: str) -> tuple[str, str]:
