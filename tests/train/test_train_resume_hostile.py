@@ -121,7 +121,7 @@ def test_a_run_that_fails_while_it_is_built_leaves_no_empty_run_directory(tmp_pa
     path.write_text(yaml.safe_dump(raw))
     assert cli.main(["train", str(path)]) == 2
     assert "embedding_dim must be" in capsys.readouterr().err
-    assert not (tmp_path / "new" / "run").exists()
+    assert not (tmp_path / "new").exists()  # nor the parent folder it made
     (tmp_path / "mine").mkdir()
     raw["train"]["out_dir"] = str(tmp_path / "mine")
     with pytest.raises(ValueError, match="embedding_dim must be"):

@@ -87,35 +87,19 @@ def _load_fit_set(path: str, emb):
     return fit
 
 
-def _new_folders(folder: Path) -> list[Path]:
-    """The folders (deepest first) that creating ``folder`` would make: removed again when the
-    command fails, so that a failed evaluation leaves nothing behind."""
-    out = []
-    while not folder.exists() and folder != folder.parent:
-        out.append(folder)
-        folder = folder.parent
-    return out
-
-
 def _run_evaluate(args: argparse.Namespace) -> int:
     from deepmetric.evaluate.postprocess import parse_steps
+    from deepmetric.run.rundir import folders_removed_on_failure
 
     steps = parse_steps(getattr(args, "postprocess", None))  # a bad step is refused before any work
     _check_evaluate_flags(args, steps)
-    made = []
     if args.out:
         refuse_output_over_inputs("--out", args.out, inputs=(args.npz, getattr(args, "fit_embeddings", None)))
-        made = _new_folders(Path(args.out).absolute().parent)
-        check_output_file("--out", args.out, "metrics.json")
-    try:
+    # check_output_file makes --out's folder before the work: a failed evaluation removes it again
+    with folders_removed_on_failure(Path(args.out).parent if args.out else None):
+        if args.out:
+            check_output_file("--out", args.out, "metrics.json")
         return _evaluate_file(args, steps)
-    except BaseException:
-        for folder in made:  # only folders this command created, and only while still empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        raise
 
 
 def _evaluate_file(args: argparse.Namespace, steps: list[dict]) -> int:

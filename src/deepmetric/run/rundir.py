@@ -28,6 +28,7 @@ import os
 import shutil
 import time
 import warnings
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -36,7 +37,7 @@ from deepmetric.data.files import file_digest
 __all__ = [
     "CONFIG", "LOG", "LAST", "BEST", "WISE", "METRICS", "TRACKING", "TENSORBOARD", "MLFLOW_DB", "MLFLOW_ARTIFACTS",
     "RUN_FILES", "RUN_DIRS", "CONFIG_NAMES",
-    "RunDirectoryError", "prepare_run_dir", "remove_run_files", "remove_stale_temporaries", "looks_like_run_dir",
+    "RunDirectoryError", "prepare_run_dir", "folders_removed_on_failure", "remove_run_files", "remove_stale_temporaries", "looks_like_run_dir",
     "RunLog", "read_log", "rewrite_log", "truncate_log", "drop_eval_records",
     "final_evaluation_saved", "baselines_from_log", "median_images_per_s",
     "read_metrics", "write_metrics", "write_text_atomic",
@@ -129,6 +130,26 @@ def _same_run(out_dir: Path, resume) -> bool:
     except OSError:
         return False
     return False
+
+
+@contextmanager
+def folders_removed_on_failure(folder: Path | None):
+    """Around a command that makes ``folder`` (with its parents) before its work: when the work
+    fails, each folder that did not exist before is removed again, deepest first, while it is
+    still empty, so that a failed command leaves nothing behind (``None``: nothing to do)."""
+    new = []
+    here = Path(folder).absolute() if folder is not None else None
+    while here is not None and not here.exists() and here != here.parent:
+        new.append(here)
+        here = here.parent
+    try:
+        yield
+    except BaseException:
+        for made in new:
+            if made.is_dir() and not any(made.iterdir()):
+                with suppress(OSError):  # another process (a torchrun rank) may remove it first
+                    made.rmdir()
+        raise
 
 
 def prepare_run_dir(out_dir: Path, *, resume, overwrite: bool) -> bool:

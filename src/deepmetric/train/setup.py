@@ -4,7 +4,7 @@ and the schedules, as one :class:`~deepmetric.train.training_run.TrainingRun`.""
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -77,15 +77,8 @@ def set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> TrainingRun:
     """Steps 1-4: process, run directory, data, model, losses, optimiser and schedules. A run
     directory that step 1 created is removed again, while still empty, when a later step
     fails (a bad model option left an empty train.out_dir behind)."""
-    created = not Path(cfg.train.out_dir).exists()
-    try:
+    with R.folders_removed_on_failure(Path(cfg.train.out_dir)):
         return _set_up(cfg, resume=resume, overwrite=overwrite, on_eval=on_eval)
-    except BaseException:
-        out_dir = Path(cfg.train.out_dir)
-        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
-            with suppress(OSError):  # another rank may remove it first
-                out_dir.rmdir()
-        raise
 
 
 def _set_up(cfg: Config, *, resume, overwrite: bool, on_eval) -> TrainingRun:
