@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .options import int_option
 from .registry import register_model
 
 __all__ = ["SyntheticMLP"]
@@ -33,9 +34,8 @@ class SyntheticMLP(nn.Module):
         super().__init__()
         if normalization not in ("none", "l2"):
             raise ValueError(f"synthetic_mlp: normalization must be 'none' or 'l2', got {normalization!r}")
-        for key, value in (("in_dim", in_dim), ("hidden", hidden), ("embedding_dim", embedding_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"synthetic_mlp: {key} must be a positive int, got {value!r}")
+        in_dim, hidden, embedding_dim = (int_option(f"synthetic_mlp: {key}", value) for key, value in
+                                         (("in_dim", in_dim), ("hidden", hidden), ("embedding_dim", embedding_dim)))
         self.backbone = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, embedding_dim)
         self.normalization = normalization
