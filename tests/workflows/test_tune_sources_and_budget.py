@@ -106,6 +106,18 @@ def test_a_rerun_with_a_smaller_budget_says_the_storage_holds_more_and_runs_noth
                                 "(maximize)"), said[0]
         assert _states(open_study(setup, create=False)) == {"COMPLETE": 2, "PRUNED": 1}  # nothing ran
         assert not (out / "trials").exists() and (out / "trials.csv").is_file()
+        # the rewritten outputs gave the smaller number as the tune's budget and best.yaml's
+        # header said "1 trials" over a table of 3
+        budget = next(x for x in (out / "trials.md").read_text().splitlines() if x.startswith("- budget: "))
+        header = (out / "best.yaml").read_text().splitlines()[0]
+        if kw["trials"] == 1:
+            held = ("2 completed trials (3 finished or pruned)" if kw.get("count") == "completed"
+                    else "3 trials finished or pruned (2 complete)")
+            assert budget.endswith(f"asked by the command that wrote these outputs; the storage holds {held}, "
+                                   "run by an earlier command with a larger budget"), budget
+            assert f", {held}," in header, header
+        else:
+            assert budget == f"- budget: {setup.budget_text()}", budget
     # a budget not yet met: the line as before, and trials run
     said = []
     run_tune(prepare_tune(recipe, sp, out=out, trials=4), log=said.append)

@@ -102,7 +102,27 @@ def _undo_short_run_settings(setup: TuneSetup, raw: dict) -> list[str]:
     return notes
 
 
-def _best_recipe(setup: TuneSetup, best) -> str:
+def _held_text(setup: TuneSetup, rows: list[dict]) -> str:
+    """What the storage holds in the unit the budget counts; a rerun with a smaller ``--trials``
+    (which runs nothing) rewrites the outputs, and they described the smaller number as the
+    tune's budget while the tables held more trials."""
+    complete = sum(r["state"] == "complete" for r in rows)
+    done = complete + sum(r["state"] == "pruned" for r in rows)
+    if setup.count == "completed":
+        return f"{complete} completed trials ({done} finished or pruned)"
+    return f"{done} trials finished or pruned ({complete} complete)"
+
+
+def _budget_text(setup: TuneSetup, rows: list[dict]) -> str:
+    held = sum(r["state"] == "complete" for r in rows) if setup.count == "completed" else \
+        sum(r["state"] in ("complete", "pruned") for r in rows)
+    if held <= setup.trials:
+        return setup.budget_text()
+    return (f"{setup.budget_text()} asked by the command that wrote these outputs; the storage holds "
+            f"{_held_text(setup, rows)}, run by an earlier command with a larger budget")
+
+
+def _best_recipe(setup: TuneSetup, best, rows: list[dict]) -> str:
     """The recipe with the CLI and space overrides and the best values applied (validated),
     except the short-run settings (:data:`SHORT_RUN_KEYS`), which go back to the recipe's."""
     values = {p.name: p.value_of(best.params) for p in setup.space.params}
@@ -113,7 +133,7 @@ def _best_recipe(setup: TuneSetup, best) -> str:
     raw["name"] = f"{raw.get('name') or setup.recipe.stem}_tuned"
     cfg = config_from_dict(copy.deepcopy(raw))  # runnable: validated as `deepmetric train` will
     del cfg
-    head = [f"# {setup.recipe} tuned by `deepmetric tune` ({setup.space_path}, {setup.trials} trials,",
+    head = [f"# {setup.recipe} tuned by `deepmetric tune` ({setup.space_path}, {_held_text(setup, rows)},",
             f"# study {setup.study_name!r}): trial {best.number}, validation {setup.space.metric} = {best.value:.4f}",
             "# (chosen on validation classes; the test split was not used). Values: "
             + ", ".join(f"{k} = {format_value(v)}" for k, v in values.items())]
@@ -172,7 +192,7 @@ def write_outputs(setup: TuneSetup) -> dict[str, Path]:
     paths: dict[str, Path] = {"csv": write_trials_csv(rows, out / "trials.csv")}
     best = _best_trial(setup, study)
     if best is not None:
-        rundir.write_text_atomic(out / "best.yaml", _best_recipe(setup, best))
+        rundir.write_text_atomic(out / "best.yaml", _best_recipe(setup, best, rows))
         paths["best"] = out / "best.yaml"
         values = {p.name: p.value_of(best.params) for p in setup.space.params}
         record = {"trial": best.number, "value": best.value, "metric": setup.space.metric,
@@ -198,7 +218,7 @@ def _summary_pairs(setup: TuneSetup, rows: list[dict], best) -> list[tuple[str, 
         states[r["state"]] = states.get(r["state"], 0) + 1
     pairs = [("recipe", str(setup.recipe)), ("space", str(setup.space_path)),
              ("objective", f"validation {setup.space.metric} ({setup.space.direction})"),
-             ("budget", setup.budget_text()),
+             ("budget", _budget_text(setup, rows)),
              ("trials", ", ".join(f"{n} {s}" for s, n in states.items()) or "none yet"),
              ("pruner", setup.space.pruner.get("name", "median")), ("sampler", setup.space.sampler.get("name", "tpe")),
              ("storage", display_storage(setup.storage))]
