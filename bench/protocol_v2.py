@@ -939,12 +939,9 @@ def paired(rows: list[dict], a: str, b: str, metric: str, key: str = "loss") -> 
     non-zero value, 1 when they are all 0)."""
     from scipy import stats
 
-    from deepmetric.report.study_tables import mean_ci
+    from deepmetric.report.study_tables import mean_ci, paired_values
 
-    x = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == a and has_value(r, metric)}
-    y = {int(r["seed"]): float(r[metric]) for r in rows if r[key] == b and has_value(r, metric)}
-    seeds = sorted(set(x) & set(y))
-    diffs = [x[s] - y[s] for s in seeds]
+    seeds, diffs = paired_values(rows, a, b, metric, key)
     ci = mean_ci(diffs)
     if len(diffs) < 2:
         p = float("nan")

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from deepmetric.report.study_tables import mean_ci  # noqa: E402
+from deepmetric.report.study_tables import mean_ci, paired_values  # noqa: E402
 
 STUDIES = ROOT / "bench" / "studies"
 
@@ -175,10 +175,8 @@ def load_rows(study: str, root: Path = STUDIES) -> list[dict] | None:
 
 
 def paired(rows: list[dict], a: str, b: str, metric: str) -> dict:
-    """mean_ci of d_i = metric(a, seed i) - metric(b, seed i) over the seeds both finished."""
-    by = {(r["variant"], r["seed"]): r.get(metric) for r in rows}
-    seeds = sorted(s for (v, s) in by if v == a and (b, s) in by)
-    diffs = [by[(a, s)] - by[(b, s)] for s in seeds if by[(a, s)] is not None and by[(b, s)] is not None]
+    """mean_ci of d_i = metric(a, seed i) - metric(b, seed i) over the seeds both have (paired_values)."""
+    seeds, diffs = paired_values(rows, a, b, metric)
     return {**mean_ci(diffs), "seeds": seeds}
 
 

@@ -17,7 +17,7 @@ import yaml
 
 from deepmetric import cli
 from deepmetric.run.config import ConfigError
-from deepmetric.report.study_tables import mean_ci, paired_differences, summarize
+from deepmetric.report.study_tables import mean_ci, paired_differences, paired_values, summarize
 from deepmetric.workflows.study import collect_rows, run_row, run_study
 from deepmetric.workflows.study_file import StudyRun, load_study
 from conftest import synthetic_config
@@ -76,6 +76,28 @@ def test_summarize_and_paired_differences_use_matching_seeds():
     st = p["stats"]["m"]
     assert st["mean"] == pytest.approx(d.mean())
     assert st["half_width"] == pytest.approx(12.706204736174704 * d.std(ddof=1) / math.sqrt(2))  # t_{.975,1}
+
+
+def test_paired_values_pair_by_seed_and_leave_out_missing_values_as_scipy_ttest_rel_would():
+    """The one pairing rule of every paired difference (the study summaries, CLAIMS.md,
+    protocol v2's claims): rows read from a CSV (string seeds, "" for a diverged run's test
+    value), a NaN and a None each leave their seed out; the interval on the differences is
+    scipy's paired t interval on the seeds both have."""
+    from scipy import stats
+
+    a = {"0": "0.70", "1": "0.74", "2": "0.69", "3": "", "4": 0.80, "5": float("nan")}
+    b = {"0": "0.65", "1": "0.73", "2": "0.66", "3": "0.60", "4": None, "5": 0.5, "6": 0.9}
+    rows = [{"loss": "A", "seed": s, "m": v} for s, v in a.items()] + \
+           [{"loss": "B", "seed": s, "m": v} for s, v in b.items()]
+    seeds, diffs = paired_values(rows, "A", "B", "m", key="loss")
+    assert seeds == [0, 1, 2]
+    assert diffs == pytest.approx([0.05, 0.01, 0.03])
+    res = stats.ttest_rel([0.70, 0.74, 0.69], [0.65, 0.73, 0.66])
+    lo, hi = res.confidence_interval(0.95)
+    st = mean_ci(diffs)
+    assert (st["ci_low"], st["ci_high"]) == (pytest.approx(lo), pytest.approx(hi))
+    assert paired_values(rows, "A", "C", "m", key="loss") == ([], [])
+    assert paired_values(rows, "A", "B", "m") == ([], [])  # no row has a 'variant'
 
 
 # --------------------------------------------------------------------------- the study file

@@ -2,8 +2,9 @@
 
 Statistics (:func:`mean_ci`): for values ``x_1..x_n``, ``mean = sum x_i / n``, ``sd`` with
 ``n - 1`` in the denominator, and ``mean +- t_{(1 + confidence) / 2, n-1} sd / sqrt(n)``
-(Student's t).  Paired differences (:func:`paired_differences`) use ``d_i = a_i - b_i`` over
-the seeds both variants finished.  Rows are the study's results rows (``benchmark``,
+(Student's t).  Paired differences (:func:`paired_values`, summarised by
+:func:`paired_differences` and by the bench scripts' claim tables) use ``d_i = a_i - b_i`` over
+the seeds at which both variants have a value.  Rows are the study's results rows (``benchmark``,
 ``variant``, ``seed``, ``final/<metric>``, ``selected/<metric>``, ...).
 """
 from __future__ import annotations
@@ -12,7 +13,8 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["mean_ci", "last_gain", "metric_columns", "summarize", "paired_differences", "summary_markdown",
+__all__ = ["mean_ci", "last_gain", "metric_columns", "summarize", "paired_values", "paired_differences",
+           "summary_markdown",
            "plot_summary", "format_number"]
 
 
@@ -76,22 +78,34 @@ def summarize(rows: Sequence[dict], metrics: Sequence[str], confidence: float = 
     return out
 
 
+def paired_values(rows: Sequence[dict], a: str, b: str, metric: str, key: str = "variant") -> tuple[list[int], list[float]]:
+    """The seeds (sorted) at which the rows whose ``key`` is ``a`` and those whose ``key`` is
+    ``b`` both hold a finite ``metric``, and ``d_i = metric(a, seed_i) - metric(b, seed_i)`` at
+    each.  A missing value (None, or "" as read from a CSV: a diverged run without a model)
+    leaves its seed out of the pairing.  Seeds are read with ``int`` (a CSV gives strings)."""
+    def by_seed(name: str) -> dict[int, float]:
+        out = {}
+        for r in rows:
+            v = r.get(metric)
+            if r.get(key) == name and v not in (None, "") and math.isfinite(float(v)):
+                out[int(r["seed"])] = float(v)
+        return out
+
+    x, y = by_seed(a), by_seed(b)
+    seeds = sorted(set(x) & set(y))
+    return seeds, [x[s] - y[s] for s in seeds]
+
+
 def paired_differences(rows: Sequence[dict], a: str, b: str, metrics: Sequence[str],
                        confidence: float = 0.95) -> list[dict]:
-    """Per benchmark: ``d_i = metric(a, seed_i) - metric(b, seed_i)`` over the seeds both
-    variants finished, summarised with :func:`mean_ci`."""
+    """Per benchmark: :func:`paired_values` of each metric summarised with :func:`mean_ci`;
+    ``seeds`` are those both variants ran (a metric's ``n`` counts those with both values)."""
     out = []
     for bench in dict.fromkeys(r["benchmark"] for r in rows):
-        by_seed = {(r["variant"], r["seed"]): r for r in rows if r["benchmark"] == bench}
-        seeds = [s for (v, s) in by_seed if v == a and (b, s) in by_seed]
-        stats = {}
-        for m in metrics:
-            diffs = []
-            for s in seeds:
-                x, y = by_seed[(a, s)].get(m), by_seed[(b, s)].get(m)
-                if x is not None and y is not None:
-                    diffs.append(x - y)
-            stats[m] = mean_ci(diffs, confidence)
+        here = [r for r in rows if r["benchmark"] == bench]
+        ran = {(r["variant"], r["seed"]) for r in here}
+        seeds = sorted(s for (v, s) in ran if v == a and (b, s) in ran)
+        stats = {m: mean_ci(paired_values(here, a, b, m)[1], confidence) for m in metrics}
         out.append({"benchmark": bench, "a": a, "b": b, "seeds": seeds, "stats": stats})
     return out
 
