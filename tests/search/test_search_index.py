@@ -105,7 +105,7 @@ def test_approximate_index_stores_its_measured_recall(kind, rng, tmp_path):
     assert list(i[:, 0]) == [0, 1, 2, 3, 4] and np.allclose(s[:, 0], 1, atol=1e-5)
 
 
-def test_add_skips_indexed_images_and_merges_class_names(shapes, tmp_path):
+def test_add_skips_indexed_images_and_merges_class_names(shapes, tmp_path, capsys):
     part = make_shapes_folder(tmp_path / "part", classes=["red_disc", "yellow_cross"])
     out = tmp_path / "ix"
     ckpt = str(shapes["checkpoint"])
@@ -122,8 +122,10 @@ def test_add_skips_indexed_images_and_merges_class_names(shapes, tmp_path):
     for p, lab in zip(ix.paths, ix.labels):
         assert Path(p).parent.name == ix.class_names[lab]
     assert json.loads((out / "manifest.json").read_text())["skipped_already_indexed"] == 16
+    assert "skipped 16 image(s) whose path is already in the index" in capsys.readouterr().out.splitlines()
     assert cli.main(["index", ckpt, "--data", "folder", "--root", str(more), "--out", str(out), "--add",
                      "--no-progress"]) == 0  # nothing new: a no-op
+    assert "skipped 24 image(s) whose path is already in the index" in capsys.readouterr().out.splitlines()
     assert len(Index.load(out)) == 24
     # the added rows are what a fresh build embeds
     fresh = Index.build(ckpt, data="folder", root=str(more), progress=False)

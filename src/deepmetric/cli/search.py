@@ -72,8 +72,7 @@ def _run_index(args: argparse.Namespace) -> int:
                                 overwrite=args.overwrite, options=options, postprocess=steps)
         print(f"{'added' if args.add else 'indexed'} {args.embeddings} -> {args.out}: {len(index)} vectors, "
               f"{len(index.class_names)} classes, d={index.dim}, {index.kind}")
-        if args.add and index.meta.get("skipped_already_indexed"):
-            print(f"skipped {index.meta['skipped_already_indexed']} vector(s) whose path is already in the index")
+        _print_skipped(index, "vector(s)")
         _print_recall(index)
         return 0
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
@@ -87,12 +86,17 @@ def _run_index(args: argparse.Namespace) -> int:
     what = "added" if args.add else "indexed"
     print(f"{what} {d.get('images')} images of {d.get('name')} (split {d.get('split')}) -> {args.out}: "
           f"{len(index)} images, {len(index.class_names)} classes, d={index.dim}, {index.kind}")
-    if index.meta.get("skipped_already_indexed"):
-        print(f"skipped {index.meta['skipped_already_indexed']} images already in the index")
+    _print_skipped(index, "image(s)")
     if index.meta.get("embedding_output", "embedding") != "embedding":  # not the head's output: say so
         print(f"embedded with the model's {index.meta['embedding_output']} output (the checkpoint's eval.embedding)")
     _print_recall(index)
     return 0
+
+
+def _print_skipped(index, unit: str) -> None:
+    """``--add`` leaves out the rows whose path the index already holds: how many."""
+    if index.meta.get("skipped_already_indexed"):
+        print(f"skipped {index.meta['skipped_already_indexed']} {unit} whose path is already in the index")
 
 
 def _print_recall(index) -> None:
