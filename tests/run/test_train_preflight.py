@@ -1,4 +1,6 @@
 """Pre-flight checks (before the first step), the raw-pixel baseline and the run summary."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -87,6 +89,33 @@ def test_unknown_options_name_the_yaml_key_and_the_closest_option():
                                                                          "in_chans": 1}},
                               loss=[{"name": "triplet", "options": {"margin": 0.2, "mining": "hard"}}]))
     check_config_options(_cfg(data={"name": "synthetic", "options": {"num_classes": 4}}))
+
+
+@pytest.mark.parametrize("loss, options, said", [
+    ("heated_softmax", {"learnable_alpha": "false"}, "'loss.0.options.learnable_alpha': expected bool (true/false), got str 'false'"),
+    ("triplet", {"normalize": "no"}, "'loss.0.options.normalize': expected bool (true/false), got str 'no'"),
+    ("almn", {"margin_m": 2.5}, "'loss.0.options.margin_m': expected int, got float 2.5"),
+    ("almn", {"detach_margin": 1}, "'loss.0.options.detach_margin': expected bool (true/false), got int 1"),
+    ("proxy_nca", {"scale_x": "big"}, "'loss.0.options.scale_x': expected float, got str 'big'"),
+    ("contrastive", {"margin": True}, "'loss.0.options.margin': expected float, got bool True"),
+])
+def test_loss_option_values_are_checked_against_the_losses_type_hints(loss, options, said):
+    """Loss options were passed on as given: a quoted "false" counted as true inside the loss,
+    margin_m 2.5 reached the margin as 2.5 (ALMN's m x n block), a bool margin was 1.0."""
+    with pytest.raises(ConfigError, match="^config key " + re.escape(said) + "$"):
+        check_config_options(_cfg(loss=[{"name": loss, "options": options}]))
+
+
+def test_loss_option_values_are_converted_as_the_configs_own_keys_are():
+    """A numeric string (YAML 1.1 reads 1e-3 as one) is a float option's number, an integral
+    float an int option's int, a union takes the first of its types that fits (almn's
+    centre_rate: a float or 'auto'); pytorch-metric-learning's own options are left to it."""
+    cfg = _cfg(loss=[{"name": "almn", "options": {"beta": "1e-3", "margin_m": 2.0, "centre_rate": "auto"}},
+                     {"name": "pml", "options": {"loss": "ArcFaceLoss", "margin": "28.6"}}])
+    check_config_options(cfg)
+    assert cfg.loss[0].options == {"beta": 0.001, "margin_m": 2, "centre_rate": "auto"}
+    assert type(cfg.loss[0].options["margin_m"]) is int
+    assert cfg.loss[1].options == {"loss": "ArcFaceLoss", "margin": "28.6"}
 
 
 # ----------------------------------------------------------------------------- images

@@ -5,7 +5,8 @@ place a config's values and option names are checked.
   the sampler, the validation split that every selection needs, the schedules);
 * :func:`check_config_options` (before a run is built): unknown keys inside the free-form
   ``options`` mappings of ``data``, ``data.transform_options``, ``model`` and ``loss.i``, with
-  the closest valid name (``unknown option 'alpah'`` and ``alpha``), against the registries;
+  the closest valid name (``unknown option 'alpah'`` and ``alpha``), against the registries,
+  and the values of a loss term's options against its constructor's type hints;
 * :func:`check_monitored_metrics`: ``eval.best_metric`` and ``schedule.temperature.monitor``
   against :func:`~deepmetric.run.evaluation.expected_metrics`, the metric names the
   evaluation will produce.
@@ -20,7 +21,7 @@ from typing import Iterable
 from deepmetric.registry import did_you_mean
 
 from .config import Config, ConfigError, heating_factors
-from .config_types import describe_value
+from .config_types import convert_value, convertible, describe_value
 
 __all__ = ["check_values", "check_config", "check_config_options", "check_monitored_metrics", "loss_term_options",
            "unknown_option_error"]
@@ -284,8 +285,30 @@ def check_config_options(cfg: Config) -> None:
         accepted = None  # create_model names the unknown model itself
     _check_options("model.options", m.options, accepted, f"model '{m.name}'")
 
+    from deepmetric.losses import loss_class
+
     for i, term in enumerate(cfg.loss):
         _check_options(f"loss.{i}.options", term.options, loss_term_options(cfg, i), f"loss '{term.name}'")
+        _check_option_values(f"loss.{i}.options", term.options, loss_class(term.name))
+
+
+def _check_option_values(path: str, options: dict, fn) -> None:
+    """Each value of ``options`` against the type hint of its keyword in ``fn`` (a class: its
+    constructor), converted in place as the typed config's own keys are (an int option given
+    2.0 becomes 2, a float option a numeric string: YAML 1.1 reads ``1e-3`` as one).  Loss
+    options were passed on as given: ``learnable_alpha: "false"`` counted as true inside the
+    loss and ``embedding_dim: 2.5`` was truncated.  Hints outside the config's types (a tensor,
+    a sequence) and a constructor without hints are left to the constructor."""
+    import typing
+
+    try:
+        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+    except Exception:  # noqa: BLE001 - a hint that does not resolve: nothing to check against
+        return
+    for key, value in list(options.items()):
+        tp = hints.get(key)
+        if tp is not None and convertible(tp):
+            options[key] = convert_value(value, tp, f"{path}.{key}")
 
 
 def loss_term_options(cfg: Config, i: int) -> set[str] | None:

@@ -13,7 +13,7 @@ from deepmetric.registry import did_you_mean
 
 from .config import ConfigError, config_to_dict
 
-__all__ = ["build_dataclass", "describe_value"]
+__all__ = ["build_dataclass", "describe_value", "convert_value", "convertible"]
 
 
 def _type_name(tp: Any) -> str:
@@ -113,6 +113,26 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"config key '{path}': expected str, got {describe_value(value)}")
         return value
     raise TypeError(f"unsupported config type {tp!r} at '{path}'")  # programming error
+
+
+def convertible(tp: Any) -> bool:
+    """Whether :func:`convert_value` can check the type hint ``tp`` (the config's own types:
+    bool, int, float, str, ``Literal``, lists and unions of them, null); a hint such as a tensor
+    or a ``Sequence`` cannot be."""
+    if tp in (bool, int, float, str, type(None), Any):
+        return True
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return True
+    if origin in (Union, types.UnionType, list):
+        return all(convertible(a) for a in typing.get_args(tp))
+    return False
+
+
+def convert_value(value: Any, tp: Any, path: str) -> Any:
+    """``value`` checked against the type hint ``tp`` (:func:`convertible`) as a config key's
+    value is: the typed value, or a ``ConfigError`` naming ``path``."""
+    return _convert(value, tp, path)
 
 
 def build_dataclass(cls: type, value: Any, path: str) -> Any:
