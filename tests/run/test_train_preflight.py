@@ -118,6 +118,24 @@ def test_loss_option_values_are_converted_as_the_configs_own_keys_are():
     assert cfg.loss[1].options == {"loss": "ArcFaceLoss", "margin": "28.6"}
 
 
+@pytest.mark.parametrize("data, said", [
+    ({"name": "folder", "options": {"skip_missing": "false"}},
+     "'data.options.skip_missing': expected bool (true/false), got str 'false'"),
+    ({"name": "folder", "options": {"seed": 1.5}}, "'data.options.seed': expected int, got float 1.5"),
+    ({"name": "emoji", "options": {"size": "96px"}}, "'data.options.size': expected int, got str '96px'"),
+    ({"name": "synthetic", "options": {"augment": "yes"}}, "'data.options.augment': expected float, got str 'yes'"),
+    ({"name": "cub", "options": {"max_decode_mb": [1]}}, "'data.options.max_decode_mb': expected float, got list [1]"),
+])
+def test_dataset_option_values_are_checked_against_the_loaders_type_hints(data, said):
+    """skip_missing: "false" (quoted) counted as true: unreadable images were skipped and
+    counted instead of refused; a seed of 1.5 reached the class split."""
+    with pytest.raises(ConfigError, match="^config key " + re.escape(said) + "$"):
+        check_config_options(_cfg(data=data))
+    cfg = _cfg(data={"name": "folder", "options": {"seed": 3.0, "max_decode_mb": "1e3", "skip_missing": True}})
+    check_config_options(cfg)
+    assert cfg.data.options == {"seed": 3, "max_decode_mb": 1000.0, "skip_missing": True}
+
+
 # ----------------------------------------------------------------------------- images
 def _digits(root, classes=("a", "b", "c"), n=3, size=(12, 10), mode="L"):
     rng = np.random.default_rng(0)

@@ -22,8 +22,8 @@ from .benchmarks import (
     load_sop,
 )
 from .folder import load_csv, load_folder
-from .registry import (build_dataset, canonical_dataset_name, dataset_options, is_event_dataset, list_datasets,
-                       register_dataset)
+from .registry import (build_dataset, canonical_dataset_name, dataset_option_hints, dataset_options, is_event_dataset,
+                       list_datasets, register_dataset)
 from .fashion_mnist import ArrayImageDataset, build_fashion_mnist
 from .glyphs import GlyphDataset, build_glyph_dataset, gb2312_level1_chars
 from .emoji import EmojiDataset, build_emoji_dataset

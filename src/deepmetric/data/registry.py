@@ -19,14 +19,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 
-from deepmetric.registry import Registry, signature_options
+from deepmetric.registry import Registry, option_hints, signature_options
 
 from .benchmarks import BENCHMARKS, load_benchmark
 from .folder import load_csv, load_folder
 from .image_list import ImageListDataset
 
 __all__ = ["DATASETS", "build_dataset", "register_dataset", "list_datasets", "canonical_dataset_name",
-           "dataset_options", "is_event_dataset"]
+           "dataset_options", "dataset_option_hints", "is_event_dataset"]
 
 #: builder parameters that are not options: build_dataset passes them itself
 _BUILD_ARGUMENTS = ("split", "transform", "root")
@@ -43,7 +43,7 @@ DATASETS = Registry("dataset", normalize=_key, unknown="unknown {kind} {name!r}.
 
 
 def register_dataset(name: str, *, aliases: Iterable[str] = (), options: Iterable[str] | None = None,
-                     event: bool = False):
+                     event: bool = False, hints_from: Iterable[Callable] = ()):
     """Decorator registering ``builder(split=..., transform=..., root=..., **options)`` as
     dataset ``name`` (:func:`build_dataset`; a config's ``data.name``).
 
@@ -55,6 +55,8 @@ def register_dataset(name: str, *, aliases: Iterable[str] = (), options: Iterabl
             ``**options``: it then checks them itself).
         event: a video-event dataset, which draws a random window per access on its "train"
             split (see :func:`is_event_dataset`).
+        hints_from: the functions / classes whose type hints type the options (default: the
+            builder), for :func:`dataset_option_hints`.
 
     A second dataset or alias of the same name is an error.
     """
@@ -68,7 +70,8 @@ def register_dataset(name: str, *, aliases: Iterable[str] = (), options: Iterabl
         if taken:
             raise ValueError(f"dataset name(s) {taken} already registered")
         DATASETS.add(name, builder, aliases=aliases, event=bool(event),
-                     options=None if accepted is None else frozenset(accepted))
+                     options=None if accepted is None else frozenset(accepted),
+                     hints_from=tuple(hints_from) or (builder,))
         return builder
 
     return deco
@@ -94,6 +97,16 @@ def dataset_options(name: str) -> set[str] | None:
     :func:`canonical_dataset_name` for an unknown name."""
     options = DATASETS.info(canonical_dataset_name(name))["options"]
     return None if options is None else set(options)
+
+
+def dataset_option_hints(name: str) -> dict:
+    """The type hints of dataset ``name``'s options (those of its builder, or of the loader and
+    the ImageListDataset wrapper a file-based dataset passes them to), for the config's value
+    check; an option without a hint is not in it.  Raises as :func:`canonical_dataset_name`."""
+    hints: dict = {}
+    for fn in DATASETS.info(canonical_dataset_name(name))["hints_from"]:
+        hints.update(option_hints(fn))
+    return hints
 
 
 def is_event_dataset(name: str) -> bool:
@@ -163,17 +176,17 @@ def _build_benchmark(name: str, split: str = "train", transform=None, root=None,
 
 
 for _name in BENCHMARKS:
-    register_dataset(_name, aliases=_BENCHMARK_ALIASES.get(_name, ()),
-                     options=_BENCHMARK_OPTIONS + _WRAPPER_OPTIONS)(functools.partial(_build_benchmark, _name))
+    register_dataset(_name, aliases=_BENCHMARK_ALIASES.get(_name, ()), options=_BENCHMARK_OPTIONS + _WRAPPER_OPTIONS,
+                     hints_from=(load_benchmark, ImageListDataset))(functools.partial(_build_benchmark, _name))
 
 
-@register_dataset("folder", options=_FOLDER_OPTIONS + _WRAPPER_OPTIONS)
+@register_dataset("folder", options=_FOLDER_OPTIONS + _WRAPPER_OPTIONS, hints_from=(load_folder, ImageListDataset))
 def _build_folder(split: str = "train", transform=None, root=None, **options):
     load, wrap = _split_options("folder", _FOLDER_OPTIONS, options)
     return ImageListDataset(load_folder(root, split=split, **load), transform, **wrap)
 
 
-@register_dataset("csv", options=_CSV_OPTIONS + _WRAPPER_OPTIONS)
+@register_dataset("csv", options=_CSV_OPTIONS + _WRAPPER_OPTIONS, hints_from=(load_csv, ImageListDataset))
 def _build_csv(split: str = "train", transform=None, root=None, **options):
     load, wrap = _split_options("csv", _CSV_OPTIONS, options)
     return ImageListDataset(load_csv(root, split=split, **load), transform, **wrap)

@@ -70,7 +70,8 @@ class GaussianClusters(MetricDatasetBase):
         return x, int(self.labels[i])
 
 
-@register_dataset("synthetic", options=signature_options(GaussianClusters, skip=("split", "transform")))
+@register_dataset("synthetic", options=signature_options(GaussianClusters, skip=("split", "transform")),
+                  hints_from=(GaussianClusters,))
 def build_synthetic_dataset(split: str = "train", transform=None, root=None, **options) -> GaussianClusters:
     """``GaussianClusters(split, transform=transform, **options)``, registered as dataset
     ``synthetic``; ``root`` is not used (the data is generated)."""

@@ -6,7 +6,7 @@ place a config's values and option names are checked.
 * :func:`check_config_options` (before a run is built): unknown keys inside the free-form
   ``options`` mappings of ``data``, ``data.transform_options``, ``model`` and ``loss.i``, with
   the closest valid name (``unknown option 'alpah'`` and ``alpha``), against the registries,
-  and the values of a loss term's options against its constructor's type hints;
+  and the values of a loss term's and a dataset's options against their type hints;
 * :func:`check_monitored_metrics`: ``eval.best_metric`` and ``schedule.temperature.monitor``
   against :func:`~deepmetric.run.evaluation.expected_metrics`, the metric names the
   evaluation will produce.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from deepmetric.registry import did_you_mean
+from deepmetric.registry import did_you_mean, option_hints
 
 from .config import Config, ConfigError, heating_factors
 from .config_types import convert_value, convertible, describe_value
@@ -262,7 +262,7 @@ def check_config_options(cfg: Config) -> None:
     option, before anything is built.  The accepted options come from the registries
     (:func:`~deepmetric.data.dataset_options`, :func:`~deepmetric.data.transform_options`,
     :func:`~deepmetric.models.model_options`, :func:`~deepmetric.losses.loss_options`)."""
-    from deepmetric.data import dataset_options, list_transforms, transform_options
+    from deepmetric.data import dataset_option_hints, dataset_options, list_transforms, transform_options
     from deepmetric.models import model_options
 
     d = cfg.data
@@ -271,6 +271,8 @@ def check_config_options(cfg: Config) -> None:
     except (ValueError, TypeError):
         accepted = None  # build_dataset names the unknown dataset itself
     _check_options("data.options", d.options, accepted, f"dataset '{d.name}'")
+    if accepted is not None:
+        _check_option_values("data.options", d.options, dataset_option_hints(d.name))
     if d.transform is not None:
         try:
             accepted = transform_options(d.transform)
@@ -289,22 +291,16 @@ def check_config_options(cfg: Config) -> None:
 
     for i, term in enumerate(cfg.loss):
         _check_options(f"loss.{i}.options", term.options, loss_term_options(cfg, i), f"loss '{term.name}'")
-        _check_option_values(f"loss.{i}.options", term.options, loss_class(term.name))
+        _check_option_values(f"loss.{i}.options", term.options, option_hints(loss_class(term.name)))
 
 
-def _check_option_values(path: str, options: dict, fn) -> None:
-    """Each value of ``options`` against the type hint of its keyword in ``fn`` (a class: its
-    constructor), converted in place as the typed config's own keys are (an int option given
-    2.0 becomes 2, a float option a numeric string: YAML 1.1 reads ``1e-3`` as one).  Loss
-    options were passed on as given: ``learnable_alpha: "false"`` counted as true inside the
-    loss and ``embedding_dim: 2.5`` was truncated.  Hints outside the config's types (a tensor,
-    a sequence) and a constructor without hints are left to the constructor."""
-    import typing
-
-    try:
-        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
-    except Exception:  # noqa: BLE001 - a hint that does not resolve: nothing to check against
-        return
+def _check_option_values(path: str, options: dict, hints: dict) -> None:
+    """Each value of ``options`` against its type hint in ``hints`` (a loss constructor's, a
+    dataset loader's), converted in place as the typed config's own keys are (an int option
+    given 2.0 becomes 2, a float option a numeric string: YAML 1.1 reads ``1e-3`` as one).
+    These options were passed on as given: ``learnable_alpha: "false"`` or ``skip_missing:
+    "false"`` counted as true.  Hints outside the config's types (a tensor, a sequence) and
+    options without a hint are left to the code that takes them."""
     for key, value in list(options.items()):
         tp = hints.get(key)
         if tp is not None and convertible(tp):
