@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["Registry", "did_you_mean", "suggest", "signature_options", "option_hints", "SUGGESTION_OPENING"]
+__all__ = ["Registry", "did_you_mean", "suggest", "signature_options", "SUGGESTION_OPENING"]
 
 
 def did_you_mean(word: object, choices: Iterable[str] | Mapping[str, str], *, prefix: str = "",
@@ -53,19 +53,6 @@ def signature_options(fn: Callable, *, skip: Iterable[str] = ()) -> set[str] | N
         return None
     skip = set(skip)
     return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in skip}
-
-
-def option_hints(fn: Callable) -> dict[str, Any]:
-    """The type hints of ``fn``'s parameters (a class: its constructor's), ``return`` left out;
-    ``{}`` when they do not resolve (nothing to check a value against)."""
-    import typing
-
-    try:
-        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
-    except Exception:  # noqa: BLE001 - any failure to evaluate a hint means: no hints
-        return {}
-    hints.pop("return", None)
-    return hints
 
 
 class Registry:

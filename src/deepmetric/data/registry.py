@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 
-from deepmetric.registry import Registry, option_hints, signature_options
+from deepmetric.options import option_hints
+from deepmetric.registry import Registry, signature_options
 
 from .benchmarks import BENCHMARKS, load_benchmark
 from .folder import load_csv, load_folder

@@ -8,7 +8,9 @@ import math
 import torch
 from torch import nn
 
-from .heated_softmax import _check_positive_int, check_class_batch, compute_dtype
+from deepmetric.options import int_option
+
+from .heated_softmax import check_class_batch, compute_dtype
 from .registry import register_loss
 
 __all__ = ["ALMNLoss", "virtual_points"]
@@ -174,8 +176,8 @@ class ALMNLoss(nn.Module):
                  centre_init: str | None = None, centre_mode: str = "running_mean",
                  centre_std: float = 1.0, eps: float = 1e-12) -> None:
         super().__init__()
-        self.num_classes = _check_positive_int("num_classes", num_classes)
-        self.embedding_dim = _check_positive_int("embedding_dim", embedding_dim)
+        self.num_classes = int_option("num_classes", num_classes)
+        self.embedding_dim = int_option("embedding_dim", embedding_dim)
         if centre_mode not in _CENTRE_MODES:
             raise ValueError(f"ALMNLoss: centre_mode must be one of {_CENTRE_MODES}, got {centre_mode!r}")
         self.centre_mode = centre_mode
@@ -206,7 +208,7 @@ class ALMNLoss(nn.Module):
         if centre_init not in _CENTRE_INITS:
             raise ValueError(f"ALMNLoss: centre_init must be one of {_CENTRE_INITS}, "
                              f"got {centre_init!r}")
-        self.margin_m = _check_positive_int("margin_m", margin_m)
+        self.margin_m = int_option("margin_m", margin_m)
         self.beta = float(beta)
         # "lr": the current learning rate, pushed by the training loop (set_learning_rate);
         # None with centre_mode="solver" (the optimiser's rate applies)

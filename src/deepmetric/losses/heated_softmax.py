@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepmetric.options import int_option
+
 from .registry import register_loss
 
 __all__ = ["HeatedSoftmaxLoss", "variance_scaling_"]
@@ -32,12 +34,6 @@ def variance_scaling_(weight: torch.Tensor, factor: float = 2.0) -> torch.Tensor
     std = math.sqrt(1.3 * factor / fan_in)
     with torch.no_grad():
         return nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-2 * std, b=2 * std)
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def _check_alpha(value: Any) -> float:
@@ -146,8 +142,8 @@ class HeatedSoftmaxLoss(nn.Module):
                  alpha_scales_bias: bool = True, init_factor: float = 2.0,
                  freeze_heated_alpha: bool = True, eps: float = 1e-12) -> None:
         super().__init__()
-        self.num_classes = _check_positive_int("num_classes", num_classes)
-        self.embedding_dim = _check_positive_int("embedding_dim", embedding_dim)
+        self.num_classes = int_option("num_classes", num_classes)
+        self.embedding_dim = int_option("embedding_dim", embedding_dim)
         a = _check_alpha(alpha)
         if not (isinstance(init_factor, (int, float)) and init_factor > 0):
             raise ValueError(f"init_factor must be a positive number, got {init_factor!r}")

@@ -35,7 +35,7 @@ from torch import nn
 
 from deepmetric.registry import Registry, signature_options
 
-from .options import bool_option
+from deepmetric.options import bool_option
 from .pretrained import LoadReport, load_pretrained
 from .small import GlyphResNet, LeNet
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from deepmetric.errors import MissingPackageError
 
-from .options import float_option
+from deepmetric.options import float_option
 
 __all__ = [
     "EFFICIENTNET_LITE_NAMES",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .heads import HEAD_INITS, EmbeddingHead, ProjectionHead
-from .options import int_option
+from deepmetric.options import int_option
 
 __all__ = ["EmbeddingModel", "global_pool", "pool_features", "TOKEN_POOLS", "pooling_note", "POOLS", "GEM_P", "FREEZE_BN", "batchnorm_layers", "check_freeze_bn",
            "freeze_batchnorm_parameters", "build_projection"]

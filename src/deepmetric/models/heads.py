@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .options import bool_option, float_option
+from deepmetric.options import bool_option, float_option
 
 __all__ = ["NORMS", "HEAD_INITS", "ShiftOnlyBatchNorm1d", "EmbeddingHead", "ProjectionHead", "check_norm",
            "pca_directions"]

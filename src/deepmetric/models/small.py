@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .options import int_option
+from deepmetric.options import int_option
 
 __all__ = ["LeNet", "GlyphResNet", "BasicBlock"]
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .options import int_option
+from deepmetric.options import int_option
 from .registry import register_model
 
 __all__ = ["SyntheticMLP"]

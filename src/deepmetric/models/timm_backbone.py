@@ -41,7 +41,7 @@ from torch import nn
 
 from deepmetric.registry import did_you_mean
 
-from .options import bool_option, float_option, int_option
+from deepmetric.options import bool_option, float_option, int_option
 from .pretrained import (LoadReport, check_not_a_folder, clean_state_dict, load_pretrained, read_weights_file,
                          tensor_mapping)
 

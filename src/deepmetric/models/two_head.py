@@ -21,7 +21,7 @@ from torch.func import functional_call
 
 from .embedding_model import POOLS, batchnorm_layers, check_freeze_bn, freeze_batchnorm_parameters, global_pool
 from .heads import EmbeddingHead
-from .options import bool_option, float_option, int_option
+from deepmetric.options import bool_option, float_option, int_option
 
 __all__ = ["TwoHeadModel", "feature_map_shape"]
 

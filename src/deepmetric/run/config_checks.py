@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from deepmetric.registry import did_you_mean, option_hints
+from deepmetric.options import option_hints
+from deepmetric.registry import did_you_mean
 
 from .config import Config, ConfigError, heating_factors
 from .config_types import convert_value, convertible, describe_value

@@ -1,12 +1,17 @@
-"""Checks of model option values, so that a wrong value in ``model.options`` is one
-``ValueError`` naming the option, the value and what was expected (and never a silent
-``int(2.5) == 2`` / ``bool("false") is True``, nor torch's or Python's error about some
-operand deep inside a constructor)."""
+"""Checks of option values (bottom layer: every package may import it), so that a wrong value
+in ``model.options`` or a loss's keyword is one ``ValueError`` naming the option, the value and
+what was expected (and never a silent ``int(2.5) == 2`` / ``bool("false") is True``, nor torch's
+or Python's error about some operand deep inside a constructor); and the type hints of a
+constructor's options (:func:`option_hints`), against which ``run.config_checks`` checks the
+options of a config's losses and dataset."""
 from __future__ import annotations
 
 import numbers
+import typing
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["int_option", "float_option", "bool_option"]
+__all__ = ["int_option", "float_option", "bool_option", "option_hints"]
 
 
 def int_option(name: str, value, minimum: int = 1, expected: str | None = None) -> int:
@@ -36,3 +41,14 @@ def bool_option(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false, got {value!r}")
     return value
+
+
+def option_hints(fn: Callable) -> dict[str, Any]:
+    """The type hints of ``fn``'s parameters (a class: its constructor's), ``return`` left out;
+    ``{}`` when they do not resolve (nothing to check a value against)."""
+    try:
+        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+    except Exception:  # noqa: BLE001 - any failure to evaluate a hint means: no hints
+        return {}
+    hints.pop("return", None)
+    return hints
