@@ -125,10 +125,17 @@ def test_loss_option_values_are_converted_as_the_configs_own_keys_are():
     ({"name": "emoji", "options": {"size": "96px"}}, "'data.options.size': expected int, got str '96px'"),
     ({"name": "synthetic", "options": {"augment": "yes"}}, "'data.options.augment': expected float, got str 'yes'"),
     ({"name": "cub", "options": {"max_decode_mb": [1]}}, "'data.options.max_decode_mb': expected float, got list [1]"),
+    ({"name": "folder", "transform": "resize_crop", "transform_options": {"flip": "false"}},
+     "'data.transform_options.flip': expected bool (true/false), got str 'false'"),
+    ({"name": "folder", "transform": "mnist", "transform_options": {"size": 64.5}},
+     "'data.transform_options.size': expected int, got float 64.5"),
+    ({"name": "folder", "transform": "timm", "transform_options": {"hflip": True}},
+     "'data.transform_options.hflip': expected float, got bool True"),
 ])
 def test_dataset_option_values_are_checked_against_the_loaders_type_hints(data, said):
     """skip_missing: "false" (quoted) counted as true: unreadable images were skipped and
-    counted instead of refused; a seed of 1.5 reached the class split."""
+    counted instead of refused; a seed of 1.5 reached the class split; a transform's flip:
+    "false" flipped, the mnist transform's size 64.5 became 64, a timm hflip of true was 1.0."""
     with pytest.raises(ConfigError, match="^config key " + re.escape(said) + "$"):
         check_config_options(_cfg(data=data))
     cfg = _cfg(data={"name": "folder", "options": {"seed": 3.0, "max_decode_mb": "1e3", "skip_missing": True}})

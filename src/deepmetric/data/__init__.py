@@ -28,7 +28,7 @@ from .fashion_mnist import ArrayImageDataset, build_fashion_mnist
 from .glyphs import GlyphDataset, build_glyph_dataset, gb2312_level1_chars
 from .emoji import EmojiDataset, build_emoji_dataset
 from .samplers import ClassBalancedBatchSampler, RandomBatchSampler
-from .transforms import build_transform, list_transforms, register_transform, transform_options
+from .transforms import build_transform, list_transforms, register_transform, transform_option_hints, transform_options
 from . import emoji_transform, timm_transform  # noqa: F401  (register the "emoji" and "timm" transforms)
 from .loader import make_loader
 from .events import (Event, EventDataset, EventList, VideoDecodeError, load_event_csv, load_hdd_events,

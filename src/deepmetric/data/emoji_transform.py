@@ -129,11 +129,12 @@ def _style_steps(*, hue_rotate_p, grayscale_p, posterize_bits, posterize_p, blur
 
 
 @register_transform("emoji")
-def _emoji(train, size=None, degrees=8.0, translate=0.06, scale=(0.85, 1.1), brightness=0.15,
-           contrast=0.15, saturation=0.15, flip=False, normalize="imagenet", mean=None, std=None,
-           hue=0.0, hue_rotate_p=0.0, grayscale_p=0.0, posterize_bits=4, posterize_p=0.0, blur_p=0.0,
-           blur_sigma=(0.1, 1.0), blur_kernel=5, crop_scale=None, crop_ratio=(3 / 4, 4 / 3),
-           background_p=0.0, background_tolerance=0.06):
+def _emoji(train, size: int | None = None, degrees: float = 8.0, translate: float = 0.06, scale=(0.85, 1.1),
+           brightness: float = 0.15, contrast: float = 0.15, saturation: float = 0.15, flip: bool = False,
+           normalize: str | dict = "imagenet", mean=None, std=None, hue: float = 0.0, hue_rotate_p: float = 0.0,
+           grayscale_p: float = 0.0, posterize_bits: int = 4, posterize_p: float = 0.0, blur_p: float = 0.0,
+           blur_sigma=(0.1, 1.0), blur_kernel: int = 5, crop_scale=None, crop_ratio=(3 / 4, 4 / 3),
+           background_p: float = 0.0, background_tolerance: float = 0.06):
     for key, p in (("hue_rotate_p", hue_rotate_p), ("grayscale_p", grayscale_p), ("posterize_p", posterize_p),
                    ("blur_p", blur_p), ("background_p", background_p)):
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:

@@ -26,9 +26,9 @@ def _size_pair(size, key: str) -> tuple[int, int]:
 
 
 @register_transform("timm")
-def _timm(train, input_size=224, interpolation="bicubic", crop_pct=0.875, crop_mode="center",
-          mean=IMAGENET_MEAN, std=IMAGENET_STD, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), hflip=0.5,
-          color_jitter=0.0):
+def _timm(train, input_size=224, interpolation: str = "bicubic", crop_pct: float = 0.875, crop_mode: str = "center",
+          mean=IMAGENET_MEAN, std=IMAGENET_STD, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), hflip: float = 0.5,
+          color_jitter: float = 0.0):
     """A timm model's preprocessing (its ``pretrained_cfg``: ``input_size``, ``interpolation``,
     ``crop_pct``, ``crop_mode``, ``mean``, ``std``), as timm's ``transforms_imagenet_eval``
     builds it for a square input: resize the shorter side to ``floor(size / crop_pct)``, centre

@@ -61,9 +61,11 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
+from deepmetric.options import option_hints
 from deepmetric.registry import Registry
 
 __all__ = ["TRANSFORMS", "build_transform", "list_transforms", "register_transform", "transform_options",
+           "transform_option_hints",
            "StrokeWidth", "RepeatChannels", "normalization", "StackOfDifferences", "to_grayscale_uint8",
            "GlyphBatchAugment", "BatchedTransform", "affine_inverse_matrices"]
 
@@ -168,7 +170,7 @@ def _finish(steps, normalize, channels):
 
 
 @register_transform("resize_crop")
-def _resize_crop(train, resize=256, crop=224, flip=True, normalize="imagenet"):
+def _resize_crop(train, resize: int = 256, crop: int = 224, flip: bool = True, normalize: str | dict = "imagenet"):
     if crop > resize:
         raise ValueError(f"resize_crop: crop={crop} larger than resize={resize}")
     steps = [v2.ToImage(), v2.RGB(), v2.Resize((resize, resize), antialias=True)]
@@ -183,7 +185,8 @@ def _resize_crop(train, resize=256, crop=224, flip=True, normalize="imagenet"):
 
 
 @register_transform("short_side")
-def _short_side(train, min_size=350, max_size=512, crop=224, test_size=350, flip=True, normalize="imagenet"):
+def _short_side(train, min_size: int = 350, max_size: int = 512, crop: int = 224, test_size: int = 350,
+                flip: bool = True, normalize: str | dict = "imagenet"):
     if not crop <= min_size <= max_size:
         raise ValueError(f"short_side: need crop <= min_size <= max_size, got {crop}, {min_size}, {max_size}")
     steps = [v2.ToImage(), v2.RGB()]
@@ -327,9 +330,9 @@ class BatchedTransform(torch.nn.Module):
 
 
 @register_transform("glyph")
-def _glyph(train, degrees=6.0, translate=0.06, scale=(0.9, 1.1), shear=6.0, stroke_p=0.5,
-           max_radius=1, blur_p=0.3, blur_sigma=(0.1, 0.8), noise_sigma=0.05, channels=1,
-           normalize="minus_one_one", batched=False):
+def _glyph(train, degrees: float = 6.0, translate: float = 0.06, scale=(0.9, 1.1), shear: float = 6.0,
+           stroke_p: float = 0.5, max_radius: int = 1, blur_p: float = 0.3, blur_sigma=(0.1, 0.8),
+           noise_sigma: float = 0.05, channels: int = 1, normalize: str | dict = "minus_one_one", batched: bool = False):
     steps = [v2.ToImage(), v2.Grayscale(1), v2.ToDtype(torch.float32, scale=True)]
     if train and batched:
         # per image only what collation needs (uint8 tensors pass through); the rest per batch
@@ -354,7 +357,8 @@ def _glyph(train, degrees=6.0, translate=0.06, scale=(0.9, 1.1), shear=6.0, stro
 
 
 @register_transform("mnist")
-def _mnist(train, translate=0.08, flip=False, channels=1, normalize="minus_one_one", size=None):
+def _mnist(train, translate: float = 0.08, flip: bool = False, channels: int = 1, normalize: str | dict = "minus_one_one",
+           size: int | None = None):
     steps = [v2.ToImage(), v2.Grayscale(1)]
     if size is not None:  # your own small images: one size for every image (aspect not kept)
         steps.append(v2.Resize((int(size), int(size)), antialias=True))
@@ -455,7 +459,7 @@ class StackOfDifferences(torch.nn.Module):
 
 
 @register_transform("sod")
-def _sod(train, size=None, crop=None, scale=1 / 255):
+def _sod(train, size=None, crop=None, scale: float = 1 / 255):
     return StackOfDifferences(size=size, crop=crop, train=train, scale=scale)
 
 
@@ -468,6 +472,12 @@ def transform_options(name: str) -> set[str]:
     """The options (``data.transform_options``) transform ``name`` accepts: its builder's
     keyword parameters besides ``train``.  An unknown name raises as :func:`build_transform`."""
     return TRANSFORMS.options(name, skip=("train",))
+
+
+def transform_option_hints(name: str) -> dict:
+    """The type hints of transform ``name``'s options (its builder's), for the config's value
+    check; an option without a hint (a pair such as ``scale``) is not in it."""
+    return option_hints(TRANSFORMS.get(name))
 
 
 def build_transform(name: str, train: bool, **opts) -> v2.Compose:

@@ -6,7 +6,7 @@ place a config's values and option names are checked.
 * :func:`check_config_options` (before a run is built): unknown keys inside the free-form
   ``options`` mappings of ``data``, ``data.transform_options``, ``model`` and ``loss.i``, with
   the closest valid name (``unknown option 'alpah'`` and ``alpha``), against the registries,
-  and the values of a loss term's and a dataset's options against their type hints;
+  and the values of a loss term's, a dataset's and a transform's options against their type hints;
 * :func:`check_monitored_metrics`: ``eval.best_metric`` and ``schedule.temperature.monitor``
   against :func:`~deepmetric.run.evaluation.expected_metrics`, the metric names the
   evaluation will produce.
@@ -263,7 +263,8 @@ def check_config_options(cfg: Config) -> None:
     option, before anything is built.  The accepted options come from the registries
     (:func:`~deepmetric.data.dataset_options`, :func:`~deepmetric.data.transform_options`,
     :func:`~deepmetric.models.model_options`, :func:`~deepmetric.losses.loss_options`)."""
-    from deepmetric.data import dataset_option_hints, dataset_options, list_transforms, transform_options
+    from deepmetric.data import (dataset_option_hints, dataset_options, list_transforms, transform_option_hints,
+                                 transform_options)
     from deepmetric.models import model_options
 
     d = cfg.data
@@ -280,6 +281,7 @@ def check_config_options(cfg: Config) -> None:
         except ValueError:
             raise _unknown_name_error("data.transform", "transform", d.transform, list_transforms()) from None
         _check_options("data.transform_options", d.transform_options, accepted, f"transform '{d.transform}'")
+        _check_option_values("data.transform_options", d.transform_options, transform_option_hints(d.transform))
 
     m = cfg.model
     try:
