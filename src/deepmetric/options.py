@@ -3,7 +3,7 @@ in ``model.options`` or a loss's keyword is one ``ValueError`` naming the option
 what was expected (and never a silent ``int(2.5) == 2`` / ``bool("false") is True``, nor torch's
 or Python's error about some operand deep inside a constructor); and the type hints of a
 constructor's options (:func:`option_hints`), against which ``run.config_checks`` checks the
-options of a config's losses and dataset."""
+options of a config's losses, dataset and transform."""
 from __future__ import annotations
 
 import numbers
