@@ -178,3 +178,21 @@ def test_error_in_a_loader_worker_is_one_line(digits, tmp_path, capsys):
     assert err.startswith(f"deepmetric train: error: folder: cannot read image {bad}: not an image that can be "
                           "decoded (image file is truncated")
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("inside", ["runs/first", ".", "zero/run"])
+def test_a_run_directory_inside_the_data_folder_is_refused_before_anything_is_made(digits, tmp_path, capsys, inside):
+    """train.out_dir=ROOT/runs made the folder, then refused it as an empty class; with
+    allow_empty_classes, the report's figures in it became a class 'runs' of the test split
+    and of an index of the folder.  Now refused first, naming both keys; nothing is written."""
+    root = _copy(digits, tmp_path / "data")
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    assert main(["train", *_fast(root, root / inside)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    what = "the data folder itself" if inside == "." else f"a class folder '{inside.split('/')[0]}'"
+    assert f"config key 'train.out_dir' ({root / inside}) is inside data.root ({root})" in err, err
+    assert what in err and "put the run outside the data folder" in err, err
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+    # beside the data folder (a name that only starts like it) is fine
+    assert main(["train", *_fast(root, tmp_path / "data_runs")]) == 0

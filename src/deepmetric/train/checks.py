@@ -5,6 +5,8 @@ the class count (the config's own checks, values and option names, are
 Everything here that can fail does so *before* training, with a message in the terms of the
 YAML config (``config key 'model.options.in_chans'``, ``data.options.skip_missing: true``):
 
+* :func:`check_out_dir_outside_data`: the run directory is not inside a ``folder`` dataset's root
+  (its figures would become a class);
 * :func:`check_images_readable`: every image of a file-based split opens (PIL reads the header
   and ``verify()`` checks the file structure; nothing is decoded);
 * :func:`check_model_input`: the transform's channels against the model's first convolution,
@@ -19,6 +21,7 @@ YAML config (``config key 'model.options.in_chans'``, ``data.options.skip_missin
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +34,7 @@ from deepmetric.run.evaluation import split_names
 
 from .image_warnings import grey_colour_warning, size_warnings
 
-__all__ = ["FEW_CLASSES", "check_images_readable", "check_model_input", "check_loss_inputs", "few_classes_warning",
+__all__ = ["FEW_CLASSES", "check_out_dir_outside_data", "check_images_readable", "check_model_input", "check_loss_inputs", "few_classes_warning",
            "short_input_warnings", "check_run"]
 
 #: Fewer training classes than this triggers :func:`few_classes_warning`.
@@ -39,6 +42,22 @@ FEW_CLASSES = 20
 
 
 # --------------------------------------------------------------------------- images
+def check_out_dir_outside_data(cfg: Config) -> None:
+    """ValueError when ``train.out_dir`` lies inside the root of a ``folder`` dataset: every
+    sub-folder of the root is a class, so the run directory became one (empty at the first
+    start: "'runs' (empty)"; with the report's figures in it, a class of PNGs in the test split
+    and in an index of the folder).  A csv or a benchmark reads only the files it lists."""
+    if cfg.data.name != "folder" or not cfg.data.root:
+        return
+    root, out = Path(cfg.data.root).expanduser().resolve(), Path(cfg.train.out_dir).expanduser().resolve()
+    if out == root or root in out.parents:
+        inside = out.relative_to(root).parts
+        what = f"a class folder '{inside[0]}'" if inside else "the data folder itself"
+        raise ValueError(f"config key 'train.out_dir' ({cfg.train.out_dir}) is inside data.root ({cfg.data.root}): "
+                         f"the folder dataset reads every sub-folder of its root as a class, so the run (its "
+                         f"checkpoints and the report's figures) would be {what}; put the run outside the data folder")
+
+
 def _header_problem(path: str) -> str | None:
     """None when PIL can open ``path`` and verify its structure, else the reason (one line)."""
     from PIL import Image, UnidentifiedImageError

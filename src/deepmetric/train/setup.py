@@ -23,7 +23,7 @@ from deepmetric.run.rundir import RunDirectoryError, prepare_run_dir
 
 from . import distributed as D
 from . import tracking as T
-from .checks import check_run
+from .checks import check_out_dir_outside_data, check_run
 from .evaluator import Evaluator
 from .finetune import probed_backbone
 from .module import PretrainedTeacher, TrainingModule, init_from_class_means, init_head_from_pca
@@ -127,6 +127,7 @@ def _start(cfg: Config, *, resume, overwrite: bool):
     tc = cfg.train
     resolve_model_preprocessing(cfg)  # data.transform: timm: the model's numbers, saved with the config
     check_config(cfg)  # option and metric names: fail before anything is built
+    check_out_dir_outside_data(cfg)
     T.check_loggers(tc.loggers)  # the trackers' libraries too
     dist_info = D.init_distributed(tc.device)
     device = dist_info.device
