@@ -239,3 +239,31 @@ def test_help_has_a_runnable_example(command, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert f"example:\n  deepmetric {command} " in out
+
+
+def test_data_option_sets_the_data_options_of_the_images_to_index(shapes, tmp_path, capsys):
+    """A folder with an empty class folder was refused with advice in YAML terms
+    (data.options.allow_empty_classes: true) that the index command had no way to take; the
+    checkpoint's own data.options were the only ones.  --data-option KEY=VALUE sets them."""
+    part = make_shapes_folder(tmp_path / "part", classes=["red_disc", "yellow_cross"])
+    (part / "empty_class").mkdir()
+    ckpt = str(shapes["checkpoint"])
+    base = ["index", ckpt, "--data", "folder", "--root", str(part), "--no-progress"]
+    assert cli.main([*base, "--out", str(tmp_path / "a")]) == 2
+    assert "allow_empty_classes" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    assert cli.main([*base, "--out", str(tmp_path / "b"), "--data-option", "allow_empty_classes=true"]) == 0
+    ix = Index.load(tmp_path / "b")
+    assert len(ix) == 16 and ix.class_names == ["red_disc", "yellow_cross"]
+    for bad, said in ((["--data-option", "allow_empty_classes"], "--data-option 'allow_empty_classes': expected "
+                                                                   "KEY=VALUE"),
+                      (["--data-option", "x=[1"], "--data-option 'x=[1': the value is not valid YAML"),
+                      (["--data-option", "alow_empty_classes=true"], "alow_empty_classes")):
+        assert cli.main([*base, "--out", str(tmp_path / "c"), *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and said in err, err
+        assert not (tmp_path / "c").exists()
+    emb = tmp_path / "e.npz"
+    np.savez(emb, embeddings=np.eye(3, dtype=np.float32))
+    assert cli.main(["index", "--embeddings", str(emb), "--out", str(tmp_path / "d"), "--data-option", "a=1"]) == 2
+    assert "--data-option applies to images embedded with a CHECKPOINT" in capsys.readouterr().err

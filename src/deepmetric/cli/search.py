@@ -21,6 +21,10 @@ def add_index_parser(sub) -> None:
     p.add_argument("--root", default=None, help="dataset root: the folder (folder), the .csv file (csv), ...")
     p.add_argument("--split", default=None,
                    help="split to index (default: all for folder/csv, test otherwise)")
+    p.add_argument("--data-option", action="append", default=[], metavar="KEY=VALUE", dest="data_options",
+                   help="a data.options entry for the images to index, the value read as YAML (repeatable; e.g. "
+                        "allow_empty_classes=true, skip_missing=true); the checkpoint's own data.options apply too "
+                        "unless --data names another dataset")
     p.add_argument("--out", required=True, metavar="INDEX_DIR", help="index folder to write (or add to)")
     p.add_argument("--approximate", default=None, choices=["ivf", "hnsw", "ivfpq"],
                    help="build an approximate faiss index (large galleries); its recall@10 against exact "
@@ -57,6 +61,9 @@ def _run_index(args: argparse.Namespace) -> int:
 
     if (args.checkpoint is None) == (args.embeddings is None):
         raise ValueError("give either CHECKPOINT (embed images) or --embeddings FILE (vectors you have)")
+    data_options = _data_options(args.data_options)
+    if data_options and args.embeddings is not None:
+        raise ValueError("--data-option applies to images embedded with a CHECKPOINT, not to --embeddings")
     if args.reduce_dim is not None and args.reduce_dim < 1:  # 0 was taken for "not given"
         raise ValueError(f"--reduce-dim must be a whole number >= 1 (the PCA's dimensions), got {args.reduce_dim}")
     options = {k: v for k, v in (("memory_gb", args.memory_budget), ("reduce_dim", args.reduce_dim)) if v is not None}
@@ -76,6 +83,7 @@ def _run_index(args: argparse.Namespace) -> int:
         _print_recall(index)
         return 0
     index = Index.build(args.checkpoint, data=args.data, root=args.root, split=args.split, out=args.out,
+                        options=data_options,
                         approximate=args.approximate, add=args.add, overwrite=args.overwrite,
                         index_options=options, batch_size=args.batch_size, shard_size=args.shard_size,
                         search_device=args.search_device, device=args.device, num_workers=args.num_workers,
@@ -91,6 +99,22 @@ def _run_index(args: argparse.Namespace) -> int:
         print(f"embedded with the model's {index.meta['embedding_output']} output (the checkpoint's eval.embedding)")
     _print_recall(index)
     return 0
+
+
+def _data_options(given: list[str]) -> dict:
+    """``--data-option KEY=VALUE`` entries as a mapping, each value read as YAML (``true``, ``3``)."""
+    import yaml
+
+    out = {}
+    for item in given:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--data-option {item!r}: expected KEY=VALUE, e.g. allow_empty_classes=true")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(f"--data-option {item!r}: the value is not valid YAML") from None
+    return out
 
 
 def _print_skipped(index, unit: str) -> None:
