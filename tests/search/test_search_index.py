@@ -267,3 +267,27 @@ def test_data_option_sets_the_data_options_of_the_images_to_index(shapes, tmp_pa
     np.savez(emb, embeddings=np.eye(3, dtype=np.float32))
     assert cli.main(["index", "--embeddings", str(emb), "--out", str(tmp_path / "d"), "--data-option", "a=1"]) == 2
     assert "--data-option applies to images embedded with a CHECKPOINT" in capsys.readouterr().err
+
+
+def test_a_linked_image_keeps_its_own_path_and_a_linked_root_is_one_root(shapes, tmp_path):
+    """A symbolic link in one class folder to another class's image was stored under its
+    target's path: the index held that path twice (with two labels) and search showed a
+    red_disc hit in the green_square folder.  The link's own path is stored now; a root given
+    through a link (or as ../) is still the same root, so --add skips what is indexed."""
+    part = make_shapes_folder(tmp_path / "part", per_class=2, classes=["red_disc", "yellow_cross"])
+    link = part / "red_disc" / "link_to_cross.png"
+    link.symlink_to(part / "yellow_cross" / "yellow_cross_00.png")
+    ckpt = str(shapes["checkpoint"])
+    out = tmp_path / "ix"
+    assert cli.main(["index", ckpt, "--data", "folder", "--root", str(part), "--out", str(out), "--no-progress"]) == 0
+    ix = Index.load(out)
+    assert len(ix) == 5 and len(set(ix.paths)) == 5
+    row = ix.paths.index(str(link))
+    assert ix.class_names[ix.labels[row]] == "red_disc"
+    target = ix.paths.index(str(part / "yellow_cross" / "yellow_cross_00.png"))
+    assert np.allclose(ix.embeddings[row], ix.embeddings[target])  # the same pixels
+    (tmp_path / "via_link").symlink_to(part)
+    for root in (tmp_path / "via_link", part / "red_disc" / ".." / ".."  / "part"):
+        assert cli.main(["index", ckpt, "--data", "folder", "--root", str(root), "--out", str(out), "--add",
+                         "--no-progress"]) == 0
+        assert len(Index.load(out)) == 5, root

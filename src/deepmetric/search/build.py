@@ -44,6 +44,16 @@ def class_names_of(ds) -> list[str] | None:
     return [str(c) for c in ids] if ids else None
 
 
+def indexed_path(path) -> str:
+    """The path an index stores for an image file: absolute, its folders resolved (a root given
+    through a link or as ``../x`` is one root: ``--add`` skips what is indexed), the file's own
+    name kept.  Resolving the file too stored a symbolic link under its target's path: a link
+    in one class folder to an image of another was shown as a hit in the other class's folder,
+    and two rows had one path."""
+    p = Path(path).expanduser().absolute()
+    return str(p.parent.resolve() / p.name)
+
+
 def _point_at_data(cfg, *, data, options, root, split) -> str:
     """Point the checkpoint's config at the data to index (another dataset, more options,
     another root); the split to read (default: every image of a folder or csv, else "test")."""
@@ -154,7 +164,7 @@ def embed_dataset_for_index(checkpoint, *, data=None, root=None, split=None, opt
     paths = ds.paths
     in_memory = paths is None and ds.images is not None
     if paths is not None:
-        paths = [str(Path(p).resolve()) for p in paths]
+        paths = [indexed_path(p) for p in paths]
         keep = [i for i in range(n) if paths[i] not in skip_paths]
     else:
         keep = list(range(n))
