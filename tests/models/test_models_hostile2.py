@@ -280,3 +280,16 @@ def test_embed_a_vit_checkpoint_on_images_of_another_size(tmp_path, capsys):
     assert err.count("\n") == 0, err
     assert "was built for 32x32 images" in err and "got 40x40" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["resnet18", "timm/resnet18"])
+@pytest.mark.parametrize("given", ["none", "None", "false"])
+def test_pretrained_none_written_as_a_string_says_how_to_write_null(name, given):
+    """model.options.pretrained: none (YAML reads it as the string 'none') was looked for as a
+    weights file: 'pretrained weights file not found: 'none'', nothing on what to write."""
+    with pytest.raises(FileNotFoundError, match=rf"not found: '{given}' .*for no pretrained weights write "
+                                                r"model.options.pretrained: null"):
+        create_model(name, embedding_dim=4, pretrained=given)
+    with pytest.raises(FileNotFoundError) as err:
+        create_model(name, embedding_dim=4, pretrained="missing.pth")
+    assert "null" not in str(err.value)

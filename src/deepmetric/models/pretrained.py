@@ -29,6 +29,7 @@ from torch import nn
 
 __all__ = [
     "LoadReport",
+    "no_weights_hint",
     "read_state_dict",
     "read_weights_file",
     "check_not_a_folder",
@@ -79,9 +80,17 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"pretrained weights file not found: {path!r} (deepmetric never downloads weights; "
-            "pass the path of a local .pth/.pt state dict or .safetensors file)"
+            "pass the path of a local .pth/.pt state dict or .safetensors file)" + no_weights_hint(path)
         )
     return tensor_mapping(path, read_weights_file(path), _WRAPPER_KEYS)
+
+
+def no_weights_hint(path: str) -> str:
+    """For a missing weights file named like "no weights" (``none``, ``None``, ``false``, ``""``;
+    YAML's null is ``null`` or ``~``, and the string 'none' was looked for as a file): how to say it."""
+    if str(path).strip().lower() in ("none", "false", "no", "off", ""):
+        return "; for no pretrained weights write model.options.pretrained: null (YAML's null; 'none' is a string)"
+    return ""
 
 
 def check_not_a_folder(path: str) -> None:

@@ -42,8 +42,8 @@ from torch import nn
 from deepmetric.registry import did_you_mean
 
 from deepmetric.options import bool_option, float_option, int_option
-from .pretrained import (LoadReport, check_not_a_folder, clean_state_dict, load_pretrained, read_weights_file,
-                         tensor_mapping)
+from .pretrained import (LoadReport, check_not_a_folder, clean_state_dict, load_pretrained, no_weights_hint,
+                         read_weights_file, tensor_mapping)
 
 __all__ = ["TIMM_PREFIX", "HUB", "is_timm_name", "timm_model_name", "TimmBackbone", "create_timm_backbone",
            "timm_data_config", "TIMM_OPTIONS", "read_timm_file", "load_timm_weights", "takes_img_size",
@@ -324,7 +324,7 @@ def read_timm_file(path) -> dict:
     check_not_a_folder(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pretrained weights file not found: {path!r} (model.options.pretrained: a "
-                                f"local .safetensors / .pth / .bin file with timm's keys, or 'hub')")
+                                f"local .safetensors / .pth / .bin file with timm's keys, or 'hub')" + no_weights_hint(path))
     # module. / _orig_mod. prefixes stripped (timm strips module.) before the caller looks for backbone.*
     return clean_state_dict(tensor_mapping(path, read_weights_file(path), _TIMM_WRAPPER_KEYS))
 
