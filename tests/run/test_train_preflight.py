@@ -498,3 +498,15 @@ def test_almn_on_a_unit_length_input_is_warned(options, input_, warned):
             assert len(w) == 1 and w[0].startswith(f"loss.0 (almn) reads '{input_}', which is {expect}"), w
             fix = "bn_divide_sqrt_k: false" if input_ == "projection" else "model.options.norm: none"
             assert fix in w[0]
+
+
+def test_an_unknown_option_set_to_null_says_null_does_not_remove_it():
+    """Switching a recipe's model by override kept its model options; freeze_stages=null to drop
+    one was refused as an unknown option with nothing on how to drop it."""
+    with pytest.raises(ConfigError, match=r"^config key 'model.options.freeze_stages': unknown option 'freeze_stages' "
+                                          r"for model 'glyph_resnet'.*; model.options.freeze_stages=null sets the "
+                                          r"option to null, it does not remove it: .*'model.options=\{...\}'"):
+        check_config_options(_cfg(model={"name": "glyph_resnet", "options": {"freeze_stages": None}}))
+    with pytest.raises(ConfigError) as err:  # a value: the plain message
+        check_config_options(_cfg(model={"name": "glyph_resnet", "options": {"freeze_stages": 2}}))
+    assert "null" not in str(err.value)

@@ -240,14 +240,21 @@ def unknown_option_error(path: str, key: str, accepted: Iterable[str], owner: st
     return ConfigError(f"config key '{path}.{key}': unknown option '{key}' for {owner}{hint}")
 
 
-def _check_options(path: str, given: Iterable[str], accepted: set[str] | None, owner: str) -> None:
+def _check_options(path: str, given: dict, accepted: set[str] | None, owner: str) -> None:
     """Every key of ``given`` must be in ``accepted`` (None: the registry cannot tell, the
-    builder checks them itself)."""
+    builder checks them itself).  An unknown key set to null is most often a recipe's option
+    that an override ``KEY=null`` was meant to remove (another model than the recipe's): the
+    message says that null sets a value and how to replace the whole mapping."""
     if accepted is None:
         return
     for key in given:
         if key not in accepted:
-            raise unknown_option_error(path, key, accepted, owner)
+            err = unknown_option_error(path, key, accepted, owner)
+            if given[key] is None:
+                err = ConfigError(f"{err}; {path}.{key}=null sets the option to null, it does not remove it: "
+                                  f"to drop an option of the recipe, give the whole mapping, e.g. "
+                                  f"'{path}={{...}}' with the options you keep")
+            raise err
 
 
 def _unknown_name_error(key: str, what: str, name, names: list[str]) -> ConfigError:
