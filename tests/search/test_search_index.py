@@ -291,3 +291,19 @@ def test_a_linked_image_keeps_its_own_path_and_a_linked_root_is_one_root(shapes,
         assert cli.main(["index", ckpt, "--data", "folder", "--root", str(root), "--out", str(out), "--add",
                          "--no-progress"]) == 0
         assert len(Index.load(out)) == 5, root
+
+
+def test_an_index_of_vectors_searched_with_an_image_says_to_give_the_checkpoint(shapes, tmp_path, capsys):
+    """'search it with embeddings, not images' named nothing the command line can do; the
+    --checkpoint of the model that made the vectors works, and the message now says so."""
+    src = Index.load(shapes["index_dir"])
+    emb = tmp_path / "v.npz"
+    np.savez(emb, embeddings=src.embeddings, labels=src.labels, class_names=np.array(src.class_names))
+    out = tmp_path / "vix"
+    assert cli.main(["index", "--embeddings", str(emb), "--out", str(out)]) == 0
+    query = str(_queries(shapes)[0])
+    capsys.readouterr()
+    assert cli.main(["search", str(out), query, "--k", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no checkpoint (built from embeddings)" in err and "--checkpoint FILE" in err, err
+    assert cli.main(["search", str(out), query, "--k", "2", "--checkpoint", str(shapes["checkpoint"])]) == 0

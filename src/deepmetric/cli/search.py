@@ -188,7 +188,8 @@ def add_search_parser(sub) -> None:
     p.add_argument("--html", default=None, metavar="OUT.html",
                    help="also write an HTML page with a thumbnail grid (self-contained)")
     p.add_argument("--checkpoint", default=None,
-                   help="the index's checkpoint if it moved (must have the same SHA-256)")
+                   help="the index's checkpoint if it moved (must have the same SHA-256); for an index built "
+                        "from --embeddings, the checkpoint whose model made the vectors")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] for embedding the queries (default cpu)")
 
 

@@ -387,8 +387,9 @@ class Index:
             c = self.meta.get("checkpoint") or {}
             path = checkpoint or c.get("path")
             if not path:
-                raise ValueError("this index has no checkpoint (built from embeddings): search it with "
-                                 "embeddings, not images")
+                raise ValueError("this index has no checkpoint (built from embeddings), so nothing here can embed "
+                                 "an image: give the checkpoint whose model made the vectors (--checkpoint FILE; "
+                                 "index.model(checkpoint) in Python), or search with vectors (Index.search)")
             if not Path(path).is_file():
                 raise FileNotFoundError(f"the index's checkpoint {path} is missing; pass the moved file "
                                         "(--checkpoint FILE / checkpoint=...)")
