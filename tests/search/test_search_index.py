@@ -241,7 +241,7 @@ def test_help_has_a_runnable_example(command, capsys):
     assert f"example:\n  deepmetric {command} " in out
 
 
-def test_data_option_sets_the_data_options_of_the_images_to_index(shapes, tmp_path, capsys):
+def test_data_option_sets_the_data_options_of_the_images_to_index(shapes, tmp_path, capsys, monkeypatch):
     """A folder with an empty class folder was refused with advice in YAML terms
     (data.options.allow_empty_classes: true) that the index command had no way to take; the
     checkpoint's own data.options were the only ones.  --data-option KEY=VALUE sets them."""
@@ -252,7 +252,11 @@ def test_data_option_sets_the_data_options_of_the_images_to_index(shapes, tmp_pa
     assert cli.main([*base, "--out", str(tmp_path / "a")]) == 2
     assert "allow_empty_classes" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
-    assert cli.main([*base, "--out", str(tmp_path / "b"), "--data-option", "allow_empty_classes=true"]) == 0
+    monkeypatch.chdir(tmp_path)  # a relative --root is recorded as the absolute folder it named
+    assert cli.main(["index", ckpt, "--data", "folder", "--root", "part", "--no-progress", "--out", "b",
+                     "--data-option", "allow_empty_classes=true"]) == 0
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["data"]["options"]["allow_empty_classes"] is True and manifest["data"]["root"] == str(part)
     ix = Index.load(tmp_path / "b")
     assert len(ix) == 16 and ix.class_names == ["red_disc", "yellow_cross"]
     for bad, said in ((["--data-option", "allow_empty_classes"], "--data-option 'allow_empty_classes': expected "

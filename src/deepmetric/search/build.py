@@ -132,7 +132,9 @@ def _index_input(emb, labels, out_paths, names, cfg, state, preprocessing, split
     """What :meth:`Index.build` writes: the embeddings with their rows and where they came from."""
     return {"embeddings": emb, "labels": labels, "paths": out_paths, "class_names": names,
             "config": state["config"], "preprocessing": preprocessing.to_dict(), "embedding_output": output,
-            "data": {"name": cfg.data.name, "root": cfg.data.root, "split": split,
+            # the root as an absolute path: a relative one says nothing once the command's folder is gone
+            "data": {"name": cfg.data.name, "root": cfg.data.root and str(Path(cfg.data.root).expanduser().absolute()),
+                     "split": split,
                      "options": dict(cfg.data.options), "images": len(keep)},
             "skipped": n - len(keep)}
 
