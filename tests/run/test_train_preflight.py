@@ -16,7 +16,7 @@ from deepmetric.run.baselines import raw_pixel_baseline
 from deepmetric.run.config_checks import check_config_options, check_monitored_metrics
 from deepmetric.run.evaluation import expected_metrics
 from deepmetric.train.checks import check_images_readable, check_model_input, few_classes_warning
-from deepmetric.train.image_warnings import size_warnings
+from deepmetric.train.image_warnings import patch_grid_warning, size_warnings
 from deepmetric.train.summary import describe_split, format_run_end, format_run_summary
 
 
@@ -510,3 +510,18 @@ def test_an_unknown_option_set_to_null_says_null_does_not_remove_it():
     with pytest.raises(ConfigError) as err:  # a value: the plain message
         check_config_options(_cfg(model={"name": "glyph_resnet", "options": {"freeze_stages": 2}}))
     assert "null" not in str(err.value)
+
+
+def test_a_vit_input_that_is_not_a_multiple_of_its_patch_is_warned_about():
+    """timm builds a ViT for img_size 100 with 16 px patches and runs it: the patch grid covers
+    96x96 and the last 4 pixel rows and columns of every image were dropped without a word."""
+    from deepmetric.models import create_model
+
+    vit = "timm/vit_tiny_patch16_224"
+    cfg = _cfg(model={"name": vit})
+    w = patch_grid_warning(cfg, create_model(vit, embedding_dim=4, img_size=[100, 96]), (3, 100, 96))
+    assert w == (f"model '{vit}' cuts its 100x96 inputs into 16x16 patches: it sees only 96x96, the last 4 pixel "
+                 "row(s) and 0 column(s) of every image never reach it; make the input 96x96 or 112x96 "
+                 "(data.transform_options, and model.options.img_size if set)")
+    assert patch_grid_warning(cfg, create_model(vit, embedding_dim=4, img_size=96), (3, 96, 96)) is None
+    assert patch_grid_warning(_cfg(), create_model("glyph_resnet", embedding_dim=4), (1, 30, 30)) is None

@@ -14,6 +14,8 @@ YAML config (``config key 'model.options.in_chans'``, ``data.options.skip_missin
 * :func:`~deepmetric.train.image_warnings.size_warnings`: images enlarged more than 2x by the
   transform, or small inputs fed to an ImageNet architecture;
   :func:`~deepmetric.train.image_warnings.grey_colour_warning`: colour files read as grayscale;
+  :func:`~deepmetric.train.image_warnings.patch_grid_warning`: a ViT's input not a multiple of
+  its patch (the last pixel rows and columns never reach it);
   :func:`few_classes_warning`.
 
 :func:`check_run` runs them all, as the loop does.
@@ -32,7 +34,7 @@ from deepmetric.run.checkpoint import rng_preserved
 from deepmetric.run.config import Config
 from deepmetric.run.evaluation import split_names
 
-from .image_warnings import grey_colour_warning, size_warnings
+from .image_warnings import grey_colour_warning, patch_grid_warning, size_warnings
 
 __all__ = ["FEW_CLASSES", "check_out_dir_outside_data", "check_images_readable", "check_model_input", "check_loss_inputs", "few_classes_warning",
            "short_input_warnings", "check_run"]
@@ -247,9 +249,9 @@ def check_run(cfg: Config, model: nn.Module, train_set, eval_sets: dict[str, Any
     with rng_preserved():
         shape = check_model_input(model, train_set, cfg)
     warns = size_warnings(cfg, train_set, shape) + short_input_warnings(cfg, model)
-    grey = grey_colour_warning(cfg, train_set)
-    if grey is not None:
-        warns.append(grey)
+    for extra in (grey_colour_warning(cfg, train_set), patch_grid_warning(cfg, model, shape)):
+        if extra is not None:
+            warns.append(extra)
     n = train_set.num_classes
     if n is None:
         n = len(np.unique(np.asarray(train_set.labels)))

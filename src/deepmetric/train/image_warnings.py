@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["MAX_ENLARGEMENT", "SAMPLED_FILES", "sample_paths", "native_size", "size_warnings",
-           "is_colour_image", "grey_colour_warning"]
+           "patch_grid_warning", "is_colour_image", "grey_colour_warning"]
 
 #: Per-side enlargement (network input side / the image's longer side) above which a run warns:
 #: more computation for no new detail, and blur the network was not trained on.
@@ -86,6 +86,27 @@ def size_warnings(cfg, dataset, sample_shape: tuple[int, ...]) -> list[str]:
             "(or lenet) for small images, or enlarge them"
         )
     return out
+
+
+def patch_grid_warning(cfg, model, sample_shape: tuple[int, ...]) -> str | None:
+    """A warning when the input's height or width is not a multiple of a vision transformer's
+    patch (timm's ``PatchEmbed``): its strided convolution covers only whole patches, so the
+    last rows / columns of every image never reach the network (timm builds the model and runs
+    it without a word).  A warning, not an error: runs trained so keep loading."""
+    if len(sample_shape) != 3:
+        return None
+    patch = next((m.patch_size for m in model.modules()
+                  if type(m).__name__.endswith("PatchEmbed") and getattr(m, "patch_size", None)), None)
+    if patch is None:
+        return None
+    ph, pw = (patch, patch) if isinstance(patch, int) else tuple(patch)[:2]
+    h, w = sample_shape[-2:]
+    if h % ph == 0 and w % pw == 0:
+        return None
+    lower, upper = f"{h // ph * ph}x{w // pw * pw}", f"{-(-h // ph) * ph}x{-(-w // pw) * pw}"
+    return (f"model '{cfg.model.name}' cuts its {h}x{w} inputs into {ph}x{pw} patches: it sees only {lower}, the "
+            f"last {h % ph} pixel row(s) and {w % pw} column(s) of every image never reach it; make the input "
+            f"{lower} or {upper} (data.transform_options, and model.options.img_size if set)")
 
 
 def is_colour_image(path: Any, side: int = 64) -> bool | None:
