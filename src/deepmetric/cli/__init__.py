@@ -12,6 +12,9 @@ message); set the environment variable ``DEEPMETRIC_DEBUG=1`` to get the full tr
 instead.  Every sub-command's ``--help`` ends with runnable examples.  The ``KEY=VALUE`` config
 overrides of the commands that take them (train, demo, tune, study) may stand anywhere on the
 line (:func:`parse_command_line`).
+
+Ctrl-C ends every command with one line (``deepmetric serve: interrupted``; ``index`` adds that
+its ``--out`` was left as it was) and exit code 130, as ``train`` and ``tune`` do.
 """
 from __future__ import annotations
 
@@ -86,9 +89,36 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
     return args
 
 
+#: what an interrupted command leaves, after "interrupted" (the others: nothing more to say)
+_INTERRUPTED = {"index": "; {out} was left as it was (an index is replaced only once complete)",
+                "index-migrate": "; {index_dir} was left as it was (it is replaced only once rewritten whole)",
+                "export": "; {out} was left as it was (it is replaced only once written whole)"}
+
+
+def _interrupted_line(args: argparse.Namespace) -> str:
+    """The one line a command ended by Ctrl-C prints."""
+    what = _INTERRUPTED.get(args.command, "")
+    try:
+        what = what.format(**vars(args))
+    except (KeyError, IndexError, ValueError):
+        what = ""
+    return f"deepmetric {spoken(args.command)}: interrupted{what}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_command_line(parser, argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # anywhere: loading, embedding, serving (an index's temporary folder is already removed)
+        if os.environ.get("DEEPMETRIC_DEBUG"):
+            raise
+        print(_interrupted_line(args), file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the sub-command; a user error is one line on stderr and exit code 2 (module doc)."""
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, TypeError, KeyError, OSError, RuntimeError, ImportError) as exc:
@@ -105,5 +135,3 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(msg).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         print(f"deepmetric {spoken(args.command)}: error: {msg}", file=sys.stderr)
         return 2
-
-

@@ -1,0 +1,58 @@
+"""How a command ends when the user or the shell ends it (new-user trial): Ctrl-C ends every
+command with one line and exit code 130 (serve printed asyncio's traceback and exited -2; index
+--add torch's), an index's temporary folder still removed and the index left as it was."""
+import shutil
+import signal
+
+import pytest
+
+from deepmetric import cli
+from search_data import shapes_setup
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    return shapes_setup(tmp_path_factory)
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+def test_ctrl_c_stops_serve_with_one_line_and_exit_code_130(shapes):
+    from serving import request, serve_subprocess
+
+    with serve_subprocess(shapes["index_dir"]) as (url, proc, output):  # 127.0.0.1, port 0
+        assert request(url, "GET", "/api/info", timeout=10)[0] == 200
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        out = output()
+    assert rc == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.strip().splitlines()[-1] == "deepmetric serve: interrupted"
+
+
+def test_ctrl_c_during_index_add_is_one_line_and_leaves_the_index_as_it_was(shapes, tmp_path, monkeypatch, capsys):
+    import deepmetric.search.build as build
+
+    out = tmp_path / "index"
+    shutil.copytree(shapes["index_dir"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    extra = tmp_path / "extra"
+    shutil.copytree(shapes["queries"], extra)
+    real = build.embed_dataset_for_index
+    reached = []
+
+    def embed_then_ctrl_c(*args, **kwargs):  # Ctrl-C once the new images are embedded (and copied)
+        real(*args, **kwargs)
+        reached.append(sorted(p.name for p in tmp_path.iterdir()))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build, "embed_dataset_for_index", embed_then_ctrl_c)
+    try:
+        rc = cli.main(["index", str(shapes["checkpoint"]), "--data", "folder", "--root", str(extra),
+                       "--out", str(out), "--add", "--no-progress"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped deepmetric's main() (a traceback on the command line)")
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err == f"deepmetric index: interrupted; {out} was left as it was (an index is replaced only once complete)\n"
+    assert any(n.startswith(".index.tmp-") for n in reached[0])  # the transaction's folder existed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra", "index"]  # and is removed
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
