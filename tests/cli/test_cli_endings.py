@@ -1,17 +1,31 @@
 """How a command ends when the user or the shell ends it (new-user trial): Ctrl-C ends every
 command with one line and exit code 130 (serve printed asyncio's traceback and exited -2; index
---add torch's), an index's temporary folder still removed and the index left as it was."""
+--add torch's), an index's temporary folder still removed and the index left as it was; a
+standard output closed by its reader (``search ... | head -3``) ends quietly (it printed
+``error: [Errno 32] Broken pipe``)."""
+import os
 import shutil
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from deepmetric import cli
 from search_data import shapes_setup
 
+SRC = Path(__file__).parents[2] / "src"
+
+
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     return shapes_setup(tmp_path_factory)
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1", "DEEPMETRIC_DEBUG": ""}
 
 
 # --------------------------------------------------------------------------- Ctrl-C
@@ -56,3 +70,20 @@ def test_ctrl_c_during_index_add_is_one_line_and_leaves_the_index_as_it_was(shap
     assert any(n.startswith(".index.tmp-") for n in reached[0])  # the transaction's folder existed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["extra", "index"]  # and is removed
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+# --------------------------------------------------------------------------- closed standard output
+def test_a_closed_stdout_ends_search_quietly(shapes):
+    """``deepmetric search ... | head -3``: the reader is gone before the results are printed."""
+    query = sorted(Path(shapes["queries"]).glob("*/*.png"))[0]
+    proc = subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "search", str(shapes["index_dir"]), str(query),
+                             "--k", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    proc.stdout.close()  # as head does once it has its lines
+    try:
+        err = proc.stderr.read().decode()
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert err == "" and rc == 141, (rc, err)

@@ -14,7 +14,9 @@ overrides of the commands that take them (train, demo, tune, study) may stand an
 line (:func:`parse_command_line`).
 
 Ctrl-C ends every command with one line (``deepmetric serve: interrupted``; ``index`` adds that
-its ``--out`` was left as it was) and exit code 130, as ``train`` and ``tune`` do.
+its ``--out`` was left as it was) and exit code 130, as ``train`` and ``tune`` do. A
+standard output closed by its reader (``deepmetric search ... | head -3``) ends the command
+quietly with exit code 141 (128 + SIGPIPE, as a shell reports a command SIGPIPE ended).
 """
 from __future__ import annotations
 
@@ -105,6 +107,31 @@ def _interrupted_line(args: argparse.Namespace) -> str:
     return f"deepmetric {spoken(args.command)}: interrupted{what}"
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe (or socket) whose reader has gone: a BrokenPipeError
+    from there ends the command quietly; one from elsewhere (a server's socket) is an error."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):  # no poll (Windows) or no real stdout: assume it was stdout
+        return True
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's last flush of what is still
+    buffered does not fail again (the recipe of Python's docs, 'Note on SIGPIPE')."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_command_line(parser, argv)
@@ -115,13 +142,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(_interrupted_line(args), file=sys.stderr)
         return 130
+    except BrokenPipeError:  # _run lets through only one from a closed standard output
+        _quiet_stdout()
+        return 141
 
 
 def _run(args: argparse.Namespace) -> int:
     """Run the sub-command; a user error is one line on stderr and exit code 2 (module doc)."""
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a pipe closed by its reader fails here, not at the interpreter's exit
+        return code
     except (ValueError, FileNotFoundError, TypeError, KeyError, OSError, RuntimeError, ImportError) as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
+            raise  # main ends quietly
         from deepmetric.data.loader import worker_error_message
 
         in_worker = worker_error_message(exc)
