@@ -2,12 +2,14 @@
 command with one line and exit code 130 (serve printed asyncio's traceback and exited -2; index
 --add torch's), an index's temporary folder still removed and the index left as it was; a
 standard output closed by its reader (``search ... | head -3``) ends quietly (it printed
-``error: [Errno 32] Broken pipe``)."""
+``error: [Errno 32] Broken pipe``); deepmetric's own warnings are one ``note:`` line each, not
+Python's ``file:line: UserWarning`` and the source line."""
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,42 @@ def test_a_closed_stdout_ends_search_quietly(shapes):
             proc.kill()
             proc.wait(timeout=30)
     assert err == "" and rc == 141, (rc, err)
+
+
+# --------------------------------------------------------------------------- warnings
+@pytest.fixture(scope="module")
+def loose_root(shapes, tmp_path_factory):
+    """The shapes folder with two images directly in it (the folder dataset warns of them)."""
+    root = tmp_path_factory.mktemp("loose") / "photos"
+    shutil.copytree(shapes["folder"], root)
+    for name in ("loose_a.png", "loose_b.png"):
+        shutil.copy(next(root.glob("*/*.png")), root / name)
+    return root
+
+
+def test_deepmetric_warnings_are_one_note_line_on_the_command_line(shapes, loose_root, tmp_path):
+    """The folder dataset's warning (raised with stacklevel into data/registry.py) is one
+    ``note:`` line, without Python's ``registry.py:N: UserWarning`` and the source line."""
+    proc = subprocess.run([sys.executable, "-m", "deepmetric.cli", "index", str(shapes["checkpoint"]), "--data",
+                           "folder", "--root", str(loose_root), "--out", str(tmp_path / "index"), "--no-progress"],
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "loose_a.png" in line] == [
+        f"deepmetric index: note: folder: 2 images directly in '{loose_root}' (e.g. loose_a.png) are ignored: "
+        "only images inside class folders are used"], proc.stderr
+    assert "UserWarning" not in proc.stderr and "return ImageListDataset" not in proc.stderr
+
+
+def test_other_libraries_warnings_keep_pythons_form_and_pytest_warns_still_sees_them(shapes, loose_root,
+                                                                                    tmp_path):
+    from deepmetric.data import folder
+
+    fmt = cli._note_format("index", warnings.formatwarning)
+    assert fmt("m", UserWarning, folder.__file__, 3) == "deepmetric index: note: m\n"
+    other = str(Path(warnings.__file__).with_name("site-packages") / "torch" / "x.py")
+    assert fmt("m", UserWarning, other, 3, "code") == warnings.formatwarning("m", UserWarning, other, 3, "code")
+    saved = warnings.formatwarning
+    with pytest.warns(UserWarning, match="folder: 2 images directly in"):  # recorded, as before
+        assert cli.main(["index", str(shapes["checkpoint"]), "--data", "folder", "--root", str(loose_root),
+                         "--out", str(tmp_path / "index"), "--no-progress"]) == 0
+    assert warnings.formatwarning is saved  # put back when the command ends

@@ -16,7 +16,10 @@ line (:func:`parse_command_line`).
 Ctrl-C ends every command with one line (``deepmetric serve: interrupted``; ``index`` adds that
 its ``--out`` was left as it was) and exit code 130, as ``train`` and ``tune`` do. A
 standard output closed by its reader (``deepmetric search ... | head -3``) ends the command
-quietly with exit code 141 (128 + SIGPIPE, as a shell reports a command SIGPIPE ended).
+quietly with exit code 141 (128 + SIGPIPE, as a shell reports a command SIGPIPE ended). The
+library's own warnings are printed as one line each, ``deepmetric COMMAND: note: MESSAGE``,
+not Python's ``file:line: UserWarning`` with a source line (:func:`_note_format`); other
+libraries' warnings keep Python's form.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import argparse
 import os
 import re
 import sys
+import warnings
+from pathlib import Path
 
 from deepmetric.cli import evaluate, experiments, search, train
 from deepmetric.cli.common import spoken
@@ -91,6 +96,33 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
     return args
 
 
+#: the folder of the deepmetric package: a warning raised from a file under it is the library's
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _from_deepmetric(category: type, filename: str) -> bool:
+    """Whether a warning is deepmetric's own: its category is defined in deepmetric, or the line
+    it points to (``stacklevel``) lies in a file of the package."""
+    if getattr(category, "__module__", "").split(".")[0] == "deepmetric":
+        return True
+    try:
+        return Path(filename).resolve().is_relative_to(_PACKAGE_DIR)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _note_format(command: str, python_format):
+    """A ``warnings.formatwarning`` for the command line: deepmetric's warnings as one line
+    ``deepmetric COMMAND: note: MESSAGE``, other libraries' in Python's form (``python_format``).
+    It replaces the formatting only, so ``warnings.catch_warnings(record=True)`` (pytest.warns,
+    the commands that collect warnings themselves) still records them."""
+    def format_warning(message, category, filename, lineno, line=None):
+        if _from_deepmetric(category, filename):
+            return f"deepmetric {spoken(command)}: note: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+    return format_warning
+
+
 #: what an interrupted command leaves, after "interrupted" (the others: nothing more to say)
 _INTERRUPTED = {"index": "; {out} was left as it was (an index is replaced only once complete)",
                 "index-migrate": "; {index_dir} was left as it was (it is replaced only once rewritten whole)",
@@ -135,6 +167,8 @@ def _quiet_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_command_line(parser, argv)
+    saved_format = warnings.formatwarning
+    warnings.formatwarning = _note_format(args.command, saved_format)
     try:
         return _run(args)
     except KeyboardInterrupt:  # anywhere: loading, embedding, serving (an index's temporary folder is already removed)
@@ -145,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # _run lets through only one from a closed standard output
         _quiet_stdout()
         return 141
+    finally:
+        warnings.formatwarning = saved_format
 
 
 def _run(args: argparse.Namespace) -> int:
