@@ -100,9 +100,12 @@ def test_upload_bounds_and_bad_images(server):
     status, _, data = _request(url, "POST", "/search", body, headers)
     assert status == 413 and json.loads(data)["error"].startswith(
         "bomb.png: image of 8000 x 8000 pixels (RGB) takes 244.1 MiB to decode, more than the limit of 64.0 MiB")
-    body, headers = _multipart({"k": "0"}, {"image": ("ok.png", png.getvalue())})
-    status, _, data = _request(url, "POST", "/search", body, headers)
-    assert status == 400 and "k must lie in" in json.loads(data)["error"]
+    for k, error in [("0", "k must lie in 1..100, got 0"), ("-1", "k must lie in 1..100, got -1"),
+                     ("101", "k must lie in 1..100, got 101"), ("99999999", "k must lie in 1..100, got 99999999"),
+                     ("five", "k must be an integer in 1..100, got 'five'")]:  # '-1' was 'must be an integer'
+        body, headers = _multipart({"k": k}, {"image": ("ok.png", png.getvalue())})
+        status, _, data = _request(url, "POST", "/search", body, headers)
+        assert status == 400 and json.loads(data)["error"] == error, (k, data)
     body, headers = _multipart({}, {"other": ("ok.png", png.getvalue())})
     assert _request(url, "POST", "/search", body, headers)[0] == 400
     assert _request(url, "POST", "/search", png.getvalue(), {"Content-Type": "image/png"})[0] == 415

@@ -46,14 +46,13 @@ def too_large_message(limit: int) -> str:
 
 
 def read_k(raw: str) -> int:
-    """The number of neighbours a search asks for; ValueError (an answer 400) when it is not an
-    integer in 1..MAX_K."""
-    if not re.fullmatch(r"[0-9]{1,4}", raw):  # ASCII digits only: int("²") fails
-        raise ValueError(f"k must be an integer, got {raw[:20]!r}")
-    k = int(raw)
-    if not 1 <= k <= MAX_K:
-        raise ValueError(f"k must lie in 1..{MAX_K}, got {k}")
-    return k
+    """The number of neighbours a search asks for; ValueError (an answer 400) naming the range
+    1..MAX_K when it is an integer outside it (``-1``, ``0``, ``100000``) or not an integer."""
+    if not re.fullmatch(r"[+-]?[0-9]+", raw):  # ASCII digits only: int("²") fails
+        raise ValueError(f"k must be an integer in 1..{MAX_K}, got {raw[:20]!r}")
+    if len(raw) > 6 or not 1 <= int(raw) <= MAX_K:  # however many digits: never int() of a huge string
+        raise ValueError(f"k must lie in 1..{MAX_K}, got {raw[:20]}")
+    return int(raw)
 
 
 def read_thumb_size(raw: str) -> int:
