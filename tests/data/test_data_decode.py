@@ -112,6 +112,54 @@ def test_bombs_are_refused_from_the_header_before_decoding(width, height, colour
         assert msg.startswith("bomb.png: image of") and ("limit of 100 : 1" in msg or "limit of 16.0 MiB" in msg)
 
 
+def _header_only_png(width: int, height: int, colour_type: int) -> bytes:
+    """A PNG header claiming ``width`` x ``height`` pixels, followed by one row of pixel data:
+    bytes, not gigabytes (only the header is read before the check)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    channels = {0: 1, 2: 3}[colour_type]
+    row = zlib.compress(b"\x00" * (1 + width * channels))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0))
+            + chunk(b"IDAT", row) + chunk(b"IEND", b""))
+
+
+def test_a_header_past_pillows_own_limit_gets_deepmetrics_answer(tmp_path, monkeypatch):
+    """30000 x 30000 is over twice Pillow's MAX_IMAGE_PIXELS: Pillow's own DecompressionBombError
+    ('... could be decompression bomb DOS attack.') answered before deepmetric's check (new-user
+    trial); now the check answers from the header, as for 8000 x 8000, and decides alone: an image
+    within deepmetric's limit is not refused by Pillow's (its global is left as it is)."""
+    class Decoded(BaseException):  # decoding any pixel: out of every except clause of decode_image
+        pass
+
+    def decoded(self):
+        raise Decoded
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
+    limit = Image.MAX_IMAGE_PIXELS
+    data = _header_only_png(30000, 30000, 2)
+    path = tmp_path / "huge.png"
+    path.write_bytes(data)
+    for source in (data, path):
+        with pytest.raises(ImageSizeError) as e:
+            decode_image(source, name="huge.png")
+        assert str(e.value) == ("huge.png: image of 30000 x 30000 pixels (RGB) takes 3,433.2 MiB to decode, more "
+                                "than the limit of 512.0 MiB (536,870,912 bytes)")
+        assert e.value.limit_bytes == 512 * 2**20
+    grey = _header_only_png(20000, 10000, 0)  # 200 M pixels, over Pillow's 179 M; 191 MiB as 8-bit grey
+    for source in (grey, tmp_path / "grey.png"):
+        if isinstance(source, Path):
+            source.write_bytes(grey)
+        with pytest.raises(ImageSizeError, match=r"20000 x 10000 pixels \(L\) takes 190\.7 MiB"):
+            decode_image(source, mode="L", max_bytes=128 * 2**20)
+        with pytest.raises(Decoded):  # within deepmetric's limit: decoding starts, Pillow does not refuse it
+            decode_image(source, mode="L", max_bytes=256 * 2**20)
+    assert Image.MAX_IMAGE_PIXELS == limit
+
+
 # Measures the resident memory a decode really takes: one process, the decoder module loaded
 # from its file (numpy and Pillow only, no torch), glibc's mmap threshold fixed so that freed
 # image buffers leave the resident set; the kernel's high-water mark is reset before each decode

@@ -100,6 +100,12 @@ def test_upload_bounds_and_bad_images(server):
     status, _, data = _request(url, "POST", "/search", body, headers)
     assert status == 413 and json.loads(data)["error"].startswith(
         "bomb.png: image of 8000 x 8000 pixels (RGB) takes 244.1 MiB to decode, more than the limit of 64.0 MiB")
+    raw[16:24] = struct.pack(">II", 30000, 30000)  # past Pillow's own limit: its message answered
+    raw[29:33] = struct.pack(">I", zlib.crc32(bytes(raw[12:29])))
+    body, headers = _multipart({}, {"image": ("huge.png", bytes(raw))})
+    status, _, data = _request(url, "POST", "/search", body, headers)
+    assert status == 413 and json.loads(data)["error"].startswith(
+        "huge.png: image of 30000 x 30000 pixels (RGB) takes 3,433.2 MiB to decode, more than the limit of 64.0 MiB")
     for k, error in [("0", "k must lie in 1..100, got 0"), ("-1", "k must lie in 1..100, got -1"),
                      ("101", "k must lie in 1..100, got 101"), ("99999999", "k must lie in 1..100, got 99999999"),
                      ("five", "k must be an integer in 1..100, got 'five'")]:  # '-1' was 'must be an integer'

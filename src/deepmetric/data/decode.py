@@ -295,6 +295,39 @@ def prepare_image(im: Image.Image, mode: str | None = "RGB", name: str = "image"
     return im
 
 
+def _open(source) -> Image.Image:
+    """``Image.open`` of the :data:`FORMATS`, header only, without Pillow's own pixel limit: a
+    header over twice ``Image.MAX_IMAGE_PIXELS`` (a PNG claiming 30000 x 30000 pixels) raised
+    Pillow's ``DecompressionBombError`` before :func:`check_decoded_size` could answer with the
+    memory it takes and the limit. Nothing is decoded here, and the caller checks the memory from
+    this header before decoding, so the guarantee is deepmetric's limit, whatever Pillow's global
+    is (which is left as it is: other threads and libraries keep it)."""
+    try:
+        return Image.open(source, formats=FORMATS)
+    except Image.DecompressionBombError:
+        pass
+    own = not hasattr(source, "read")  # a path: the file is opened here, and closed with the image
+    fp = open(source, "rb") if own else source
+    try:
+        fp.seek(0)
+        prefix = fp.read(16)
+        for fmt in FORMATS:  # Image.open's own order and test (its plugins are registered by now)
+            factory, accept = Image.OPEN[fmt]
+            result = not accept or accept(prefix)
+            if result and not isinstance(result, str):  # a str: Pillow's "support not installed"
+                fp.seek(0)
+                im = factory(fp, os.fspath(source) if own else "")
+                im._exclusive_fp = own
+                return im
+    except BaseException:
+        if own:
+            fp.close()
+        raise
+    if own:
+        fp.close()
+    raise UnidentifiedImageError(f"cannot identify image file {source!r}")  # unreachable: Pillow knew its format
+
+
 def decode_image(source, *, name: str | None = None, mode: str | None = "RGB",
                  max_bytes: int | None = None, max_aspect: float | None = MAX_ASPECT) -> Image.Image:
     """Decode an image file (path) or upload (``bytes``) into an 8-bit ``mode`` PIL image, as
@@ -322,7 +355,7 @@ def decode_image(source, *, name: str | None = None, mode: str | None = "RGB",
             raise ImageDecodeError(label, "empty file, expected an image (PNG, JPEG, ...)")
         opened = p
     try:
-        with Image.open(opened, formats=FORMATS) as im:
+        with _open(opened) as im:
             check_decoded_size(im, label, max_bytes, max_aspect, mode)
             im.load()
             check_decoded_size(im, label, max_bytes, max_aspect, mode)  # EXIF / tRNS read after the pixels
