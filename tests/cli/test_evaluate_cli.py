@@ -85,12 +85,20 @@ def test_missing_and_corrupt_file(tmp_path, capsys):
     bad = tmp_path / "junk.npz"
     bad.write_bytes(b"\xfe\xfa\x00 not a zip")
     assert main(["evaluate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: this is a binary file of another kind (it starts with bytes fe fa 00 20 6e 6f 74 20), not an " \
+           ".npz archive" in err and "allow_pickle" not in err, err
+    cut = tmp_path / "cut.npz"  # a damaged archive
+    np.savez(cut, embeddings=np.zeros((4, 2)), labels=np.arange(4))
+    cut.write_bytes(cut.read_bytes()[:30])
+    assert main(["evaluate", str(cut)]) == 2
     assert "not a readable .npz" in capsys.readouterr().err
 
 
 def test_wrong_kind_of_file_is_named(tmp_path, capsys):
-    """An .npy, an image, a checkpoint or a text file given to evaluate says what it is and what
-    was expected (before: numpy's 'Failed to interpret file ... as a pickle')."""
+    """An .npy, an image, a checkpoint, an ONNX model, a text file or any other binary file given to
+    evaluate says what it is and what was expected (before: numpy's 'Failed to interpret file ...
+    as a pickle'; an ONNX model or other binary file got numpy's advice to load it with allow_pickle=)."""
     import torch
     from PIL import Image
 
@@ -102,16 +110,27 @@ def test_wrong_kind_of_file_is_named(tmp_path, capsys):
     torch.save({"model": {"w": torch.zeros(2)}}, ckpt)
     txt = tmp_path / "config.yaml"
     txt.write_text("data: {name: folder}\n")
+    onnx = tmp_path / "model.onnx"  # a ModelProto's first fields (ir_version, producer_name) and more
+    onnx.write_bytes(b"\x08\x08\x12\x07pytorch\x1a\x052.5.0:\x9b\x01\n\xff\xfe" + bytes(range(256)))
+    renamed = tmp_path / "model.bin"
+    renamed.write_bytes(onnx.read_bytes())
+    other = tmp_path / "vectors.bin"
+    other.write_bytes(b"\x00\xff\x10\x80" * 64)
     cases = {npy: "a single .npy array of shape (5, 3) and dtype float32, not an .npz archive",
              png: "a PNG image; to embed images, train a model and run 'deepmetric embed'",
              ckpt: "a PyTorch checkpoint (torch.save), not embeddings",
-             txt: "a text file (it starts with 'data: {name: folder}')"}
+             txt: "a text file (it starts with 'data: {name: folder}')",
+             onnx: "an ONNX model ('deepmetric export'), not embeddings; write the embeddings of a split with "
+                   "'deepmetric embed CHECKPOINT --out EMB.npz'",
+             renamed: "an ONNX model ('deepmetric export'), not embeddings",
+             other: "a binary file of another kind (it starts with bytes 00 ff 10 80 00 ff 10 80), not an .npz"}
     for path, what in cases.items():
         assert main(["evaluate", str(path)]) == 2
         err = capsys.readouterr().err
         assert f"{path}: this is {what}" in err, err
         assert "expects an .npz file with arrays 'embeddings' (N x d float) and 'labels'" in err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+        assert "allow_pickle" not in err  # numpy's advice to load a pickle unsafely (ONNX files got it)
     assert main(["evaluate", str(tmp_path)]) == 2
     assert "is a folder; expected an .npz" in capsys.readouterr().err
 

@@ -1,6 +1,7 @@
 """Reading embedding files for ``deepmetric evaluate`` (the command itself: deepmetric.cli.evaluate)."""
 from __future__ import annotations
 
+import re
 import zipfile
 from pathlib import Path
 
@@ -25,7 +26,8 @@ _SIGNATURES = (
 
 def describe_file(path: Path) -> str | None:
     """What ``path`` is when it is clearly not an .npz of embeddings (None when it may be one):
-    a single-array ``.npy``, an image, a PyTorch checkpoint, a text file..."""
+    a single-array ``.npy``, an image, a PyTorch checkpoint, an ONNX model, a text file, any other
+    binary file (numpy reads those as pickles, and its error advises ``allow_pickle=True``)."""
     with open(path, "rb") as f:
         head = f.read(512)
     if not head:
@@ -53,10 +55,13 @@ def describe_file(path: Path) -> str | None:
         if names and not all(n.endswith(".npy") for n in names):
             return f"a zip archive of {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}, not an .npz"
         return None
+    if path.suffix.lower() == ".onnx" or re.match(rb"\x08[\x01-\x7f]\x12", head):  # ModelProto: ir_version, producer
+        return ("an ONNX model ('deepmetric export'), not embeddings; write the embeddings of a split with "
+                "'deepmetric embed CHECKPOINT --out EMB.npz' and evaluate that")
     try:
         text = head.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+    except UnicodeDecodeError:  # numpy would read it as a pickle, and advise allow_pickle=True
+        return f"a binary file of another kind (it starts with bytes {head[:8].hex(' ')}), not an .npz archive"
     first = text.strip().splitlines()[0][:60] if text.strip() else ""
     return f"a text file (it starts with {first!r})"
 
