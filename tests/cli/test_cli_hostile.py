@@ -262,3 +262,19 @@ def test_a_qdrant_url_of_another_scheme_is_refused_not_made_a_folder(shapes, tmp
     assert parse_target("qdrant:https://db.example:6333") == ("qdrant", "https://db.example:6333")
     assert is_server_url("http://127.0.0.1:6333") and not is_server_url("exports/qdrant")
     assert parse_target("qdrant:exports/qdrant") == ("qdrant", "exports/qdrant")
+
+
+def test_the_wrong_dataset_for_a_root_is_advised_in_command_line_terms(shapes, tmp_path, capsys):
+    """'index --data csv --root FOLDER' advised name='folder' (Python; new-user trial): the
+    advice names the option the command line takes, and the config's and Python's words."""
+    out = tmp_path / "index"
+    assert cli.main(["index", str(shapes["checkpoint"]), "--data", "csv", "--root", str(shapes["folder"]),
+                     "--out", str(out), "--no-progress"]) == 2
+    _one_clear_line(capsys, f"csv: '{shapes['folder']}' is a folder, not a CSV file. For a folder with one "
+                            "sub-folder per class use the folder dataset: --data folder on the command line")
+    listing = tmp_path / "list.csv"
+    listing.write_text("path,label\n")
+    assert cli.main(["index", str(shapes["checkpoint"]), "--data", "folder", "--root", str(listing),
+                     "--out", str(out), "--no-progress"]) == 2
+    _one_clear_line(capsys, "is a file list; read it with the csv dataset: --data csv on the command line")
+    assert not out.exists()

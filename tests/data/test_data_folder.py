@@ -107,7 +107,9 @@ def test_folder_error_root(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"folder: root '.*missing' does not exist"):
         build_dataset("folder", tmp_path / "missing")
     (tmp_path / "list.csv").write_text("path,label\n")
-    with pytest.raises(ValueError, match=r"is a file list; load it with name='csv'"):
+    with pytest.raises(ValueError, match=r"is a file list; read it with the csv dataset: --data csv on the "
+                                         r"command line, data.name: csv in a config, build_dataset\('csv', root=\.\.\.\) "
+                                         r"in Python\.$"):
         build_dataset("folder", tmp_path / "list.csv")
 
 
@@ -314,7 +316,8 @@ def test_csv_error_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"csv: file '.*x.csv' does not exist"):
         build_dataset("csv", tmp_path / "x.csv")
     _write_csv(tmp_path / "labels.csv", ["a.png,1,train"])
-    with pytest.raises(IsADirectoryError, match=r"is a folder, not a CSV file. It contains \['labels.csv'\]"):
+    with pytest.raises(IsADirectoryError, match=r"is a folder, not a CSV file. It contains \['labels.csv'\]; give one "
+                                                r"of them as the root \(--root, data.root or root=\)"):
         build_dataset("csv", tmp_path)
     (tmp_path / "e.csv").write_text("\n\n")
     with pytest.raises(ValueError, match=r"e.csv' is empty"):

@@ -300,6 +300,12 @@ def _class_split_assignment(class_split, names: list[str], r: Path, seed: int) -
     return {c: ("train" if c in train_names else "test") for c in names}
 
 
+#: how to choose a dataset, in the words of each caller: the command line, a YAML config, Python
+#: (the message cannot know which one it reaches)
+_USE_DATASET = {name: f"--data {name} on the command line, data.name: {name} in a config, "
+                      f"build_dataset('{name}', root=...) in Python" for name in ("folder", "csv")}
+
+
 def load_folder(root, split: str = "all", *, class_split=None, split_file=None, seed: int = 0,
                 extensions=IMAGE_EXTENSIONS, allow_empty_classes: bool = False) -> ImageList:
     """Read ``root/<class>/<image>``; see the module docstring for the split options."""
@@ -307,7 +313,7 @@ def load_folder(root, split: str = "all", *, class_split=None, split_file=None, 
                        + _FOLDER_LAYOUT, what="folder: root", expected="Expected:\n" + _FOLDER_LAYOUT)
     if r.is_file():
         if r.suffix.lower() in (".csv", ".tsv", ".txt"):
-            raise ValueError(f"folder: root '{r}' is a file list; load it with name='csv' (build_dataset('csv', root='{r}'); in a YAML config: data.name: csv).")
+            raise ValueError(f"folder: root '{r}' is a file list; read it with the csv dataset: {_USE_DATASET['csv']}.")
         raise NotADirectoryError(f"folder: root '{r}' is a file; pass the folder that holds one sub-folder per class")
     if class_split is not None and split_file is not None:
         raise ValueError("folder: pass either class_split or split_file, not both")
@@ -490,8 +496,9 @@ def load_csv(path, split: str = "all", *, image_root=None, label_map: dict | Non
                        what="csv: file", expected="Expected a file like:\n" + _CSV_LAYOUT)
     if f.is_dir():
         found = sorted(p.name for p in f.glob("*.csv"))
-        hint = (f" It contains {found[:5]}; pass one of them, e.g. root='{f / found[0]}'." if found
-                else " For a folder with one sub-folder per class use name='folder'.")
+        hint = (f" It contains {found[:5]}; give one of them as the root (--root, data.root or root=), e.g. "
+                f"'{f / found[0]}'." if found
+                else f" For a folder with one sub-folder per class use the folder dataset: {_USE_DATASET['folder']}.")
         raise IsADirectoryError(f"csv: '{f}' is a folder, not a CSV file.{hint}")
     base = Path(os.fspath(image_root)).expanduser() if image_root is not None else f.parent
     header, rows = _read_csv(f, delimiter)
