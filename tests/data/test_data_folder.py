@@ -118,6 +118,19 @@ def test_folder_error_images_in_root(tmp_path):
     _img(tmp_path / "b.png")
     with pytest.raises(ValueError, match=r"found 2 images directly in .* but no class folders"):
         build_dataset("folder", tmp_path)
+    (tmp_path / "b.png").unlink()
+    with pytest.raises(ValueError, match=r"found 1 image directly in .* but no class folders"):  # "1 images"
+        build_dataset("folder", tmp_path)
+
+
+def test_one_loose_image_beside_class_folders_is_said_in_the_singular(tree):
+    root, _ = tree
+    _img(root / "loose.png")
+    with pytest.warns(UserWarning, match=r"folder: 1 image directly in .* \(e\.g\. loose\.png\) is ignored: only"):
+        build_dataset("folder", root)
+    _img(root / "loose2.png")
+    with pytest.warns(UserWarning, match=r"folder: 2 images directly in .* \(e\.g\. loose\.png\) are ignored: only"):
+        build_dataset("folder", root)
 
 
 def test_folder_error_empty_class(tree):

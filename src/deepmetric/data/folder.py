@@ -85,6 +85,11 @@ def _no_split_error(kind: str, where: str, split: str) -> ValueError:
 
 
 # ----------------------------------------------------------------------------- folder
+def _images(n: int) -> str:
+    """``1 image``, ``2 images``."""
+    return f"{n} image{'' if n == 1 else 's'}"
+
+
 def _scan_classes(root: Path, exts, allow_empty: bool) -> dict[str, list[Path]]:
     if not root.is_dir():
         raise NotADirectoryError(f"folder: root '{root}' is not a folder")
@@ -93,7 +98,7 @@ def _scan_classes(root: Path, exts, allow_empty: bool) -> dict[str, list[Path]]:
     if not subdirs:
         if loose:
             raise ValueError(
-                f"folder: found {len(loose)} images directly in '{root}' (e.g. {loose[0].name}) but no class "
+                f"folder: found {_images(len(loose))} directly in '{root}' (e.g. {loose[0].name}) but no class "
                 f"folders. Put the images of each class into their own sub-folder:\n{_FOLDER_LAYOUT}"
             )
         others = sorted(e.name for e in root.iterdir())[:5]
@@ -103,7 +108,8 @@ def _scan_classes(root: Path, exts, allow_empty: bool) -> dict[str, list[Path]]:
         )
     if loose:
         warnings.warn(
-            f"folder: {len(loose)} images directly in '{root}' (e.g. {loose[0].name}) are ignored: "
+            f"folder: {_images(len(loose))} directly in '{root}' (e.g. {loose[0].name}) "
+            f"{'is' if len(loose) == 1 else 'are'} ignored: "
             "only images inside class folders are used",
             stacklevel=3,
         )

@@ -199,7 +199,8 @@ async def reload(state: AppState, request):
         if state.default_k > len(new.index):
             state.say(f"deepmetric serve: the reloaded index holds {len(new.index)} images, fewer than "
                       f"--k {state.default_k}")
-        state.say(f"deepmetric serve: reloaded {now.directory}: {len(new.index)} images (was {len(now.index)})")
+        images = f"{len(new.index)} image{'' if len(new.index) == 1 else 's'}"
+        state.say(f"deepmetric serve: reloaded {now.directory}: {images} (was {len(now.index)})")
         return JSONResponse({"reloaded": True, "count": len(new.index), "previous_count": len(now.index),
                              "generation": new.generation})
 

@@ -165,7 +165,7 @@ def serve(index_dir, *, host: str = "127.0.0.1", port: int = 8000, checkpoint=No
             names = ", ".join(allowed) if allowed else "none: add --allow-host NAME for the name clients use"
             print(f"warning: serving on {host}: other machines can reach this page and everything in the index "
                   f"(host names answered besides loopback: {names})")
-        print(f"deepmetric serve: {len(index)} images ({index.kind}, d={index.dim}) on http://{host}:{port}/ "
+        print(f"deepmetric serve: {len(index)} image{'' if len(index) == 1 else 's'} ({index.kind}, d={index.dim}) on http://{host}:{port}/ "
               f"(Ctrl-C stops; kill -HUP {os.getpid()} reloads the index)", flush=True)
         import gc
 
