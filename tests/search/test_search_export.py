@@ -122,6 +122,22 @@ def test_export_errors(shapes, tmp_path, capsys):
     assert "none.pt not found" in capsys.readouterr().err
 
 
+def test_export_refuses_an_existing_output_without_overwrite(shapes, tmp_path, capsys):
+    """export replaced an existing --out silently, while index and train refuse theirs."""
+    out = tmp_path / "m.pt"
+    cmd = ["export", str(shapes["checkpoint"]), "--format", "torchscript", "--out", str(out)]
+    assert cli.main(cmd) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert cli.main(cmd) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{out} and {out}.preprocessing.json already exist(s); replace with --overwrite" \
+        in err, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    (tmp_path / "m.pt").unlink()  # the side file alone is refused too: it would be replaced
+    assert cli.main(cmd) == 2 and "m.pt.preprocessing.json already exist(s)" in capsys.readouterr().err
+    assert cli.main([*cmd, "--overwrite"]) == 0 and out.is_file()
+
+
 def test_transparent_queries_are_composited_onto_white_everywhere():
     """Emoji are drawn on white, and the decoder makes every transparent pixel white: a
     transparent query pixel becomes white, not black, with or without the recorded background."""

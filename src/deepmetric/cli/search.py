@@ -222,13 +222,21 @@ def add_export_parser(sub) -> None:
     p.add_argument("--raw", action="store_true", help="output the embedding without l2 normalisation")
     p.add_argument("--opset", type=int, default=17,
                    help="ONNX opset version (default 17; one torch's exporter cannot write is refused)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out and its .preprocessing.json (without it they are refused)")
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from deepmetric.search.export import export_model
+    from pathlib import Path
+
+    from deepmetric.search.export import export_model, preprocessing_path
 
     refuse_output_over_inputs("--out", args.out, inputs=(args.checkpoint,))
     check_output_file("--out", args.out, "model.onnx" if args.fmt == "onnx" else "model.pt")
+    existing = [str(p) for p in (Path(args.out), preprocessing_path(args.out)) if p.exists()]
+    if existing and not args.overwrite:  # index and train refuse to replace what is there; export replaced it
+        raise FileExistsError(f"--out {args.out}: {' and '.join(existing)} already exist(s); replace with "
+                              "--overwrite, or choose another --out")
     out, side = export_model(args.checkpoint, args.out, args.fmt, normalize=not args.raw, opset=args.opset)
     print(f"wrote {out} and {side}")
     return 0
