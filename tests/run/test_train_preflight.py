@@ -428,6 +428,10 @@ def test_run_summary_names_split_model_loss_device_and_output(tmp_path):
         cfg, train_set=tr, eval_sets={"query": te}, model=gem, embedding_dim=4, input_shape=(1, 12, 10), device="cpu",
         threads=2, steps_per_epoch=5, total_epochs=3, total_steps=15, out_dir=tmp_path / "run")
     assert "1 x heated_softmax(alpha=16)" in text and "5 steps/epoch x 3 epochs = 15 steps" in text
+    one = format_run_summary(cfg, train_set=tr, eval_sets={"query": te}, model=model, embedding_dim=4,
+                             input_shape=(1, 12, 10), device="cpu", threads=2, steps_per_epoch=1, total_epochs=1,
+                             total_steps=1, out_dir=tmp_path / "run")
+    assert "1 step/epoch x 1 epoch = 1 step" in one  # was '1 steps/epoch x 1 epochs'
     assert "device   cpu, 2 threads, 0 loader workers" in text
     assert "optim    sgd, lr 0.01, weight decay 0" in text and " x" not in text.split("optim")[1].split("\n")[0]
     tuned = _cfg(optim={"name": "adamw", "lr": 6e-4, "weight_decay": 1e-4, "new_layer_lr_mult": 10.0,

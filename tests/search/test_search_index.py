@@ -311,3 +311,17 @@ def test_an_index_of_vectors_searched_with_an_image_says_to_give_the_checkpoint(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no checkpoint (built from embeddings)" in err and "--checkpoint FILE" in err, err
     assert cli.main(["search", str(out), query, "--k", "2", "--checkpoint", str(shapes["checkpoint"])]) == 0
+
+
+def test_photos_without_classes_in_one_sub_folder_are_indexed_and_counted_in_the_singular(shapes, tmp_path, capsys):
+    """docs/search.md: photos without classes go in one sub-folder; the line said '1 images,
+    1 classes'."""
+    photos = make_shapes_folder(tmp_path / "photos", per_class=1, classes=["red_disc"])
+    (photos / "red_disc").rename(photos / "all")
+    out = tmp_path / "ix"
+    assert cli.main(["index", str(shapes["checkpoint"]), "--data", "folder", "--root", str(photos), "--out", str(out),
+                     "--no-progress"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("indexed 1 image of folder (split all) -> ") and line.endswith(": 1 image, 1 class, d=16, "
+                                                                                          "exact"), line
+    assert Index.load(out).class_names == ["all"]

@@ -77,8 +77,8 @@ def _run_index(args: argparse.Namespace) -> int:
 
         index = index_from_file(args.embeddings, args.out, approximate=args.approximate, add=args.add,
                                 overwrite=args.overwrite, options=options, postprocess=steps)
-        print(f"{'added' if args.add else 'indexed'} {args.embeddings} -> {args.out}: {len(index)} vectors, "
-              f"{len(index.class_names)} classes, d={index.dim}, {index.kind}")
+        print(f"{'added' if args.add else 'indexed'} {args.embeddings} -> {args.out}: {_count(len(index), 'vector')}, "
+              f"{_count(len(index.class_names), 'class', 'classes')}, d={index.dim}, {index.kind}")
         _print_skipped(index, "vector(s)")
         _print_recall(index)
         return 0
@@ -92,13 +92,19 @@ def _run_index(args: argparse.Namespace) -> int:
         return 0
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
     what = "added" if args.add else "indexed"
-    print(f"{what} {d.get('images')} images of {d.get('name')} (split {d.get('split')}) -> {args.out}: "
-          f"{len(index)} images, {len(index.class_names)} classes, d={index.dim}, {index.kind}")
+    print(f"{what} {_count(d.get('images'), 'image')} of {d.get('name')} (split {d.get('split')}) -> {args.out}: "
+          f"{_count(len(index), 'image')}, {_count(len(index.class_names), 'class', 'classes')}, d={index.dim}, "
+          f"{index.kind}")
     _print_skipped(index, "image(s)")
     if index.meta.get("embedding_output", "embedding") != "embedding":  # not the head's output: say so
         print(f"embedded with the model's {index.meta['embedding_output']} output (the checkpoint's eval.embedding)")
     _print_recall(index)
     return 0
+
+
+def _count(n, one: str, many: str | None = None) -> str:
+    """``1 image``, ``3 images``."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _data_options(given: list[str]) -> dict:

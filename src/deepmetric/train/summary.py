@@ -148,9 +148,10 @@ def format_run_summary(cfg: Config, *, train_set, eval_sets: dict[str, Any], mod
     if world > 1:
         batch += f" per process x {world} processes"
     if steps_per_epoch is not None and total_epochs is not None:
-        batch += f"; {steps_per_epoch} steps/epoch x {total_epochs} epochs"
+        batch += (f"; {steps_per_epoch} step{'' if steps_per_epoch == 1 else 's'}/epoch x {total_epochs} "
+                  f"epoch{'' if total_epochs == 1 else 's'}")
         if total_steps is not None:
-            batch += f" = {total_steps} steps"
+            batch += f" = {total_steps} step{'' if total_steps == 1 else 's'}"
     lines.append(f"  batches  {batch}")
     o = cfg.optim
     # every factor that sets a parameter group's lr: a run is read from its banner
