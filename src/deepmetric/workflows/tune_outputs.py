@@ -102,24 +102,23 @@ def _undo_short_run_settings(setup: TuneSetup, raw: dict) -> list[str]:
     return notes
 
 
-def _held_text(setup: TuneSetup, rows: list[dict]) -> str:
-    """What the storage holds in the unit the budget counts; a rerun with a smaller ``--trials``
-    (which runs nothing) rewrites the outputs, and they described the smaller number as the
-    tune's budget while the tables held more trials."""
+def _held(setup: TuneSetup, rows: list[dict]) -> tuple[int, str]:
+    """What the storage holds in the unit the budget counts: the count and its words; a rerun
+    with a smaller ``--trials`` (which runs nothing) rewrites the outputs, and they described the
+    smaller number as the tune's budget while the tables held more trials."""
     complete = sum(r["state"] == "complete" for r in rows)
     done = complete + sum(r["state"] == "pruned" for r in rows)
     if setup.count == "completed":
-        return f"{complete} completed trials ({done} finished or pruned)"
-    return f"{done} trials finished or pruned ({complete} complete)"
+        return complete, f"{complete} completed trials ({done} finished or pruned)"
+    return done, f"{done} trials finished or pruned ({complete} complete)"
 
 
 def _budget_text(setup: TuneSetup, rows: list[dict]) -> str:
-    held = sum(r["state"] == "complete" for r in rows) if setup.count == "completed" else \
-        sum(r["state"] in ("complete", "pruned") for r in rows)
+    held, text = _held(setup, rows)
     if held <= setup.trials:
         return setup.budget_text()
     return (f"{setup.budget_text()} asked by the command that wrote these outputs; the storage holds "
-            f"{_held_text(setup, rows)}, run by an earlier command with a larger budget")
+            f"{text}, run by an earlier command with a larger budget")
 
 
 def _best_recipe(setup: TuneSetup, best, rows: list[dict]) -> str:
@@ -133,7 +132,7 @@ def _best_recipe(setup: TuneSetup, best, rows: list[dict]) -> str:
     raw["name"] = f"{raw.get('name') or setup.recipe.stem}_tuned"
     cfg = config_from_dict(copy.deepcopy(raw))  # runnable: validated as `deepmetric train` will
     del cfg
-    head = [f"# {setup.recipe} tuned by `deepmetric tune` ({setup.space_path}, {_held_text(setup, rows)},",
+    head = [f"# {setup.recipe} tuned by `deepmetric tune` ({setup.space_path}, {_held(setup, rows)[1]},",
             f"# study {setup.study_name!r}): trial {best.number}, validation {setup.space.metric} = {best.value:.4f}",
             "# (chosen on validation classes; the test split was not used). Values: "
             + ", ".join(f"{k} = {format_value(v)}" for k, v in values.items())]
