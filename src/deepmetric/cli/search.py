@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from deepmetric.wording import counted
 from deepmetric.cli.common import (add_command, add_model_device_arguments, check_output_file, positive_finite,
                                    refuse_output_over_inputs)
 
@@ -77,8 +78,8 @@ def _run_index(args: argparse.Namespace) -> int:
 
         index = index_from_file(args.embeddings, args.out, approximate=args.approximate, add=args.add,
                                 overwrite=args.overwrite, options=options, postprocess=steps)
-        print(f"{'added' if args.add else 'indexed'} {args.embeddings} -> {args.out}: {_count(len(index), 'vector')}, "
-              f"{_count(len(index.class_names), 'class', 'classes')}, d={index.dim}, {index.kind}")
+        print(f"{'added' if args.add else 'indexed'} {args.embeddings} -> {args.out}: {counted(len(index), 'vector')}, "
+              f"{counted(len(index.class_names), 'class', 'classes')}, d={index.dim}, {index.kind}")
         _print_skipped(index, "vector(s)")
         _print_recall(index)
         return 0
@@ -92,19 +93,14 @@ def _run_index(args: argparse.Namespace) -> int:
         return 0
     d = index.meta.get("added", [index.meta.get("data", {})])[-1]
     what = "added" if args.add else "indexed"
-    print(f"{what} {_count(d.get('images'), 'image')} of {d.get('name')} (split {d.get('split')}) -> {args.out}: "
-          f"{_count(len(index), 'image')}, {_count(len(index.class_names), 'class', 'classes')}, d={index.dim}, "
+    print(f"{what} {counted(d.get('images'), 'image')} of {d.get('name')} (split {d.get('split')}) -> {args.out}: "
+          f"{counted(len(index), 'image')}, {counted(len(index.class_names), 'class', 'classes')}, d={index.dim}, "
           f"{index.kind}")
     _print_skipped(index, "image(s)")
     if index.meta.get("embedding_output", "embedding") != "embedding":  # not the head's output: say so
         print(f"embedded with the model's {index.meta['embedding_output']} output (the checkpoint's eval.embedding)")
     _print_recall(index)
     return 0
-
-
-def _count(n, one: str, many: str | None = None) -> str:
-    """``1 image``, ``3 images``."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _data_options(given: list[str]) -> dict:

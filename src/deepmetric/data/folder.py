@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from deepmetric.wording import counted
 from deepmetric.registry import did_you_mean
 
 from .image_list import IMAGE_EXTENSIONS, ImageList, remap_labels
@@ -85,11 +86,6 @@ def _no_split_error(kind: str, where: str, split: str) -> ValueError:
 
 
 # ----------------------------------------------------------------------------- folder
-def _images(n: int) -> str:
-    """``1 image``, ``2 images``."""
-    return f"{n} image{'' if n == 1 else 's'}"
-
-
 def _scan_classes(root: Path, exts, allow_empty: bool) -> dict[str, list[Path]]:
     if not root.is_dir():
         raise NotADirectoryError(f"folder: root '{root}' is not a folder")
@@ -98,7 +94,7 @@ def _scan_classes(root: Path, exts, allow_empty: bool) -> dict[str, list[Path]]:
     if not subdirs:
         if loose:
             raise ValueError(
-                f"folder: found {_images(len(loose))} directly in '{root}' (e.g. {loose[0].name}) but no class "
+                f"folder: found {counted(len(loose), 'image')} directly in '{root}' (e.g. {loose[0].name}) but no class "
                 f"folders. Put the images of each class into their own sub-folder:\n{_FOLDER_LAYOUT}"
             )
         others = sorted(e.name for e in root.iterdir())[:5]
@@ -108,7 +104,7 @@ def _scan_classes(root: Path, exts, allow_empty: bool) -> dict[str, list[Path]]:
         )
     if loose:
         warnings.warn(
-            f"folder: {_images(len(loose))} directly in '{root}' (e.g. {loose[0].name}) "
+            f"folder: {counted(len(loose), 'image')} directly in '{root}' (e.g. {loose[0].name}) "
             f"{'is' if len(loose) == 1 else 'are'} ignored: "
             "only images inside class folders are used",
             stacklevel=3,

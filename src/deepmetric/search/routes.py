@@ -18,6 +18,7 @@ from pathlib import Path
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from deepmetric.wording import counted
 from deepmetric.data.decode import ImageDecodeError, ImageSizeError, decode_image
 
 from .guard import BodyTooLarge
@@ -199,7 +200,7 @@ async def reload(state: AppState, request):
         if state.default_k > len(new.index):
             state.say(f"deepmetric serve: the reloaded index holds {len(new.index)} images, fewer than "
                       f"--k {state.default_k}")
-        images = f"{len(new.index)} image{'' if len(new.index) == 1 else 's'}"
+        images = counted(len(new.index), "image")
         state.say(f"deepmetric serve: reloaded {now.directory}: {images} (was {len(now.index)})")
         return JSONResponse({"reloaded": True, "count": len(new.index), "previous_count": len(now.index),
                              "generation": new.generation})

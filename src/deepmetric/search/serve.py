@@ -60,6 +60,7 @@ import threading
 from functools import partial
 from pathlib import Path
 
+from deepmetric.wording import counted
 from .connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, bind, make_server, protocol_class
 from .guard import Guard, is_loopback
 from .limits import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_UPLOAD_MB, DEFAULT_TIMEOUT_S, DEFAULT_WORKERS, Slots, check_options
@@ -165,7 +166,7 @@ def serve(index_dir, *, host: str = "127.0.0.1", port: int = 8000, checkpoint=No
             names = ", ".join(allowed) if allowed else "none: add --allow-host NAME for the name clients use"
             print(f"warning: serving on {host}: other machines can reach this page and everything in the index "
                   f"(host names answered besides loopback: {names})")
-        print(f"deepmetric serve: {len(index)} image{'' if len(index) == 1 else 's'} ({index.kind}, d={index.dim}) on http://{host}:{port}/ "
+        print(f"deepmetric serve: {counted(len(index), 'image')} ({index.kind}, d={index.dim}) on http://{host}:{port}/ "
               f"(Ctrl-C stops; kill -HUP {os.getpid()} reloads the index)", flush=True)
         import gc
 

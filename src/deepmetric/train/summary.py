@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from deepmetric.wording import counted
 from ..models import pooling_note
 from deepmetric.run import rundir as R
 from deepmetric.run.config import Config
@@ -148,10 +149,9 @@ def format_run_summary(cfg: Config, *, train_set, eval_sets: dict[str, Any], mod
     if world > 1:
         batch += f" per process x {world} processes"
     if steps_per_epoch is not None and total_epochs is not None:
-        batch += (f"; {steps_per_epoch} step{'' if steps_per_epoch == 1 else 's'}/epoch x {total_epochs} "
-                  f"epoch{'' if total_epochs == 1 else 's'}")
+        batch += f"; {counted(steps_per_epoch, 'step')}/epoch x {counted(total_epochs, 'epoch')}"
         if total_steps is not None:
-            batch += f" = {total_steps} step{'' if total_steps == 1 else 's'}"
+            batch += f" = {counted(total_steps, 'step')}"
     lines.append(f"  batches  {batch}")
     o = cfg.optim
     # every factor that sets a parameter group's lr: a run is read from its banner
