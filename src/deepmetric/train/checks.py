@@ -36,8 +36,8 @@ from deepmetric.run.evaluation import split_names
 
 from .image_warnings import grey_colour_warning, patch_grid_warning, size_warnings
 
-__all__ = ["FEW_CLASSES", "check_out_dir_outside_data", "check_images_readable", "check_model_input", "check_loss_inputs", "few_classes_warning",
-           "short_input_warnings", "check_run"]
+__all__ = ["FEW_CLASSES", "check_out_dir_outside_data", "check_images_readable", "check_model_input",
+           "check_loss_inputs", "few_classes_warning", "short_input_warnings", "check_run"]
 
 #: Fewer training classes than this triggers :func:`few_classes_warning`.
 FEW_CLASSES = 20
