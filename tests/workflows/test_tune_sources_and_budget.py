@@ -26,7 +26,7 @@ optuna = pytest.importorskip("optuna")
     ("loss.0.options.alphaa=2", "config key 'loss.0.options.alphaa': unknown option 'alphaa' for loss "
                                 "'heated_softmax' (did you mean 'alpha'?)"),
     ("loss.5.weight=2", "index 5 out of range (list has 1 items)"),
-    ("train.epochs=[1", "value is not valid YAML (expected ',' or ']', but got '<stream end>' at the end of the value)"),
+    ("train.epochs=[1", "the value is not valid YAML (expected ',' or ']', but got '<stream end>' at the end of the value)"),
 ])
 def test_a_bad_override_is_named_with_the_file_or_the_command_line_it_came_from(tmp_path, capsys, override, said):
     """A space file's bad override was blamed on the recipe (and 'optim.lrr' on params.optim.lr,

@@ -105,17 +105,12 @@ def _run_index(args: argparse.Namespace) -> int:
 
 def _data_options(given: list[str]) -> dict:
     """``--data-option KEY=VALUE`` entries as a mapping, each value read as YAML (``true``, ``3``)."""
-    import yaml
+    from deepmetric.run.config_io import parse_override
 
     out = {}
     for item in given:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--data-option {item!r}: expected KEY=VALUE, e.g. allow_empty_classes=true")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise ValueError(f"--data-option {item!r}: the value is not valid YAML") from None
+        parts, value = parse_override(item, "--data-option", "allow_empty_classes=true")
+        out[".".join(parts)] = value
     return out
 
 

@@ -15,7 +15,7 @@ from .config import Config, ConfigError, LossTermConfig, config_to_dict
 from .config_checks import check_values
 from .config_types import build_dataclass
 
-__all__ = ["config_from_dict", "config_diff", "flatten_config", "apply_overrides", "load_config",
+__all__ = ["config_from_dict", "config_diff", "flatten_config", "apply_overrides", "parse_override", "load_config",
            "read_yaml_mapping", "save_config"]
 
 
@@ -60,13 +60,15 @@ def config_diff(old: Any, new: Any) -> list[tuple[str, Any, Any]]:
 
 
 # --------------------------------------------------------------------------- overrides
-def _parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str, flag: str = "override", example: str = "optim.lr=0.001") -> tuple[list[str], Any]:
+    """``KEY=VALUE`` as the key's dotted parts and the value read as YAML (``true``, ``3``, ``[1, 2]``);
+    a ``ConfigError`` naming ``flag`` and the text otherwise (``--set``, ``--data-option``)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optim.lr=0.001")
+        raise ConfigError(f"{flag} {text!r}: expected KEY=VALUE, e.g. {example}")
     key, _, raw = text.partition("=")
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: empty key")
+        raise ConfigError(f"{flag} {text!r}: empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:  # PyYAML's own text spans several lines (context, a caret): one line here
@@ -74,7 +76,7 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
         mark = getattr(exc, "problem_mark", None)
         at = "" if mark is None else (f" at character {mark.column + 1} of the value" if mark.column < len(raw)
                                       else " at the end of the value")
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({problem}{at})") from None
+        raise ConfigError(f"{flag} {text!r}: the value is not valid YAML ({problem}{at})") from None
     return key.split("."), value
 
 
@@ -85,7 +87,7 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...] | None) ->
     then rejected, with a suggestion, by validation.
     """
     for text in overrides or ():
-        parts, value = _parse_override(text)
+        parts, value = parse_override(text)
         node: Any = raw
         for depth, part in enumerate(parts[:-1]):
             where = ".".join(parts[: depth + 1])

@@ -44,8 +44,9 @@ def describe_value(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
-def _convert(value: Any, tp: Any, path: str) -> Any:
-    """Check ``value`` against the type hint ``tp`` and return the typed value."""
+def convert_value(value: Any, tp: Any, path: str) -> Any:
+    """``value`` checked against the type hint ``tp`` (:func:`convertible`) as a config key's value is:
+    the typed value, or a ``ConfigError`` naming ``path``."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -60,7 +61,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _convert(value, arg, path)
+                return convert_value(value, arg, path)
             except ConfigError as exc:
                 errors.append(exc)
         # A single non-null alternative: its own message is the most precise.
@@ -81,7 +82,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             value = list(value)
         if not isinstance(value, list):
             raise ConfigError(f"config key '{path}': expected {_type_name(tp)}, got {describe_value(value)}")
-        return [_convert(v, arg, f"{path}.{i}") for i, v in enumerate(value)]
+        return [convert_value(v, arg, f"{path}.{i}") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{path}': expected a mapping, got {describe_value(value)}")
@@ -129,12 +130,6 @@ def convertible(tp: Any) -> bool:
     return False
 
 
-def convert_value(value: Any, tp: Any, path: str) -> Any:
-    """``value`` checked against the type hint ``tp`` (:func:`convertible`) as a config key's
-    value is: the typed value, or a ``ConfigError`` naming ``path``."""
-    return _convert(value, tp, path)
-
-
 def build_dataclass(cls: type, value: Any, path: str) -> Any:
     """The dataclass ``cls`` from the mapping ``value`` at config key ``path`` ("" at the top):
     an unknown key names the closest valid one, every value is checked against its type hint."""
@@ -154,6 +149,6 @@ def build_dataclass(cls: type, value: Any, path: str) -> Any:
             hint = (did_you_mean(key, names, prefix=f"{path}." if path else "", cutoff=0.5)
                     or f"; valid keys{' of ' + repr(path) if path else ''}: {', '.join(names)}")
             raise ConfigError(f"unknown config key '{full}'{hint}")
-        kwargs[key] = _convert(val, hints[key], full)
+        kwargs[key] = convert_value(val, hints[key], full)
     return cls(**kwargs)
 
