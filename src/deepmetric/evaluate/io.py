@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from deepmetric.files import HEAD_BYTES, text_start
+
 
 _EXPECTED = ("an .npz file with arrays 'embeddings' (N x d float) and 'labels' (N integers), "
              "as written by 'deepmetric embed CHECKPOINT --out EMB.npz' or "
@@ -29,7 +31,7 @@ def describe_file(path: Path) -> str | None:
     a single-array ``.npy``, an image, a PyTorch checkpoint, an ONNX model, a text file, any other
     binary file (numpy reads those as pickles, and its error advises ``allow_pickle=True``)."""
     with open(path, "rb") as f:
-        head = f.read(512)
+        head = f.read(HEAD_BYTES)
     if not head:
         return "an empty file"
     if head.startswith(b"\x93NUMPY"):
@@ -58,12 +60,10 @@ def describe_file(path: Path) -> str | None:
     if path.suffix.lower() == ".onnx" or re.match(rb"\x08[\x01-\x7f]\x12", head):  # ModelProto: ir_version, producer
         return ("an ONNX model ('deepmetric export'), not embeddings; write the embeddings of a split with "
                 "'deepmetric embed CHECKPOINT --out EMB.npz' and evaluate that")
-    try:
-        text = head.decode("utf-8")
-    except UnicodeDecodeError:  # numpy would read it as a pickle, and advise allow_pickle=True
+    first = text_start(head)
+    if first is None:  # numpy would read it as a pickle, and advise allow_pickle=True
         return f"a binary file of another kind (it starts with bytes {head[:8].hex(' ')}), not an .npz archive"
-    first = text.strip().splitlines()[0][:60] if text.strip() else ""
-    return f"a text file (it starts with {first!r})"
+    return f"a text file (it starts with {first[:60]!r})"
 
 
 def load_npz(path, *, require_labels: bool = True) -> dict[str, np.ndarray | None]:

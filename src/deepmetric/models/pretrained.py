@@ -27,6 +27,8 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
+from deepmetric.files import HEAD_BYTES, text_start
+
 __all__ = [
     "LoadReport",
     "no_weights_hint",
@@ -153,19 +155,14 @@ def unreadable_reason(path: str, exc: Exception) -> str:
     the reader's own reason (:func:`weights_only_reason`)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(512)
+            head = f.read(HEAD_BYTES)
     except OSError:
         head = None
     if head == b"":
         return "the file is empty (0 bytes)"
-    if head and b"\x00" not in head:
-        try:
-            text = head.decode("utf-8")
-        except UnicodeDecodeError as err:  # the 512 bytes may end inside a character
-            text = head[:err.start].decode("utf-8") if err.start >= len(head) - 3 else None
-        if text is not None and text.strip():
-            first = text.strip().splitlines()[0][:40]
-            return f"it is a text file (it starts with {first!r}), not a weights file"
+    first = text_start(head) if head else None
+    if first:
+        return f"it is a text file (it starts with {first[:40]!r}), not a weights file"
     return weights_only_reason(exc)
 
 

@@ -137,9 +137,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
         from deepmetric.evaluate.io import describe_file
 
         what = describe_file(path)  # a config or an image given as the checkpoint: say so
-        with open(path, "rb") as f:
-            binary = b"\x00" in f.read(512)  # text has no NUL byte; a damaged file may start as if it were text
-        if what is not None and (what.startswith(("a PNG", "a JPEG")) or (what.startswith("a text") and not binary)):
+        if what is not None and what.startswith(("a PNG", "a JPEG", "a text")):
             raise ValueError(f"checkpoint {path} is {what.split(';')[0]}, not a checkpoint (last.pt / best.pt of "
                              "'deepmetric train')") from None
         if path.stat().st_size == 0:  # torch's reason would be a bare "EOFError: "
