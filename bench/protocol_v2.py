@@ -650,15 +650,19 @@ def flattened(curve: list[float], points: float = 0.5) -> bool:
 def test_evaluation(run_dir: Path, device: str, cross_domain: bool = True) -> dict:
     """best.pt of a finished run on the test split (its own config: the indexed embedding; the
     cross-vendor metrics too with ``cross_domain``), once: the result is kept in ``final.json``
-    next to the run."""
+    next to the run, tied to best.pt's sha256; a best.pt trained again after it is refused."""
     cache = run_dir.parent / f"{run_dir.name}.final{'' if cross_domain else '_split_only'}.json"
     checkpoint = file_digest(run_dir / "best.pt")
     if cache.is_file():
         record = json.loads(cache.read_text())
         if record.get("checkpoint_sha256") == checkpoint:
             return record
-        print(f"[protocol_v2] {cache}: made from another best.pt (the run was trained again): evaluated again",
-              flush=True)
+        # test numbers of this run exist: a run trained again after them would be a second look
+        raise ProtocolError(f"final: {cache} holds the test numbers of another best.pt of {run_dir} (the run was "
+                            "trained again after its test evaluation); the test split is read once "
+                            "(PREREGISTRATION.md): nothing was evaluated. Restore the tested best.pt (its sha256 is in "
+                            "that file), or record the retraining in a dated section of PREREGISTRATION.md and "
+                            "remove that file")
     from deepmetric.run.builders import build_test_sets
     from deepmetric.run.device import resolve_device
     from deepmetric.run.embed import load_model_from_checkpoint
@@ -838,9 +842,10 @@ def run_final_phase(proto: Protocol) -> None:
     kept = check_final_ready(proto, study)
     cut = [n for n in spec.LOSSES if n not in kept]
     final = proto.runs / "final.json"
-    first_cut = json.loads(final.read_text())["cut"] if final.is_file() else cut
+    recorded = final if final.is_file() else proto.copy / "final.json"  # a fresh clone has the committed copy
+    first_cut = json.loads(recorded.read_text())["cut"] if recorded.is_file() else cut
     if first_cut != cut:  # test numbers exist: adding (or dropping) a loss now could change H6's pick after the fact
-        raise ProtocolError(f"final: the first final step cut {first_cut} (recorded in {final}); test numbers "
+        raise ProtocolError(f"final: the first final step cut {first_cut} (recorded in {recorded}); test numbers "
                             "exist, so the cut stays as it was: run final with the same --cut")
     write_text_atomic(final, json.dumps({"cut": cut}) + "\n")  # the summary says so
     if study is not None:
@@ -1010,6 +1015,7 @@ def verdict_records(proto: Protocol, rows: list[dict]) -> list[dict]:
         text, paper = spec.HYPOTHESES[h]
         metrics = ["test top-1 (twitter)", "macro accuracy"] if h.startswith("H5") else list(METRICS)
         out.append({"id": h, "claim": text, "paper": paper, "budget": comparison_budget(h, t, rows),
+                    "convergence": comparison_convergence(proto, h, t, rows),
                     "metric": metrics[0], "test": points(t), "p": None if t is None else finite(t["p"]),
                     "holm_p": None if t is None else finite(adj),
                     "verdict": "pending" if t is None else verdict(t, adj),
@@ -1033,6 +1039,65 @@ def comparison_budget(h: str, t: dict | None, rows: list[dict]) -> str:
         return (f"emoji closed set, 1,911 classes, {two.EPOCHS} epochs, lr on a validation vendor, "
                 f"seeds {seed_list(t)}")
     return budget_text(rows, t)
+
+
+def comparison_convergence(proto: Protocol, h: str, t: dict | None, rows: list[dict]) -> str:
+    """Beside the budget (PREREGISTRATION.md, 2026-11-28): how far the compared runs converged
+    (:func:`convergence_text`; H5: :func:`two_head_convergence`) and the candidates each tune drew
+    before its 12th completed trial (:func:`draw_cells`)."""
+    if t is None:
+        return "-"
+    if h.startswith("H5"):
+        return two_head_convergence(proto, t)
+    drawn = [f"{n} {len(tune_progress(proto, n)['draws'])}" for n in (t["a"], t["b"]) if proto.finished(n)]
+    return convergence_text(rows, t) + ("; candidates drawn " + ", ".join(drawn) if drawn else "")
+
+
+def heated(loss: str) -> bool:
+    """A heated-up variant of the table (HBN, HLN): its alpha and lr drop at :func:`spec.heat_at`."""
+    return any(o.startswith("schedule.temperature={name: heat_up") for o in spec.overrides(loss))
+
+
+def convergence_text(rows: list[dict], t: dict | None) -> str:
+    """Beside a verdict (issue 30 item 4): per loss compared, on the seeds paired, how many
+    validation curves flattened (no gain above 0.5 points over the last two evaluations; under a
+    cosine schedule that ends at lr 0 this is partly by construction); for a heated-up variant, how
+    many of its best.pt were chosen at a heated epoch (at none, A - B measures no heating at all;
+    a heating gain above 0.5 points also shows as a curve that did not flatten)."""
+    parts = []
+    for loss in (t["a"], t["b"]):
+        mine = [r for r in rows if r["loss"] == loss and int(r["seed"]) in t["seeds"]]
+        flat = sum(str(r.get("val_flattened")) == "True" for r in mine)
+        text = f"{loss} flattened {flat}/{len(mine)}"
+        if heated(loss):
+            at = [r for r in mine if r.get("best_epoch") not in (None, "")
+                  and int(r["best_epoch"]) > spec.heat_at(int(r["epochs"]))]
+            text += f", best.pt at a heated epoch {len(at)}/{len(mine)}"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def two_head_convergence(proto: Protocol, t: dict | None) -> str:
+    """H5's seeded runs have no validation vendor (they train on all five): their convergence is the
+    lr run's at the chosen lr (seed 0, the same epochs and schedule, facebook held out), from the
+    copied lr tables."""
+    chosen_path = proto.copy / "two_head_chosen_lr.json"
+    lr_rows = read_csv(proto.copy / "two_head_lr_runs.csv")
+    if not chosen_path.is_file() or not lr_rows:
+        return "-"
+    chosen = json.loads(chosen_path.read_text())
+    parts = []
+    for variant in (t["a"], t["b"]):
+        lr = chosen.get(variant, {}).get("lr")
+        run = next((r for r in lr_rows if r["variant"] == variant and lr is not None
+                    and math.isclose(float(r["lr"]), float(lr))), None)
+        if run is None:
+            parts.append(f"{variant} -")
+            continue
+        gain = "-" if run.get("last_gain_points") in (None, "") else f"{float(run['last_gain_points']):+.2f}"
+        flat = {"True": "flattened", "False": "not flattened"}.get(str(run.get("flattened")), "-")
+        parts.append(f"{variant} lr run at lr {float(lr):g}: {flat} (last gain {gain} points)")
+    return "no validation in the seeded runs; " + "; ".join(parts)
 
 
 def seed_list(t: dict | None) -> str:
@@ -1069,16 +1134,17 @@ def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
                       "correction; each verdict below is final only once every test of the family is in (a "
                       "missing p below 1 can only lower the others' adjusted p: a provisional *holds* stays).", ""]
         lines += ["| id | A - B | seeds | mean (points) | 95 % CI | p | Holm p |"
-                  + (" budget | verdict |" if primary else ""),
-                  "|---|---|---|---|---|---|---|" + ("---|---|" if primary else "")]
+                  + (" budget | convergence; candidates drawn | verdict |" if primary else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|---|---|" if primary else "")]
         for (h, t), adj in zip(tests, adjusted):
             if t is None:
-                lines.append(f"| {h} | not run yet | | | | | |" + (" | |" if primary else ""))
+                lines.append(f"| {h} | not run yet | | | | | |" + (" | | |" if primary else ""))
                 continue
             cells = (f"| {h} | {t['a']} - {t['b']} | {t['n']} | {100 * t['mean']:+.2f} | "
                      f"[{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}] | {t['p']:.4g} | {adj:.4g} |")
             mark = " (provisional)" if pending else ""
-            lines.append(cells + (f" {comparison_budget(h, t, rows)} | {verdict(t, adj)}{mark} |" if primary else ""))
+            lines.append(cells + (f" {comparison_budget(h, t, rows)} | {comparison_convergence(proto, h, t, rows)} | "
+                                  f"{verdict(t, adj)}{mark} |" if primary else ""))
         lines.append("")
     return lines
 
@@ -1170,6 +1236,9 @@ def write_summary(proto: Protocol) -> None:
         mine = [r for r in ranking_rows if r["loss"] == loss]
         stats_by[loss] = (*(mean_ci(tested(mine, m)) for m in METRICS), mine)
     ranked = sorted(stats_by, key=lambda n: -stats_by[n][0]["mean"])
+    # the row every other is paired against is chosen without the test split: the best tuned
+    # validation objective (ranking by test and then testing against the top would pick on test)
+    ref = best_by_tune(proto, ranked, rows) or (ranked[0] if ranked else None)
     final = proto.runs / "final.json"
     cut = json.loads(final.read_text())["cut"] if final.is_file() else []
     lines = ["# Protocol v2: results (test split, evaluated once by the final step)", "",
@@ -1179,21 +1248,22 @@ def write_summary(proto: Protocol) -> None:
              + (", ".join(cut) if cut else "none") + ".", "",
              f"The ranked table: seeds {spec.SEEDS[0]}-{spec.SEEDS[-1]} for every loss (as pre-registered); "
              "the hypotheses below use the seeds each one lists.", "",
-             "| rank | loss | runs | R@1 mean | sd | 95 % CI | vs top (paired by seed) | vs untouched network | "
-             "MAP@R mean | sd | MAP@R vs top | flattened (all its runs) | wall time per run (min) |",
+             f"Each loss is paired by seed against {ref}, the loss with the best tuned validation objective "
+             "(chosen before the test split was read).", "",
+             f"| rank | loss | runs | R@1 mean | sd | 95 % CI | vs {ref} (paired by seed) | vs untouched network | "
+             f"MAP@R mean | sd | MAP@R vs {ref} | flattened (all its runs) | wall time per run (min) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {b["baseline"]: b for b in read_csv(proto.runs / "baselines.csv")}
     untouched = base.get("untouched network")
     for i, loss in enumerate(ranked, 1):
         r1, mp, mine = stats_by[loss]
-        top = paired(ranking_rows, loss, ranked[0], spec.OBJECTIVE)
-        vs = "-" if loss == ranked[0] else interval_cell(top)
-        vs_map = "-" if loss == ranked[0] else interval_cell(paired(ranking_rows, loss, ranked[0], METRICS[1]))
+        vs = "-" if loss == ref else interval_cell(paired(ranking_rows, loss, ref, spec.OBJECTIVE))
+        vs_map = "-" if loss == ref else interval_cell(paired(ranking_rows, loss, ref, METRICS[1]))
         b = float(untouched[spec.OBJECTIVE]) if untouched else None  # one deterministic value: the CI shifts
         vs_base = "-" if b is None else (f"{100 * (r1['mean'] - b):+.2f} [{100 * (r1['ci_low'] - b):+.2f}, "
                                          f"{100 * (r1['ci_high'] - b):+.2f}]")
         every = [r for r in rows if r["loss"] == loss]  # convergence and cost: all its seeded runs (3 or 5)
-        n_diverged = sum(str(r.get("status", "")).startswith("diverged") for r in every)
+        n_diverged = sum(str(r.get("status", "")).startswith("diverged") for r in mine)  # of the runs counted
         runs_cell = f"{len(tested(mine, spec.OBJECTIVE))}" + (f" ({n_diverged} diverged)" if n_diverged else "")
         flat = sum(str(r["val_flattened"]) == "True" for r in every)
         walls = [float(r["wall_time_s"]) for r in every if r.get("wall_time_s") not in (None, "")]
@@ -1209,6 +1279,7 @@ def write_summary(proto: Protocol) -> None:
               f"pytorch-metric-learning loss ({best_by_tune(proto, spec.PML, rows)}), each by its tune's "
               "validation objective.", ""]
     lines += hypotheses_markdown(proto, rows)
+    lines += draws_markdown([tune_progress(proto, n) for n in spec.LOSSES if n not in cut])
     lines += almn_markdown(proto)
     lines += glyph_markdown(proto)
     records = verdict_records(proto, rows)
@@ -1219,7 +1290,7 @@ def write_summary(proto: Protocol) -> None:
 def copy_results(proto: Protocol) -> None:
     proto.copy.mkdir(parents=True, exist_ok=True)
     for name in ("results.csv", "baselines.csv", "almn_beta.csv", "almn_more.csv", "glyphs.csv", "summary.md",
-                 "verdicts.json"):
+                 "verdicts.json", "final.json"):
         if (proto.runs / name).is_file():
             copy_text(proto.runs / name, proto.copy / name, proto)
 
@@ -1238,11 +1309,11 @@ def tune_progress(proto: Protocol, loss: str) -> dict:
     """A tune's trials by state and its best validation objective so far, read from its live
     storage (or, for a tune restored from its committed outputs alone, its ``trials.csv``)."""
     d = proto.tune_dir(loss)
-    states, values = [], []
+    states, values, draws = [], [], []
     if (d / "tune.db").is_file():
         import optuna
 
-        from deepmetric.workflows.tune_study import trial_state_name
+        from deepmetric.workflows.tune_study import trial_origin, trial_state_name
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
@@ -1253,11 +1324,16 @@ def tune_progress(proto: Protocol, loss: str) -> dict:
         trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
         states = [trial_state_name(t) for t in trials]
         values = [t.value for t in trials if t.state.name == "COMPLETE" and t.value is not None]
+        draws = [(trial_origin(t), s, t.value if s == "complete" else None)
+                 for t, s in zip(trials, states) if s in ("complete", "pruned")]
     elif (d / "trials.csv").is_file():
         rows = read_csv(d / "trials.csv")
         states = [r["state"] for r in rows]
         values = [float(r[f"val/{spec.OBJECTIVE}"]) for r in rows
                   if r["state"] == "complete" and r.get(f"val/{spec.OBJECTIVE}")]
+        draws = [(int(r.get("retry_of") or r["trial"]), r["state"],
+                  float(r[f"val/{spec.OBJECTIVE}"]) if r["state"] == "complete" and r.get(f"val/{spec.OBJECTIVE}")
+                  else None) for r in rows if r["state"] in ("complete", "pruned")]
     if not values and (d / "best_overrides.json").is_file():  # a trials.csv without the objective's column
         values = [float(json.loads((d / "best_overrides.json").read_text())["value"])]
     complete = states.count("complete")
@@ -1266,7 +1342,43 @@ def tune_progress(proto: Protocol, loss: str) -> dict:
              "under way" if states else "not started")
     return {"loss": loss, "state": state, "complete": complete, "pruned": states.count("pruned"),
             "stopped": sum(s in ("fail", "interrupted") for s in states), "running": states.count("running"),
-            "best": max(values) if values else None}
+            "best": max(values) if values else None, "draws": [(state, value) for _, state, value in sorted(draws)]}
+
+
+def draw_cells(tune: dict, common: int) -> tuple[int, int | None, float | None]:
+    """Of a tune's candidates in the order it drew them (completed or pruned; a retried trial once,
+    at its first number): how many, the position of the best completed one, and the best validation
+    value among the first ``common`` candidates (the fewest any finished tune drew). 12 completed
+    trials per loss, as pre-registered, let a loss whose candidates were pruned more often draw
+    more of them (PREREGISTRATION.md, 2026-11-28)."""
+    draws = tune["draws"]
+    done = [(i, v) for i, (state, v) in enumerate(draws, 1) if state == "complete" and v is not None]
+    best_at = max(done, key=lambda d: d[1])[0] if done else None
+    early = [v for i, v in done if i <= common]
+    return len(draws), best_at, (max(early) if early else None)
+
+
+def draws_markdown(tunes: list[dict]) -> list[str]:
+    """The candidates each finished tune drew, and its best validation value within the fewest
+    candidates any finished tune drew: what the same number of *completed* trials gave each loss."""
+    finished = [t for t in tunes if t["state"] == "finished" and t["draws"]]
+    if not finished:
+        return []
+    common = min(len(t["draws"]) for t in finished)
+    lines = [f"## Candidates drawn (the same {finished[0]['complete']} completed trials are not the same number "
+             "of candidates)", "",
+             "Pruned candidates do not count towards the completed trials, so a loss whose candidates were pruned "
+             "more often drew more of them before its tune finished. Validation only; the seeded runs use each "
+             f"tune's best, as pre-registered; the last column is what the first {common} candidates (the fewest any "
+             "finished tune drew) would have given.", "",
+             f"| loss | candidates drawn (completed + pruned) | the best one's position | best validation | "
+             f"best within the first {common} |", "|---|---|---|---|---|"]
+    for t in finished:
+        drawn, best_at, early = draw_cells(t, common)
+        best = "" if t["best"] is None else f"{t['best']:.4f}"
+        lines.append(f"| {t['loss']} | {drawn} | {best_at or '-'} | {best} | "
+                     f"{'-' if early is None else f'{early:.4f}'} |")
+    return lines + [""]
 
 
 def _finished_runs(folder: Path, keys: list[str]) -> int:
@@ -1290,6 +1402,7 @@ def progress_markdown(proto: Protocol) -> str:
         best = "" if t["best"] is None else f"{t['best']:.4f}"
         lines.append(f"| {t['loss']} | {t['state']} | {t['complete']} | {t['pruned']} | {t['stopped']} | "
                      f"{t['running']} | {best} |")
+    lines += [""] + draws_markdown(tunes)[:-1]
     open_tunes = [t for t in tunes if t["state"] != "finished"]
     more = sum(max(0, proto.trials - t["complete"]) for t in open_tunes)
     seed_keys = [f"{n}/seed{s}" for n in spec.LOSSES for s in spec.seeds_of(n)]

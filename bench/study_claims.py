@@ -256,17 +256,18 @@ def protocol_v2_section(root: Path = STUDIES) -> list[str]:
     if records is None:
         lines += ["**Pending**: no test number of protocol v2 exists yet (the study's state: "
                   "[protocol_v2/progress.md](protocol_v2/progress.md)).", ""]
-        records = [{"id": h, "claim": text, "paper": paper, "budget": "-", "test": None, "holm_p": None,
+        records = [{"id": h, "claim": text, "paper": paper, "budget": "-", "convergence": "-", "test": None,
+                    "holm_p": None,
                     "verdict": "pending", "secondary": None, "metric": "-", "secondary_metric": "-"}
                    for h, (text, paper) in _protocol_v2_hypotheses().items()]
-    lines += ["| id | claim | paper | budget | primary metric: A - B | Holm p | verdict | secondary metric: A - B |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| id | claim | paper | budget | convergence; candidates drawn | primary metric: A - B | Holm p | verdict | "
+              "secondary metric: A - B |", "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         holm = "-" if r.get("holm_p") is None else f"{r['holm_p']:.3g}"
         primary, secondary = _v2_cell(r["test"]), _v2_cell(r["secondary"])
         shown = f"**{r['verdict']}**" + (f" (provisional: {', '.join(r['pending_tests'])} not run yet)"
                                          if r.get("provisional") else "")
-        lines.append(f"| {r['id']} | {r['claim']} | {r['paper']} | {r['budget']} | "
+        lines.append(f"| {r['id']} | {r['claim']} | {r['paper']} | {r['budget']} | {r.get('convergence', '-')} | "
                      f"{primary if primary == '-' else r['metric'] + ': ' + primary} | {holm} | {shown} | "
                      f"{secondary if secondary == '-' else r['secondary_metric'] + ': ' + secondary} |")
     return lines + [""]

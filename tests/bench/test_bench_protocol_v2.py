@@ -204,12 +204,25 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     both = json.loads((one.parent / "seed100.final.json").read_text())["metrics"]
     assert not [k for k in within if k.startswith("cross_domain")] and within["recall@1"] == both["recall@1"]
     assert (one.parent / "seed100.final_split_only.json").is_file()
-    # a cache made from another best.pt (the run trained again) is not reused
+    # test numbers made from another best.pt (the run trained again after its test evaluation): the
+    # test split is read once, so nothing is evaluated again and the record stays as it was
     cache = one.parent / "seed100.final.json"
     stale = json.loads(cache.read_text())
     cache.write_text(json.dumps({**stale, "checkpoint_sha256": "another", "metrics": {"recall@1": -1.0}}))
+    with pytest.raises(bench.ProtocolError, match="the test split is read once"):
+        bench.test_evaluation(one, "cpu")
+    assert json.loads(cache.read_text())["checkpoint_sha256"] == "another"
+    cache.write_text(json.dumps(stale))
     assert bench.test_evaluation(one, "cpu")["metrics"] == both
-    assert json.loads(cache.read_text())["checkpoint_sha256"] == bench.file_digest(one / "best.pt")
+    # beside each verdict: how far its runs converged and how many candidates each tune drew; the
+    # ranked table pairs against the best tuned validation objective, not against the top on test;
+    # the first final step's cut is committed (a fresh clone keeps it)
+    verdicts = {v["id"]: v for v in json.loads((copy / "verdicts.json").read_text())}
+    assert verdicts["H6"]["convergence"].count("flattened") == 2 and "candidates drawn BN " in verdicts["H6"]["convergence"]
+    assert "## Candidates drawn" in summary and "| BN | " in summary.split("## Candidates drawn")[1]
+    ref = bench.best_by_tune(bench.Protocol(bench.parse_args(argv[:-1])), losses, rows)
+    assert f"paired by seed against {ref}, the loss with the best tuned validation objective" in summary
+    assert json.loads((copy / "final.json").read_text()) == {"cut": ["contrastive"]}
     # the control: both losses at the winner's settings, validation only
     with open(copy / "control.csv", newline="") as f:
         control = list(csv.DictReader(f))
@@ -425,6 +438,10 @@ def test_almn_mxn_and_eq12_run_at_the_sweeps_best_beta_chosen_on_validation(tmp_
     assert table["almn_sweep_beta1"].split("|")[6].strip() == "-"
 
 
+def records_h1_convergence(runs) -> str:
+    return next(r for r in json.loads((runs / "verdicts.json").read_text()) if r["id"] == "H1")["convergence"]
+
+
 @pytest.mark.filterwarnings("ignore:Precision loss occurred in moment calculation")
 def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     """H1-H6 with Holm over the family of seven (tests not run yet count as p = 1), verdicts on
@@ -439,7 +456,8 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
             v = m + jitter.get(loss, [0.001, -0.001, 0.0005, -0.0005, 0.0])[i]
             rows.append({"loss": loss, "seed": seed, "completed_trials": 12, "optimizer": "sgd", "embedding": "own",
                          "epochs": 10, "cross_domain_recall@1": v, "cross_domain_map@r": v / 2,
-                         "val_flattened": True, "wall_time_s": 600.0 + 60 * i})
+                         "val_flattened": True, "wall_time_s": 600.0 + 60 * i,
+                         "best_epoch": 10 if i < 3 else 8})  # epochs 9-10 are HBN's and HLN's heated ones
     bench.write_csv(runs / "results.csv", rows, bench.RESULT_COLUMNS)
     for loss, value in (("HBN", 0.7), ("BN", 0.6), ("pml_proxy_anchor", 0.65)):
         _fake_tune(runs, loss, value, ["optim.lr=0.01"])
@@ -457,7 +475,10 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     got = {h: v.removesuffix(" (provisional)") for h, v in got.items()}
     # the budget beside each verdict (pre-registered), the 64 px of H1-H3 with it
     h1 = [line for line in primary.splitlines() if line.startswith("| H1 |")][0]
-    assert "| emoji 64 px, 10 epochs, 12 completed tune trials per loss, seeds 100-104 | holds (provisional) |" in h1
+    assert ("| emoji 64 px, 10 epochs, 12 completed tune trials per loss, seeds 100-104 | HBN flattened 5/5, best.pt "
+            "at a heated epoch 3/5; BN flattened 5/5; candidates drawn HBN 13, BN 13 | holds (provisional) |") in h1
+    assert records_h1_convergence(runs) == ("HBN flattened 5/5, best.pt at a heated epoch 3/5; BN flattened 5/5; "
+                                            "candidates drawn HBN 13, BN 13")
     assert "| H5a | not run yet |" in primary and "best of ours (HBN)" in text and "(pml_proxy_anchor)" in text
     assert "| 1 | HBN | 3 | 60.02 |" in text  # the ranked table: seeds 100-102 for every loss (5 seeds: 60.00)
     second = [line for line in text.splitlines() if line.startswith("| 2 |")][0].split("|")
@@ -566,8 +587,12 @@ def test_restore_puts_the_committed_tunes_back_and_progress_counts_them(tmp_path
     (seed_run / "metrics.json").write_text("{}")
     (runs / "seeds" / "BN" / "seed101").mkdir()  # not finished: no metrics.json
     text = bench.progress_markdown(proto)
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    tunes, drawn = text.split("## Candidates drawn")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in tunes.splitlines() + drawn.split("## The other")[1]
+            .splitlines() if line.startswith("| ")}
     assert rows["BN"].startswith(f"| BN | finished | {v2.TRIALS} | 1 | 0 | 0 | 0.6100 |")
+    # the candidates a finished tune drew (completed + pruned); the unfinished ones are not listed
+    assert f"| BN | {v2.TRIALS + 1} | - | 0.6100 | - |" in drawn and "| HLN |" not in drawn.split("## The other")[0]
     assert rows["HLN"].startswith("| HLN | under way | 1 | 1 | 0 | 1 | 0.2500 |")
     assert rows["LN"].startswith("| LN | not started | 0 | 0 | 0 | 0 |  |")
     n_seeded = sum(len(v2.seeds_of(n)) for n in v2.LOSSES)
@@ -733,3 +758,34 @@ def test_drain_lets_the_running_tunes_finish_their_trials_and_starts_nothing_new
     deadline = time.monotonic() + 0.5
     assert bench.main(argv + ["--phase", "tune", "--only", "HBN"]) == 2  # (the fake tune never finishes)
     assert started == ["HBN"] and not (runs / bench.DRAIN).exists()
+
+
+def test_candidates_drawn_and_the_two_head_convergence(tmp_path):
+    """12 completed trials per loss are not the same number of candidates: the table counts each
+    tune's completed and pruned ones in the order drawn (a retry once) and the best completed value
+    among the first N, N the fewest any finished tune drew. H5's seeded runs have no validation:
+    their convergence is the lr run's at the chosen lr."""
+    tunes = [{"loss": "A", "state": "finished", "complete": 2, "best": 0.9,
+              "draws": [("pruned", None), ("complete", 0.5), ("pruned", None), ("complete", 0.9)]},
+             {"loss": "B", "state": "finished", "complete": 2, "best": 0.7,
+              "draws": [("complete", 0.7), ("complete", 0.6), ("pruned", None)]},
+             {"loss": "C", "state": "under way", "complete": 1, "best": 0.8, "draws": [("complete", 0.8)]}]
+    assert bench.draw_cells(tunes[0], 3) == (4, 4, 0.5) and bench.draw_cells(tunes[1], 3) == (3, 1, 0.7)
+    text = "\n".join(bench.draws_markdown(tunes))
+    assert "best within the first 3 |" in text and "| A | 4 | 4 | 0.9000 | 0.5000 |" in text
+    assert "| B | 3 | 1 | 0.7000 | 0.7000 |" in text and "| C |" not in text
+    assert bench.draws_markdown([tunes[2]]) == []
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    proto = bench.Protocol(bench.parse_args(["--runs", str(tmp_path / "runs"), "--copy-to", str(copy)]))
+    pair = {"a": "semihard", "b": "softmax"}
+    assert bench.two_head_convergence(proto, pair) == "-"  # the lr phase has not run
+    (copy / "two_head_chosen_lr.json").write_text(json.dumps({"semihard": {"lr": 0.01}, "softmax": {"lr": 0.03}}))
+    bench.write_csv(copy / "two_head_lr_runs.csv",
+                    [{"variant": v, "lr": lr, "last_gain_points": g, "flattened": g <= 0.5}
+                     for v, lr, g in (("semihard", 0.01, 0.2), ("semihard", 0.03, 3.0), ("softmax", 0.03, 1.5),
+                                      ("softmax", 0.01, 0.1))], ["variant", "lr", "last_gain_points", "flattened"])
+    assert bench.two_head_convergence(proto, pair) == (
+        "no validation in the seeded runs; semihard lr run at lr 0.01: flattened (last gain +0.20 points); "
+        "softmax lr run at lr 0.03: not flattened (last gain +1.50 points)")
