@@ -252,7 +252,11 @@ def protocol_v2_section(root: Path = STUDIES) -> list[str]:
              "step, on seeds no tune used. Paired differences A - B in points, mean [95 % t interval] (n seeds); "
              "Holm's correction over the seven tests; **holds** / **reversed**: Holm p < 0.05; **does not hold**: "
              "not significant and the interval's upper end below +1 point; **not resolved**: every other case. "
-             "The secondary metric is reported beside it and decides nothing.", ""]
+             "The secondary metric is reported beside it and decides nothing. Read with the pre-registration's "
+             "section of 2026-11-28: every tune chose to search the backbone's pooled features, so each comparison is "
+             "of how well a loss trains them; 12 completed trials gave the paper claims' losses more candidates than "
+             "the pytorch-metric-learning losses (printed beside each verdict); a negative verdict is not corrected "
+             "for the seven tests.", ""]
     if records is None:
         lines += ["**Pending**: no test number of protocol v2 exists yet (the study's state: "
                   "[protocol_v2/progress.md](protocol_v2/progress.md)).", ""]
