@@ -1,6 +1,7 @@
 """Embedding heads: linear projection to k dims followed by a feature normalisation.
 
-Heated-up softmax embedding (Zhang et al., 2018), Sec. 4 / Eq. 13:
+Heated-up softmax embedding (Zhang et al., 2018): the normalisations of Sec. 3.3 (BN: Eq. 13), the
+models of Sec. 5.2:
 
 * ``"none"``  -- the plain bottleneck feature f (SM baseline);
 * ``"l2"``    -- f / ||f||_2 (LN);
