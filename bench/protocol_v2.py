@@ -1238,7 +1238,10 @@ def write_summary(proto: Protocol) -> None:
     ranked = sorted(stats_by, key=lambda n: -stats_by[n][0]["mean"])
     # the row every other is paired against is chosen without the test split: the best tuned
     # validation objective (ranking by test and then testing against the top would pick on test)
-    ref = best_by_tune(proto, ranked, rows) or (ranked[0] if ranked else None)
+    ref = best_by_tune(proto, ranked, rows)
+    ref_text = (f"Each loss is paired by seed against {ref}, the loss with the best tuned validation objective "
+                "(chosen before the test split was read)." if ref else
+                "No loss of the table has a finished tune: no reference row, no paired interval.")
     final = proto.runs / "final.json"
     cut = json.loads(final.read_text())["cut"] if final.is_file() else []
     lines = ["# Protocol v2: results (test split, evaluated once by the final step)", "",
@@ -1248,8 +1251,7 @@ def write_summary(proto: Protocol) -> None:
              + (", ".join(cut) if cut else "none") + ".", "",
              f"The ranked table: seeds {spec.SEEDS[0]}-{spec.SEEDS[-1]} for every loss (as pre-registered); "
              "the hypotheses below use the seeds each one lists.", "",
-             f"Each loss is paired by seed against {ref}, the loss with the best tuned validation objective "
-             "(chosen before the test split was read).", "",
+             ref_text, "",
              f"| rank | loss | runs | R@1 mean | sd | 95 % CI | vs {ref} (paired by seed) | vs untouched network | "
              f"MAP@R mean | sd | MAP@R vs {ref} | flattened (all its runs) | wall time per run (min) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1257,8 +1259,8 @@ def write_summary(proto: Protocol) -> None:
     untouched = base.get("untouched network")
     for i, loss in enumerate(ranked, 1):
         r1, mp, mine = stats_by[loss]
-        vs = "-" if loss == ref else interval_cell(paired(ranking_rows, loss, ref, spec.OBJECTIVE))
-        vs_map = "-" if loss == ref else interval_cell(paired(ranking_rows, loss, ref, METRICS[1]))
+        vs = "-" if loss == ref or ref is None else interval_cell(paired(ranking_rows, loss, ref, spec.OBJECTIVE))
+        vs_map = "-" if loss == ref or ref is None else interval_cell(paired(ranking_rows, loss, ref, METRICS[1]))
         b = float(untouched[spec.OBJECTIVE]) if untouched else None  # one deterministic value: the CI shifts
         vs_base = "-" if b is None else (f"{100 * (r1['mean'] - b):+.2f} [{100 * (r1['ci_low'] - b):+.2f}, "
                                          f"{100 * (r1['ci_high'] - b):+.2f}]")

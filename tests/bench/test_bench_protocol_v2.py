@@ -653,6 +653,16 @@ def test_the_ranked_table_uses_the_three_shared_seeds_and_budgets_name_what_they
     assert bench.paired(same, "a", "b", "m")["p"] == 0.0
     assert bench.paired([{**r, "m": 0.5} for r in same], "a", "b", "m")["p"] == 1.0
     assert bench.seed_list({"seeds": [100, 101, 103]}) == "100, 101, 103"
+    # no tune record: no reference row; with tunes, the reference is the best tuned validation
+    # objective (BN), not the top row on test (ArcFace), and the top row gets its interval against it
+    assert "No loss of the table has a finished tune: no reference row" in (runs / "summary.md").read_text()
+    for loss, value in (("BN", 0.7), ("SM", 0.6), ("pml_arcface", 0.65)):
+        _fake_tune(runs, loss, value, ["optim.lr=0.01"])
+    bench.write_summary(proto)
+    text = (runs / "summary.md").read_text()
+    assert "paired by seed against BN, the loss with the best tuned validation objective" in text
+    top = [line for line in text.splitlines() if line.startswith("| 1 | pml_arcface |")][0].split("|")
+    assert top[7].strip() == "+2.33 [+0.90, +3.77]" and "| 2 | BN |" in text  # ArcFace - BN on seeds 100-102
 
 
 def test_the_test_split_waits_for_a_committed_preregistration(tmp_path, monkeypatch):
