@@ -1434,8 +1434,9 @@ def progress_markdown(proto: Protocol) -> str:
               f"{_finished_runs(TWO_HEAD_RUNS, two_lr)} | {len(two_lr)} |",
               f"| two-head closed set, seeded runs | {_finished_runs(TWO_HEAD_RUNS, two_seeds)} | {len(two_seeds)} |",
               "", "## Left", "",
-              f"- Tunes: {len(open_tunes)} of {len(tunes)} not finished, at least {more} more completed trials "
-              "(pruned and stopped trials come on top of them).",
+              (f"- Tunes: {len(open_tunes)} of {len(tunes)} not finished, at least {more} more completed trials "
+               "(pruned and stopped trials come on top of them)." if open_tunes else
+               f"- Tunes: all {len(tunes)} finished."),
               "- Then the phases above with fewer finished runs than planned, in the pre-registered order "
               "(seeds, control, ALMN beta sweep, ALMN m x n and Eq. 12, the two-head runs, final).", ""]
     return "\n".join(lines)
