@@ -377,6 +377,11 @@ def test_summary_cell_over_fewer_runs_than_its_row_says_how_many():
     # the complete column: mean 0.6, sample sd 0.1, t(0.975, 2) = 4.303 -> half-width 0.2484
     assert final == "0.6000 ± 0.1000 [0.3516, 0.8484]"
     assert selected == "0.6500 (1 of 3 runs)"
+    assert "No finished run evaluated the test split" not in md
+    # runs with eval.test: false have no test metric: the summary says so instead of empty columns alone
+    untested = [{"benchmark": "", "variant": "v", "seed": s, "selected/epoch": 4.0, "wall_time_s": 9.0} for s in range(3)]
+    md = summary_markdown(study, untested, ["final/recall@1"], summarize(untested, ["final/recall@1"]), [], None)
+    assert "No finished run evaluated the test split (`eval.test: false`): the tables hold no test metric" in md
 
 
 def test_from_tune_values_survive_the_variants_own_overrides(tmp_path):

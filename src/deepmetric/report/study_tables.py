@@ -151,6 +151,11 @@ def summary_markdown(study, rows: list[dict], metrics: list[str], groups: list[d
               "validation classes; both evaluated on the test classes (`selected/` missing where the "
               "selected epoch's test split was not evaluated: runs made before `eval.test_selected`, "
               "with `eval.test_every: 0`; a cell over fewer runs than its row says so).", ""]
+    tested = any(k.startswith(("final/", "selected/")) and k != "selected/epoch" for r in rows for k in r)
+    if rows and not tested:  # eval.test: false in every run (a protocol that keeps the test split out of sight)
+        lines += ["No finished run evaluated the test split (`eval.test: false`): the tables hold no test "
+                  "metric. Each run's validation curve is in its `log.jsonl`, its chosen epoch in "
+                  "`metrics.json`.", ""]
     for bench in study.benchmarks:
         bname = bench or ""
         gs = [g for g in groups if g["benchmark"] == bname]
