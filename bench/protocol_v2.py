@@ -848,6 +848,7 @@ def run_final_phase(proto: Protocol) -> None:
         raise ProtocolError(f"final: the first final step cut {first_cut} (recorded in {recorded}); test numbers "
                             "exist, so the cut stays as it was: run final with the same --cut")
     write_text_atomic(final, json.dumps({"cut": cut}) + "\n")  # the summary says so
+    copy_text(final, proto.copy / "final.json", proto)  # for the commit, even if this step fails later
     if study is not None:
         groups = {n: (n, spec.seeds_of(n), tune_record(proto, n)["completed"]) for n in proto.tuned() if n in kept}
         rows = final_rows(proto, study, groups)
@@ -1069,10 +1070,11 @@ def convergence_text(rows: list[dict], t: dict | None) -> str:
         mine = [r for r in rows if r["loss"] == loss and int(r["seed"]) in t["seeds"]]
         flat = sum(str(r.get("val_flattened")) == "True" for r in mine)
         text = f"{loss} flattened {flat}/{len(mine)}"
-        if heated(loss):
-            at = [r for r in mine if r.get("best_epoch") not in (None, "")
-                  and int(r["best_epoch"]) > spec.heat_at(int(r["epochs"]))]
-            text += f", best.pt at a heated epoch {len(at)}/{len(mine)}"
+        if heated(loss):  # a run without a known best epoch (diverged before any evaluation) is not counted
+            known = [r for r in mine if r.get("best_epoch") not in (None, "")]
+            at = [r for r in known if int(float(r["best_epoch"])) > spec.heat_at(int(r["epochs"]))]
+            unknown = len(mine) - len(known)
+            text += f", best.pt at a heated epoch {len(at)}/{len(known)}" + (f", {unknown} unknown" if unknown else "")
         parts.append(text)
     return "; ".join(parts)
 
@@ -1252,8 +1254,8 @@ def write_summary(proto: Protocol) -> None:
              f"The ranked table: seeds {spec.SEEDS[0]}-{spec.SEEDS[-1]} for every loss (as pre-registered); "
              "the hypotheses below use the seeds each one lists.", "",
              ref_text, "",
-             f"| rank | loss | runs | R@1 mean | sd | 95 % CI | vs {ref} (paired by seed) | vs untouched network | "
-             f"MAP@R mean | sd | MAP@R vs {ref} | flattened (all its runs) | wall time per run (min) |",
+             f"| rank | loss | runs | R@1 mean | sd | 95 % CI | vs {ref or 'reference'} (paired by seed) | vs untouched "
+             f"network | MAP@R mean | sd | MAP@R vs {ref or 'reference'} | flattened (all its runs) | wall time per run (min) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {b["baseline"]: b for b in read_csv(proto.runs / "baselines.csv")}
     untouched = base.get("untouched network")
@@ -1281,7 +1283,7 @@ def write_summary(proto: Protocol) -> None:
               f"pytorch-metric-learning loss ({best_by_tune(proto, spec.PML, rows)}), each by its tune's "
               "validation objective.", ""]
     lines += hypotheses_markdown(proto, rows)
-    lines += draws_markdown([tune_progress(proto, n) for n in spec.LOSSES if n not in cut])
+    lines += draws_markdown([tune_progress(proto, n) for n in spec.LOSSES])  # as progress.md: every finished tune
     lines += almn_markdown(proto)
     lines += glyph_markdown(proto)
     records = verdict_records(proto, rows)
@@ -1344,7 +1346,7 @@ def tune_progress(proto: Protocol, loss: str) -> dict:
              "under way" if states else "not started")
     return {"loss": loss, "state": state, "complete": complete, "pruned": states.count("pruned"),
             "stopped": sum(s in ("fail", "interrupted") for s in states), "running": states.count("running"),
-            "best": max(values) if values else None, "draws": [(state, value) for _, state, value in sorted(draws)]}
+            "best": max(values) if values else None, "draws": [(state, value) for _, state, value in sorted(draws, key=lambda d: d[0])]}
 
 
 def draw_cells(tune: dict, common: int) -> tuple[int, int | None, float | None]:
@@ -1367,7 +1369,7 @@ def draws_markdown(tunes: list[dict]) -> list[str]:
     if not finished:
         return []
     common = min(len(t["draws"]) for t in finished)
-    lines = [f"## Candidates drawn (the same {finished[0]['complete']} completed trials are not the same number "
+    lines = [f"## Candidates drawn (the same {max(t['complete'] for t in finished)} completed trials are not the same number "
              "of candidates)", "",
              "Pruned candidates do not count towards the completed trials, so a loss whose candidates were pruned "
              "more often drew more of them before its tune finished. Validation only; the seeded runs use each "

@@ -253,8 +253,9 @@ def protocol_v2_section(root: Path = STUDIES) -> list[str]:
              "Holm's correction over the seven tests; **holds** / **reversed**: Holm p < 0.05; **does not hold**: "
              "not significant and the interval's upper end below +1 point; **not resolved**: every other case. "
              "The secondary metric is reported beside it and decides nothing. Read with the pre-registration's "
-             "section of 2026-11-28: every tune chose to search the backbone's pooled features, so each comparison is "
-             "of how well a loss trains them; 12 completed trials let the tunes whose candidates were pruned more often "
+             "section of 2026-11-28: every tune of the losses in H1-H4 and H6 chose to search the backbone's pooled "
+             "features, so each comparison is of how well a loss trains them (ProxyNCA, in the ranked table only, "
+             "chose its projection); 12 completed trials let the tunes whose candidates were pruned more often "
              "draw more of them (14-24 for the paper claims' losses, 15-17 for the pytorch-metric-learning ones; "
              "printed beside each verdict); a negative verdict is not corrected "
              "for the seven tests.", ""]

@@ -11,6 +11,9 @@ def test_text_start_reads_text_and_refuses_binary():
     cut = ("\u00e9t\u00e9 " + "x" * 505 + "\u00e9").encode("utf-8")[:512]
     assert cut[-1:] == b"\xc3" and text_start(cut).startswith("\u00e9t\u00e9 xx")
     assert text_start(b"abc\xff" + b"d" * 20) is None
+    # a short file was read whole: an invalid or unfinished character at its end is binary
+    assert text_start(b"\x80\x02\x8a") is None and text_start(b"abcdefgh\xff") is None
+    assert text_start(b"abcdefgh\xc3") is None and text_start(b"x" * 511 + b"\xff") is None
 
 
 def test_a_text_file_cut_inside_a_character_is_named_as_text(tmp_path):

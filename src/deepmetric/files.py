@@ -8,15 +8,16 @@ HEAD_BYTES = 512  # enough to tell text from a binary format; every caller reads
 
 
 def text_start(head: bytes) -> str | None:
-    """The first line of ``head`` (a file's first bytes) when it reads as text, stripped ("" for a
-    file of blanks); None for binary data: a NUL byte, or bytes that are not UTF-8 (a character cut
-    by the end of ``head`` is not counted against it)."""
+    """The first line of ``head`` (a file's first :data:`HEAD_BYTES` bytes, or the whole of a shorter
+    file) when it reads as text, stripped ("" for a file of blanks); None for binary data: a NUL
+    byte, or bytes that are not UTF-8. A character cut by the end of a full ``head`` is not
+    counted against it; in a shorter file (the whole file was read) it is."""
     if b"\x00" in head:
         return None
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError as err:
-        if err.start < len(head) - 3:  # invalid before the last character: not text
+        if err.reason != "unexpected end of data" or len(head) < HEAD_BYTES:  # not a cut character
             return None
         text = head[:err.start].decode("utf-8")
     return text.strip().splitlines()[0] if text.strip() else ""

@@ -459,6 +459,8 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
                          "val_flattened": True, "wall_time_s": 600.0 + 60 * i,
                          "best_epoch": 10 if i < 3 else 8})  # epochs 9-10 are HBN's and HLN's heated ones
     bench.write_csv(runs / "results.csv", rows, bench.RESULT_COLUMNS)
+    rows[0]["best_epoch"] = ""  # HBN seed 100: a run without a known best epoch is not counted as unheated
+    bench.write_csv(runs / "results.csv", rows, bench.RESULT_COLUMNS)
     for loss, value in (("HBN", 0.7), ("BN", 0.6), ("pml_proxy_anchor", 0.65)):
         _fake_tune(runs, loss, value, ["optim.lr=0.01"])
     args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")])
@@ -476,9 +478,9 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     # the budget beside each verdict (pre-registered), the 64 px of H1-H3 with it
     h1 = [line for line in primary.splitlines() if line.startswith("| H1 |")][0]
     assert ("| emoji 64 px, 10 epochs, 12 completed tune trials per loss, seeds 100-104 | HBN flattened 5/5, best.pt "
-            "at a heated epoch 3/5; BN flattened 5/5; candidates drawn HBN 13, BN 13 | holds (provisional) |") in h1
-    assert records_h1_convergence(runs) == ("HBN flattened 5/5, best.pt at a heated epoch 3/5; BN flattened 5/5; "
-                                            "candidates drawn HBN 13, BN 13")
+            "at a heated epoch 2/4, 1 unknown; BN flattened 5/5; candidates drawn HBN 13, BN 13 | holds (provisional) |") in h1
+    assert records_h1_convergence(runs) == ("HBN flattened 5/5, best.pt at a heated epoch 2/4, 1 unknown; BN flattened "
+                                            "5/5; candidates drawn HBN 13, BN 13")
     assert "| H5a | not run yet |" in primary and "best of ours (HBN)" in text and "(pml_proxy_anchor)" in text
     assert "| 1 | HBN | 3 | 60.02 |" in text  # the ranked table: seeds 100-102 for every loss (5 seeds: 60.00)
     second = [line for line in text.splitlines() if line.startswith("| 2 |")][0].split("|")
@@ -656,6 +658,7 @@ def test_the_ranked_table_uses_the_three_shared_seeds_and_budgets_name_what_they
     # no tune record: no reference row; with tunes, the reference is the best tuned validation
     # objective (BN), not the top row on test (ArcFace), and the top row gets its interval against it
     assert "No loss of the table has a finished tune: no reference row" in (runs / "summary.md").read_text()
+    assert "| vs reference (paired by seed) |" in (runs / "summary.md").read_text()
     for loss, value in (("BN", 0.7), ("SM", 0.6), ("pml_arcface", 0.65)):
         _fake_tune(runs, loss, value, ["optim.lr=0.01"])
     bench.write_summary(proto)
@@ -789,6 +792,17 @@ def test_candidates_drawn_and_the_two_head_convergence(tmp_path):
     copy = tmp_path / "copy"
     copy.mkdir()
     proto = bench.Protocol(bench.parse_args(["--runs", str(tmp_path / "runs"), "--copy-to", str(copy)]))
+    # from a tune's trials.csv: a retried trial (5, queued again as 7 after a stop) counts once, at its
+    # first number; failed and interrupted trials are no candidates
+    d = tmp_path / "runs" / "tune" / "BN"
+    d.mkdir(parents=True)
+    bench.write_csv(d / "trials.csv", [
+        {"trial": 4, "state": "pruned", "val/cross_domain_recall@1": 0.1},
+        {"trial": 5, "state": "interrupted"},
+        {"trial": 6, "state": "complete", "val/cross_domain_recall@1": 0.4},
+        {"trial": 7, "state": "complete", "val/cross_domain_recall@1": 0.6, "retry_of": 5},
+        {"trial": 8, "state": "fail"}], ["trial", "state", "val/cross_domain_recall@1", "retry_of"])
+    assert bench.tune_progress(proto, "BN")["draws"] == [("pruned", None), ("complete", 0.6), ("complete", 0.4)]
     pair = {"a": "semihard", "b": "softmax"}
     assert bench.two_head_convergence(proto, pair) == "-"  # the lr phase has not run
     (copy / "two_head_chosen_lr.json").write_text(json.dumps({"semihard": {"lr": 0.01}, "softmax": {"lr": 0.03}}))

@@ -381,7 +381,7 @@ def test_summary_cell_over_fewer_runs_than_its_row_says_how_many():
     # runs with eval.test: false have no test metric: the summary says so instead of empty columns alone
     untested = [{"benchmark": "", "variant": "v", "seed": s, "selected/epoch": 4.0, "wall_time_s": 9.0} for s in range(3)]
     md = summary_markdown(study, untested, ["final/recall@1"], summarize(untested, ["final/recall@1"]), [], None)
-    assert "No finished run evaluated the test split (`eval.test: false`): the tables hold no test metric" in md
+    assert "No finished run evaluated the test split (as with `eval.test: false`): the tables hold no test metric" in md
 
 
 def test_from_tune_values_survive_the_variants_own_overrides(tmp_path):

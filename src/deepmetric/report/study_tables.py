@@ -153,7 +153,7 @@ def summary_markdown(study, rows: list[dict], metrics: list[str], groups: list[d
               "with `eval.test_every: 0`; a cell over fewer runs than its row says so).", ""]
     tested = any(k.startswith(("final/", "selected/")) and k != "selected/epoch" for r in rows for k in r)
     if rows and not tested:  # eval.test: false in every run (a protocol that keeps the test split out of sight)
-        lines += ["No finished run evaluated the test split (`eval.test: false`): the tables hold no test "
+        lines += ["No finished run evaluated the test split (as with `eval.test: false`): the tables hold no test "
                   "metric. Each run's validation curve is in its `log.jsonl`, its chosen epoch in "
                   "`metrics.json`.", ""]
     for bench in study.benchmarks:
