@@ -1059,7 +1059,7 @@ def heated(loss: str) -> bool:
     return any(o.startswith("schedule.temperature={name: heat_up") for o in spec.overrides(loss))
 
 
-def convergence_text(rows: list[dict], t: dict | None) -> str:
+def convergence_text(rows: list[dict], t: dict) -> str:
     """Beside a verdict (issue 30 item 4): per loss compared, on the seeds paired, how many
     validation curves flattened (no gain above 0.5 points over the last two evaluations; under a
     cosine schedule that ends at lr 0 this is partly by construction); for a heated-up variant, how
@@ -1079,7 +1079,7 @@ def convergence_text(rows: list[dict], t: dict | None) -> str:
     return "; ".join(parts)
 
 
-def two_head_convergence(proto: Protocol, t: dict | None) -> str:
+def two_head_convergence(proto: Protocol, t: dict) -> str:
     """H5's seeded runs have no validation vendor (they train on all five): their convergence is the
     lr run's at the chosen lr (seed 0, the same epochs and schedule, facebook held out), from the
     copied lr tables."""
@@ -1254,8 +1254,9 @@ def write_summary(proto: Protocol) -> None:
              f"The ranked table: seeds {spec.SEEDS[0]}-{spec.SEEDS[-1]} for every loss (as pre-registered); "
              "the hypotheses below use the seeds each one lists.", "",
              ref_text, "",
-             f"| rank | loss | runs | R@1 mean | sd | 95 % CI | vs {ref or 'reference'} (paired by seed) | vs untouched "
-             f"network | MAP@R mean | sd | MAP@R vs {ref or 'reference'} | flattened (all its runs) | wall time per run (min) |",
+             f"| rank | loss | runs | R@1 mean | sd | 95 % CI | vs {ref or 'reference'} (paired by seed) | "
+             f"vs untouched network | MAP@R mean | sd | MAP@R vs {ref or 'reference'} | flattened (all its runs) | "
+             "wall time per run (min) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {b["baseline"]: b for b in read_csv(proto.runs / "baselines.csv")}
     untouched = base.get("untouched network")
@@ -1313,7 +1314,7 @@ def tune_progress(proto: Protocol, loss: str) -> dict:
     """A tune's trials by state and its best validation objective so far, read from its live
     storage (or, for a tune restored from its committed outputs alone, its ``trials.csv``)."""
     d = proto.tune_dir(loss)
-    states, values, draws = [], [], []
+    states, draws = [], []
     if (d / "tune.db").is_file():
         import optuna
 
@@ -1327,17 +1328,16 @@ def tune_progress(proto: Protocol, loss: str) -> dict:
                                 f"protocol_v2__{loss} ({exc})") from None
         trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
         states = [trial_state_name(t) for t in trials]
-        values = [t.value for t in trials if t.state.name == "COMPLETE" and t.value is not None]
         draws = [(trial_origin(t), s, t.value if s == "complete" else None)
                  for t, s in zip(trials, states) if s in ("complete", "pruned")]
     elif (d / "trials.csv").is_file():
         rows = read_csv(d / "trials.csv")
         states = [r["state"] for r in rows]
-        values = [float(r[f"val/{spec.OBJECTIVE}"]) for r in rows
-                  if r["state"] == "complete" and r.get(f"val/{spec.OBJECTIVE}")]
         draws = [(int(r.get("retry_of") or r["trial"]), r["state"],
                   float(r[f"val/{spec.OBJECTIVE}"]) if r["state"] == "complete" and r.get(f"val/{spec.OBJECTIVE}")
                   else None) for r in rows if r["state"] in ("complete", "pruned")]
+    draws.sort(key=lambda d: d[0])  # the order the candidates were drawn: a retry at its first number
+    values = [v for _, s, v in draws if s == "complete" and v is not None]
     if not values and (d / "best_overrides.json").is_file():  # a trials.csv without the objective's column
         values = [float(json.loads((d / "best_overrides.json").read_text())["value"])]
     complete = states.count("complete")
@@ -1346,7 +1346,7 @@ def tune_progress(proto: Protocol, loss: str) -> dict:
              "under way" if states else "not started")
     return {"loss": loss, "state": state, "complete": complete, "pruned": states.count("pruned"),
             "stopped": sum(s in ("fail", "interrupted") for s in states), "running": states.count("running"),
-            "best": max(values) if values else None, "draws": [(state, value) for _, state, value in sorted(draws, key=lambda d: d[0])]}
+            "best": max(values) if values else None, "draws": [(s, v) for _, s, v in draws]}
 
 
 def draw_cells(tune: dict, common: int) -> tuple[int, int | None, float | None]:
@@ -1369,8 +1369,8 @@ def draws_markdown(tunes: list[dict]) -> list[str]:
     if not finished:
         return []
     common = min(len(t["draws"]) for t in finished)
-    lines = [f"## Candidates drawn (the same {max(t['complete'] for t in finished)} completed trials are not the same number "
-             "of candidates)", "",
+    budget = max(t["complete"] for t in finished)
+    lines = [f"## Candidates drawn (the same {budget} completed trials are not the same number of candidates)", "",
              "Pruned candidates do not count towards the completed trials, so a loss whose candidates were pruned "
              "more often drew more of them before its tune finished. Validation only; the seeded runs use each "
              f"tune's best, as pre-registered; the last column is what the first {common} candidates (the fewest any "
