@@ -2,7 +2,8 @@
 H5a / H5b of bench/studies/protocol_v2/PREREGISTRATION.md): does the triplet head raise the
 classifier's accuracy?  Softmax vs softmax + semi-hard triplet vs softmax + hard triplet
 (recipes/two_head/emoji_closed_set_{softmax,semihard,hard}.yaml: EfficientNet-Lite0 ImageNet,
-64 px, all 1,911 emoji classes), trained on five vendors and tested on the sixth (twitter).
+64 px, all 1,911 emoji classes, channels_last: 1.6x faster on the CPU, bench/RESULTS.md section
+14), trained on five vendors and tested on the sixth (twitter).
 
 Three phases, each resumable (a finished run, one with ``metrics.json``, is skipped; an
 interrupted one continues from its ``last.pt``), in this order:

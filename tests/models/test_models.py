@@ -1,5 +1,6 @@
 """deepmetric.models: registry, shapes, heads (against plain reference formulas), two-head
 model (Eq. 8-9 of the two-head paper), local pretrained loading."""
+import copy
 import math
 
 import pytest
@@ -333,6 +334,25 @@ def test_channels_last_and_autocast():
     assert amp["embedding"].dtype == torch.float32  # heads normalise in fp32
     torch.testing.assert_close(amp["embedding"].norm(dim=1), torch.ones(4))
     assert torch.isfinite(amp["logits"]).all()
+
+
+def test_channels_last_trains_the_same_mathematics_in_float64():
+    """The two-head closed-set runs train in channels_last on the CPU (bench/cpu_channels_last.py):
+    a train-mode step (batch-norm on batch statistics) must give the same loss and gradients as
+    the default layout up to float64 rounding; in float32 the two layouts only round differently."""
+    torch.manual_seed(0)
+    ref = create_model("two_head", backbone="efficientnet_lite0", num_classes=7, input_size=64).train().double()
+    cl = copy.deepcopy(ref).to(memory_format=torch.channels_last)
+    x, y = torch.randn(4, 3, 64, 64, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    grads = []
+    for model, inp in ((ref, x), (cl, x.contiguous(memory_format=torch.channels_last))):
+        out = model(inp)
+        loss = torch.nn.functional.cross_entropy(out["logits"], y) + out["embedding"][:, 0].sum()  # both heads
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert cl.backbone.conv_stem.weight.is_contiguous(memory_format=torch.channels_last)  # the layout took
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)
 
 
 def test_two_head_softmax_baseline_has_no_embedding_head():
