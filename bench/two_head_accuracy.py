@@ -14,7 +14,7 @@ interrupted one continues from its ``last.pt``), in this order:
    the classifier at the last epoch, the model the seeded runs hand to the test). The test vendor
    is not even loaded: the runs have no test split (``eval.split=null``). Writes ``lr/lr_runs.csv``
    (``variant, lr, seed, epochs, val_top1, val_macro_accuracy, best_epoch, best_val_top1,
-   last_gain_points, flattened, wall_time_s, cpu_s``: the gain of validation top-1 of the last
+   last_gain_points, flattened, wall_time_s, cpu_s, status``: the gain of validation top-1 of the last
    two evaluations over the best before them, and whether it is at most 0.5 points (issue 30
    item 4 and the pre-registration: the curve flattened),
    the training's CPU seconds), ``lr/curves.csv`` (validation top-1 per epoch) and
@@ -34,7 +34,12 @@ interrupted one continues from its ``last.pt``), in this order:
    epochs, the lr grid and lr seed above, no ``--set``; anything else is copied nowhere there.
 
 The seeded runs have no validation vendor, so nothing chooses an epoch: the test scores each
-run's last epoch (``last.pt``).  Twitter has one image of each of the 1,911 classes, so macro
+run's last epoch (``last.pt``).  A run whose loss becomes non-finite has ended (``diverged.json`` in
+its folder; rerunning would diverge again; PREREGISTRATION.md, 2026-11-28, eleventh session): a
+diverged lr is never chosen (a variant whose every lr diverges has no seeded runs), a diverged
+seeded run is tested from its last checkpoint before the divergence and named in the summary, one
+that diverged before its first checkpoint has no test number; the tables' ``status`` column says
+``finished`` or ``diverged``.  Twitter has one image of each of the 1,911 classes, so macro
 accuracy equals top-1 on this split (both are reported, as pre-registered).  Ctrl-C or SIGTERM
 checkpoints the running trainings and stops (exit 130); rerun the same command to resume.
 ``touch OUT/DRAIN`` lets the running trainings finish and starts no other (exit 0; nothing lost,
@@ -75,7 +80,7 @@ LR_SEED = 0  # a seed no final run uses (PREREGISTRATION.md)
 VAL_VENDOR = "facebook"
 CSV_COLUMNS = ("variant", "seed", "top1", "macro_accuracy")
 LR_COLUMNS = ("variant", "lr", "seed", "epochs", "val_top1", "val_macro_accuracy", "best_epoch", "best_val_top1",
-              "last_gain_points", "flattened", "wall_time_s", "cpu_s")
+              "last_gain_points", "flattened", "wall_time_s", "cpu_s", "status")
 FLAT_POINTS = 0.5  # issue 30 item 4: flattened = no gain above 0.5 points over the last two evaluations
 EPOCHS = 15  # pre-registered
 # the lr phase: a validation vendor and no test split; the seeded runs: no evaluation at all
@@ -96,6 +101,14 @@ class Drained(Exception):
     """``touch OUT/DRAIN`` (deepmetric's drain mark): the running trainings finished, no other started."""
 
 
+class Diverged(Exception):
+    """The training's loss became non-finite (``NonFiniteLossError``; ``deepmetric train`` exits 3)."""
+
+
+DIVERGED_FILE = "diverged.json"  # per run: written when its loss became non-finite (it has ended)
+CLI_NONFINITE_EXIT = 3  # deepmetric train's exit status for a non-finite loss (deepmetric.cli.train)
+
+
 @dataclass
 class Run:
     """One training: its variant, lr, seed, folder and config overrides."""
@@ -110,6 +123,19 @@ class Run:
     @property
     def done(self) -> bool:
         return (self.out_dir / "metrics.json").is_file()
+
+    @property
+    def diverged(self) -> bool:
+        """Its loss became non-finite: resuming from its last checkpoint would diverge again, so it
+        has ended (PREREGISTRATION.md, 2026-11-28, eleventh session, the rule for two-head runs)."""
+        return not self.done and (self.out_dir / DIVERGED_FILE).is_file()
+
+    @property
+    def ended(self) -> bool:
+        return self.done or self.diverged
+
+    def divergence(self) -> dict:
+        return json.loads((self.out_dir / DIVERGED_FILE).read_text(encoding="utf-8"))
 
     def check_identity(self) -> None:
         """Raise ``RunMismatch`` when the folder holds a run trained with another lr, seed or
@@ -173,12 +199,18 @@ def _train_here(run: Run) -> None:
     from deepmetric.run.config_io import load_config
     from deepmetric.train import train
 
+    from deepmetric.train.loop import NonFiniteLossError
+
     last = run.out_dir / "last.pt"
     cfg = load_config(str(recipe(run.variant)), run.overrides)
     before = resource.getrusage(resource.RUSAGE_SELF)
-    result = train(cfg, resume=str(last) if last.is_file() else None, overwrite=not last.is_file())
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    _add_cpu_seconds(run, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    try:
+        result = train(cfg, resume=str(last) if last.is_file() else None, overwrite=not last.is_file())
+    except NonFiniteLossError as exc:
+        raise Diverged(str(exc)) from None
+    finally:
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        _add_cpu_seconds(run, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     if result.interrupted:  # Ctrl-C / SIGTERM: last.pt is saved; stop the study, start no other run
         raise KeyboardInterrupt
 
@@ -210,6 +242,8 @@ def _train_subprocess(run: Run, log_dir: Path) -> None:
                 _CHILDREN.discard(proc)
         proc.returncode = code = os.waitstatus_to_exitcode(status)
     _add_cpu_seconds(run, usage.ru_utime + usage.ru_stime)  # an interrupted part counts too: it is resumed
+    if code == CLI_NONFINITE_EXIT:
+        raise Diverged(f"non-finite loss (deepmetric train exit {code}); see {log}")
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd[2:5])} ... failed (exit {code}); see {log}")
 
@@ -231,15 +265,31 @@ def _interrupt_children() -> None:
                 pass
 
 
+def record_divergence(run: Run, message: str) -> None:
+    """``diverged.json``: the message and the last checkpoint the run has (its epoch), which the
+    final step tests (None: it diverged before its first checkpoint, so it has no model)."""
+    last = run.out_dir / "last.pt"
+    at = {"last_checkpoint_epochs": None, "last_checkpoint_batches_into_next": None}
+    if last.is_file():
+        from deepmetric.run.checkpoint import load_checkpoint
+
+        ckpt = load_checkpoint(last)  # epochs completed; a mid-epoch checkpoint (an interrupt) says how far
+        at = {"last_checkpoint_epochs": int(ckpt["epoch"]), "last_checkpoint_batches_into_next": int(ckpt["batch_in_epoch"])}
+    write_text(run.out_dir / DIVERGED_FILE, json.dumps({"message": message, **at}) + "\n")
+
+
 def run_all(runs: list[Run], args) -> list[str]:
-    """Train every unfinished run (``--parallel`` at once); returns the error messages.  Ctrl-C
-    (or SIGTERM) checkpoints the running trainings and raises KeyboardInterrupt: no other run
-    starts and nothing downstream reads a study that is not finished."""
+    """Train every run that has not ended (``--parallel`` at once); returns the error messages.
+    A run whose loss becomes non-finite has ended (``diverged.json``; not an error: rerunning
+    would diverge again).  Ctrl-C (or SIGTERM) checkpoints the running trainings and raises
+    KeyboardInterrupt: no other run starts and nothing downstream reads a study that is not
+    finished."""
     for run in runs:
         run.check_identity()
-    todo = [r for r in runs if not r.done]
-    print(f"[two_head_accuracy] {len(runs) - len(todo)} of {len(runs)} runs finished, {len(todo)} to train",
-          flush=True)
+    todo = [r for r in runs if not r.ended]
+    gone = [r for r in runs if r.diverged]
+    print(f"[two_head_accuracy] {len(runs) - len(todo) - len(gone)} of {len(runs)} runs finished"
+          + (f", {len(gone)} diverged" if gone else "") + f", {len(todo)} to train", flush=True)
     errors: list[str] = []
 
     from deepmetric.workflows.engine import draining
@@ -253,6 +303,10 @@ def run_all(runs: list[Run], args) -> list[str]:
                 _train_subprocess(run, Path(args.out) / "logs")
             else:
                 _train_here(run)
+        except Diverged as exc:  # it has ended: the pre-registered rule, not a failure of ours
+            record_divergence(run, str(exc))
+            print(f"[two_head_accuracy] DIVERGED {run.out_dir}: {exc}", flush=True)
+            return
         except Exception as exc:  # noqa: BLE001 - one failed run does not stop the others
             errors.append(f"{run.out_dir}: {exc}")
             print(f"[two_head_accuracy] FAILED {run.out_dir}: {exc}", flush=True)
@@ -276,7 +330,7 @@ def run_all(runs: list[Run], args) -> list[str]:
     else:
         for run in todo:
             one(run)
-    if draining(args.out) and not all(r.done for r in runs):
+    if draining(args.out) and not all(r.ended for r in runs):
         raise Drained()
     return errors
 
@@ -328,6 +382,16 @@ def phase_lr(args) -> int:
     errors = run_all(runs, args)
     rows, curves = [], []
     for run in runs:
+        if run.diverged:  # never chosen (its validation row is empty); its curve up to the divergence
+            curve = _val_curve(run) if (run.out_dir / "log.jsonl").is_file() else []
+            best = max(curve, key=lambda c: c["val_top1"], default={})
+            rows.append({"variant": run.variant, "lr": run.lr, "seed": run.seed,
+                         "epochs": run.divergence()["last_checkpoint_epochs"], "val_top1": None,
+                         "val_macro_accuracy": None, "best_epoch": best.get("epoch"),
+                         "best_val_top1": best.get("val_top1"), "last_gain_points": None, "flattened": None,
+                         "wall_time_s": None, "cpu_s": cpu_seconds(run), "status": "diverged"})
+            curves += curve
+            continue
         if not run.done:
             continue
         m = run.metrics()
@@ -337,7 +401,7 @@ def phase_lr(args) -> int:
                      "val_top1": val["top1"], "val_macro_accuracy": val["mean_per_class"],
                      "best_epoch": best.get("epoch"), "best_val_top1": best.get("value"),
                      "last_gain_points": gain, "flattened": None if gain is None else gain <= FLAT_POINTS,
-                     "wall_time_s": m["wall_time_s"], "cpu_s": cpu_seconds(run)})
+                     "wall_time_s": m["wall_time_s"], "cpu_s": cpu_seconds(run), "status": "finished"})
         curves += curve
     out = Path(args.out) / "lr"
     write_csv(out / "lr_runs.csv", rows, LR_COLUMNS)
@@ -345,37 +409,51 @@ def phase_lr(args) -> int:
     chosen = {}
     for v in args.variants:
         mine = [r for r in rows if r["variant"] == v]
-        if len(mine) == len(args.lrs):  # every lr of the grid finished
-            best = max(mine, key=lambda r: (r["val_top1"], -r["lr"]))
+        usable = [r for r in mine if r["status"] == "finished"]  # an lr that diverged is never chosen
+        if len(mine) == len(args.lrs) and not usable:
+            print(f"[two_head_accuracy] lr phase: {v}: every lr of the grid diverged; no lr is chosen and {v} has "
+                  "no seeded runs (PREREGISTRATION.md, 2026-11-28, eleventh session)", flush=True)
+            chosen[v] = {"lr": None, "val_top1": None, "grid": list(args.lrs), "seed": args.lr_seed,
+                         "epochs": args.epochs, "val_vendor": VAL_VENDOR, "diverged": [r["lr"] for r in mine]}
+        elif len(mine) == len(args.lrs):  # every lr of the grid has ended
+            best = max(usable, key=lambda r: (r["val_top1"], -r["lr"]))
             chosen[v] = {"lr": best["lr"], "val_top1": best["val_top1"], "grid": list(args.lrs),
-                         "seed": args.lr_seed, "epochs": args.epochs, "val_vendor": VAL_VENDOR}
+                         "seed": args.lr_seed, "epochs": args.epochs, "val_vendor": VAL_VENDOR,
+                         "diverged": [r["lr"] for r in mine if r["status"] == "diverged"]}
     write_text(out / "chosen_lr.json", json.dumps(chosen, indent=1) + "\n")
     print(f"[two_head_accuracy] lr phase: chosen on {VAL_VENDOR} top-1: "
-          + ", ".join(f"{v} {c['lr']:g} ({100 * c['val_top1']:.2f})" for v, c in chosen.items()), flush=True)
+          + ", ".join(f"{v} {c['lr']:g} ({100 * c['val_top1']:.2f})" if c["lr"] is not None else f"{v} none"
+                      for v, c in chosen.items()), flush=True)
     return 1 if errors else 0
 
 
-def chosen_lrs(args) -> dict[str, float]:
+def chosen_lrs(args) -> dict[str, float | None]:
+    """Each variant's chosen lr; None for a variant whose every lr diverged (it has no seeded runs)."""
     path = Path(args.out) / "lr" / "chosen_lr.json"
     chosen = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     missing = [v for v in args.variants if v not in chosen]
     if missing:
         raise SystemExit(f"two_head_accuracy: {path} has no chosen lr for {', '.join(missing)}: "
                          f"run --phase lr first (with the same --out and --variants)")
-    return {v: float(chosen[v]["lr"]) for v in args.variants}
+    return {v: None if chosen[v]["lr"] is None else float(chosen[v]["lr"]) for v in args.variants}
 
 
 def seed_runs(args) -> list[Run]:
     lrs = chosen_lrs(args)
-    return [make_run(args, "seeds", v, lrs[v], s) for v in args.variants for s in args.seeds]
+    return [make_run(args, "seeds", v, lrs[v], s) for v in args.variants if lrs[v] is not None for s in args.seeds]
 
 
 def phase_seeds(args) -> int:
     runs = seed_runs(args)
     errors = run_all(runs, args)
     rows = [{"variant": r.variant, "seed": r.seed, "lr": r.lr, "epochs": r.metrics()["epochs"],
-             "wall_time_s": r.metrics()["wall_time_s"], "cpu_s": cpu_seconds(r)} for r in runs if r.done]
-    write_csv(Path(args.out) / "seeds" / "runs.csv", rows, ("variant", "seed", "lr", "epochs", "wall_time_s", "cpu_s"))
+             "wall_time_s": r.metrics()["wall_time_s"], "cpu_s": cpu_seconds(r), "status": "finished"}
+            if r.done else
+            {"variant": r.variant, "seed": r.seed, "lr": r.lr, "epochs": r.divergence()["last_checkpoint_epochs"],
+             "wall_time_s": None, "cpu_s": cpu_seconds(r), "status": "diverged"}
+            for r in runs if r.ended]
+    write_csv(Path(args.out) / "seeds" / "runs.csv", rows,
+              ("variant", "seed", "lr", "epochs", "wall_time_s", "cpu_s", "status"))
     return 1 if errors else 0
 
 
@@ -435,13 +513,19 @@ def summary_markdown(summary: dict, args, lrs: dict, runs: list[dict]) -> str:
     for v, st in summary["variants"].items():
         mine = [r for r in runs if r["variant"] == v]
         epochs = sorted({r["epochs"] for r in mine})
-        wall = sum(r["wall_time_s"] for r in mine) / max(len(mine), 1)
-        lines.append(f"| {v} | {lrs[v]:g} | {len(st['seeds'])} | {', '.join(map(str, epochs))} | {wall:.0f} | "
+        walls = [r["wall_time_s"] for r in mine if r["wall_time_s"] is not None]  # a diverged run has none
+        wall = f"{sum(walls) / len(walls):.0f}" if walls else "-"
+        lines.append(f"| {v} | {lrs[v]:g} | {len(st['seeds'])} | {', '.join(map(str, epochs))} | {wall} | "
                      f"{_pct(st['top1'])} | {_pct(st['macro_accuracy'])} |")
     lines += ["", "Paired differences by seed (points):", "", "| A − B | pairs | top-1 | macro accuracy |",
               "|---|---|---|---|"]
     for name, st in summary["paired"].items():
         lines.append(f"| {name} | {len(st['seeds'])} | {_pct(st['top1'])} | {_pct(st['macro_accuracy'])} |")
+    notes = [("Diverged (a non-finite loss), tested from the last checkpoint before it (the epochs column "
+              "counts its finished epochs)", summary.get("diverged_tested_from_last_checkpoint")),
+             ("Diverged before the first checkpoint: no model, no test number", summary.get("diverged_without_a_model")),
+             ("Every lr of the grid diverged: no seeded runs, no result", summary.get("variants_every_lr_diverged"))]
+    lines += [""] + [f"{text}: {', '.join(names)}." for text, names in notes if names] if any(n for _, n in notes) else []
     return "\n".join(lines) + "\n"
 
 
@@ -452,7 +536,7 @@ def phase_final(args) -> int:
     runs = seed_runs(args)
     for run in runs:
         run.check_identity()
-    unfinished = [str(r.out_dir) for r in runs if not r.done]
+    unfinished = [str(r.out_dir) for r in runs if not r.ended]
     if unfinished:
         print(f"[two_head_accuracy] final: {len(unfinished)} seeded run(s) not finished (run --phase seeds): "
               + ", ".join(unfinished) + "; the test vendor is read once, after the last of them: nothing evaluated",
@@ -464,19 +548,30 @@ def phase_final(args) -> int:
     except protocol.ProtocolError as exc:
         print(f"[two_head_accuracy] {exc}: nothing evaluated", flush=True)
         return 1
-    rows, extra = [], []
+    rows, extra, no_model = [], [], []
     for r in runs:
+        # a diverged run is tested from its last checkpoint before the divergence; one that diverged
+        # before its first checkpoint has no model and no test number (PREREGISTRATION.md,
+        # 2026-11-28, eleventh session)
+        gone = r.divergence() if r.diverged else None
+        if gone is not None and gone["last_checkpoint_epochs"] is None:
+            no_model.append(f"{r.variant}/seed{r.seed}")
+            continue
         acc = test_accuracy(r.out_dir, args.device)
         rows.append({"variant": r.variant, "seed": r.seed, "top1": acc["top1"],
                      "macro_accuracy": acc["macro_accuracy"]})
-        m = r.metrics()
+        m = r.metrics() if gone is None else {"epochs": gone["last_checkpoint_epochs"], "wall_time_s": None}
         extra.append({**rows[-1], "lr": r.lr, "epochs": m["epochs"], "wall_time_s": m["wall_time_s"],
                       "cpu_s": cpu_seconds(r), "test_images": acc["test_images"],
-                      "test_classes": acc["test_classes"]})
+                      "test_classes": acc["test_classes"], "status": "finished" if gone is None else "diverged"})
     out = Path(args.out)
     write_csv(out / "two_head_accuracy.csv", rows, CSV_COLUMNS)
-    summary = summarize(rows, args.variants)
-    lrs = {v: r.lr for r in runs for v in [r.variant]}
+    lrs = chosen_lrs(args)
+    summary = summarize(rows, [v for v in args.variants if lrs[v] is not None])
+    summary["diverged_tested_from_last_checkpoint"] = [f"{e['variant']}/seed{e['seed']}" for e in extra
+                                                       if e["status"] == "diverged"]
+    summary["diverged_without_a_model"] = no_model
+    summary["variants_every_lr_diverged"] = [v for v in args.variants if lrs[v] is None]
     write_text(out / "summary.json", json.dumps({**summary, "runs": extra, "epochs": args.epochs,
                                                  "lrs": lrs}, indent=1) + "\n")
     text = summary_markdown(summary, args, lrs, extra)

@@ -275,3 +275,78 @@ def test_a_drain_lets_the_running_training_finish_and_starts_no_other(tmp_path, 
     # the next command removes the mark and continues (the fake writes no metrics.json: every lr trains again)
     assert bench.main([*argv[:1], "lr", *argv[2:]]) == 0 and not (tmp_path / DRAIN).exists()
     assert started == [0.01, 0.01, 0.03]
+
+
+def test_an_lr_that_diverges_has_ended_and_is_never_chosen(tmp_path, capsys):
+    """--parallel 2 (``deepmetric train`` exits 3 on a non-finite loss): lr 1e30 diverges at its
+    second step, before any checkpoint; it is recorded (diverged.json), never chosen, its row in
+    lr_runs.csv says so, and the next call does not train it again (PREREGISTRATION.md,
+    2026-11-28, eleventh session)."""
+    from test_data_emoji import make_tree
+
+    make_tree(tmp_path / "tree")
+    out = tmp_path / "out"
+    argv = _args(tmp_path / "tree", out, "--phase", "lr", "--parallel", "2")
+    argv[argv.index("--lrs") + 2] = "1e30"  # the grid: 0.01, 1e30
+    argv[argv.index("--variants") + 1:argv.index("--variants") + 3] = ["softmax"]
+    assert bench.main(argv) == 0
+    gone = json.loads((out / "lr" / "softmax" / "lr1e+30_seed0" / bench.DIVERGED_FILE).read_text())
+    assert "exit 3" in gone["message"] and gone["last_checkpoint_epochs"] is None
+    with open(out / "lr" / "lr_runs.csv") as fh:
+        rows = {float(r["lr"]): r for r in csv.DictReader(fh)}
+    assert rows[1e30]["status"] == "diverged" and rows[1e30]["val_top1"] == ""
+    assert rows[0.01]["status"] == "finished" and float(rows[0.01]["val_top1"]) >= 0
+    chosen = json.loads((out / "lr" / "chosen_lr.json").read_text())["softmax"]
+    assert chosen["lr"] == 0.01 and chosen["diverged"] == [1e30]
+    capsys.readouterr()
+    assert bench.main(argv) == 0
+    assert "1 of 2 runs finished, 1 diverged, 0 to train" in capsys.readouterr().out
+
+
+def test_a_seeded_run_that_diverges_is_tested_from_its_last_checkpoint(study, tmp_path, monkeypatch, capsys):
+    """--parallel 1 (``NonFiniteLossError`` in this process): a seeded run that diverged after a
+    checkpoint is tested from that last.pt and named in the summary; one that diverged before any
+    checkpoint has no model and no test number; the paired difference uses the seeds both
+    variants have."""
+    import shutil
+
+    import deepmetric.train
+    from deepmetric.train.loop import NonFiniteLossError
+
+    base, fixture_out, _ = study
+    out = tmp_path / "out"
+    shutil.copytree(fixture_out / "lr", out / "lr")  # the lr phase as the fixture left it
+    real_train = deepmetric.train.train
+
+    def fake_train(cfg, resume=None, overwrite=False):
+        run_dir = Path(cfg.train.out_dir)
+        if (run_dir.parent.name, run_dir.name) == ("semihard", "seed100"):
+            raise NonFiniteLossError("non-finite loss (nan) at step 2; the last good checkpoint (none written yet)")
+        result = real_train(cfg, resume=resume, overwrite=overwrite)
+        if (run_dir.parent.name, run_dir.name) == ("softmax", "seed101"):  # diverges after its epoch-1 checkpoint
+            (run_dir / "metrics.json").unlink()
+            raise NonFiniteLossError("non-finite loss (inf) at step 7")
+        return result
+
+    monkeypatch.setattr(deepmetric.train, "train", fake_train)
+    argv = _args(base / "tree", out, "--phase", "seeds")
+    argv[argv.index("--copy-to") + 1] = str(tmp_path / "copy")
+    assert bench.main(argv) == 0
+    assert "DIVERGED" in capsys.readouterr().out
+    with open(out / "seeds" / "runs.csv") as fh:
+        status = {(r["variant"], r["seed"]): (r["status"], r["epochs"]) for r in csv.DictReader(fh)}
+    assert status[("softmax", "101")] == ("diverged", "1") and status[("semihard", "100")] == ("diverged", "")
+    assert status[("softmax", "100")] == ("finished", "1")
+    monkeypatch.setattr(deepmetric.train, "train", real_train)
+    argv[argv.index("--phase") + 1] = "final"
+    assert bench.main(argv) == 0
+    with open(out / "two_head_accuracy.csv") as fh:
+        rows = {(r["variant"], int(r["seed"])): float(r["top1"]) for r in csv.DictReader(fh)}
+    assert sorted(rows) == [("semihard", 101), ("softmax", 100), ("softmax", 101)]
+    assert rows[("softmax", 101)] == bench.test_accuracy(out / "seeds" / "softmax" / "seed101", "cpu")["top1"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diverged_tested_from_last_checkpoint"] == ["softmax/seed101"]
+    assert summary["diverged_without_a_model"] == ["semihard/seed100"]
+    assert summary["paired"]["semihard - softmax"]["seeds"] == [101]
+    text = (out / "summary.md").read_text()
+    assert "softmax/seed101" in text and "no model, no test number: semihard/seed100" in text
