@@ -10,7 +10,8 @@ studies/protocol_v2.py), one resumable command.  Phases, in this order by defaul
   for the seven losses of H1-H4), validation only (best.pt chosen on validation);
 * ``control``: every loss at the winner's optimiser, lr, weight decay, multiplier and embedding
   (the winner: the best validation objective of all tunes), its own tuned option kept, seed 100,
-  validation only;
+  validation only (where those are a loss's own tuned settings, as for the winner, the run is its
+  seeded run of seed 100, trained once; ``same_run`` in control.csv);
 * ``almn_beta``: ALMN's beta in ``BETAS`` at almn_beta3's tuned settings, ``BETA_SEEDS``;
 * ``almn_more``: once the sweep has finished, at its best beta (the best mean validation
   objective over its seeds): m x n 32 x 2 and 8 x 8, and Eq. 12's fixed margin (``ALMN_MORE``);
@@ -485,11 +486,33 @@ def winner(proto: Protocol) -> dict:
 
 
 def control_study(proto: Protocol):
-    """Every tuned loss at the winner's shared settings, its own tuned option kept."""
+    """Every tuned loss at the winner's shared settings, its own tuned option kept.  Where that is
+    the loss's own tuned setting (the winner itself; a loss whose tune chose the winner's
+    candidate), the run is the same training as its seeded run of that seed: the study holds that
+    run in its place, trained once (``reuse_seeded_twins``)."""
     win = winner(proto)
     variants = {n: spec.overrides(n, proto.epochs) + tune_record(proto, n)["own"] + win["shared"]
                 for n in proto.tuned()}
-    return make_study(proto, "control", variants, [spec.SEEDS[0]]), win
+    study = make_study(proto, "control", variants, [spec.SEEDS[0]])
+    return reuse_seeded_twins(proto, study, lambda run: f"{run.variant}/seed{run.seed}"), win
+
+
+def reuse_seeded_twins(proto: Protocol, study, twin_key):
+    """Put in place of each run of ``study`` that is the same training as a seeded run (resolved
+    configs equal but for the folder; ``twin_key(run)`` names the seeded run to compare with) that
+    seeded run, under the study's key: one training, not two (the seeds phase trains it)."""
+    import dataclasses
+
+    seeds = seeds_study(proto)
+    seeded = {r.key: r for r in (seeds.runs if seeds is not None else [])}
+    runs = []
+    for run in study.runs:
+        twin = seeded.get(twin_key(run))
+        if twin is not None and same_training(run, twin):
+            run = dataclasses.replace(twin, key=run.key, variant=run.variant)
+        runs.append(run)
+    study.runs = runs
+    return study
 
 
 def run_control_phase(proto: Protocol, losses: list[str]) -> None:
@@ -504,22 +527,12 @@ def almn_study(proto: Protocol):
     almn_beta3 seeded run but for its folder (beta 3, the same seed) is the same training: the
     study holds that seeded run in its place (under the sweep's key), trained once, by the seeds
     phase."""
-    import dataclasses
-
     if "almn_beta3" not in proto.tuned():
         return None
     base = spec.overrides("almn_beta3", proto.epochs) + [{"from_tune": str(proto.tune_dir("almn_beta3"))}]
     variants = {f"beta{b:g}": base + [f"loss.0.options.beta={b}"] for b in spec.BETAS}
     study = make_study(proto, "almn_beta", variants, spec.BETA_SEEDS)
-    seeded = {r.key: r for r in seeds_study(proto).runs}
-    runs = []
-    for run in study.runs:
-        twin = seeded.get(f"almn_beta3/seed{run.seed}")
-        if twin is not None and same_training(run, twin):
-            run = dataclasses.replace(twin, key=run.key, variant=run.variant)
-        runs.append(run)
-    study.runs = runs
-    return study
+    return reuse_seeded_twins(proto, study, lambda run: f"almn_beta3/seed{run.seed}")
 
 
 def same_training(a, b) -> bool:
@@ -905,7 +918,8 @@ def selected_val(run_dir: Path) -> dict:
 
 def write_control(proto: Protocol) -> None:
     """control.csv: every loss at the winner's settings beside its own (seed 100), validation
-    Recall@1 and MAP@R at the epoch each run's best.pt was chosen on."""
+    Recall@1 and MAP@R at the epoch each run's best.pt was chosen on; ``same_run`` where the
+    winner's settings are the loss's own (one training, its seeded run: ``control_study``)."""
     study, win = control_study(proto)
     seeds = seeds_study(proto)
     own = {r.variant: r for r in (seeds.runs if seeds is not None else []) if r.seed == spec.SEEDS[0]}
@@ -920,9 +934,10 @@ def write_control(proto: Protocol) -> None:
                      "tune_best_val": tune_record(proto, run.variant)["value"],
                      "val_at_own_settings": at_own.get(METRICS[0]), "val_at_winner_settings": at_win.get(METRICS[0]),
                      "val_map_at_own_settings": at_own.get(METRICS[1]),
-                     "val_map_at_winner_settings": at_win.get(METRICS[1])})
+                     "val_map_at_winner_settings": at_win.get(METRICS[1]),
+                     "same_run": mine is not None and run.out_dir == mine.out_dir})
     cols = ["loss", "seed", "winner", "tune_best_val", "val_at_own_settings", "val_at_winner_settings",
-            "val_map_at_own_settings", "val_map_at_winner_settings"]
+            "val_map_at_own_settings", "val_map_at_winner_settings", "same_run"]
     write_csv(proto.runs / "control.csv", rows, cols)
     copy_text(proto.runs / "control.csv", proto.copy / "control.csv", proto)
 
@@ -1389,6 +1404,18 @@ def _finished_runs(folder: Path, keys: list[str]) -> int:
     return sum((folder / k / "metrics.json").is_file() for k in keys)
 
 
+def _finished_control_runs(proto: Protocol, keys: list[str]) -> int:
+    """The control's finished runs, its seeded twins (``control_study``) included, once the phase
+    has started (winner.json: before, asking for the winner would record it)."""
+    if (proto.runs / "control" / "winner.json").is_file():
+        try:
+            study, _ = control_study(proto)
+            return sum(r.finished for r in study.runs if r.key in keys)
+        except ProtocolError:  # a tune unfinished in this folder again, a changed winner: its own folder only
+            pass
+    return _finished_runs(proto.runs / "control", keys)
+
+
 def progress_markdown(proto: Protocol) -> str:
     """What has run and what is left, from the run folders (validation numbers only)."""
     import datetime
@@ -1423,7 +1450,7 @@ def progress_markdown(proto: Protocol) -> str:
               f"| seeded runs (seeds {spec.SEEDS[0]}-{spec.SEEDS[-1]}; to {spec.CLAIM_SEEDS[-1]} for the "
               f"{len(spec.CLAIM_LOSSES)} losses of H1-H4) | {_finished_runs(proto.runs / 'seeds', seed_keys)} | {len(seed_keys)} |",
               f"| control (every loss at the winner's settings, seed {spec.SEEDS[0]}) | "
-              f"{_finished_runs(proto.runs / 'control', control_keys)} | {len(control_keys)} |",
+              f"{_finished_control_runs(proto, control_keys)} | {len(control_keys)} |",
               f"| ALMN beta sweep (beta 3: almn_beta3's seeded runs) | "
               f"{_finished_runs(proto.runs / 'almn_beta', beta_keys)} | {len(beta_keys)} |",
               f"| ALMN at the best beta: m x n, Eq. 12 | {_finished_runs(proto.runs / 'almn_more', more_keys)} | "

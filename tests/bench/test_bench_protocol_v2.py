@@ -227,15 +227,19 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     with open(copy / "control.csv", newline="") as f:
         control = list(csv.DictReader(f))
     assert sorted(r["loss"] for r in control) == sorted(losses) and len({r["winner"] for r in control}) == 1
+    # the winner at its own settings is its seeded run (one training, not two): no control folder of its own
+    (win_row,) = [r for r in control if r["loss"] == r["winner"]]
+    assert win_row["same_run"] == "True" and win_row["val_at_winner_settings"] == win_row["val_at_own_settings"]
+    assert not (runs / "control" / win_row["loss"] / "seed100" / "metrics.json").exists()
     for r in control:  # at the winner's settings: the run's own selection, and MAP@R of that epoch from its log
-        run_dir = runs / "control" / r["loss"] / "seed100"
+        run_dir = runs / ("seeds" if r["same_run"] == "True" else "control") / r["loss"] / "seed100"
         chosen = json.loads((run_dir / "metrics.json").read_text())["selected"]
         at = [e for e in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())
               if e.get("type") == "eval" and e.get("split") == "val" and e.get("epoch") == chosen["epoch"]][-1]
         assert float(r["val_at_winner_settings"]) == pytest.approx(chosen["value"], rel=1e-5)
         assert float(r["val_map_at_winner_settings"]) == pytest.approx(at["cross_domain_map@r"], rel=1e-5)
     winner = json.loads((runs / "control" / "winner.json").read_text())
-    for run_dir in (runs / "control").glob("*/seed100"):
+    for run_dir in [runs / ("seeds" if r["same_run"] == "True" else "control") / r["loss"] / "seed100" for r in control]:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
         assert cfg["optim"]["name"] in winner["shared"][0] and cfg["eval"]["test"] is False
     # the committed copy: relative paths only, in the files and in each finished tune's storage
@@ -293,6 +297,10 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     n_seeded = sum(len(v2.seeds_of(n)) for n in bench.spec.LOSSES)
     assert "| BN | finished | 2 |" in text and f"| 8 | {n_seeded} |" in text, text
     assert f"(results.csv rows) | 8 | {n_seeded} |" in text
+    # the control's runs that are seeded runs (the winner's at its own settings) count as finished
+    # (with the cut the control ran under: the winner is known)
+    cut = bench.progress_markdown(bench.Protocol(bench.parse_args(argv[:-1] + ["--cut", "contrastive"])))
+    assert "winner's settings, seed 100) | 2 | 3 |" in cut, cut
     fresh = ["--runs", str(tmp_path / "fresh"), "--copy-to", str(copy), "--trials", "2"]
     assert bench.main(fresh + ["--restore"]) == 0
     assert bench.Protocol(bench.parse_args(fresh)).tuned() == losses
@@ -362,6 +370,9 @@ def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_pa
     assert (bn["optim"]["name"], bn["optim"]["lr"], bn["eval"]["embedding"]) == ("adamw", 0.0003, "projection")
     assert bn["loss"][0]["options"]["alpha"] == 32.0 and bn["loss"][0]["name"] == "heated_softmax"  # its own
     assert by_variant["almn_beta3"]["optim"]["loss_lr_mult"] == 30.0
+    # the winner at the winner's settings is the same training as its seeded run: that run, trained once
+    out_dirs = {r.variant: r.out_dir for r in study.runs}
+    assert out_dirs == {"BN": runs / "control" / "BN" / "seed100", "almn_beta3": runs / "seeds" / "almn_beta3" / "seed100"}
     sweep = bench.almn_study(proto)
     assert sorted(sweep.variants) == ["beta0", "beta1", "beta2", "beta3"]
     assert sorted({r.seed for r in sweep.runs}) == [100, 101, 102, 103, 104]
