@@ -518,8 +518,29 @@ def reuse_seeded_twins(proto: Protocol, study, twin_key):
 def run_control_phase(proto: Protocol, losses: list[str]) -> None:
     study, win = control_study(proto)
     proto.log(f"control: the winner is {win['loss']} (validation {win['value']:.4f}): {win['shared']}")
-    run_study_phase(proto, study, [n for n in losses if n in proto.tuned()])
+    wanted = [r for r in study.runs if r.variant in losses and r.variant in proto.tuned()]
+    # by key, and only the control's own runs: the worker processes reload runs/control.yaml, which
+    # knows nothing of the seeded twins, and would train those a second time in control/
+    own = [r.key for r in wanted if study.out_dir in r.out_dir.parents]
+    twins = sorted(r.key for r in wanted if study.out_dir not in r.out_dir.parents)
+    if twins:
+        proto.log(f"control: {', '.join(twins)}: at their own tuned settings, their seeded runs (the same "
+                  "training), trained by the seeds phase")
+    record_twins(proto, study)
+    run_study_phase(proto, study, own)
     write_control(proto)
+
+
+TWINS_FILE = "seeded_twins.json"  # runs/control/: the control keys that are seeded runs (for --progress)
+
+
+def record_twins(proto: Protocol, study) -> None:
+    from deepmetric.run.rundir import write_text_atomic
+
+    twins = {r.key: str(r.out_dir.relative_to(proto.runs)) for r in study.runs if study.out_dir not in r.out_dir.parents}
+    path = study.out_dir / TWINS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(twins, indent=1) + "\n")
 
 
 def almn_study(proto: Protocol):
@@ -998,7 +1019,9 @@ def hypothesis_tests(proto: Protocol, rows: list[dict], metric: str) -> list[tup
     out = [(h, paired(rows, a, b, metric) if a in have and b in have else None) for h, a, b in spec.COMPARISONS]
     two = read_csv(proto.copy / "two_head_accuracy.csv")
     col = "top1" if metric == spec.OBJECTIVE else "macro_accuracy"
-    out += [(h, paired(two, a, b, col, key="variant") if two else None) for h, a, b in spec.TWO_HEAD]
+    # the two-head final step has run (its summary is copied) even when no run could be tested
+    two_done = bool(two) or (proto.copy / "two_head_accuracy.json").is_file()
+    out += [(h, paired(two, a, b, col, key="variant") if two_done else None) for h, a, b in spec.TWO_HEAD]
     ours, pml = best_by_tune(proto, spec.OURS, rows), best_by_tune(proto, spec.PML, rows)
     shared = [r for r in rows if int(r["seed"]) in spec.SEEDS]  # H6 is pre-registered on seeds 100-102
     out.append(("H6", paired(shared, ours, pml, metric) if ours and pml else None))
@@ -1030,7 +1053,7 @@ def verdict_records(proto: Protocol, rows: list[dict]) -> list[dict]:
     for (h, t, adj), (_, t2, _) in zip(primary, secondary):
         text, paper = spec.HYPOTHESES[h]
         metrics = ["test top-1 (twitter)", "macro accuracy"] if h.startswith("H5") else list(METRICS)
-        out.append({"id": h, "claim": text, "paper": paper, "budget": comparison_budget(h, t, rows),
+        out.append({"id": h, "claim": text, "paper": paper, "budget": comparison_budget(proto, h, t, rows),
                     "convergence": comparison_convergence(proto, h, t, rows),
                     "metric": metrics[0], "test": points(t), "p": None if t is None else finite(t["p"]),
                     "holm_p": None if t is None else finite(adj),
@@ -1047,14 +1070,30 @@ def pending_tests(fam: list[tuple[str, dict | None, float]]) -> list[str]:
     return [h for h, t, _ in fam if t is None]
 
 
-def comparison_budget(h: str, t: dict | None, rows: list[dict]) -> str:
+def comparison_budget(proto: Protocol, h: str, t: dict | None, rows: list[dict]) -> str:
     """What a hypothesis's verdict rests on (pre-registered: printed beside it): epochs, completed
     trials and the seeds paired; the two-head tests' own closed-set budget."""
     if h.startswith("H5"):
         two = two_head_script()
         return (f"emoji closed set, 1,911 classes, {two.EPOCHS} epochs, lr on a validation vendor, "
-                f"seeds {seed_list(t)}")
+                f"seeds {seed_list(t)}" + two_head_divergences(proto, h))
     return budget_text(rows, t)
+
+
+def two_head_divergences(proto: Protocol, h: str) -> str:
+    """H5's diverged runs (PREREGISTRATION.md, 2026-11-28, eleventh session, later), from the two-head
+    final step's summary: tested from an earlier checkpoint, without a model, or a variant whose
+    every lr diverged; empty when none."""
+    path = proto.copy / "two_head_accuracy.json"
+    if not path.is_file():
+        return ""
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    variants = dict((x, (a, b)) for x, a, b in spec.TWO_HEAD)[h]
+    notes = [(label, [n for n in summary.get(key, []) if n.split("/")[0] in variants])
+             for key, label in (("diverged_tested_from_last_checkpoint", "diverged, tested from the last checkpoint"),
+                                ("diverged_without_a_model", "diverged before any checkpoint, no test number"),
+                                ("variants_every_lr_diverged", "every lr diverged, no runs"))]
+    return "".join(f"; {label}: {', '.join(names)}" for label, names in notes if names)
 
 
 def comparison_convergence(proto: Protocol, h: str, t: dict | None, rows: list[dict]) -> str:
@@ -1160,7 +1199,7 @@ def hypotheses_markdown(proto: Protocol, rows: list[dict]) -> list[str]:
             cells = (f"| {h} | {t['a']} - {t['b']} | {t['n']} | {100 * t['mean']:+.2f} | "
                      f"[{100 * t['ci_low']:+.2f}, {100 * t['ci_high']:+.2f}] | {t['p']:.4g} | {adj:.4g} |")
             mark = " (provisional)" if pending else ""
-            lines.append(cells + (f" {comparison_budget(h, t, rows)} | {comparison_convergence(proto, h, t, rows)} | "
+            lines.append(cells + (f" {comparison_budget(proto, h, t, rows)} | {comparison_convergence(proto, h, t, rows)} | "
                                   f"{verdict(t, adj)}{mark} |" if primary else ""))
         lines.append("")
     return lines
@@ -1404,16 +1443,20 @@ def _finished_runs(folder: Path, keys: list[str]) -> int:
     return sum((folder / k / "metrics.json").is_file() for k in keys)
 
 
+def _ended_two_head_runs(folder: Path, keys: list[str]) -> str:
+    """Finished two-head runs, and those that diverged (they have ended too: diverged.json)."""
+    finished = _finished_runs(folder, keys)
+    gone = sum(not (folder / k / "metrics.json").is_file() and (folder / k / "diverged.json").is_file() for k in keys)
+    return f"{finished}" + (f" (+ {gone} diverged)" if gone else "")
+
+
 def _finished_control_runs(proto: Protocol, keys: list[str]) -> int:
-    """The control's finished runs, its seeded twins (``control_study``) included, once the phase
-    has started (winner.json: before, asking for the winner would record it)."""
-    if (proto.runs / "control" / "winner.json").is_file():
-        try:
-            study, _ = control_study(proto)
-            return sum(r.finished for r in study.runs if r.key in keys)
-        except ProtocolError:  # a tune unfinished in this folder again, a changed winner: its own folder only
-            pass
-    return _finished_runs(proto.runs / "control", keys)
+    """The control's finished runs, its seeded twins included (the list the control phase
+    recorded: reading it writes nothing, where building the study would rewrite its files)."""
+    path = proto.runs / "control" / TWINS_FILE
+    twins = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return sum((proto.runs / twins[k] / "metrics.json").is_file() if k in twins
+               else (proto.runs / "control" / k / "metrics.json").is_file() for k in keys)
 
 
 def progress_markdown(proto: Protocol) -> str:
@@ -1460,8 +1503,8 @@ def progress_markdown(proto: Protocol) -> str:
               f"| final: seeded runs evaluated once on the test split (results.csv rows) | {len(results)} | "
               f"{len(seed_keys)} |",
               f"| two-head closed set, lr runs (bench/two_head_accuracy.py, {TWO_HEAD_RUNS.relative_to(ROOT)}) | "
-              f"{_finished_runs(TWO_HEAD_RUNS, two_lr)} | {len(two_lr)} |",
-              f"| two-head closed set, seeded runs | {_finished_runs(TWO_HEAD_RUNS, two_seeds)} | {len(two_seeds)} |",
+              f"{_ended_two_head_runs(TWO_HEAD_RUNS, two_lr)} | {len(two_lr)} |",
+              f"| two-head closed set, seeded runs | {_ended_two_head_runs(TWO_HEAD_RUNS, two_seeds)} | {len(two_seeds)} |",
               "", "## Left", "",
               (f"- Tunes: {len(open_tunes)} of {len(tunes)} not finished, at least {more} more completed trials "
                "(pruned and stopped trials come on top of them)." if open_tunes else

@@ -267,14 +267,23 @@ def _interrupt_children() -> None:
 
 def record_divergence(run: Run, message: str) -> None:
     """``diverged.json``: the message and the last checkpoint the run has (its epoch), which the
-    final step tests (None: it diverged before its first checkpoint, so it has no model)."""
+    final step tests (None: it diverged before its first checkpoint, or that checkpoint's weights
+    are not finite, so it has no model)."""
     last = run.out_dir / "last.pt"
     at = {"last_checkpoint_epochs": None, "last_checkpoint_batches_into_next": None}
     if last.is_file():
+        import torch
+
         from deepmetric.run.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(last)  # epochs completed; a mid-epoch checkpoint (an interrupt) says how far
-        at = {"last_checkpoint_epochs": int(ckpt["epoch"]), "last_checkpoint_batches_into_next": int(ckpt["batch_in_epoch"])}
+        # a finite loss with non-finite gradients on an epoch's last step saves non-finite weights,
+        # and the next step's loss fails: such a checkpoint is no model either
+        if all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point()):
+            at = {"last_checkpoint_epochs": int(ckpt["epoch"]),
+                  "last_checkpoint_batches_into_next": int(ckpt["batch_in_epoch"])}
+        else:
+            at["last_checkpoint_not_finite"] = True
     write_text(run.out_dir / DIVERGED_FILE, json.dumps({"message": message, **at}) + "\n")
 
 

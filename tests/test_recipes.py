@@ -241,7 +241,7 @@ def test_emoji_closed_set_recipes(configs):
                                                                                    "imagenet", 64)
         assert o.get("embedding_head", True) is (v != "softmax")
         assert (c.train.sampler, c.train.m, c.train.n, c.train.epochs) == ("class_balanced", 16, 4, 15)
-        assert c.train.channels_last is True  # 1.5x on the CPU, same mathematics (bench/cpu_channels_last.py)
+        assert c.train.channels_last is True  # 1.6x on the CPU, same mathematics (bench/cpu_channels_last.py)
         assert (c.eval.split, c.eval.every, c.eval.classification, c.eval.metrics) == ("test", 0, True, [])
         assert [(t.name, t.input, t.weight) for t in c.loss][0] == ("cross_entropy", "logits", 1.0)
     assert [len(c.loss) for c in cs.values()] == [1, 2, 2]

@@ -373,6 +373,16 @@ def test_the_control_and_the_beta_sweep_take_the_tuned_values_they_should(tmp_pa
     # the winner at the winner's settings is the same training as its seeded run: that run, trained once
     out_dirs = {r.variant: r.out_dir for r in study.runs}
     assert out_dirs == {"BN": runs / "control" / "BN" / "seed100", "almn_beta3": runs / "seeds" / "almn_beta3" / "seed100"}
+    # the phase asks the workers (which reload runs/control.yaml, where the twin is a control run)
+    # for the control's own runs only, and records the twin for --progress
+    asked = []
+    monkeypatch.setattr(bench, "run_study_phase", lambda proto, study, only: asked.append(list(only)))
+    bench.run_control_phase(proto, ["BN", "almn_beta3"])
+    assert asked == [["BN/seed100"]]
+    assert json.loads((runs / "control" / bench.TWINS_FILE).read_text()) == {"almn_beta3/seed100": "seeds/almn_beta3/seed100"}
+    (runs / "seeds" / "almn_beta3" / "seed100").mkdir(parents=True)
+    (runs / "seeds" / "almn_beta3" / "seed100" / "metrics.json").write_text("{}")
+    assert bench._finished_control_runs(proto, ["BN/seed100", "almn_beta3/seed100"]) == 1
     sweep = bench.almn_study(proto)
     assert sorted(sweep.variants) == ["beta0", "beta1", "beta2", "beta3"]
     assert sorted({r.seed for r in sweep.runs}) == [100, 101, 102, 103, 104]
@@ -510,6 +520,22 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     assert "10 epochs, 12 completed tune trials" in records["H1"]["budget"] and records["H5a"]["test"] is None
     assert records["H1"]["budget"].endswith("seeds 100-104") and records["H6"]["budget"].endswith("seeds 100-102")
     assert records["H1"]["claim"].startswith("HBN > BN") and records["H1"]["holm_p"] >= records["H1"]["p"]
+    # the two-head final step ran and nothing of softmax could be tested (every lr diverged): H5a /
+    # H5b are no longer pending but have no pairs, and their budget says which runs diverged
+    copy = tmp_path / "copy"
+    copy.mkdir(exist_ok=True)
+    bench.write_csv(copy / "two_head_accuracy.csv", [{"variant": "hard", "seed": 101, "top1": 0.5,
+                                                      "macro_accuracy": 0.5}], ("variant", "seed", "top1", "macro_accuracy"))
+    (copy / "two_head_accuracy.json").write_text(json.dumps({
+        "diverged_tested_from_last_checkpoint": ["hard/seed101"], "diverged_without_a_model": [],
+        "variants_every_lr_diverged": ["softmax"]}))
+    bench.write_summary(proto)
+    records = {r["id"]: r for r in json.loads((runs / "verdicts.json").read_text())}
+    assert records["H5a"]["verdict"] == records["H5b"]["verdict"] == "not resolved"
+    assert records["H5a"]["test"]["n"] == 0 and not records["H1"]["provisional"]
+    assert records["H5a"]["budget"].endswith("; every lr diverged, no runs: softmax")
+    assert records["H5b"]["budget"].endswith("; diverged, tested from the last checkpoint: hard/seed101; every lr "
+                                             "diverged, no runs: softmax")
 
 
 @pytest.mark.filterwarnings("ignore:Precision loss occurred in moment calculation")

@@ -350,3 +350,28 @@ def test_a_seeded_run_that_diverges_is_tested_from_its_last_checkpoint(study, tm
     assert summary["paired"]["semihard - softmax"]["seeds"] == [101]
     text = (out / "summary.md").read_text()
     assert "softmax/seed101" in text and "no model, no test number: semihard/seed100" in text
+
+
+def test_a_last_checkpoint_with_non_finite_weights_is_no_model(study, tmp_path):
+    """A finite loss with non-finite gradients on an epoch's last step saves non-finite weights:
+    the diverged run then has no model to test (its record says why)."""
+    import shutil
+
+    import torch
+
+    from deepmetric.run.checkpoint import load_checkpoint, save_checkpoint
+
+    _, out, _ = study
+    run_dir = tmp_path / "seed100"
+    shutil.copytree(out / "seeds" / "softmax" / "seed100", run_dir)
+    (run_dir / "metrics.json").unlink()
+    run = bench.Run("softmax", 0.01, 100, run_dir, [], 1)
+    bench.record_divergence(run, "non-finite loss (nan) at step 7")
+    assert run.diverged and run.divergence()["last_checkpoint_epochs"] == 1  # finite weights: a model
+    ckpt = load_checkpoint(run_dir / "last.pt")
+    name = next(k for k, v in ckpt["model"].items() if v.is_floating_point())
+    ckpt["model"][name] = torch.full_like(ckpt["model"][name], float("nan"))
+    save_checkpoint(ckpt, run_dir / "last.pt")
+    bench.record_divergence(run, "non-finite loss (nan) at step 7")
+    gone = run.divergence()
+    assert gone["last_checkpoint_epochs"] is None and gone["last_checkpoint_not_finite"] is True
