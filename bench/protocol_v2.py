@@ -1361,7 +1361,10 @@ def commit(proto: Protocol, message: str) -> None:
 
 
 # --------------------------------------------------------------------------- progress
-TWO_HEAD_RUNS = ROOT / "runs" / "two_head_accuracy"  # bench/two_head_accuracy.py's default --out
+def two_head_runs(proto: Protocol) -> Path:
+    """bench/two_head_accuracy.py's default --out (runs/two_head_accuracy) beside this study's
+    runs/protocol_v2, in the same clone: --progress run from another checkout with --runs finds it."""
+    return proto.runs.parent / "two_head_accuracy"
 
 
 def tune_progress(proto: Protocol, loss: str) -> dict:
@@ -1502,9 +1505,10 @@ def progress_markdown(proto: Protocol) -> str:
               f"{_finished_runs(proto.runs / 'glyphs', glyph_keys)} | {len(glyph_keys)} |",
               f"| final: seeded runs evaluated once on the test split (results.csv rows) | {len(results)} | "
               f"{len(seed_keys)} |",
-              f"| two-head closed set, lr runs (bench/two_head_accuracy.py, {TWO_HEAD_RUNS.relative_to(ROOT)}) | "
-              f"{_ended_two_head_runs(TWO_HEAD_RUNS, two_lr)} | {len(two_lr)} |",
-              f"| two-head closed set, seeded runs | {_ended_two_head_runs(TWO_HEAD_RUNS, two_seeds)} | {len(two_seeds)} |",
+              f"| two-head closed set, lr runs (bench/two_head_accuracy.py, runs/two_head_accuracy beside "
+              f"{proto.runs.name}) | {_ended_two_head_runs(two_head_runs(proto), two_lr)} | {len(two_lr)} |",
+              f"| two-head closed set, seeded runs | {_ended_two_head_runs(two_head_runs(proto), two_seeds)} | "
+              f"{len(two_seeds)} |",
               "", "## Left", "",
               (f"- Tunes: {len(open_tunes)} of {len(tunes)} not finished, at least {more} more completed trials "
                "(pruned and stopped trials come on top of them)." if open_tunes else

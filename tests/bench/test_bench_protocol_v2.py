@@ -850,3 +850,20 @@ def test_candidates_drawn_and_the_two_head_convergence(tmp_path):
     assert bench.two_head_convergence(proto, pair) == (
         "no validation in the seeded runs; semihard lr run at lr 0.01: flattened (last gain +0.20 points); "
         "softmax lr run at lr 0.03: not flattened (last gain +1.50 points)")
+
+
+def test_progress_finds_the_two_head_runs_beside_the_study_and_counts_diverged_ones(tmp_path, monkeypatch):
+    """--progress from another checkout (--runs CLONE/runs/protocol_v2) counts the two-head runs of
+    that clone (runs/two_head_accuracy), a diverged run as ended."""
+    table = dict(bench.spec.LOSSES)
+    monkeypatch.setattr(bench.spec, "LOSSES", {"BN": table["BN"]})
+    runs = tmp_path / "clone" / "runs" / "protocol_v2"
+    runs.mkdir(parents=True)
+    two = tmp_path / "clone" / "runs" / "two_head_accuracy" / "lr"
+    (two / "softmax" / "lr0.003_seed0").mkdir(parents=True)
+    (two / "softmax" / "lr0.003_seed0" / "metrics.json").write_text("{}")
+    (two / "softmax" / "lr0.03_seed0").mkdir(parents=True)
+    (two / "softmax" / "lr0.03_seed0" / "diverged.json").write_text("{}")
+    text = bench.progress_markdown(bench.Protocol(bench.parse_args(["--runs", str(runs), "--copy-to",
+                                                                    str(tmp_path / "copy")])))
+    assert "runs/two_head_accuracy beside protocol_v2) | 1 (+ 1 diverged) | 9 |" in text, text
