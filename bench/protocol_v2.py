@@ -515,14 +515,20 @@ def reuse_seeded_twins(proto: Protocol, study, twin_key):
     return study
 
 
+def is_seeded_twin(study, run) -> bool:
+    """A run of ``study`` that ``reuse_seeded_twins`` replaced by a seeded run (its folder is not
+    under the study's): the seeds phase trains it, the study's own worker processes must not."""
+    return study.out_dir not in run.out_dir.parents
+
+
 def run_control_phase(proto: Protocol, losses: list[str]) -> None:
     study, win = control_study(proto)
     proto.log(f"control: the winner is {win['loss']} (validation {win['value']:.4f}): {win['shared']}")
     wanted = [r for r in study.runs if r.variant in losses and r.variant in proto.tuned()]
     # by key, and only the control's own runs: the worker processes reload runs/control.yaml, which
     # knows nothing of the seeded twins, and would train those a second time in control/
-    own = [r.key for r in wanted if study.out_dir in r.out_dir.parents]
-    twins = sorted(r.key for r in wanted if study.out_dir not in r.out_dir.parents)
+    own = [r.key for r in wanted if not is_seeded_twin(study, r)]
+    twins = sorted(r.key for r in wanted if is_seeded_twin(study, r))
     if twins:
         proto.log(f"control: {', '.join(twins)}: at their own tuned settings, their seeded runs (the same "
                   "training), trained by the seeds phase")
@@ -537,7 +543,7 @@ TWINS_FILE = "seeded_twins.json"  # runs/control/: the control keys that are see
 def record_twins(proto: Protocol, study) -> None:
     from deepmetric.run.rundir import write_text_atomic
 
-    twins = {r.key: str(r.out_dir.relative_to(proto.runs)) for r in study.runs if study.out_dir not in r.out_dir.parents}
+    twins = {r.key: str(r.out_dir.relative_to(proto.runs)) for r in study.runs if is_seeded_twin(study, r)}
     path = study.out_dir / TWINS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(twins, indent=1) + "\n")
@@ -569,8 +575,8 @@ def run_almn_phase(proto: Protocol) -> None:
     if study is None:
         proto.log("almn_beta: almn_beta3 has no finished tune: skipped")
         return
-    own = [r.key for r in study.runs if study.out_dir in r.out_dir.parents]
-    shared = sorted(r.key for r in study.runs if study.out_dir not in r.out_dir.parents)
+    own = [r.key for r in study.runs if not is_seeded_twin(study, r)]
+    shared = sorted(r.key for r in study.runs if is_seeded_twin(study, r))
     if shared:
         proto.log(f"almn_beta: {', '.join(shared)}: almn_beta3's seeded runs (the same training), trained by the "
                   "seeds phase")
@@ -1447,9 +1453,10 @@ def _finished_runs(folder: Path, keys: list[str]) -> int:
 
 
 def _ended_two_head_runs(folder: Path, keys: list[str]) -> str:
-    """Finished two-head runs, and those that diverged (they have ended too: diverged.json)."""
+    """Finished two-head runs, and those that diverged (they have ended too: its DIVERGED_FILE)."""
     finished = _finished_runs(folder, keys)
-    gone = sum(not (folder / k / "metrics.json").is_file() and (folder / k / "diverged.json").is_file() for k in keys)
+    mark = two_head_script().DIVERGED_FILE
+    gone = sum(not (folder / k / "metrics.json").is_file() and (folder / k / mark).is_file() for k in keys)
     return f"{finished}" + (f" (+ {gone} diverged)" if gone else "")
 
 

@@ -137,6 +137,14 @@ class Run:
     def divergence(self) -> dict:
         return json.loads((self.out_dir / DIVERGED_FILE).read_text(encoding="utf-8"))
 
+    def end_state(self) -> dict:
+        """How an ended run ended, for the tables: its epochs (a diverged run's: those of its last
+        checkpoint, None without one), wall time (None when diverged) and status."""
+        if self.done:
+            m = self.metrics()
+            return {"epochs": m["epochs"], "wall_time_s": m["wall_time_s"], "status": "finished"}
+        return {"epochs": self.divergence()["last_checkpoint_epochs"], "wall_time_s": None, "status": "diverged"}
+
     def check_identity(self) -> None:
         """Raise ``RunMismatch`` when the folder holds a run trained with another lr, seed or
         number of epochs (its ``config.yaml``, written when it started): the folder name carries
@@ -197,9 +205,7 @@ def _train_here(run: Run) -> None:
     import resource
 
     from deepmetric.run.config_io import load_config
-    from deepmetric.train import train
-
-    from deepmetric.train.loop import NonFiniteLossError
+    from deepmetric.train import NonFiniteLossError, train
 
     last = run.out_dir / "last.pt"
     cfg = load_config(str(recipe(run.variant)), run.overrides)
@@ -394,11 +400,10 @@ def phase_lr(args) -> int:
         if run.diverged:  # never chosen (its validation row is empty); its curve up to the divergence
             curve = _val_curve(run) if (run.out_dir / "log.jsonl").is_file() else []
             best = max(curve, key=lambda c: c["val_top1"], default={})
-            rows.append({"variant": run.variant, "lr": run.lr, "seed": run.seed,
-                         "epochs": run.divergence()["last_checkpoint_epochs"], "val_top1": None,
+            rows.append({"variant": run.variant, "lr": run.lr, "seed": run.seed, **run.end_state(), "val_top1": None,
                          "val_macro_accuracy": None, "best_epoch": best.get("epoch"),
                          "best_val_top1": best.get("val_top1"), "last_gain_points": None, "flattened": None,
-                         "wall_time_s": None, "cpu_s": cpu_seconds(run), "status": "diverged"})
+                         "cpu_s": cpu_seconds(run)})
             curves += curve
             continue
         if not run.done:
@@ -455,11 +460,7 @@ def seed_runs(args) -> list[Run]:
 def phase_seeds(args) -> int:
     runs = seed_runs(args)
     errors = run_all(runs, args)
-    rows = [{"variant": r.variant, "seed": r.seed, "lr": r.lr, "epochs": r.metrics()["epochs"],
-             "wall_time_s": r.metrics()["wall_time_s"], "cpu_s": cpu_seconds(r), "status": "finished"}
-            if r.done else
-            {"variant": r.variant, "seed": r.seed, "lr": r.lr, "epochs": r.divergence()["last_checkpoint_epochs"],
-             "wall_time_s": None, "cpu_s": cpu_seconds(r), "status": "diverged"}
+    rows = [{"variant": r.variant, "seed": r.seed, "lr": r.lr, **r.end_state(), "cpu_s": cpu_seconds(r)}
             for r in runs if r.ended]
     write_csv(Path(args.out) / "seeds" / "runs.csv", rows,
               ("variant", "seed", "lr", "epochs", "wall_time_s", "cpu_s", "status"))
@@ -534,7 +535,9 @@ def summary_markdown(summary: dict, args, lrs: dict, runs: list[dict]) -> str:
               "counts its finished epochs)", summary.get("diverged_tested_from_last_checkpoint")),
              ("Diverged before the first checkpoint: no model, no test number", summary.get("diverged_without_a_model")),
              ("Every lr of the grid diverged: no seeded runs, no result", summary.get("variants_every_lr_diverged"))]
-    lines += [""] + [f"{text}: {', '.join(names)}." for text, names in notes if names] if any(n for _, n in notes) else []
+    said = [f"{text}: {', '.join(names)}." for text, names in notes if names]
+    if said:
+        lines += ["", *said]
     return "\n".join(lines) + "\n"
 
 
@@ -562,17 +565,15 @@ def phase_final(args) -> int:
         # a diverged run is tested from its last checkpoint before the divergence; one that diverged
         # before its first checkpoint has no model and no test number (PREREGISTRATION.md,
         # 2026-11-28, eleventh session)
-        gone = r.divergence() if r.diverged else None
-        if gone is not None and gone["last_checkpoint_epochs"] is None:
+        state = r.end_state()
+        if state["epochs"] is None:
             no_model.append(f"{r.variant}/seed{r.seed}")
             continue
         acc = test_accuracy(r.out_dir, args.device)
         rows.append({"variant": r.variant, "seed": r.seed, "top1": acc["top1"],
                      "macro_accuracy": acc["macro_accuracy"]})
-        m = r.metrics() if gone is None else {"epochs": gone["last_checkpoint_epochs"], "wall_time_s": None}
-        extra.append({**rows[-1], "lr": r.lr, "epochs": m["epochs"], "wall_time_s": m["wall_time_s"],
-                      "cpu_s": cpu_seconds(r), "test_images": acc["test_images"],
-                      "test_classes": acc["test_classes"], "status": "finished" if gone is None else "diverged"})
+        extra.append({**rows[-1], "lr": r.lr, **state, "cpu_s": cpu_seconds(r), "test_images": acc["test_images"],
+                      "test_classes": acc["test_classes"]})
     out = Path(args.out)
     write_csv(out / "two_head_accuracy.csv", rows, CSV_COLUMNS)
     lrs = chosen_lrs(args)
