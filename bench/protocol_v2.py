@@ -1516,13 +1516,47 @@ def progress_markdown(proto: Protocol) -> str:
               f"{proto.runs.name}) | {_ended_two_head_runs(two_head_runs(proto), two_lr)} | {len(two_lr)} |",
               f"| two-head closed set, seeded runs | {_ended_two_head_runs(two_head_runs(proto), two_seeds)} | "
               f"{len(two_seeds)} |",
-              "", "## Left", "",
+              ""] + seeded_convergence_markdown(proto) + [
+              "## Left", "",
               (f"- Tunes: {len(open_tunes)} of {len(tunes)} not finished, at least {more} more completed trials "
                "(pruned and stopped trials come on top of them)." if open_tunes else
                f"- Tunes: all {len(tunes)} finished."),
               "- Then the phases above with fewer finished runs than planned, in the pre-registered order "
               "(seeds, control, ALMN beta sweep, ALMN m x n and Eq. 12, the two-head runs, final).", ""]
     return "\n".join(lines)
+
+
+def seeded_convergence_markdown(proto: Protocol) -> list[str]:
+    """Item 4 of issue 30 while the study runs: for each loss's finished seeded runs, how many
+    validation curves flattened (:func:`flattened`), the largest last gain, best.pt's epochs and
+    the wall time per run. Validation logs only; the final step's tables say the same per run."""
+    lines = ["## Seeded runs: convergence on validation", "",
+             f"A curve has flattened when the best of its last two validation evaluations is at most 0.5 points "
+             f"of {spec.OBJECTIVE} above the best before them (PREREGISTRATION.md). Finished runs only.", "",
+             "| loss | finished | flattened | largest last gain (points) | epochs | best.pt epoch | "
+             "wall time per run (min) |", "|---|---|---|---|---|---|---|"]
+    from deepmetric.report.study_tables import last_gain
+
+    for loss in spec.LOSSES:
+        dirs = [proto.runs / "seeds" / loss / f"seed{s}" for s in spec.seeds_of(loss)]
+        done = [d for d in dirs if (d / "metrics.json").is_file()]
+        if not done:
+            lines.append(f"| {loss} | 0/{len(dirs)} | - | - | - | - | - |")
+            continue
+        summaries = [json.loads((d / "metrics.json").read_text()) for d in done]
+        curves = [val_curve(d, spec.OBJECTIVE) for d in done]
+        gains = [g for g in (last_gain(c) for c in curves) if g is not None]
+        best_epochs = sorted({(m.get("selected") or {}).get("epoch") for m in summaries} - {None})
+        epochs = sorted({m.get("epochs") for m in summaries} - {None})
+        walls = [m["wall_time_s"] / 60 for m in summaries if m.get("wall_time_s") is not None]
+        lines.append(f"| {loss} | {len(done)}/{len(dirs)} | {sum(flattened(c) for c in curves)}/{len(done)} | "
+                     f"{'-' if not gains else f'{100 * max(gains):+.2f}'} | {_span(epochs)} | {_span(best_epochs)} | "
+                     f"{'-' if not walls else f'{min(walls):.1f}-{max(walls):.1f}'} |")
+    return lines + [""]
+
+
+def _span(values: list) -> str:
+    return "-" if not values else (f"{values[0]}" if values[0] == values[-1] else f"{values[0]}-{values[-1]}")
 
 
 def write_progress(proto: Protocol) -> str:

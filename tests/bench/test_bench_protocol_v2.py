@@ -627,8 +627,9 @@ def test_restore_puts_the_committed_tunes_back_and_progress_counts_them(tmp_path
     (runs / "seeds" / "BN" / "seed101").mkdir()  # not finished: no metrics.json
     text = bench.progress_markdown(proto)
     tunes, drawn = text.split("## Candidates drawn")
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in tunes.splitlines() + drawn.split("## The other")[1]
-            .splitlines() if line.startswith("| ")}
+    other = drawn.split("## The other")[1].split("## Seeded runs: convergence")[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in tunes.splitlines() + other.splitlines()
+            if line.startswith("| ")}
     assert rows["BN"].startswith(f"| BN | finished | {v2.TRIALS} | 1 | 0 | 0 | 0.6100 |")
     # the candidates a finished tune drew (completed + pruned); the unfinished ones are not listed
     assert f"| BN | {v2.TRIALS + 1} | - | 0.6100 | - |" in drawn and "| HLN |" not in drawn.split("## The other")[0]
@@ -867,3 +868,31 @@ def test_progress_finds_the_two_head_runs_beside_the_study_and_counts_diverged_o
     text = bench.progress_markdown(bench.Protocol(bench.parse_args(["--runs", str(runs), "--copy-to",
                                                                     str(tmp_path / "copy")])))
     assert "runs/two_head_accuracy beside protocol_v2) | 1 (+ 1 diverged) | 9 |" in text, text
+
+
+def test_progress_reports_the_seeded_runs_convergence_from_their_validation_logs(tmp_path, monkeypatch):
+    """Issue 30, item 4, while the study runs: per loss, how many finished seeded runs' validation
+    curves flattened (the pre-registered 0.5-point rule), the largest last gain, best.pt's epochs
+    and the wall time, read from the runs' own logs and metrics.json; unfinished runs are left out."""
+    table = dict(bench.spec.LOSSES)
+    monkeypatch.setattr(bench.spec, "LOSSES", {"BN": table["BN"], "SM": table["SM"]})
+    runs = tmp_path / "runs"
+    curves = {100: ([0.30, 0.40, 0.41, 0.42], 4, 60.0),  # last gain 0.42 - 0.40: 2 points, not flattened
+              101: ([0.50, 0.60, 0.60, 0.59], 3, 120.0)}  # no gain: flattened
+    for seed, (curve, best, wall) in curves.items():
+        out = runs / "seeds" / "BN" / f"seed{seed}"
+        out.mkdir(parents=True)
+        (out / "log.jsonl").write_text("".join(
+            json.dumps({"type": "eval", "split": "val", "epoch": e, v2.OBJECTIVE: v}) + "\n"
+            for e, v in enumerate(curve, 1)))
+        (out / "metrics.json").write_text(json.dumps({"epochs": 4, "selected": {"epoch": best},
+                                                      "wall_time_s": wall}))
+    unfinished = runs / "seeds" / "BN" / "seed102"
+    unfinished.mkdir(parents=True)
+    (unfinished / "log.jsonl").write_text(json.dumps({"type": "eval", "split": "val", "epoch": 1,
+                                                      v2.OBJECTIVE: 0.9}) + "\n")
+    proto = bench.Protocol(bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")]))
+    text = bench.progress_markdown(proto)
+    n_bn = len(v2.seeds_of("BN"))
+    assert f"| BN | 2/{n_bn} | 1/2 | +2.00 | 4 | 3-4 | 1.0-2.0 |" in text, text
+    assert f"| SM | 0/{len(v2.seeds_of('SM'))} | - | - | - | - | - |" in text, text
