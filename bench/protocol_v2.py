@@ -1344,12 +1344,65 @@ def write_summary(proto: Protocol) -> None:
               f"pytorch-metric-learning loss ({best_by_tune(proto, spec.PML, rows)}), each by its tune's "
               "validation objective.", ""]
     lines += hypotheses_markdown(proto, rows)
+    lines += control_markdown(proto)
     lines += draws_markdown([tune_progress(proto, n) for n in spec.LOSSES])  # as progress.md: every finished tune
     lines += almn_markdown(proto)
     lines += glyph_markdown(proto)
     records = verdict_records(proto, rows)
     write_text_atomic(proto.runs / "verdicts.json", json.dumps(records, indent=1, allow_nan=False) + "\n")
     write_text_atomic(proto.runs / "summary.md", "\n".join(lines) + "\n")
+
+
+def control_markdown(proto: Protocol) -> list[str]:
+    """The control (secondary, validation only, seed 100): each loss at its own tuned settings and
+    at the winner's, from control.csv and control/winner.json. Where a loss scores higher at the
+    winner's settings, its own 12-trial tune did not find settings as good as those: H6 and the
+    ranked table compare the losses at their own settings (PREREGISTRATION.md, 2026-11-28,
+    twelfth session), so this table is printed beside them."""
+    rows = read_csv(proto.runs / "control.csv")
+    path = proto.runs / "control" / "winner.json"
+    if not rows or not path.is_file():
+        return ["## The control: every loss at the winner's settings (validation, seed 100)", "",
+                "Not run yet.", ""]
+    win = json.loads(path.read_text())
+    settings = ", ".join(_setting_text(s) for s in win["shared"])
+    higher = [r["loss"] for r in rows if r["same_run"] != "True" and r["val_at_winner_settings"] not in ("", None)
+              and r["val_at_own_settings"] not in ("", None)
+              and float(r["val_at_winner_settings"]) > float(r["val_at_own_settings"])]
+    others = [r for r in rows if r["same_run"] != "True"]
+    lines = ["## The control: every loss at the winner's settings (validation, seed 100; secondary, not tested)", "",
+             f"The winner (the best tuned validation objective) is {win['loss']}: {settings}; each loss keeps its "
+             f"own tuned main option. Validation cross-vendor Recall@1 / MAP@R at each run's best.pt, points. "
+             f"Higher at the winner's settings than at its own: {len(higher)} of {len(others)} losses"
+             + (f" ({', '.join(higher)}): their own tunes did not find settings as good as the winner's, so H6 "
+                "and the ranked table, which compare each loss at its own settings, partly measure the tunes."
+                if higher else "."), "",
+             "| loss | R@1 own settings | R@1 winner's settings | winner's - own | MAP@R own | MAP@R winner's | "
+             "winner's - own | the same training |", "|---|---|---|---|---|---|---|---|"]
+
+    def pts(v):
+        return "-" if v in ("", None) else f"{100 * float(v):.2f}"
+
+    def diff(a, b):
+        return "-" if a in ("", None) or b in ("", None) else f"{100 * (float(a) - float(b)):+.2f}"
+
+    for r in rows:
+        lines.append(f"| {r['loss']} | {pts(r['val_at_own_settings'])} | {pts(r['val_at_winner_settings'])} | "
+                     f"{diff(r['val_at_winner_settings'], r['val_at_own_settings'])} | "
+                     f"{pts(r['val_map_at_own_settings'])} | {pts(r['val_map_at_winner_settings'])} | "
+                     f"{diff(r['val_map_at_winner_settings'], r['val_map_at_own_settings'])} | "
+                     f"{'yes (its own settings are the winner' + chr(39) + 's)' if r['same_run'] == 'True' else 'no'} |")
+    return lines + [""]
+
+
+def _setting_text(override: str) -> str:
+    """``optim.lr=0.0007295611181002858`` as ``optim.lr 0.00073`` (a fraction to 2 significant digits)."""
+    key, _, value = override.partition("=")
+    try:
+        number = float(value)
+        return f"{key} {number:g}" if number.is_integer() else f"{key} {number:.2g}"
+    except ValueError:
+        return f"{key} {value.strip(chr(34))}"
 
 
 def copy_results(proto: Protocol) -> None:
@@ -1516,7 +1569,7 @@ def progress_markdown(proto: Protocol) -> str:
               f"{proto.runs.name}) | {_ended_two_head_runs(two_head_runs(proto), two_lr)} | {len(two_lr)} |",
               f"| two-head closed set, seeded runs | {_ended_two_head_runs(two_head_runs(proto), two_seeds)} | "
               f"{len(two_seeds)} |",
-              ""] + seeded_convergence_markdown(proto) + [
+              ""] + seeded_convergence_markdown(proto) + control_markdown(proto) + [
               "## Left", "",
               (f"- Tunes: {len(open_tunes)} of {len(tunes)} not finished, at least {more} more completed trials "
                "(pruned and stopped trials come on top of them)." if open_tunes else

@@ -488,6 +488,7 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
     proto = bench.Protocol(args)
     bench.write_summary(proto)
     text = (runs / "summary.md").read_text()
+    assert "## The control: every loss at the winner's settings" in text  # beside H6 and the ranked table
     primary = text.split("### cross_domain_recall@1")[1].split("###")[0]
     got = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in primary.splitlines()
            if re.match(r"\| H\d", line)}
@@ -896,3 +897,36 @@ def test_progress_reports_the_seeded_runs_convergence_from_their_validation_logs
     n_bn = len(v2.seeds_of("BN"))
     assert f"| BN | 2/{n_bn} | 1/2 | +2.00 | 4 | 3-4 | 1.0-2.0 |" in text, text
     assert f"| SM | 0/{len(v2.seeds_of('SM'))} | - | - | - | - | - |" in text, text
+
+
+def test_the_control_table_says_which_losses_did_better_at_the_winners_settings(tmp_path):
+    """The control (validation, seed 100) printed in progress.md and the summary: each loss at its
+    own settings and at the winner's, the difference, and which losses' own tunes fell short of the
+    winner's settings (the loss that is the winner's own run is not counted)."""
+    runs = tmp_path / "runs"
+    (runs / "control").mkdir(parents=True)
+    (runs / "control" / "winner.json").write_text(json.dumps(
+        {"loss": "HBN", "value": 0.62, "own": ["loss.0.options.alpha=16.0"],
+         "shared": ['optim.name="adamw"', "optim.lr=0.0007295611181002858", "optim.new_layer_lr_mult=100.0"]}))
+    cols = ["loss", "seed", "winner", "tune_best_val", "val_at_own_settings", "val_at_winner_settings",
+            "val_map_at_own_settings", "val_map_at_winner_settings", "same_run"]
+    bench.write_csv(runs / "control.csv", [
+        {"loss": "HBN", "seed": 100, "winner": "HBN", "tune_best_val": 0.62, "val_at_own_settings": 0.60,
+         "val_at_winner_settings": 0.60, "val_map_at_own_settings": 0.3, "val_map_at_winner_settings": 0.3,
+         "same_run": True},
+        {"loss": "SM", "seed": 100, "winner": "HBN", "tune_best_val": 0.57, "val_at_own_settings": 0.5325,
+         "val_at_winner_settings": 0.38, "val_map_at_own_settings": 0.29, "val_map_at_winner_settings": 0.18,
+         "same_run": False},
+        {"loss": "pml_arcface", "seed": 100, "winner": "HBN", "tune_best_val": 0.41, "val_at_own_settings": 0.41,
+         "val_at_winner_settings": 0.55, "val_map_at_own_settings": 0.18, "val_map_at_winner_settings": 0.30,
+         "same_run": False}], cols)
+    proto = bench.Protocol(bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")]))
+    text = "\n".join(bench.control_markdown(proto))
+    assert "is HBN: optim.name adamw, optim.lr 0.00073, optim.new_layer_lr_mult 100;" in text, text
+    assert "Higher at the winner's settings than at its own: 1 of 2 losses (pml_arcface)" in text, text
+    assert "| SM | 53.25 | 38.00 | -15.25 | 29.00 | 18.00 | -11.00 | no |" in text, text
+    assert "| pml_arcface | 41.00 | 55.00 | +14.00 | 18.00 | 30.00 | +12.00 | no |" in text, text
+    assert "| HBN | 60.00 | 60.00 | +0.00 |" in text and "yes (its own settings are the winner's)" in text
+    assert "## The control" in bench.progress_markdown(proto)
+    (runs / "control.csv").unlink()
+    assert "Not run yet." in bench.control_markdown(proto)
