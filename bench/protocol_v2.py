@@ -1355,49 +1355,76 @@ def write_summary(proto: Protocol) -> None:
 
 def control_markdown(proto: Protocol) -> list[str]:
     """The control (secondary, validation only, seed 100): each loss at its own tuned settings and
-    at the winner's, from control.csv and control/winner.json. Where a loss scores higher at the
-    winner's settings, its own 12-trial tune did not find settings as good as those: H6 and the
-    ranked table compare the losses at their own settings (PREREGISTRATION.md, 2026-11-28,
-    twelfth session), so this table is printed beside them."""
+    at the winner's, from control.csv and control/winner.json, beside the range of its own seeded
+    runs (validation, best.pt's epoch). One control run per loss, so a loss is said to do better
+    at the winner's settings only when that run lies above every one of its own seeded runs:
+    H6 and the ranked table compare the losses at their own settings, and this table is printed
+    beside them (PREREGISTRATION.md, 2026-11-28, twelfth session)."""
+    title = "## The control: every loss at the winner's settings (validation, seed 100; secondary, not tested)"
     rows = read_csv(proto.runs / "control.csv")
     path = proto.runs / "control" / "winner.json"
     if not rows or not path.is_file():
-        return ["## The control: every loss at the winner's settings (validation, seed 100)", "",
-                "Not run yet.", ""]
+        return [title, "", "control.csv not written yet (the control phase writes it when its runs have ended).", ""]
     win = json.loads(path.read_text())
     settings = ", ".join(_setting_text(s) for s in win["shared"])
-    higher = [r["loss"] for r in rows if r["same_run"] != "True" and r["val_at_winner_settings"] not in ("", None)
-              and r["val_at_own_settings"] not in ("", None)
-              and float(r["val_at_winner_settings"]) > float(r["val_at_own_settings"])]
-    others = [r for r in rows if r["same_run"] != "True"]
-    lines = ["## The control: every loss at the winner's settings (validation, seed 100; secondary, not tested)", "",
+
+    def value(v):
+        return None if v in ("", None) else float(v)
+
+    def own_seeded(loss: str) -> list[float]:
+        """Validation objective at best.pt of the loss's finished seeded runs (its own settings)."""
+        out = []
+        for seed in spec.seeds_of(loss):
+            run_dir = proto.runs / "seeds" / loss / f"seed{seed}"
+            if (run_dir / "metrics.json").is_file():
+                v = selected_val(run_dir).get(spec.OBJECTIVE)
+                if v is not None:
+                    out.append(float(f"{v:.6g}"))  # as control.csv holds it (write_csv): one rounding for both
+        return out
+
+    compared = [r for r in rows if r["same_run"] != "True" and value(r["val_at_winner_settings"]) is not None
+                and own_seeded(r["loss"])]
+    above = [r["loss"] for r in compared if value(r["val_at_winner_settings"]) > max(own_seeded(r["loss"]))]
+    below = [r["loss"] for r in compared if value(r["val_at_winner_settings"]) < min(own_seeded(r["loss"]))]
+    missing = [n for n in proto.tuned() if n not in {r["loss"] for r in rows}]
+    lines = [title, "",
              f"The winner (the best tuned validation objective) is {win['loss']}: {settings}; each loss keeps its "
-             f"own tuned main option. Validation cross-vendor Recall@1 / MAP@R at each run's best.pt, points. "
-             f"Higher at the winner's settings than at its own: {len(higher)} of {len(others)} losses"
-             + (f" ({', '.join(higher)}): their own tunes did not find settings as good as the winner's, so H6 "
-                "and the ranked table, which compare each loss at its own settings, partly measure the tunes."
-                if higher else "."), "",
-             "| loss | R@1 own settings | R@1 winner's settings | winner's - own | MAP@R own | MAP@R winner's | "
-             "winner's - own | the same training |", "|---|---|---|---|---|---|---|---|"]
+             "own tuned main option. Validation cross-vendor Recall@1 / MAP@R at each run's best.pt, points; one "
+             f"control run per loss (seed {spec.SEEDS[0]}), beside the range of the loss's own seeded runs. "
+             f"Of the {len(compared)} losses whose settings differ from the winner's, the control run lies above "
+             f"every seeded run at its own settings for {len(above)}"
+             + (f" ({', '.join(above)}): their own tunes did not find settings as good as the winner's, so H6 and "
+                "the ranked table, which compare each loss at its own settings, partly measure the tunes" if above
+                else "")
+             + f"; below every one for {len(below)}" + (f" ({', '.join(below)})" if below else "") + "; the others "
+             "lie within the seeds' range." + (f" No control row (its run has not finished, or diverged): "
+                                               f"{', '.join(missing)}." if missing else ""), "",
+             "| loss | R@1 own settings (seed 100) | own settings, every seed (min-max) | R@1 winner's settings | "
+             "winner's - own (seed 100) | MAP@R own | MAP@R winner's | winner's - own | the same training |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def pts(v):
-        return "-" if v in ("", None) else f"{100 * float(v):.2f}"
+        return "-" if value(v) is None else f"{100 * value(v):.2f}"
 
     def diff(a, b):
-        return "-" if a in ("", None) or b in ("", None) else f"{100 * (float(a) - float(b)):+.2f}"
+        return "-" if value(a) is None or value(b) is None else f"{100 * (value(a) - value(b)):+.2f}"
 
     for r in rows:
-        lines.append(f"| {r['loss']} | {pts(r['val_at_own_settings'])} | {pts(r['val_at_winner_settings'])} | "
+        seeded = own_seeded(r["loss"])
+        spread = "-" if not seeded else f"{100 * min(seeded):.2f}-{100 * max(seeded):.2f} ({len(seeded)})"
+        same = "yes (its own settings are the winner's)" if r["same_run"] == "True" else "no"
+        lines.append(f"| {r['loss']} | {pts(r['val_at_own_settings'])} | {spread} | {pts(r['val_at_winner_settings'])} | "
                      f"{diff(r['val_at_winner_settings'], r['val_at_own_settings'])} | "
                      f"{pts(r['val_map_at_own_settings'])} | {pts(r['val_map_at_winner_settings'])} | "
-                     f"{diff(r['val_map_at_winner_settings'], r['val_map_at_own_settings'])} | "
-                     f"{'yes (its own settings are the winner' + chr(39) + 's)' if r['same_run'] == 'True' else 'no'} |")
+                     f"{diff(r['val_map_at_winner_settings'], r['val_map_at_own_settings'])} | {same} |")
     return lines + [""]
 
 
 def _setting_text(override: str) -> str:
     """``optim.lr=0.0007295611181002858`` as ``optim.lr 0.00073`` (a fraction to 2 significant digits)."""
     key, _, value = override.partition("=")
+    if key == "eval.embedding":  # "embedding": the backbone's pooled features (as results.csv names it)
+        return f"{key} {spec.EMBEDDING_NAMES.get(value.strip(chr(34)), value)}"
     try:
         number = float(value)
         return f"{key} {number:g}" if number.is_integer() else f"{key} {number:.2g}"
@@ -1585,7 +1612,8 @@ def seeded_convergence_markdown(proto: Protocol) -> list[str]:
     the wall time per run. Validation logs only; the final step's tables say the same per run."""
     lines = ["## Seeded runs: convergence on validation", "",
              f"A curve has flattened when the best of its last two validation evaluations is at most 0.5 points "
-             f"of {spec.OBJECTIVE} above the best before them (PREREGISTRATION.md). Finished runs only.", "",
+             f"of {spec.OBJECTIVE} above the best before them (PREREGISTRATION.md). Finished runs only (a diverged "
+             "run has ended too: counted beside them; the final tables give its curve).", "",
              "| loss | finished | flattened | largest last gain (points) | epochs | best.pt epoch | "
              "wall time per run (min) |", "|---|---|---|---|---|---|---|"]
     from deepmetric.report.study_tables import last_gain
@@ -1593,8 +1621,11 @@ def seeded_convergence_markdown(proto: Protocol) -> list[str]:
     for loss in spec.LOSSES:
         dirs = [proto.runs / "seeds" / loss / f"seed{s}" for s in spec.seeds_of(loss)]
         done = [d for d in dirs if (d / "metrics.json").is_file()]
+        # a diverged run has ended without metrics.json (the study's record says NonFiniteLossError)
+        gone = sum(not (d / "metrics.json").is_file() and _seeded_run_diverged(proto, loss, d.name) for d in dirs)
+        count = f"{len(done)}/{len(dirs)}" + (f" (+ {gone} diverged)" if gone else "")
         if not done:
-            lines.append(f"| {loss} | 0/{len(dirs)} | - | - | - | - | - |")
+            lines.append(f"| {loss} | {count} | - | - | - | - | - |")
             continue
         summaries = [json.loads((d / "metrics.json").read_text()) for d in done]
         curves = [val_curve(d, spec.OBJECTIVE) for d in done]
@@ -1602,10 +1633,16 @@ def seeded_convergence_markdown(proto: Protocol) -> list[str]:
         best_epochs = sorted({(m.get("selected") or {}).get("epoch") for m in summaries} - {None})
         epochs = sorted({m.get("epochs") for m in summaries} - {None})
         walls = [m["wall_time_s"] / 60 for m in summaries if m.get("wall_time_s") is not None]
-        lines.append(f"| {loss} | {len(done)}/{len(dirs)} | {sum(flattened(c) for c in curves)}/{len(done)} | "
+        lines.append(f"| {loss} | {count} | {sum(flattened(c) for c in curves)}/{len(done)} | "
                      f"{'-' if not gains else f'{100 * max(gains):+.2f}'} | {_span(epochs)} | {_span(best_epochs)} | "
                      f"{'-' if not walls else f'{min(walls):.1f}-{max(walls):.1f}'} |")
     return lines + [""]
+
+
+def _seeded_run_diverged(proto: Protocol, loss: str, seed_name: str) -> bool:
+    """The study runner's record of a seeded run says its loss became non-finite (:func:`diverged`)."""
+    path = proto.runs / "seeds" / ".study" / loss / seed_name / "error.txt"
+    return path.is_file() and path.read_text(encoding="utf-8", errors="replace").startswith("NonFiniteLossError")
 
 
 def _span(values: list) -> str:

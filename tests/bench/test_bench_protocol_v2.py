@@ -486,9 +486,14 @@ def test_the_summary_applies_the_preregistered_decision_rule(tmp_path):
         _fake_tune(runs, loss, value, ["optim.lr=0.01"])
     args = bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")])
     proto = bench.Protocol(args)
+    (runs / "control").mkdir(parents=True, exist_ok=True)  # the control (validation): beside H6 and the table
+    (runs / "control" / "winner.json").write_text(json.dumps({"loss": "HBN", "shared": ["optim.lr=0.01"]}))
+    (runs / "control.csv").write_text("loss,seed,winner,tune_best_val,val_at_own_settings,val_at_winner_settings,"
+                                      "val_map_at_own_settings,val_map_at_winner_settings,same_run\n"
+                                      "SM,100,HBN,0.5,0.45,0.5,0.2,0.25,False\n")
     bench.write_summary(proto)
     text = (runs / "summary.md").read_text()
-    assert "## The control: every loss at the winner's settings" in text  # beside H6 and the ranked table
+    assert "is HBN: optim.lr 0.01;" in text and "| SM | 45.00 | " in text, text
     primary = text.split("### cross_domain_recall@1")[1].split("###")[0]
     got = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in primary.splitlines()
            if re.match(r"\| H\d", line)}
@@ -885,21 +890,27 @@ def test_progress_reports_the_seeded_runs_convergence_from_their_validation_logs
         out.mkdir(parents=True)
         (out / "log.jsonl").write_text("".join(
             json.dumps({"type": "eval", "split": "val", "epoch": e, v2.OBJECTIVE: v}) + "\n"
-            for e, v in enumerate(curve, 1)))
+            for e, v in enumerate(curve, 1))  # a test evaluation after them is not part of the curve
+            + json.dumps({"type": "eval", "split": "test", "epoch": 4, v2.OBJECTIVE: 0.99}) + "\n")
         (out / "metrics.json").write_text(json.dumps({"epochs": 4, "selected": {"epoch": best},
                                                       "wall_time_s": wall}))
     unfinished = runs / "seeds" / "BN" / "seed102"
     unfinished.mkdir(parents=True)
     (unfinished / "log.jsonl").write_text(json.dumps({"type": "eval", "split": "val", "epoch": 1,
                                                       v2.OBJECTIVE: 0.9}) + "\n")
+    record = runs / "seeds" / ".study" / "BN" / "seed103"  # diverged: ended without metrics.json
+    record.mkdir(parents=True)
+    (record / "error.txt").write_text("NonFiniteLossError: non-finite loss at step 812\n")
+    (runs / "seeds" / ".study" / "BN" / "seed104").mkdir(parents=True)  # another failure: retried, not ended
+    (runs / "seeds" / ".study" / "BN" / "seed104" / "error.txt").write_text("RuntimeError: out of memory\n")
     proto = bench.Protocol(bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")]))
     text = bench.progress_markdown(proto)
     n_bn = len(v2.seeds_of("BN"))
-    assert f"| BN | 2/{n_bn} | 1/2 | +2.00 | 4 | 3-4 | 1.0-2.0 |" in text, text
+    assert f"| BN | 2/{n_bn} (+ 1 diverged) | 1/2 | +2.00 | 4 | 3-4 | 1.0-2.0 |" in text, text
     assert f"| SM | 0/{len(v2.seeds_of('SM'))} | - | - | - | - | - |" in text, text
 
 
-def test_the_control_table_says_which_losses_did_better_at_the_winners_settings(tmp_path):
+def test_the_control_table_says_which_losses_did_better_at_the_winners_settings(tmp_path, monkeypatch):
     """The control (validation, seed 100) printed in progress.md and the summary: each loss at its
     own settings and at the winner's, the difference, and which losses' own tunes fell short of the
     winner's settings (the loss that is the winner's own run is not counted)."""
@@ -920,13 +931,33 @@ def test_the_control_table_says_which_losses_did_better_at_the_winners_settings(
         {"loss": "pml_arcface", "seed": 100, "winner": "HBN", "tune_best_val": 0.41, "val_at_own_settings": 0.41,
          "val_at_winner_settings": 0.55, "val_map_at_own_settings": 0.18, "val_map_at_winner_settings": 0.30,
          "same_run": False}], cols)
+    # the losses' own seeded runs (validation at best.pt's epoch): the range a control run is read against
+    own = {"HBN": [0.58, 0.60], "SM": [0.5325, 0.55], "pml_arcface": [0.40, 0.41], "LN": [0.50, 0.60]}
+    for loss, values in own.items():
+        for seed, v in zip(v2.SEEDS, values):
+            out = runs / "seeds" / loss / f"seed{seed}"
+            out.mkdir(parents=True)
+            (out / "metrics.json").write_text(json.dumps({"selected": {"epoch": 2}}))
+            (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+                {"type": "eval", "split": "val", "epoch": 1, v2.OBJECTIVE: v - 0.1},
+                {"type": "eval", "split": "val", "epoch": 2, v2.OBJECTIVE: v, "cross_domain_map@r": v / 2},
+                {"type": "eval", "split": "test", "epoch": 2, v2.OBJECTIVE: 0.99})))
+    rows = (runs / "control.csv").read_text() + "LN,100,HBN,0.55,0.50,,0.25,,False\n"  # its control run: no value
+    (runs / "control.csv").write_text(rows)
     proto = bench.Protocol(bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")]))
     text = "\n".join(bench.control_markdown(proto))
     assert "is HBN: optim.name adamw, optim.lr 0.00073, optim.new_layer_lr_mult 100;" in text, text
-    assert "Higher at the winner's settings than at its own: 1 of 2 losses (pml_arcface)" in text, text
-    assert "| SM | 53.25 | 38.00 | -15.25 | 29.00 | 18.00 | -11.00 | no |" in text, text
-    assert "| pml_arcface | 41.00 | 55.00 | +14.00 | 18.00 | 30.00 | +12.00 | no |" in text, text
-    assert "| HBN | 60.00 | 60.00 | +0.00 |" in text and "yes (its own settings are the winner's)" in text
+    # LN has no control value: not compared; ArcFace above every own seeded run, SM below every one
+    assert ("Of the 2 losses whose settings differ from the winner's, the control run lies above every seeded run "
+            "at its own settings for 1 (pml_arcface)") in text, text
+    assert "below every one for 1 (SM); the others" in text, text
+    assert "| SM | 53.25 | 53.25-55.00 (2) | 38.00 | -15.25 | 29.00 | 18.00 | -11.00 | no |" in text, text
+    assert "| pml_arcface | 41.00 | 40.00-41.00 (2) | 55.00 | +14.00 | 18.00 | 30.00 | +12.00 | no |" in text, text
+    assert "| LN | 50.00 | 50.00-60.00 (2) | - | - | 25.00 | - | - | no |" in text, text
+    assert "| HBN | 60.00 | 58.00-60.00 (2) | 60.00 | +0.00 |" in text and "yes (its own settings are the winner's)" in text
+    assert "99.00" not in text  # the test evaluations in the logs are never read
     assert "## The control" in bench.progress_markdown(proto)
+    monkeypatch.setattr(bench.Protocol, "tuned", lambda self: ["HBN", "BN", "SM"])  # BN's control run: none
+    assert "No control row (its run has not finished, or diverged): BN." in "\n".join(bench.control_markdown(proto))
     (runs / "control.csv").unlink()
-    assert "Not run yet." in bench.control_markdown(proto)
+    assert "control.csv not written yet" in "\n".join(bench.control_markdown(proto))
