@@ -223,13 +223,76 @@ def centre_loss_stability(rows: list[dict] | None) -> list[str]:
     return out
 
 
-def _protocol_v2_hypotheses() -> dict[str, tuple[str, str]]:
+def _protocol_v2_table():
     import importlib.util
 
     loader = importlib.util.spec_from_file_location("protocol_v2_table", ROOT / "studies" / "protocol_v2.py")
     module = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(module)
-    return module.HYPOTHESES
+    return module
+
+
+def _protocol_v2_hypotheses() -> dict[str, tuple[str, str]]:
+    return _protocol_v2_table().HYPOTHESES
+
+
+def _read_rows(path: Path) -> list[dict]:
+    import csv
+
+    if not path.is_file():
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def control_reading(root: Path = STUDIES) -> tuple[list[str], list[str]] | None:
+    """The control (validation, seed 100: every loss at the winner's settings) against each loss's
+    own seeded runs (``val_objective`` in results.csv: validation at best.pt): the losses whose
+    control run lies above every one of their own runs, and those below every one
+    (PREREGISTRATION.md, 2026-11-28, twelfth session, and its corrections). None until both
+    files exist; validation numbers only."""
+    control = _read_rows(root / "protocol_v2" / "control.csv")
+    results = _read_rows(root / "protocol_v2" / "results.csv")
+    if not control or not results:
+        return None
+    own: dict[str, list[float]] = {}
+    for r in results:
+        if r.get("val_objective") not in ("", None):
+            own.setdefault(r["loss"], []).append(float(r["val_objective"]))
+    above, below = [], []
+    for r in control:
+        mine, value = own.get(r["loss"]), r.get("val_at_winner_settings")
+        if r.get("same_run") == "True" or not mine or value in ("", None):
+            continue
+        if float(value) > max(mine):
+            above.append(r["loss"])
+        elif float(value) < min(mine):
+            below.append(r["loss"])
+    return above, below
+
+
+def control_note(root: Path = STUDIES) -> list[str]:
+    """The paragraph under the v2 verdicts that the pre-registration's twelfth-session sections
+    fixed before any test number: H6 and H2 / H3 compare each loss at its own tuned settings, and
+    the control shows which losses' own tunes fell short of the winner's settings."""
+    reading = control_reading(root)
+    if reading is None:
+        return ["**The control** (every loss at the winner's settings, validation, seed 100): read beside H6, H2 "
+                "and H3 once the final step has written results.csv (its table: "
+                "[protocol_v2/progress.md](protocol_v2/progress.md)).", ""]
+    above, below = reading
+    pml = [n for n in above if n in _protocol_v2_table().PML]
+    text = (f"**The control** (every loss at the winner's settings, validation, seed 100, not tested; table in "
+            f"[protocol_v2/summary.md](protocol_v2/summary.md)): {len(above)} loss{'' if len(above) == 1 else 'es'} "
+            f"score{'s' if len(above) == 1 else ''} above every one of {'its' if len(above) == 1 else 'their'} "
+            f"own seeded runs there ({', '.join(above) or 'none'}), {len(below)} below every one "
+            f"({', '.join(below) or 'none'}). H6, H2 and H3 compare each loss at its own tuned settings, as "
+            "registered, so they partly measure 12-trial tunes")
+    if pml:
+        text += (f"; the pytorch-metric-learning losses' tunes fell short for {', '.join(pml)}: a **holds** for H6 "
+                 "reads \"holds under 12-trial tunes, where the pytorch-metric-learning losses' tunes fell short of "
+                 "the winner's settings on validation\", not \"our losses beat pytorch-metric-learning's\"")
+    return [text + ".", ""]
 
 
 def _v2_cell(t: dict | None) -> str:
@@ -274,7 +337,7 @@ def protocol_v2_section(root: Path = STUDIES) -> list[str]:
         lines.append(f"| {r['id']} | {r['claim']} | {r['paper']} | {r['budget']} | {r.get('convergence', '-')} | "
                      f"{primary if primary == '-' else r['metric'] + ': ' + primary} | {holm} | {shown} | "
                      f"{secondary if secondary == '-' else r['secondary_metric'] + ': ' + secondary} |")
-    return lines + [""]
+    return lines + [""] + control_note(root)
 
 
 def render(root: Path = STUDIES) -> str:

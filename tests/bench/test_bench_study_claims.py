@@ -136,3 +136,36 @@ def test_the_protocol_v2_verdicts_head_the_page_pending_until_its_final_step(tmp
     assert "cross_domain_map@r: HBN - BN: +5.00" in h1
     assert "**pending**" in [line for line in v2.splitlines() if line.startswith("| H2 |")][0]
     assert "Pending" not in v2.split("| id |")[0]
+
+
+def test_the_control_is_read_beside_h6_against_each_losss_own_seeded_runs(tmp_path):
+    """Under the v2 verdicts: the control (validation) against the losses' own seeded runs'
+    validation values in results.csv; a loss counts only when its control run lies beyond every
+    one of its own runs, and a pytorch-metric-learning loss among them words H6 as pre-registered
+    (PREREGISTRATION.md, 2026-11-28, twelfth session)."""
+    sc = _module()
+    folder = tmp_path / "protocol_v2"
+    folder.mkdir()
+    assert "once the final step has written results.csv" in "\n".join(sc.control_note(tmp_path))
+    (folder / "control.csv").write_text(
+        "loss,seed,winner,tune_best_val,val_at_own_settings,val_at_winner_settings,val_map_at_own_settings,"
+        "val_map_at_winner_settings,same_run\n"
+        "HBN,100,HBN,0.62,0.60,0.60,0.3,0.3,True\n"
+        "SM,100,HBN,0.57,0.53,0.38,0.29,0.18,False\n"
+        "LN,100,HBN,0.53,0.52,0.54,0.27,0.33,False\n"            # within its runs' range: not counted
+        "pml_arcface,100,HBN,0.41,0.41,0.55,0.18,0.30,False\n"
+        "npair,100,HBN,0.49,0.48,,0.25,,False\n")                # no value: not counted
+    (folder / "results.csv").write_text(
+        "loss,seed,val_objective\n" + "".join(f"{loss},{seed},{v}\n" for loss, values in (
+            ("HBN", (0.58, 0.61)), ("SM", (0.53, 0.55)), ("LN", (0.52, 0.55)), ("pml_arcface", (0.40, 0.41)),
+            ("npair", (0.47, 0.48))) for seed, v in zip((100, 101), values)))
+    assert sc.control_reading(tmp_path) == (["pml_arcface"], ["SM"])
+    note = "\n".join(sc.control_note(tmp_path))
+    assert "1 loss scores above every one of its own seeded runs there (pml_arcface), 1 below every one (SM)" in note
+    assert "fell short for pml_arcface: a **holds** for H6 reads \"holds under 12-trial tunes" in note
+    assert "| H6 |" in sc.render(tmp_path) and note.split("\n")[0] in sc.render(tmp_path)
+    (folder / "control.csv").write_text(
+        "loss,seed,winner,tune_best_val,val_at_own_settings,val_at_winner_settings,val_map_at_own_settings,"
+        "val_map_at_winner_settings,same_run\nLN,100,HBN,0.53,0.52,0.60,0.27,0.33,False\n")
+    note = "\n".join(sc.control_note(tmp_path))  # only one of ours above: no H6 wording
+    assert "(LN)" in note and "H6 reads" not in note
