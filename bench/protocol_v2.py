@@ -735,9 +735,13 @@ def diverged(run) -> bool:
     tests its best.pt (the best validation epoch before the divergence) and says so; one that
     diverged before its first evaluation has no model and no test number (PREREGISTRATION.md,
     2026-11-27, 5)."""
-    path = run.record_dir / "error.txt"
-    return (not run.finished and path.is_file()
-            and path.read_text(encoding="utf-8", errors="replace").startswith("NonFiniteLossError"))
+    return not run.finished and nonfinite_record(run.record_dir)
+
+
+def nonfinite_record(record_dir: Path) -> bool:
+    """The study runner's record of a run (``record_dir``) says its loss became non-finite."""
+    path = record_dir / "error.txt"
+    return path.is_file() and path.read_text(encoding="utf-8", errors="replace").startswith("NonFiniteLossError")
 
 
 def ended(run) -> bool:
@@ -1382,16 +1386,14 @@ def control_markdown(proto: Protocol) -> list[str]:
                     out.append(float(f"{v:.6g}"))  # as control.csv holds it (write_csv): one rounding for both
         return out
 
-    compared = [r for r in rows if r["same_run"] != "True" and value(r["val_at_winner_settings"]) is not None
-                and own_seeded(r["loss"])]
-    above = [r["loss"] for r in compared if value(r["val_at_winner_settings"]) > max(own_seeded(r["loss"]))]
-    below = [r["loss"] for r in compared if value(r["val_at_winner_settings"]) < min(own_seeded(r["loss"]))]
+    own = {r["loss"]: own_seeded(r["loss"]) for r in rows}  # each run's log read once
+    above, below, within = spec.control_beyond_own_runs(rows, own)
     missing = [n for n in proto.tuned() if n not in {r["loss"] for r in rows}]
     lines = [title, "",
              f"The winner (the best tuned validation objective) is {win['loss']}: {settings}; each loss keeps its "
              "own tuned main option. Validation cross-vendor Recall@1 / MAP@R at each run's best.pt, points; one "
              f"control run per loss (seed {spec.SEEDS[0]}), beside the range of the loss's own seeded runs. "
-             f"Of the {len(compared)} losses whose settings differ from the winner's, the control run lies above "
+             f"Of the {len(above) + len(below) + len(within)} losses whose settings differ from the winner's, the control run lies above "
              f"every seeded run at its own settings for {len(above)}"
              + (f" ({', '.join(above)}): their own tunes did not find settings as good as the winner's, so H6 and "
                 "the ranked table, which compare each loss at its own settings, partly measure the tunes" if above
@@ -1410,7 +1412,7 @@ def control_markdown(proto: Protocol) -> list[str]:
         return "-" if value(a) is None or value(b) is None else f"{100 * (value(a) - value(b)):+.2f}"
 
     for r in rows:
-        seeded = own_seeded(r["loss"])
+        seeded = own[r["loss"]]
         spread = "-" if not seeded else f"{100 * min(seeded):.2f}-{100 * max(seeded):.2f} ({len(seeded)})"
         same = "yes (its own settings are the winner's)" if r["same_run"] == "True" else "no"
         lines.append(f"| {r['loss']} | {pts(r['val_at_own_settings'])} | {spread} | {pts(r['val_at_winner_settings'])} | "
@@ -1622,7 +1624,8 @@ def seeded_convergence_markdown(proto: Protocol) -> list[str]:
         dirs = [proto.runs / "seeds" / loss / f"seed{s}" for s in spec.seeds_of(loss)]
         done = [d for d in dirs if (d / "metrics.json").is_file()]
         # a diverged run has ended without metrics.json (the study's record says NonFiniteLossError)
-        gone = sum(not (d / "metrics.json").is_file() and _seeded_run_diverged(proto, loss, d.name) for d in dirs)
+        gone = sum(not (d / "metrics.json").is_file() and nonfinite_record(proto.runs / "seeds" / ".study" / loss / d.name)
+                   for d in dirs)
         count = f"{len(done)}/{len(dirs)}" + (f" (+ {gone} diverged)" if gone else "")
         if not done:
             lines.append(f"| {loss} | {count} | - | - | - | - | - |")
@@ -1637,12 +1640,6 @@ def seeded_convergence_markdown(proto: Protocol) -> list[str]:
                      f"{'-' if not gains else f'{100 * max(gains):+.2f}'} | {_span(epochs)} | {_span(best_epochs)} | "
                      f"{'-' if not walls else f'{min(walls):.1f}-{max(walls):.1f}'} |")
     return lines + [""]
-
-
-def _seeded_run_diverged(proto: Protocol, loss: str, seed_name: str) -> bool:
-    """The study runner's record of a seeded run says its loss became non-finite (:func:`diverged`)."""
-    path = proto.runs / "seeds" / ".study" / loss / seed_name / "error.txt"
-    return path.is_file() and path.read_text(encoding="utf-8", errors="replace").startswith("NonFiniteLossError")
 
 
 def _span(values: list) -> str:

@@ -25,6 +25,7 @@ test data (the variants and budgets were fixed before the runs).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -223,6 +224,7 @@ def centre_loss_stability(rows: list[dict] | None) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def _protocol_v2_table():
     import importlib.util
 
@@ -259,15 +261,7 @@ def control_reading(root: Path = STUDIES) -> tuple[list[str], list[str]] | None:
     for r in results:
         if r.get("val_objective") not in ("", None):
             own.setdefault(r["loss"], []).append(float(r["val_objective"]))
-    above, below = [], []
-    for r in control:
-        mine, value = own.get(r["loss"]), r.get("val_at_winner_settings")
-        if r.get("same_run") == "True" or not mine or value in ("", None):
-            continue
-        if float(value) > max(mine):
-            above.append(r["loss"])
-        elif float(value) < min(mine):
-            below.append(r["loss"])
+    above, below, _ = _protocol_v2_table().control_beyond_own_runs(control, own)
     return above, below
 
 

@@ -98,6 +98,22 @@ PML = ["pml_proxy_anchor", "pml_multi_similarity", "pml_arcface", "pml_normalize
 #: the decision rule: the smallest difference (points of the primary metric) called a gain
 MIN_GAIN_POINTS = 1.0
 ALPHA = 0.05
+
+
+def control_beyond_own_runs(control: list[dict], own: dict[str, list[float]]) -> tuple[list[str], list[str], list[str]]:
+    """The control's reading (PREREGISTRATION.md, 2026-11-28, twelfth session, corrections 1): a
+    loss's one control run (``control.csv`` rows, values as text) did better at the winner's settings
+    only when it lies above every one of its own seeded runs (``own``: loss -> validation values at
+    best.pt), worse only when below every one. Returns the losses (above, below, within); a loss
+    whose run is the winner's own training, or without a value or own runs, is in none."""
+    above, below, within = [], [], []
+    for r in control:
+        mine, value = own.get(r["loss"]), r.get("val_at_winner_settings")
+        if r.get("same_run") == "True" or not mine or value in ("", None):
+            continue
+        side = above if float(value) > max(mine) else below if float(value) < min(mine) else within
+        side.append(r["loss"])
+    return above, below, within
 #: ALMN's beta sweep at almn_beta3's tuned settings
 BETAS = [0.0, 1.0, 2.0, 3.0]
 BETA_SEEDS = [100, 101, 102, 103, 104]
