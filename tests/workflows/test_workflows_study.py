@@ -432,6 +432,24 @@ def test_a_drain_finishes_the_running_run_and_the_next_command_continues(tmp_pat
     assert result["finished"] == ["a16/seed1"] and not (study.out_dir / DRAIN).exists()
 
 
+def test_progress_counts_the_runs_asked_for_not_the_whole_grid(tmp_path):
+    """With ``only``, "[k/N finished]" counts the selected runs (protocol v2's seeds phase trains 59
+    of a 75-run grid and said "[59/75 finished]" at its end); a run finished outside the selection
+    does not count."""
+    path = _study(tmp_path)
+    said = []
+    run_study(load_study(path), only=["a4/seed1"], log=said.append)
+    assert [m for m in said if "finished]" in m] == ["a4/seed1: finished  [1/1 finished]"]
+    said.clear()
+    result = run_study(load_study(path), only=["a16"], log=said.append)
+    assert result["finished"] == ["a16/seed0", "a16/seed1"]
+    assert [m for m in said if "finished]" in m] == ["a16/seed0: finished  [1/2 finished]",
+                                                    "a16/seed1: finished  [2/2 finished]"]
+    said.clear()  # worker processes: the parent's poll counts the same way
+    run_study(load_study(path), only=["a4"], workers=2, log=said.append)
+    assert [m for m in said if "finished]" in m] == ["a4/seed0: finished  [2/2 finished]"]
+
+
 def test_a_storage_that_does_not_open_keeps_the_drain_mark(tmp_path):
     """The drain mark was removed before the storage opened: a --storage that does not open
     lost it (and the next good command would not know it had been drained)."""

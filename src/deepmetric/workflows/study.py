@@ -380,8 +380,10 @@ def run_worker(study: Study, *, storage: str | None = None, only: Sequence[str] 
                 log(f"{run.key}: interrupted (rerun the study to resume it)")
                 break
             failed.append(run.key)
-        done = sum(_trial_states(ostudy.get_trials(deepcopy=False)).get(r.key) == "finished" for r in study.runs)
-        log(f"{run.key}: {status}  [{done}/{len(study.runs)} finished]")
+        # counted over the runs asked for (``only``), not the whole grid: a seeds phase that trains
+        # 59 of a 75-run grid said "[k/75 finished]" and never reached its end
+        done = sum(_trial_states(ostudy.get_trials(deepcopy=False)).get(r.key) == "finished" for r in mine)
+        log(f"{run.key}: {status}  [{done}/{len(mine)} finished]")
         if on_finished is not None:
             on_finished()
     return {"finished": finished, "failed": failed, "interrupted": interrupted}
@@ -473,7 +475,7 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
             if new:
                 seen.update(new)
                 for key in new:
-                    log(f"{key}: finished  [{sum(r.finished for r in study.runs)}/{len(study.runs)} finished]")
+                    log(f"{key}: finished  [{sum(r.finished for r in runs)}/{len(runs)} finished]")  # of those asked for
                 results_changed(f"study {study.name}: {', '.join(new)} finished")
 
         codes = run_workers(_worker_command(study, storage, only, overrides), workers,
