@@ -1604,7 +1604,8 @@ def progress_markdown(proto: Protocol) -> str:
                "(pruned and stopped trials come on top of them)." if open_tunes else
                f"- Tunes: all {len(tunes)} finished."),
               "- Then the phases above with fewer finished runs than planned, in the pre-registered order "
-              "(seeds, control, ALMN beta sweep, ALMN m x n and Eq. 12, the two-head runs, final).", ""]
+              "(seeds, control, ALMN beta sweep, ALMN m x n and Eq. 12, the two-head runs, the glyphs if compute "
+              "allows, final).", ""]
     return "\n".join(lines)
 
 
