@@ -24,7 +24,12 @@ studies/protocol_v2.py), one resumable command.  Phases, in this order by defaul
   ``baselines.csv`` (raw pixels and the untouched network on the same test emoji, once),
   ``almn_beta.csv``, ``almn_more.csv``, ``glyphs.csv`` (once its runs have finished) and ``summary.md`` (the ranked table with both references; the
   pre-registered hypotheses H1-H6
-  with paired 95 % CIs, Holm over the seven tests, and the decision rule's verdicts).
+  with paired 95 % CIs, Holm over the seven tests, and the decision rule's verdicts);
+* ``exploratory`` (not in ``all``; optional, not pre-registered, PREREGISTRATION.md 2026-11-28,
+  twelfth session, corrections 3): only after ``final``, the losses the control read as better at
+  the winner's settings (above every one of their own seeded runs on validation) trained there on
+  seeds 100-102 (100: the control's run), tested once: ``exploratory.csv`` and ``exploratory.md``
+  (intervals, no verdict words; no verdict changes).
 
 The file, top to bottom: set-up (``Protocol``, sanitising copies), tune (with ``--snapshot`` /
 ``--restore``), seeded runs (seeds, control, ALMN, glyphs), final (the one test step and its
@@ -88,6 +93,8 @@ def two_head_script():
     return _load_script("two_head_accuracy", ROOT / "bench" / "two_head_accuracy.py")
 
 PHASES = ("tune", "seeds", "control", "almn_beta", "almn_more", "glyphs", "final")
+#: not in ``all``: the optional exploratory runs after the final step (PREREGISTRATION.md, twelfth session)
+EXTRA_PHASES = ("exploratory",)
 TUNE_FILES = ("trials.md", "trials.csv", "best.yaml", "best_overrides.json", "tune.json", "report.html",
               "optimization_history.png", "param_importances.png")
 RESULT_COLUMNS = ["loss", "seed", "completed_trials", "optimizer", "embedding", "epochs", "cross_domain_recall@1",
@@ -118,7 +125,7 @@ class Drained(Exception):
 #: each running one finishes
 from deepmetric.workflows.engine import DRAIN, clear_drain, draining  # noqa: E402
 #: the study folders of the seeded phases (runs/protocol_v2/<kind>), which --drain drains too
-STUDY_KINDS = ("seeds", "control", "almn_beta", "almn_more", "glyphs")
+STUDY_KINDS = ("seeds", "control", "almn_beta", "almn_more", "glyphs", "exploratory")
 
 
 # --------------------------------------------------------------------------- set-up
@@ -501,13 +508,17 @@ def reuse_seeded_twins(proto: Protocol, study, twin_key):
     """Put in place of each run of ``study`` that is the same training as a seeded run (resolved
     configs equal but for the folder; ``twin_key(run)`` names the seeded run to compare with) that
     seeded run, under the study's key: one training, not two (the seeds phase trains it)."""
+    seeds = seeds_study(proto)
+    return reuse_twins(study, {r.key: r for r in (seeds.runs if seeds is not None else [])}, twin_key)
+
+
+def reuse_twins(study, others: dict, twin_key):
+    """:func:`reuse_seeded_twins` with the runs to compare with given (``others``: key -> run)."""
     import dataclasses
 
-    seeds = seeds_study(proto)
-    seeded = {r.key: r for r in (seeds.runs if seeds is not None else [])}
     runs = []
     for run in study.runs:
-        twin = seeded.get(twin_key(run))
+        twin = others.get(twin_key(run))
         if twin is not None and same_training(run, twin):
             run = dataclasses.replace(twin, key=run.key, variant=run.variant)
         runs.append(run)
@@ -914,6 +925,125 @@ def run_final_phase(proto: Protocol) -> None:
         write_csv(proto.runs / "glyphs.csv", glyphs, GLYPH_COLUMNS)
     write_summary(proto)
     copy_results(proto)
+
+
+# --------------------------------------------------------------------------- exploratory (not pre-registered)
+#: the optional analysis of PREREGISTRATION.md, 2026-11-28, twelfth session, corrections 3: chosen
+#: after the control's validation numbers, so it runs only after the final step and has no verdict
+EXPLORATORY = "exploratory"
+EXPLORATORY_COLUMNS = ["loss", "seed", "settings", "epochs", *METRICS, "wall_time_s", "best_epoch", "val_objective",
+                       "val_flattened", "status"]
+
+
+def exploratory_losses(proto: Protocol) -> list[str]:
+    """The losses whose control run lies above every one of their own seeded runs on validation
+    (the control's reading rule, ``spec.control_beyond_own_runs``), in the table's order; recorded
+    in runs/exploratory/losses.json at the first call: a later, different set is an error."""
+    rows = read_csv(proto.runs / "control.csv")
+    if not rows:
+        raise ProtocolError(f"{EXPLORATORY}: {proto.runs / 'control.csv'} does not exist; the losses are those the "
+                            "control showed doing better at the winner's settings: run --phase control first")
+    above, _, _ = spec.control_beyond_own_runs(rows, {r["loss"]: own_seeded_values(proto, r["loss"]) for r in rows})
+    record = {"losses": [n for n in spec.LOSSES if n in above]}
+    path = proto.runs / EXPLORATORY / "losses.json"
+    before = recorded_choice(path, record, ("losses",))
+    if before is not None:
+        raise ProtocolError(f"{EXPLORATORY}: the control now reads {record['losses']}, the runs in {path.parent} are "
+                            f"of {before['losses']}; move that folder away to run them again")
+    return record["losses"]
+
+
+def exploratory_study(proto: Protocol):
+    """Each of :func:`exploratory_losses` at the winner's shared settings, its own tuned option
+    kept (the control's variant), on the ranked table's seeds ``SEEDS``; the seed-100 run is that
+    loss's control run (the same training: trained once, by the control phase)."""
+    losses = exploratory_losses(proto)
+    control, win = control_study(proto)
+    variants = {n: spec.overrides(n, proto.epochs) + tune_record(proto, n)["own"] + win["shared"] for n in losses}
+    study = make_study(proto, EXPLORATORY, variants, list(spec.SEEDS)) if variants else None
+    if study is not None:
+        reuse_twins(study, {r.key: r for r in control.runs}, lambda run: run.key)
+    return study, win
+
+
+def run_exploratory_phase(proto: Protocol) -> None:
+    """Train the exploratory runs (after the final step only), then test each best.pt once and
+    write ``exploratory.csv`` and ``exploratory.md`` (copied, paths relative)."""
+    if not (proto.runs / "final.json").is_file() or not (proto.runs / "results.csv").is_file():
+        raise ProtocolError(f"{EXPLORATORY}: not pre-registered, chosen after the control's validation numbers, so it "
+                            "runs after the final step only (PREREGISTRATION.md, 2026-11-28, twelfth session, "
+                            "corrections 3): run --phase final first")
+    study, win = exploratory_study(proto)
+    if study is None:
+        proto.log(f"{EXPLORATORY}: no loss did better at the winner's settings than at its own: nothing to run")
+        return
+    twins = sorted(r.key for r in study.runs if is_seeded_twin(study, r))
+    if twins:
+        proto.log(f"{EXPLORATORY}: {', '.join(twins)}: the control's runs (the same training), trained by the "
+                  "control phase")
+    # by key, and only the phase's own runs: the worker processes reload runs/exploratory.yaml
+    run_study_phase(proto, study, [r.key for r in study.runs if not is_seeded_twin(study, r)])
+    if not all(evaluated(r) for r in study.runs):
+        proto.log(f"{EXPLORATORY}: {sum(ended(r) for r in study.runs)}/{len(study.runs)} runs ended: not tested yet")
+        return
+    rows = [{"loss": run.variant, "settings": f"winner's ({win['loss']})",
+             **run_row(proto, run, METRICS, spec.OBJECTIVE)[1]} for run in study.runs]
+    write_csv(proto.runs / "exploratory.csv", rows, EXPLORATORY_COLUMNS)
+    from deepmetric.run.rundir import write_text_atomic
+
+    write_text_atomic(proto.runs / "exploratory.md", "\n".join(exploratory_markdown(proto)) + "\n")
+    for name in ("exploratory.csv", "exploratory.md"):
+        copy_text(proto.runs / name, proto.copy / name, proto)
+
+
+def exploratory_markdown(proto: Protocol) -> list[str]:
+    """The exploratory table: each loss at the winner's settings on test (mean, sd), beside itself
+    at its own settings (results.csv, the same seeds) and beside the winner, paired by seed with
+    95 % t intervals, and the reference rows; no verdict words."""
+    from deepmetric.report.study_tables import mean_ci
+
+    rows = read_csv(proto.runs / "exploratory.csv")
+    results = [r for r in read_csv(proto.runs / "results.csv") if int(r["seed"]) in spec.SEEDS]
+    win = json.loads((proto.runs / "control" / "winner.json").read_text())
+    ref = win["loss"]
+    lines = ["# Exploratory, not pre-registered: the losses that did better at the winner's settings, on test", "",
+             "Chosen after the control's validation numbers and run after the final step (PREREGISTRATION.md, "
+             "2026-11-28, twelfth session, corrections 3). No verdict words, no correction for multiple comparisons, "
+             "and no verdict of summary.md changes. Each loss below trained at the winner's settings ("
+             f"{ref}'s: {', '.join(_setting_text(o) for o in win['shared'])}), its own tuned main option kept, on "
+             f"seeds {', '.join(map(str, spec.SEEDS))} (seed {spec.SEEDS[0]} is its control run); test cross-vendor "
+             "Recall@1 and MAP@R of best.pt (chosen on validation), points. 'Own settings' is the same loss at its own "
+             f"tuned settings (results.csv, the same seeds); differences are paired by seed, with 95 % t intervals "
+             f"(n = the seeds both have).", "",
+             f"| loss | seeds | R@1 at the winner's settings (sd) | R@1 at its own | winner's - own | - {ref} | "
+             f"MAP@R at the winner's | winner's - own | - {ref} | flattened |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    tag = " @ winner's settings"
+    pool = [{**r, "loss": r["loss"] + tag} for r in rows] + results
+
+    def cell(a: str, b: str, metric: str) -> str:
+        t = paired(pool, a, b, metric)
+        return "-" if t["n"] == 0 else f"{interval_cell(t)} (n={t['n']})"
+
+    for loss in dict.fromkeys(r["loss"] for r in rows):
+        mine = [r for r in rows if r["loss"] == loss]
+        own = [r for r in results if r["loss"] == loss]
+        r1, mp, own_r1 = mean_ci(tested(mine, METRICS[0])), mean_ci(tested(mine, METRICS[1])), mean_ci(tested(own, METRICS[0]))
+        flat = sum(r["val_flattened"] == "True" for r in mine)
+        lines.append(f"| {loss} | {len(tested(mine, METRICS[0]))} | {100 * r1['mean']:.2f} ({100 * r1['std']:.2f}) | "
+                     f"{100 * own_r1['mean']:.2f} | {cell(loss + tag, loss, METRICS[0])} | "
+                     f"{cell(loss + tag, ref, METRICS[0])} | {100 * mp['mean']:.2f} | {cell(loss + tag, loss, METRICS[1])} | "
+                     f"{cell(loss + tag, ref, METRICS[1])} | {flat}/{len(mine)} |")
+    mine = [r for r in results if r["loss"] == ref]
+    if mine:
+        r1, mp = mean_ci(tested(mine, METRICS[0])), mean_ci(tested(mine, METRICS[1]))
+        lines.append(f"| {ref} (the winner, at its own settings) | {len(tested(mine, METRICS[0]))} | "
+                     f"{100 * r1['mean']:.2f} ({100 * r1['std']:.2f}) | {100 * r1['mean']:.2f} | - | - | "
+                     f"{100 * mp['mean']:.2f} | - | - | - |")
+    for b in read_csv(proto.runs / "baselines.csv"):
+        lines.append(f"| {b['baseline']} ({b['description']}) | - | {100 * float(b[METRICS[0]]):.2f} | - | - | - | "
+                     f"{100 * float(b[METRICS[1]]):.2f} | - | - | - |")
+    return lines
 
 
 # --------------------------------------------------------------------------- tables
@@ -1357,6 +1487,20 @@ def write_summary(proto: Protocol) -> None:
     write_text_atomic(proto.runs / "summary.md", "\n".join(lines) + "\n")
 
 
+def own_seeded_values(proto: Protocol, loss: str) -> list[float]:
+    """Validation objective at best.pt of the loss's finished seeded runs (its own settings), as
+    control.csv holds its values (write_csv: 6 significant digits), so both sides of the control's
+    reading rule carry one rounding."""
+    out = []
+    for seed in spec.seeds_of(loss):
+        run_dir = proto.runs / "seeds" / loss / f"seed{seed}"
+        if (run_dir / "metrics.json").is_file():
+            v = selected_val(run_dir).get(spec.OBJECTIVE)
+            if v is not None:
+                out.append(float(f"{v:.6g}"))
+    return out
+
+
 def control_markdown(proto: Protocol) -> list[str]:
     """The control (secondary, validation only, seed 100): each loss at its own tuned settings and
     at the winner's, from control.csv and control/winner.json, beside the range of its own seeded
@@ -1375,18 +1519,7 @@ def control_markdown(proto: Protocol) -> list[str]:
     def value(v):
         return None if v in ("", None) else float(v)
 
-    def own_seeded(loss: str) -> list[float]:
-        """Validation objective at best.pt of the loss's finished seeded runs (its own settings)."""
-        out = []
-        for seed in spec.seeds_of(loss):
-            run_dir = proto.runs / "seeds" / loss / f"seed{seed}"
-            if (run_dir / "metrics.json").is_file():
-                v = selected_val(run_dir).get(spec.OBJECTIVE)
-                if v is not None:
-                    out.append(float(f"{v:.6g}"))  # as control.csv holds it (write_csv): one rounding for both
-        return out
-
-    own = {r["loss"]: own_seeded(r["loss"]) for r in rows}  # each run's log read once
+    own = {r["loss"]: own_seeded_values(proto, r["loss"]) for r in rows}  # each run's log read once
     above, below, within = spec.control_beyond_own_runs(rows, own)
     missing = [n for n in proto.tuned() if n not in {r["loss"] for r in rows}]
     lines = [title, "",
@@ -1578,6 +1711,9 @@ def progress_markdown(proto: Protocol) -> str:
     more_keys = [f"{v}/seed{s}" for v in spec.ALMN_MORE for s in spec.BETA_SEEDS]
     glyph_keys = [f"{v}/seed{s}" for v in spec.GLYPH_VARIANTS for s in spec.CLAIM_SEEDS]
     results = read_csv(proto.runs / "results.csv")
+    chosen = proto.runs / EXPLORATORY / "losses.json"  # written once the exploratory phase has started
+    ex_keys = [f"{n}/seed{s}" for n in (json.loads(chosen.read_text())["losses"] if chosen.is_file() else [])
+               for s in spec.SEEDS[1:]]
     two = two_head_script()  # its run folders' names
     two_lr = [f"lr/{v}/{two._lr_name(lr)}_seed{two.LR_SEED}" for v in two.VARIANTS for lr in two.LRS]
     two_seeds = [f"seeds/{v}/seed{s}" for v in two.VARIANTS for s in two.SEEDS]
@@ -1594,6 +1730,10 @@ def progress_markdown(proto: Protocol) -> str:
               f"{_finished_runs(proto.runs / 'glyphs', glyph_keys)} | {len(glyph_keys)} |",
               f"| final: seeded runs evaluated once on the test split (results.csv rows) | {len(results)} | "
               f"{len(seed_keys)} |",
+              *([f"| exploratory (not pre-registered, after final): the losses the control read as better at the "
+                 f"winner's settings, at those settings, seeds {spec.SEEDS[1]}-{spec.SEEDS[-1]} (seed {spec.SEEDS[0]}: the "
+                 f"control's run) | {_finished_runs(proto.runs / EXPLORATORY, ex_keys)} | {len(ex_keys)} |"]
+                if ex_keys else []),
               f"| two-head closed set, lr runs (bench/two_head_accuracy.py, runs/two_head_accuracy beside "
               f"{proto.runs.name}) | {_ended_two_head_runs(two_head_runs(proto), two_lr)} | {len(two_lr)} |",
               f"| two-head closed set, seeded runs | {_ended_two_head_runs(two_head_runs(proto), two_seeds)} | "
@@ -1659,7 +1799,8 @@ def write_progress(proto: Protocol) -> str:
 # --------------------------------------------------------------------------- main
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--phase", nargs="+", choices=("all",) + PHASES, default=["all"])
+    ap.add_argument("--phase", nargs="+", choices=("all",) + PHASES + EXTRA_PHASES, default=["all"],
+                    help="'all' is every phase but exploratory (optional, not pre-registered, after final)")
     ap.add_argument("--only", nargs="+", default=None, help="these losses (default: the whole table, in order)")
     ap.add_argument("--epochs", type=int, default=spec.EPOCHS)
     ap.add_argument("--trials", type=int, default=spec.TRIALS, help="completed trials per loss")
@@ -1797,6 +1938,8 @@ def run(proto: Protocol, phases: list[str]) -> None:
         run_final_phase(proto)
         if proto.args.commit:
             commit(proto, "bench/studies/protocol_v2: final test evaluation of the finished seeded runs")
+    if "exploratory" in phases:
+        run_exploratory_phase(proto)
 
 
 def _stop_on_signals() -> dict:

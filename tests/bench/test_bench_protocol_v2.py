@@ -291,6 +291,37 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     assert bench.main(argv + ["seeds", "control", "final", "--cut", "contrastive"]) == 0
     assert {p: p.stat().st_mtime_ns for p in [*(runs / "seeds").glob("*/seed*.final.json"), worker_log]} == before
 
+    # the optional exploratory runs (not pre-registered; PREREGISTRATION.md, twelfth session): after
+    # the final step only, the losses the control read as better at the winner's settings (forced
+    # here: the loss that is not the winner), at those settings on seeds 100-102, seed 100 being the
+    # control's own run (not trained again; in this miniature the loss's tune chose the winner's
+    # settings, so that run is its seeded run), each best.pt tested once, a table without verdict words
+    (row,) = [r for r in control if r["loss"] != r["winner"]]
+    other = row["loss"]
+    at100 = runs / ("seeds" if row["same_run"] == "True" else "control") / other / "seed100"
+    monkeypatch.setattr(bench.spec, "control_beyond_own_runs", lambda rows, own: ([other], [], []))
+    assert bench.main(argv + ["exploratory", "--cut", "contrastive"]) == 0
+    with open(copy / "exploratory.csv", newline="") as f:
+        explored = list(csv.DictReader(f))
+    assert [(r["loss"], r["seed"]) for r in explored] == [(other, "100"), (other, "101"), (other, "102")]
+    assert not (runs / "exploratory" / other / "seed100").exists()  # the control's run
+    ctl = json.loads((at100.parent / "seed100.final.json").read_text())["metrics"]
+    assert float(explored[0]["cross_domain_recall@1"]) == pytest.approx(ctl["cross_domain_recall@1"], rel=1e-5)
+    at_control = yaml.safe_load((at100 / "config.yaml").read_text())
+    for seed in (101, 102):
+        run_dir = runs / "exploratory" / other / f"seed{seed}"
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert cfg["optim"] == at_control["optim"] and cfg["eval"] == at_control["eval"]
+        assert cfg["train"]["seed"] == seed and (run_dir.parent / f"seed{seed}.final.json").is_file()
+    md = (copy / "exploratory.md").read_text()
+    assert "not pre-registered" in md and f"| {other} | 3 | " in md and "| raw pixels (" in md, md
+    assert not re.search(r"\b(holds|does not hold|not resolved|reversed)\b", md)
+    assert "(seed 100: the control's run) | 2 | 2 |" in bench.progress_markdown(bench.Protocol(bench.parse_args(argv[:-1])))
+    # the control read differently later (another cut, another rule): refused, the runs kept
+    monkeypatch.setattr(bench.spec, "control_beyond_own_runs", lambda rows, own: ([], [], []))
+    assert bench.main(argv + ["exploratory", "--cut", "contrastive"]) == 2
+    assert (copy / "exploratory.csv").is_file()
+
     # --progress counts what ran; a fresh clone continues from the copy alone (--restore): both
     # tunes are finished there, with the storage each one had
     text = bench.progress_markdown(bench.Protocol(bench.parse_args(argv[:-1])))
@@ -961,3 +992,36 @@ def test_the_control_table_says_which_losses_did_better_at_the_winners_settings(
     assert "No control row (its run has not finished, or diverged): BN." in "\n".join(bench.control_markdown(proto))
     (runs / "control.csv").unlink()
     assert "control.csv not written yet" in "\n".join(bench.control_markdown(proto))
+
+
+def test_the_exploratory_runs_wait_for_the_final_step_and_take_the_controls_reading(tmp_path):
+    """The optional exploratory phase (not pre-registered, chosen after the control's validation
+    numbers) is not part of 'all', runs only after the final step, and takes the losses whose
+    control run lies above every one of their own seeded runs (the control's rule), recorded once."""
+    runs = tmp_path / "runs"
+    proto = bench.Protocol(bench.parse_args(["--runs", str(runs), "--copy-to", str(tmp_path / "copy")]))
+    assert "exploratory" not in bench.PHASES and bench.parse_args(["--phase", "exploratory"]).phase == ["exploratory"]
+    with pytest.raises(bench.ProtocolError, match="after the final step only"):
+        bench.run_exploratory_phase(proto)
+    with pytest.raises(bench.ProtocolError, match="run --phase control first"):
+        bench.exploratory_losses(proto)
+    own = {"HBN": [0.58, 0.60], "SM": [0.53, 0.55], "pml_arcface": [0.40, 0.41], "LN": [0.50, 0.60]}
+    for loss, values in own.items():
+        for seed, v in zip(v2.SEEDS, values):
+            out = runs / "seeds" / loss / f"seed{seed}"
+            out.mkdir(parents=True)
+            (out / "metrics.json").write_text(json.dumps({"selected": {"epoch": 1}}))
+            (out / "log.jsonl").write_text(json.dumps({"type": "eval", "split": "val", "epoch": 1,
+                                                       v2.OBJECTIVE: v}) + "\n")
+    cols = ["loss", "seed", "same_run", "val_at_winner_settings"]
+    control = [{"loss": "HBN", "seed": 100, "same_run": True, "val_at_winner_settings": 0.60},
+               {"loss": "pml_arcface", "seed": 100, "same_run": False, "val_at_winner_settings": 0.55},  # above
+               {"loss": "SM", "seed": 100, "same_run": False, "val_at_winner_settings": 0.38},  # below
+               {"loss": "LN", "seed": 100, "same_run": False, "val_at_winner_settings": 0.59}]  # within
+    bench.write_csv(runs / "control.csv", control, cols)
+    assert bench.exploratory_losses(proto) == ["pml_arcface"]
+    assert json.loads((runs / "exploratory" / "losses.json").read_text()) == {"losses": ["pml_arcface"]}
+    control[3]["val_at_winner_settings"] = 0.61  # LN above every own run now: not what the runs were made for
+    bench.write_csv(runs / "control.csv", control, cols)
+    with pytest.raises(bench.ProtocolError, match="move that folder away"):
+        bench.exploratory_losses(proto)
