@@ -893,6 +893,13 @@ def run_final_phase(proto: Protocol) -> None:
     from deepmetric.run.rundir import write_text_atomic
 
     check_preregistration(proto)
+    if not (proto.copy / "two_head_accuracy.json").is_file():
+        # H5a / H5b are in the Holm family: a final step without them would print verdicts for the
+        # others that a later one rewrites (their adjusted p-values change)
+        raise ProtocolError(f"final: {proto.copy / 'two_head_accuracy.json'} does not exist: the two-head study's "
+                            "final step (bench/two_head_accuracy.py --phase all) copies it once every two-head run "
+                            "has ended, and H5a / H5b belong to the family the verdicts are corrected over; "
+                            "nothing was evaluated")
     study = seeds_study(proto)
     kept = check_final_ready(proto, study)
     cut = [n for n in spec.LOSSES if n not in kept]
@@ -944,7 +951,9 @@ def exploratory_losses(proto: Protocol) -> list[str]:
         raise ProtocolError(f"{EXPLORATORY}: {proto.runs / 'control.csv'} does not exist; the losses are those the "
                             "control showed doing better at the winner's settings: run --phase control first")
     above, _, _ = spec.control_beyond_own_runs(rows, {r["loss"]: own_seeded_values(proto, r["loss"]) for r in rows})
-    record = {"losses": [n for n in spec.LOSSES if n in above]}
+    final = proto.runs / "final.json"
+    cut = json.loads(final.read_text())["cut"] if final.is_file() else []  # tested at their own settings: never
+    record = {"losses": [n for n in spec.LOSSES if n in above and n not in cut]}
     path = proto.runs / EXPLORATORY / "losses.json"
     before = recorded_choice(path, record, ("losses",))
     if before is not None:
@@ -963,13 +972,18 @@ def exploratory_study(proto: Protocol):
     study = make_study(proto, EXPLORATORY, variants, list(spec.SEEDS)) if variants else None
     if study is not None:
         reuse_twins(study, {r.key: r for r in control.runs}, lambda run: run.key)
+        fresh = [r.key for r in study.runs if r.seed == spec.SEEDS[0] and not is_seeded_twin(study, r)]
+        if fresh:  # defensive: the variants are the control's, so only a change to either could part them
+            raise ProtocolError(f"{EXPLORATORY}: {', '.join(fresh)} would not be the same training as the control's "
+                                "run of that seed (their resolved configs differ); seed 100 is that run, never "
+                                "trained again: nothing was trained")
     return study, win
 
 
 def run_exploratory_phase(proto: Protocol) -> None:
     """Train the exploratory runs (after the final step only), then test each best.pt once and
     write ``exploratory.csv`` and ``exploratory.md`` (copied, paths relative)."""
-    if not (proto.runs / "final.json").is_file() or not (proto.runs / "results.csv").is_file():
+    if not (proto.runs / "verdicts.json").is_file() or not (proto.runs / "results.csv").is_file():  # final's last files
         raise ProtocolError(f"{EXPLORATORY}: not pre-registered, chosen after the control's validation numbers, so it "
                             "runs after the final step only (PREREGISTRATION.md, 2026-11-28, twelfth session, "
                             "corrections 3): run --phase final first")
@@ -1006,23 +1020,29 @@ def exploratory_markdown(proto: Protocol) -> list[str]:
     results = [r for r in read_csv(proto.runs / "results.csv") if int(r["seed"]) in spec.SEEDS]
     win = json.loads((proto.runs / "control" / "winner.json").read_text())
     ref = win["loss"]
-    lines = ["# Exploratory, not pre-registered: the losses that did better at the winner's settings, on test", "",
+    later = [s for s in spec.SEEDS if s != spec.SEEDS[0]]
+    lines = ["# Exploratory, not pre-registered: the losses whose control run did better on validation, trained "
+             "at the winner's settings and tested", "",
              "Chosen after the control's validation numbers and run after the final step (PREREGISTRATION.md, "
              "2026-11-28, twelfth session, corrections 3). No verdict words, no correction for multiple comparisons, "
              "and no verdict of summary.md changes. Each loss below trained at the winner's settings ("
              f"{ref}'s: {', '.join(_setting_text(o) for o in win['shared'])}), its own tuned main option kept, on "
              f"seeds {', '.join(map(str, spec.SEEDS))} (seed {spec.SEEDS[0]} is its control run); test cross-vendor "
-             "Recall@1 and MAP@R of best.pt (chosen on validation), points. 'Own settings' is the same loss at its own "
+             "Recall@1 and MAP@R of best.pt (chosen on validation), points. 'Own' is the same loss at its own "
              f"tuned settings (results.csv, the same seeds); differences are paired by seed, with 95 % t intervals "
-             f"(n = the seeds both have).", "",
-             f"| loss | seeds | R@1 at the winner's settings (sd) | R@1 at its own | winner's - own | - {ref} | "
-             f"MAP@R at the winner's | winner's - own | - {ref} | flattened |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"(n = the seeds both have). Seed {spec.SEEDS[0]}'s run is the one whose validation number put the loss "
+             "in this table (it lay above every one of the loss's own runs), so a difference that includes it leans "
+             f"towards the winner's settings; the column on seeds {'-'.join(map(str, later))} alone leaves it out "
+             f"(two seeds: a wide interval).", "",
+             f"| loss | seeds | R@1 at the winner's settings (sd) | R@1 at its own settings | winner's - own | "
+             f"winner's - own, seeds {'-'.join(map(str, later))} | this loss at the winner's settings - {ref} | "
+             f"MAP@R at the winner's settings | winner's - own | this loss - {ref} | flattened |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     tag = " @ winner's settings"
     pool = [{**r, "loss": r["loss"] + tag} for r in rows] + results
 
-    def cell(a: str, b: str, metric: str) -> str:
-        t = paired(pool, a, b, metric)
+    def cell(a: str, b: str, metric: str, seeds=None) -> str:
+        t = paired([r for r in pool if seeds is None or int(r["seed"]) in seeds], a, b, metric)
         return "-" if t["n"] == 0 else f"{interval_cell(t)} (n={t['n']})"
 
     for loss in dict.fromkeys(r["loss"] for r in rows):
@@ -1032,17 +1052,19 @@ def exploratory_markdown(proto: Protocol) -> list[str]:
         flat = sum(r["val_flattened"] == "True" for r in mine)
         lines.append(f"| {loss} | {len(tested(mine, METRICS[0]))} | {100 * r1['mean']:.2f} ({100 * r1['std']:.2f}) | "
                      f"{100 * own_r1['mean']:.2f} | {cell(loss + tag, loss, METRICS[0])} | "
+                     f"{cell(loss + tag, loss, METRICS[0], later)} | "
                      f"{cell(loss + tag, ref, METRICS[0])} | {100 * mp['mean']:.2f} | {cell(loss + tag, loss, METRICS[1])} | "
                      f"{cell(loss + tag, ref, METRICS[1])} | {flat}/{len(mine)} |")
     mine = [r for r in results if r["loss"] == ref]
     if mine:
         r1, mp = mean_ci(tested(mine, METRICS[0])), mean_ci(tested(mine, METRICS[1]))
-        lines.append(f"| {ref} (the winner, at its own settings) | {len(tested(mine, METRICS[0]))} | "
-                     f"{100 * r1['mean']:.2f} ({100 * r1['std']:.2f}) | {100 * r1['mean']:.2f} | - | - | "
+        lines.append(f"| {ref} (the winner; its own settings are the winner's) | {len(tested(mine, METRICS[0]))} | "
+                     f"{100 * r1['mean']:.2f} ({100 * r1['std']:.2f}) | {100 * r1['mean']:.2f} | - | - | - | "
                      f"{100 * mp['mean']:.2f} | - | - | - |")
-    for b in read_csv(proto.runs / "baselines.csv"):
-        lines.append(f"| {b['baseline']} ({b['description']}) | - | {100 * float(b[METRICS[0]]):.2f} | - | - | - | "
-                     f"{100 * float(b[METRICS[1]]):.2f} | - | - | - |")
+    lines += ["", "Reference rows on the same test emoji (baselines.csv; no training, no seeds):", "",
+              "| reference | R@1 | MAP@R |", "|---|---|---|"]
+    lines += [f"| {b['baseline']} ({b['description']}) | {100 * float(b[METRICS[0]]):.2f} | "
+              f"{100 * float(b[METRICS[1]]):.2f} |" for b in read_csv(proto.runs / "baselines.csv")]
     return lines
 
 
@@ -1396,9 +1418,14 @@ def glyph_markdown(proto: Protocol) -> list[str]:
     from deepmetric.report.study_tables import mean_ci
 
     rows = read_csv(proto.runs / "glyphs.csv")
+    title = "## Heated-up on the glyph cross-family benchmark (secondary: intervals, no verdict)"
     if not rows:
-        return []
-    lines = ["## Heated-up on the glyph cross-family benchmark (secondary: intervals, no verdict)", "",
+        keys = [f"{v}/seed{s}" for v in spec.GLYPH_VARIANTS for s in spec.CLAIM_SEEDS]
+        return [title, "", f"Not tested yet: {_finished_runs(proto.runs / 'glyphs', keys)} of {len(keys)} glyph runs "
+                "have finished. The final step tests them once all have ended, and running it again then (the same "
+                "--cut) adds this table (PREREGISTRATION.md, 2026-11-28, thirteenth session); if they cannot finish, "
+                "this analysis has no result.", ""]
+    lines = [title, "",
              f"v1's glyph settings ({spec.GLYPH_STUDY}'s base), {spec.GLYPH_EPOCHS} epochs, heating at epoch 16; "
              "held-out-family queries against the training families; points.", "",
              "| variant | seeds | R@1 mean | sd | 95 % CI | MAP@R mean | sd | flattened |", "|---|---|---|---|---|---|---|---|"]
@@ -1940,6 +1967,8 @@ def run(proto: Protocol, phases: list[str]) -> None:
             commit(proto, "bench/studies/protocol_v2: final test evaluation of the finished seeded runs")
     if "exploratory" in phases:
         run_exploratory_phase(proto)
+        if proto.args.commit:
+            commit(proto, "bench/studies/protocol_v2: the exploratory runs at the winner's settings (not pre-registered)")
 
 
 def _stop_on_signals() -> dict:

@@ -92,6 +92,18 @@ def test_final_refuses_without_a_preregistration(tmp_path):
         bench.check_preregistration(bench.Protocol(args))
 
 
+def test_final_waits_for_the_two_head_results(tmp_path):
+    """H5a / H5b are in the Holm family: the final step reads nothing before the two-head study's
+    final step has copied its summary (verdicts printed without them would change later)."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "PREREGISTRATION.md").write_text("# the hypotheses\n")
+    proto = bench.Protocol(bench.parse_args(["--runs", str(tmp_path / "runs"), "--copy-to", str(copy)]))
+    with pytest.raises(bench.ProtocolError, match="two_head_accuracy.json does not exist"):
+        bench.run_final_phase(proto)
+    assert not (tmp_path / "runs" / "final.json").exists()
+
+
 MINI_RECIPE = """
 data:
   name: emoji
@@ -122,6 +134,7 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     copy = tmp_path / "copy"
     copy.mkdir()
     (copy / "PREREGISTRATION.md").write_text("# the hypotheses, before any result\n")
+    (copy / "two_head_accuracy.json").write_text("{}")  # the two-head study's final step ran (no runs here)
     monkeypatch.setenv("DEEPMETRIC_TUNE_HEARTBEAT", "1")
     losses = ["BN", "pml_normalized_softmax"]  # a claim loss (5 seeds) and a user's pick (3)
     argv = ["--recipe", str(tmp_path / "recipe.yaml"), "--runs", str(tmp_path / "runs"), "--copy-to", str(copy),
@@ -141,6 +154,7 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     assert bench.main(argv + ["final", "--cut", losses[1], "contrastive"]) == 2
     assert "cut for lack of compute (the last ones of the table, as pre-registered): contrastive." in \
         (copy / "summary.md").read_text()
+    assert "Not tested yet: 0 of 25 glyph runs have finished." in (copy / "summary.md").read_text()
     runs = tmp_path / "runs"
     # --lanes 2: the second loss's tune started before the first's ended (its trials.md is written last)
     assert ((runs / "tune" / losses[1] / "tune.json").stat().st_mtime
@@ -315,6 +329,15 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
         assert cfg["train"]["seed"] == seed and (run_dir.parent / f"seed{seed}.final.json").is_file()
     md = (copy / "exploratory.md").read_text()
     assert "not pre-registered" in md and f"| {other} | 3 | " in md and "| raw pixels (" in md, md
+    assert "seeds 101-102 |" in md and "(n=2) |" in md, md  # the differences without the run that chose the loss
+    tested_once = {p: p.stat().st_mtime_ns for p in (runs / "exploratory" / other).glob("seed*.final.json")}
+    assert len(tested_once) == 2 and bench.main(argv + ["exploratory", "--cut", "contrastive"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in tested_once} == tested_once  # a rerun trains and tests nothing
+    # a seed-100 run that is not the same training as the control's: refused, never trained again
+    with monkeypatch.context() as m:
+        m.setattr(bench, "same_training", lambda a, b: False)
+        assert bench.main(argv + ["exploratory", "--cut", "contrastive"]) == 2
+    assert not (runs / "exploratory" / other / "seed100").exists()
     assert not re.search(r"\b(holds|does not hold|not resolved|reversed)\b", md)
     assert "(seed 100: the control's run) | 2 | 2 |" in bench.progress_markdown(bench.Protocol(bench.parse_args(argv[:-1])))
     # the control read differently later (another cut, another rule): refused, the runs kept
@@ -1003,9 +1026,15 @@ def test_the_exploratory_runs_wait_for_the_final_step_and_take_the_controls_read
     assert "exploratory" not in bench.PHASES and bench.parse_args(["--phase", "exploratory"]).phase == ["exploratory"]
     with pytest.raises(bench.ProtocolError, match="after the final step only"):
         bench.run_exploratory_phase(proto)
+    runs.mkdir()
+    (runs / "final.json").write_text('{"cut": ["contrastive"]}')  # a final step that started, not ended
+    (runs / "results.csv").write_text("loss,seed\n")
+    with pytest.raises(bench.ProtocolError, match="after the final step only"):
+        bench.run_exploratory_phase(proto)
     with pytest.raises(bench.ProtocolError, match="run --phase control first"):
         bench.exploratory_losses(proto)
-    own = {"HBN": [0.58, 0.60], "SM": [0.53, 0.55], "pml_arcface": [0.40, 0.41], "LN": [0.50, 0.60]}
+    own = {"HBN": [0.58, 0.60], "SM": [0.53, 0.55], "pml_arcface": [0.40, 0.41], "LN": [0.50, 0.60],
+           "contrastive": [0.30, 0.31]}  # contrastive: cut by the final step, never tested at its own settings
     for loss, values in own.items():
         for seed, v in zip(v2.SEEDS, values):
             out = runs / "seeds" / loss / f"seed{seed}"
@@ -1014,14 +1043,16 @@ def test_the_exploratory_runs_wait_for_the_final_step_and_take_the_controls_read
             (out / "log.jsonl").write_text(json.dumps({"type": "eval", "split": "val", "epoch": 1,
                                                        v2.OBJECTIVE: v}) + "\n")
     cols = ["loss", "seed", "same_run", "val_at_winner_settings"]
-    control = [{"loss": "HBN", "seed": 100, "same_run": True, "val_at_winner_settings": 0.60},
+    # HBN: the winner's own run (same_run), never counted even where its value tops its other runs
+    control = [{"loss": "HBN", "seed": 100, "same_run": True, "val_at_winner_settings": 0.65},
+               {"loss": "contrastive", "seed": 100, "same_run": False, "val_at_winner_settings": 0.50},
                {"loss": "pml_arcface", "seed": 100, "same_run": False, "val_at_winner_settings": 0.55},  # above
                {"loss": "SM", "seed": 100, "same_run": False, "val_at_winner_settings": 0.38},  # below
                {"loss": "LN", "seed": 100, "same_run": False, "val_at_winner_settings": 0.59}]  # within
     bench.write_csv(runs / "control.csv", control, cols)
     assert bench.exploratory_losses(proto) == ["pml_arcface"]
     assert json.loads((runs / "exploratory" / "losses.json").read_text()) == {"losses": ["pml_arcface"]}
-    control[3]["val_at_winner_settings"] = 0.61  # LN above every own run now: not what the runs were made for
+    control[4]["val_at_winner_settings"] = 0.61  # LN above every own run now: not what the runs were made for
     bench.write_csv(runs / "control.csv", control, cols)
     with pytest.raises(bench.ProtocolError, match="move that folder away"):
         bench.exploratory_losses(proto)
