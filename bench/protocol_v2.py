@@ -1771,8 +1771,9 @@ def progress_markdown(proto: Protocol) -> str:
                "(pruned and stopped trials come on top of them)." if open_tunes else
                f"- Tunes: all {len(tunes)} finished."),
               "- Then the phases above with fewer finished runs than planned, in the pre-registered order "
-              "(seeds, control, ALMN beta sweep, ALMN m x n and Eq. 12, the two-head runs, the glyphs if compute "
-              "allows, final).", ""]
+              "(seeds, control, ALMN beta sweep, ALMN m x n and Eq. 12, the two-head runs, final; the glyphs if compute "
+              "allows, which may end after the first final step: PREREGISTRATION.md, 2026-11-28, thirteenth session).",
+              ""]
     return "\n".join(lines)
 
 
