@@ -333,6 +333,21 @@ def test_the_whole_protocol_in_miniature_with_two_workers(tmp_path, monkeypatch)
     tested_once = {p: p.stat().st_mtime_ns for p in (runs / "exploratory" / other).glob("seed*.final.json")}
     assert len(tested_once) == 2 and bench.main(argv + ["exploratory", "--cut", "contrastive"]) == 0
     assert {p: p.stat().st_mtime_ns for p in tested_once} == tested_once  # a rerun trains and tests nothing
+    # the glyph runs may end after the first final step (PREREGISTRATION.md, thirteenth session): a
+    # second final step with the same cut adds glyphs.csv and tests none of the seeded runs again
+    # (a one-run stand-in for the 25 glyph runs, on this miniature's data)
+    seeded_tests = {p: p.stat().st_mtime_ns for p in (runs / "seeds").glob("*/seed*.final.json")}
+    with monkeypatch.context() as m:
+        m.setattr(bench, "glyph_study", lambda proto: bench.make_study(proto, "glyphs", {"HBN": []}, [100]))
+        assert bench.main(argv + ["glyphs", "final", "--cut", "contrastive"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in seeded_tests} == seeded_tests
+    with open(copy / "glyphs.csv", newline="") as f:
+        glyph_rows = list(csv.DictReader(f))
+    assert [(r["variant"], r["seed"]) for r in glyph_rows] == [("HBN", "100")]
+    assert 0.0 <= float(glyph_rows[0]["recall@1"]) <= 1.0
+    second = (copy / "summary.md").read_text()
+    assert "Not tested yet" not in second and "| HBN | 1 | " in second, second
+
     # a seed-100 run that is not the same training as the control's: refused, never trained again
     with monkeypatch.context() as m:
         m.setattr(bench, "same_training", lambda a, b: False)
