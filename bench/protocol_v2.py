@@ -498,10 +498,15 @@ def control_study(proto: Protocol):
     candidate), the run is the same training as its seeded run of that seed: the study holds that
     run in its place, trained once (``reuse_seeded_twins``)."""
     win = winner(proto)
-    variants = {n: spec.overrides(n, proto.epochs) + tune_record(proto, n)["own"] + win["shared"]
-                for n in proto.tuned()}
+    variants = {n: at_winner_settings(proto, n, win) for n in proto.tuned()}
     study = make_study(proto, "control", variants, [spec.SEEDS[0]])
     return reuse_seeded_twins(proto, study, lambda run: f"{run.variant}/seed{run.seed}"), win
+
+
+def at_winner_settings(proto: Protocol, loss: str, win: dict) -> list:
+    """``loss``'s overrides at the winner's shared settings, its own tuned option kept: the control's
+    variant, and the exploratory phase's (whose seed-100 run is the control's: one definition)."""
+    return spec.overrides(loss, proto.epochs) + tune_record(proto, loss)["own"] + win["shared"]
 
 
 def reuse_seeded_twins(proto: Protocol, study, twin_key):
@@ -822,6 +827,11 @@ GLYPH_COLUMNS = ["variant", "seed", "epochs", *GLYPH_METRICS, "wall_time_s", "be
                  "val_flattened", "status"]
 
 
+def glyph_run_keys() -> list[str]:
+    """The glyph analysis's run keys (variant/seedN), as its study names them."""
+    return [f"{v}/seed{s}" for v in spec.GLYPH_VARIANTS for s in spec.CLAIM_SEEDS]
+
+
 def glyph_rows(proto: Protocol) -> list[dict]:
     """The glyph analysis on its test split (best.pt once each), only once all its runs finished."""
     study = glyph_study(proto)
@@ -968,7 +978,7 @@ def exploratory_study(proto: Protocol):
     loss's control run (the same training: trained once, by the control phase)."""
     losses = exploratory_losses(proto)
     control, win = control_study(proto)
-    variants = {n: spec.overrides(n, proto.epochs) + tune_record(proto, n)["own"] + win["shared"] for n in losses}
+    variants = {n: at_winner_settings(proto, n, win) for n in losses}
     study = make_study(proto, EXPLORATORY, variants, list(spec.SEEDS)) if variants else None
     if study is not None:
         reuse_twins(study, {r.key: r for r in control.runs}, lambda run: run.key)
@@ -1048,9 +1058,10 @@ def exploratory_markdown(proto: Protocol) -> list[str]:
     for loss in dict.fromkeys(r["loss"] for r in rows):
         mine = [r for r in rows if r["loss"] == loss]
         own = [r for r in results if r["loss"] == loss]
-        r1, mp, own_r1 = mean_ci(tested(mine, METRICS[0])), mean_ci(tested(mine, METRICS[1])), mean_ci(tested(own, METRICS[0]))
+        values = tested(mine, METRICS[0])
+        r1, mp, own_r1 = mean_ci(values), mean_ci(tested(mine, METRICS[1])), mean_ci(tested(own, METRICS[0]))
         flat = sum(r["val_flattened"] == "True" for r in mine)
-        lines.append(f"| {loss} | {len(tested(mine, METRICS[0]))} | {100 * r1['mean']:.2f} ({100 * r1['std']:.2f}) | "
+        lines.append(f"| {loss} | {len(values)} | {100 * r1['mean']:.2f} ({100 * r1['std']:.2f}) | "
                      f"{100 * own_r1['mean']:.2f} | {cell(loss + tag, loss, METRICS[0])} | "
                      f"{cell(loss + tag, loss, METRICS[0], later)} | "
                      f"{cell(loss + tag, ref, METRICS[0])} | {100 * mp['mean']:.2f} | {cell(loss + tag, loss, METRICS[1])} | "
@@ -1420,7 +1431,7 @@ def glyph_markdown(proto: Protocol) -> list[str]:
     rows = read_csv(proto.runs / "glyphs.csv")
     title = "## Heated-up on the glyph cross-family benchmark (secondary: intervals, no verdict)"
     if not rows:
-        keys = [f"{v}/seed{s}" for v in spec.GLYPH_VARIANTS for s in spec.CLAIM_SEEDS]
+        keys = glyph_run_keys()
         return [title, "", f"Not tested yet: {_finished_runs(proto.runs / 'glyphs', keys)} of {len(keys)} glyph runs "
                 "have finished. The final step tests them once all have ended, and running it again then (the same "
                 "--cut) adds this table (PREREGISTRATION.md, 2026-11-28, thirteenth session); if they cannot finish, "
@@ -1736,7 +1747,7 @@ def progress_markdown(proto: Protocol) -> str:
     # beta 3 at almn_beta3's settings is almn_beta3's seeded runs (almn_study): counted with them
     beta_keys = [f"beta{b:g}/seed{s}" for b in spec.BETAS if b != 3.0 for s in spec.BETA_SEEDS]
     more_keys = [f"{v}/seed{s}" for v in spec.ALMN_MORE for s in spec.BETA_SEEDS]
-    glyph_keys = [f"{v}/seed{s}" for v in spec.GLYPH_VARIANTS for s in spec.CLAIM_SEEDS]
+    glyph_keys = glyph_run_keys()
     results = read_csv(proto.runs / "results.csv")
     chosen = proto.runs / EXPLORATORY / "losses.json"  # written once the exploratory phase has started
     ex_keys = [f"{n}/seed{s}" for n in (json.loads(chosen.read_text())["losses"] if chosen.is_file() else [])
