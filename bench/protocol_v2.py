@@ -1309,7 +1309,8 @@ def convergence_text(rows: list[dict], t: dict) -> str:
 def two_head_convergence(proto: Protocol, t: dict) -> str:
     """H5's seeded runs have no validation vendor (they train on all five): their convergence is the
     lr run's at the chosen lr (seed 0, the same epochs and schedule, facebook held out), from the
-    copied lr tables."""
+    copied lr tables; and whether the chosen lr is an end of the grid (PREREGISTRATION.md,
+    2026-11-28, fourteenth session: then the variant's own best lr may lie beyond it)."""
     chosen_path = proto.copy / "two_head_chosen_lr.json"
     lr_rows = read_csv(proto.copy / "two_head_lr_runs.csv")
     if not chosen_path.is_file() or not lr_rows:
@@ -1317,7 +1318,7 @@ def two_head_convergence(proto: Protocol, t: dict) -> str:
     chosen = json.loads(chosen_path.read_text())
     parts = []
     for variant in (t["a"], t["b"]):
-        lr = chosen.get(variant, {}).get("lr")
+        lr, grid = chosen.get(variant, {}).get("lr"), chosen.get(variant, {}).get("grid") or []
         run = next((r for r in lr_rows if r["variant"] == variant and lr is not None
                     and math.isclose(float(r["lr"]), float(lr))), None)
         if run is None:
@@ -1325,7 +1326,9 @@ def two_head_convergence(proto: Protocol, t: dict) -> str:
             continue
         gain = "-" if run.get("last_gain_points") in (None, "") else f"{float(run['last_gain_points']):+.2f}"
         flat = {"True": "flattened", "False": "not flattened"}.get(str(run.get("flattened")), "-")
-        parts.append(f"{variant} lr run at lr {float(lr):g}: {flat} (last gain {gain} points)")
+        edge = ("" if len(grid) < 2 else ", the grid's upper end" if math.isclose(float(lr), max(grid))
+                else ", the grid's lower end" if math.isclose(float(lr), min(grid)) else "")
+        parts.append(f"{variant} lr run at lr {float(lr):g}{edge}: {flat} (last gain {gain} points)")
     return "no validation in the seeded runs; " + "; ".join(parts)
 
 

@@ -926,6 +926,18 @@ def test_candidates_drawn_and_the_two_head_convergence(tmp_path):
     assert bench.two_head_convergence(proto, pair) == (
         "no validation in the seeded runs; semihard lr run at lr 0.01: flattened (last gain +0.20 points); "
         "softmax lr run at lr 0.03: not flattened (last gain +1.50 points)")
+    # a chosen lr at an end of its grid is named (its own best may lie beyond); inside it, nothing
+    grid = [0.003, 0.01, 0.03]
+    (copy / "two_head_chosen_lr.json").write_text(json.dumps({"semihard": {"lr": 0.01, "grid": grid},
+                                                              "softmax": {"lr": 0.03, "grid": grid}}))
+    assert bench.two_head_convergence(proto, pair) == (
+        "no validation in the seeded runs; semihard lr run at lr 0.01: flattened (last gain +0.20 points); "
+        "softmax lr run at lr 0.03, the grid's upper end: not flattened (last gain +1.50 points)")
+    (copy / "two_head_chosen_lr.json").write_text(json.dumps({"semihard": {"lr": 0.03, "grid": grid},
+                                                              "softmax": {"lr": 0.01, "grid": [0.01, 0.03]}}))
+    assert bench.two_head_convergence(proto, pair) == (
+        "no validation in the seeded runs; semihard lr run at lr 0.03, the grid's upper end: not flattened "
+        "(last gain +3.00 points); softmax lr run at lr 0.01, the grid's lower end: flattened (last gain +0.10 points)")
 
 
 def test_progress_finds_the_two_head_runs_beside_the_study_and_counts_diverged_ones(tmp_path, monkeypatch):
