@@ -3,7 +3,7 @@
 :func:`choose_postprocess` walks the steps in their fixed order (whiten, dba, aqe, kreciprocal)
 and, for each, keeps the option of :data:`DEFAULT_SPACE` (or the given space) that raises the
 validation metric most over the steps kept so far, or none when no option raises it: a greedy
-coordinate search of 1 + sum of the options' counts evaluations (13 by default, seconds on a
+coordinate search of 1 + sum of the options' counts evaluations (10 by default, 11 with k-reciprocal; seconds on a
 few thousand validation images) instead of the full grid's product (64). The metric is that
 of :func:`deepmetric.evaluate.evaluate`, or, with ``domains``, the mean over domains of the
 cross-domain metric (:func:`deepmetric.evaluate.evaluate_cross_domain`: each domain's images

@@ -5,7 +5,8 @@ Input files (:func:`read_embeddings_file`):
 
 - ``.npz`` (``numpy.savez`` / ``deepmetric embed``): ``embeddings`` [N, d], optional ``labels``
   (integers, or strings that become the class names), ``class_names``, ``paths``;
-- ``.npy``: the embeddings alone, memory-mapped (a file larger than memory is read in chunks);
+- ``.npy``: the embeddings alone, read with ``os.pread`` (in chunks for ``ivfpq``, so a file larger
+  than memory can be indexed);
 - ``.parquet`` written by ``index export --to parquet`` (so an export round-trips).
 
 Parquet export (:func:`export_parquet`): one row per indexed image with ``id`` (row), ``path``,
