@@ -351,12 +351,12 @@ class EvalConfig:
     setting either key is an error.  ``at_start`` also evaluates the untrained model.
     ``classification`` adds top-1 / mean-per-class accuracy of the model's (or the loss's)
     classifier on ``split``.  ``baselines`` (default on) evaluates,
-    before training, the untrained (or pretrained) network and, for images up to 64 x 64,
-    the raw pixels; they are printed, logged as ``{"type": "baseline"}`` records and stored
+    before training, the untrained (or pretrained) network and the raw pixels (skipped when
+    their exact search would cost too much: ``run/baselines.py``); they are printed, logged as ``{"type": "baseline"}`` records and stored
     in ``metrics.json`` under ``baselines``.
 
-    ``cross_domain`` (test split only) adds ``cross_domain_recall@K`` and
-    ``cross_domain_map@r``: the queries of each domain (the emoji vendors) against the
+    ``cross_domain`` adds ``cross_domain_recall@K`` and ``cross_domain_map@r`` (by default) to the
+    validation and test metrics: the queries of each domain (the emoji vendors) against the
     images of the other domains, averaged over domains
     (:func:`deepmetric.evaluate.evaluate_cross_domain`); the split must carry domains.
     ``train_neighbours`` (with ``classification``, final evaluation only) embeds the training

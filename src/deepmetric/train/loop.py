@@ -27,7 +27,7 @@ Before the first step the config's option names and metric names are checked
 (``deepmetric.run.config_checks``), every image of every split has its header read, and the model runs on two
 training images; rank 0 prints a summary of the run (``deepmetric.train.summary``), warnings
 (small images enlarged, very few training classes) and the baselines (``eval.baselines``: the
-network at epoch 0 and, for images up to 64 x 64, raw pixels, on the test split).  After the
+network at epoch 0 and raw pixels, on the test split, the pixels skipped where too costly).  After the
 last step it prints the final metrics, the time and the paths of what was written.
 
 Files in ``train.out_dir``: ``config.yaml`` (resolved), ``log.jsonl`` (one ``{"type":
