@@ -509,3 +509,34 @@ def test_the_training_neighbour_keys_are_those_the_evaluation_returns():
     got = misclassified_neighbour_agreement(np.array([0, 1, 1]), np.array([0, 1, 0]), rng.normal(size=(3, 4)),
                                             rng.normal(size=(5, 4)), np.array([0, 1, 0, 1, 0]))
     assert set(got) == set(TRAIN_NEIGHBOUR_KEYS)
+
+
+def test_failed_since_reads_the_attempts_of_this_command_only(tmp_path):
+    """The runs whose attempts made after the count taken at the start ended in a failure, and
+    that have not finished: an older failure, later resumed, is not this command's."""
+    from deepmetric.workflows.study import RUN_RECORD, failed_since
+
+    study = load_study(_study(tmp_path))
+    a16_0, a16_1, a4_0, a4_1 = study.runs
+    attempts = [(a16_0, ["failed (ValueError: x)"]),  # failed before this command: not counted
+                (a16_1, ["failed (NonFiniteLossError: loss nan)"]),  # this command's failure
+                (a4_0, ["interrupted", "failed (RuntimeError: y)"]),  # interrupted earlier, failed now
+                (a4_1, ["finished"])]
+    before = {a16_0.key: 1, a16_1.key: 0, a4_0.key: 1, a4_1.key: 0}
+    for run, states in attempts:
+        run.record_dir.mkdir(parents=True)
+        (run.record_dir / RUN_RECORD).write_text(json.dumps({"attempts": [{"status": s} for s in states]}))
+    assert failed_since(study.runs, before) == [a16_1.key, a4_0.key]
+    assert failed_since(study.runs, {r.key: 5 for r in study.runs}) == []  # nothing new: nothing failed
+
+
+@pytest.mark.slow
+def test_a_failed_run_gives_exit_1_with_several_workers(tmp_path):
+    """docs/study.md: the exit code is 1 when a run failed. A worker process records the failure
+    and goes on (exit 0), so the parent reads the runs' attempts back."""
+    path = _study(tmp_path, seeds=[0], variants={"ok": [], "bad": ["optim.lr=1e30"]}, compare=[])
+    assert cli.main(["study", str(path), "--workers", "2"]) == 1
+    study = load_study(path)
+    ok, bad = study.runs
+    assert ok.finished and not bad.finished
+    assert (bad.record_dir / "error.txt").read_text().startswith("NonFiniteLossError")

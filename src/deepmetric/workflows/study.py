@@ -232,6 +232,22 @@ def _prepare_run(run: StudyRun, *, threads: int | None, progress: bool) -> tuple
     return cfg, None
 
 
+def _attempts(run: StudyRun) -> list[dict]:
+    """The run's recorded attempts (``.study/<run>/attempts.json``), oldest first."""
+    return (_read_json(run.record_dir / RUN_RECORD) or {}).get("attempts", [])
+
+
+def failed_since(runs: list[StudyRun], attempts_before: dict[str, int]) -> list[str]:
+    """The keys of the unfinished ``runs`` whose last attempt after the first
+    ``attempts_before[key]`` ones failed (what a worker process recorded and went on from)."""
+    failed = []
+    for run in runs:
+        new = _attempts(run)[attempts_before.get(run.key, 0):]
+        if not run.finished and new and str(new[-1].get("status", "")).startswith("failed"):
+            failed.append(run.key)
+    return failed
+
+
 def _record_attempt(run: StudyRun, seconds: float, resumed_from: Path | None, status: str) -> None:
     path = run.record_dir / RUN_RECORD
     record = _read_json(path) or {"attempts": []}
@@ -463,6 +479,7 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
         if commit:
             _git_commit(list(paths.values()), message, log)
 
+    attempts_before = {r.key: len(_attempts(r)) for r in runs}
     if workers <= 1:
         result = run_worker(study, storage=storage, only=only, progress=progress, log=log,
                             on_finished=lambda: results_changed(f"study {study.name}: a run finished"))
@@ -480,8 +497,11 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
 
         codes = run_workers(_worker_command(study, storage, only, overrides), workers,
                             study.out_dir / ".study" / "workers", poll=poll, log=log)
+        # a worker records a failed run in the run's attempts and goes on (exit 0): read them back,
+        # so that a study whose runs failed ends with exit 1 whatever the number of workers
         result = {"finished": [k for k in seen if k not in skipped], "interrupted": False,
-                  "failed": [f"worker exit code {c}" for c in codes if c != 0]}
+                  "failed": failed_since(runs, attempts_before)
+                  + [f"worker exit code {c}" for c in codes if c != 0]}
     sync_finished(study, open_trials(study, storage).get_trials(deepcopy=False))
     paths.update(write_results(study, storage=storage))
     failed = result["failed"]
