@@ -4,7 +4,8 @@
 #     Debian's chromium (+ Latin fonts) for the browser tests of report.html and the search page;
 #     PostgreSQL's server binaries, which the shared-study test of `deepmetric tune` starts on
 #     127.0.0.1 in a temporary directory (the package's own cluster is not used);
-#   - a virtual environment in .venv with deepmetric (editable) and its test tools;
+#   - python3-venv (stock Debian leaves it out) and a virtual environment in .venv with deepmetric
+#     (editable) and its test tools;
 #   - the emoji benchmark's artwork: pinned npm packages (Node.js and npm from apt if missing),
 #     only the files used extracted into the deepmetric cache (see docs/offline-data.md).
 # Safe to run again: it installs only what is missing.
@@ -17,6 +18,7 @@ APT_PACKAGES=(
   fonts-wqy-zenhei fonts-wqy-microhei fonts-lxgw-wenkai fonts-babelstone-han
   chromium fonts-dejavu-core fonts-liberation
   postgresql
+  python3-venv
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
