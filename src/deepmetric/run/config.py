@@ -280,8 +280,8 @@ class TrackingConfig:
     ``train.out_dir``) name the MLflow experiment and run; ``tags`` (string-keyed scalars) are
     set on the MLflow run.  ``mlflow_uri`` is the MLflow tracking URI; ``null`` takes
     ``MLFLOW_TRACKING_URI`` from the environment, else ``sqlite:///OUT/mlflow.db`` (a SQLite
-    file in the run directory, no server).  ``deepmetric tune`` / ``study`` set all four so
-    that every trial becomes a run of one experiment in one store."""
+    file in the run directory, no server).  ``deepmetric tune`` / ``study`` pass them on as
+    command-line overrides, so one ``mlflow_uri`` there puts every trial in one store."""
 
     experiment: Optional[str] = None
     run_name: Optional[str] = None

@@ -271,7 +271,7 @@ def ensure_mlflow_experiment(tracking_uri: str, name: str) -> str:
     """The id of MLflow experiment ``name`` in the store ``tracking_uri``, created if missing (a
     SQLite store's tables too).  With a local SQLite store the experiment's artifacts go to
     ``mlartifacts/`` beside the database file (MLflow's default would be ``./mlruns`` in the
-    current directory).  ``deepmetric tune`` calls this once before its workers start."""
+    current directory).  Every MLflow tracker calls it, under a lock on the store's folder."""
     MlflowClient = _import_mlflow()
     with _store_lock(tracking_uri):
         client = MlflowClient(tracking_uri=tracking_uri)

@@ -51,8 +51,8 @@ with the wall time of each attempt, ``error.txt`` of a failed attempt) are in
 output is in ``OUT/.study/workers/``.
 
 ``touch OUT/DRAIN`` stops a study without losing work: every worker finishes the run it trains
-and starts no other (a Ctrl-C loses the current epoch of each); the next command removes the
-file and continues.
+and starts no other (a Ctrl-C stops each after its current step, checkpointed); the next
+command removes the file and continues.
 
 A variant can take its settings from a finished tune: ``VARIANT: [..., {from_tune: DIR}]``
 applies the best trial's values of the tune in ``DIR`` (``DIR/best_overrides.json``, written
