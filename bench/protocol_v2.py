@@ -1318,7 +1318,8 @@ def two_head_convergence(proto: Protocol, t: dict) -> str:
     chosen = json.loads(chosen_path.read_text())
     parts = []
     for variant in (t["a"], t["b"]):
-        lr, grid = chosen.get(variant, {}).get("lr"), chosen.get(variant, {}).get("grid") or []
+        entry = chosen.get(variant, {})
+        lr, grid = entry.get("lr"), entry.get("grid") or []
         run = next((r for r in lr_rows if r["variant"] == variant and lr is not None
                     and math.isclose(float(r["lr"]), float(lr))), None)
         if run is None:

@@ -479,7 +479,6 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
         if commit:
             _git_commit(list(paths.values()), message, log)
 
-    attempts_before = {r.key: len(_attempts(r)) for r in runs}
     if workers <= 1:
         result = run_worker(study, storage=storage, only=only, progress=progress, log=log,
                             on_finished=lambda: results_changed(f"study {study.name}: a run finished"))
@@ -495,6 +494,7 @@ def run_study(study: Study, *, workers: int | None = None, progress: bool = Fals
                     log(f"{key}: finished  [{sum(r.finished for r in runs)}/{len(runs)} finished]")  # of those asked for
                 results_changed(f"study {study.name}: {', '.join(new)} finished")
 
+        attempts_before = {r.key: len(_attempts(r)) for r in runs}  # to tell this command's failures
         codes = run_workers(_worker_command(study, storage, only, overrides), workers,
                             study.out_dir / ".study" / "workers", poll=poll, log=log)
         # a worker records a failed run in the run's attempts and goes on (exit 0): read them back,
