@@ -1,5 +1,6 @@
 """Run the fair emoji loss comparison (studies/emoji_fair.py): for each loss in order, its tune
-(the same budget for every loss, on the cross-vendor validation emoji), then its 3 seeds at the
+(10 trials for every loss, finished or pruned, on the cross-vendor validation emoji; v1, kept as
+history: protocol v2, bench/protocol_v2.py, replaces it), then its 3 seeds at the
 chosen settings; the result files are copied to bench/studies/emoji_fair/ (with the baseline rows
 of its baselines.json) and committed after each step, with bench/studies/CLAIMS.md rewritten
 (bench/study_claims.py).  Resumable: a rerun continues the unfinished tune or seeds.

@@ -144,7 +144,8 @@ CLAIMS = (
           "MultiSimilarity, NormalizedSoftmax, ArcFace; emoji, cross-vendor)",
           _each(EF, [("BN", "pml_proxy_anchor"), ("BN", "pml_multi_similarity"), ("BN", "pml_normalized_softmax"),
                      ("BN", "pml_arcface")], CROSS_VENDOR),
-          caveat="every loss here trains with the same SGD, momentum 0.9, cosine schedule and 10x new-layer "
+          caveat="superseded by protocol v2's H6 and its control (above); "
+                 "every loss here trains with the same SGD, momentum 0.9, cosine schedule and 10x new-layer "
                  "lr; ProxyAnchor's paper uses AdamW and a 100x proxy lr, so its row is ProxyAnchor under "
                  "this protocol, not at its best. With its paper's AdamW (emoji_proxy_anchor_adamw, lr chosen "
                  "on validation between the paper's two, 3 seeds) ProxyAnchor reaches 44.3 cross-vendor "
@@ -289,6 +290,50 @@ def control_note(root: Path = STUDIES) -> list[str]:
     return [text + ".", ""]
 
 
+def almn_sweep_note(root: Path = STUDIES) -> list[str]:
+    """H4 at equal settings: the beta sweep (``protocol_v2/almn_beta.csv``; secondary, no verdict
+    words) trains every beta at almn_beta3's tuned settings, so each beta's paired difference to
+    beta 3 there separates the margin from the two tunes that H4 compares. Empty before the
+    final step has written the file."""
+    rows = _read_rows(root / "protocol_v2" / "almn_beta.csv")
+    metric = "cross_domain_recall@1"
+    variants = sorted({r["loss"] for r in rows if r.get("loss", "").startswith("almn_sweep_beta")})
+    ref = "almn_sweep_beta3"
+    if ref not in variants or len(variants) < 2:
+        return []
+    cells, crossing = [], 0
+    for v in variants:
+        if v == ref:
+            continue
+        seeds, diffs = paired_values(rows, v, ref, metric, key="loss")
+        st = mean_ci(diffs)
+        if st["n"] < 2 or math.isnan(st["ci_low"]):
+            return []
+        crossing += st["ci_low"] <= 0 <= st["ci_high"]
+        beta = v[len("almn_sweep_beta"):]
+        cells.append(f"beta {beta} - beta 3: {_pct(st['mean'])} [{_pct(st['ci_low'])}, {_pct(st['ci_high'])}] "
+                     f"(n={st['n']})")
+    means = ", ".join(f"beta {v[len('almn_sweep_beta'):]} "
+                      f"{100 * mean_ci([float(r[metric]) for r in rows if r['loss'] == v])['mean']:.2f}"
+                      for v in variants)
+    tail = (f"every interval contains 0 ({crossing} of {len(cells)})" if crossing == len(cells)
+            else f"{crossing} of {len(cells)} intervals contain 0")
+    return [f"**H4 at equal settings** (the ALMN beta sweep: every beta at almn_beta3's tuned settings, secondary, "
+            f"no verdict; [protocol_v2/summary.md](protocol_v2/summary.md)): test {metric} means {means}; "
+            f"{'; '.join(cells)}: {tail}. H4 compares two separately tuned losses, so its difference also measures "
+            "their tunes.", ""]
+
+
+def glyph_note(root: Path = STUDIES) -> list[str]:
+    """Once the verdicts exist: whether the secondary glyph analysis has a result
+    (``protocol_v2/glyphs.csv``)."""
+    folder = root / "protocol_v2"
+    if not (folder / "verdicts.json").is_file() or (folder / "glyphs.csv").is_file():
+        return []
+    return ["**The glyph cross-family analysis** (secondary, pre-registered \"if compute allows\"): no result "
+            "(no `glyphs.csv`; PREREGISTRATION.md's dated sections say why). H1 and H3 are read on emoji only.", ""]
+
+
 def _v2_cell(t: dict | None) -> str:
     if t is None or t.get("mean") is None:
         return "-"
@@ -331,7 +376,7 @@ def protocol_v2_section(root: Path = STUDIES) -> list[str]:
         lines.append(f"| {r['id']} | {r['claim']} | {r['paper']} | {r['budget']} | {r.get('convergence', '-')} | "
                      f"{primary if primary == '-' else r['metric'] + ': ' + primary} | {holm} | {shown} | "
                      f"{secondary if secondary == '-' else r['secondary_metric'] + ': ' + secondary} |")
-    return lines + [""] + control_note(root)
+    return lines + [""] + control_note(root) + almn_sweep_note(root) + glyph_note(root)
 
 
 def render(root: Path = STUDIES) -> str:
@@ -345,7 +390,7 @@ def render(root: Path = STUDIES) -> str:
              "**Everything below is v1 evidence, kept as history**: 3-10 epoch budgets, the emoji rows under "
              "the protocol built for BN (issue 30 lists its defects), test columns in view while choices were made, and "
              "no correction for testing many claims. Its verdicts are unadjusted per-claim readings, not a "
-             "ranking of the methods. The pre-registered protocol v2 (above) replaces them as its results land.", "",
+             "ranking of the methods. The pre-registered protocol v2 (above) replaces them.", "",
              "Differences are in points (x 100) of the final model's test metric, paired by seed: mean [95 % t "
              "interval] (n seeds). **holds**: interval above 0; **reversed**: below 0; **not resolved**: contains 0 "
              "(3 seeds cannot separate them); **pending**: runs not finished.", ""]

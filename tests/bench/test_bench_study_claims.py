@@ -169,3 +169,35 @@ def test_the_control_is_read_beside_h6_against_each_losss_own_seeded_runs(tmp_pa
         "val_map_at_winner_settings,same_run\nLN,100,HBN,0.53,0.52,0.60,0.27,0.33,False\n")
     note = "\n".join(sc.control_note(tmp_path))  # only one of ours above: no H6 wording
     assert "(LN)" in note and "H6 reads" not in note
+
+
+def test_h4_is_read_beside_the_beta_sweep_at_equal_settings(tmp_path):
+    """The sweep (almn_beta.csv) against beta 3 by seed, checked against hand-computed t intervals:
+    beta 0 - beta 3 = (+0.01, -0.01, +0.03) points x 100 -> mean +1.00, sd 2.00, t(0.975, 2) = 4.303
+    -> half-width 4.97; beta 1 - beta 3 = (+0.05, +0.06, +0.07) -> +6.00 +- 2.48 (above 0)."""
+    sc = _module()
+    assert sc.almn_sweep_note(tmp_path) == []  # before the final step: nothing
+    folder = tmp_path / "protocol_v2"
+    folder.mkdir()
+    beta3 = (0.40, 0.42, 0.44)
+    rows = {"almn_sweep_beta3": beta3,
+            "almn_sweep_beta0": tuple(b + d for b, d in zip(beta3, (0.01, -0.01, 0.03))),
+            "almn_sweep_beta1": tuple(b + d for b, d in zip(beta3, (0.05, 0.06, 0.07)))}
+    (folder / "almn_beta.csv").write_text("loss,seed,cross_domain_recall@1\n" + "".join(
+        f"{loss},{100 + i},{v}\n" for loss, vs in rows.items() for i, v in enumerate(vs)))
+    note = "\n".join(sc.almn_sweep_note(tmp_path))
+    assert "beta 0 - beta 3: +1.00 [-3.97, +5.97] (n=3)" in note
+    assert "beta 1 - beta 3: +6.00 [+3.52, +8.48] (n=3)" in note
+    assert "1 of 2 intervals contain 0" in note and "beta 3 42.00" in note
+    assert note.split("\n")[0] in sc.render(tmp_path)
+
+
+def test_the_glyph_analysis_is_said_to_have_no_result_only_once_the_verdicts_exist(tmp_path):
+    sc = _module()
+    folder = tmp_path / "protocol_v2"
+    folder.mkdir()
+    assert sc.glyph_note(tmp_path) == []  # no verdicts yet: the glyph runs may still come
+    (folder / "verdicts.json").write_text("[]")
+    assert "no result" in "\n".join(sc.glyph_note(tmp_path))
+    (folder / "glyphs.csv").write_text("loss,seed\n")
+    assert sc.glyph_note(tmp_path) == []
