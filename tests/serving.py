@@ -76,7 +76,8 @@ def memory_kib(pid: int) -> dict:
 
 
 @contextlib.contextmanager
-def serve_subprocess(index_dir, *args, host: str | None = "127.0.0.1", start_timeout: float = 180):
+def serve_subprocess(index_dir, *args, host: str | None = "127.0.0.1", start_timeout: float = 180,
+                     sigint_ignored: bool = False):
     """``deepmetric serve INDEX_DIR --port 0 *args`` in a subprocess (``--host host`` unless
     ``host`` is None: serve's default); yields ``(url, proc, output)``, the URL read from the
     banner (the port the server itself bound: no race with other processes for a port chosen
@@ -93,7 +94,11 @@ def serve_subprocess(index_dir, *args, host: str | None = "127.0.0.1", start_tim
                                                          os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "deepmetric.cli", "serve", str(index_dir),
+    # sigint_ignored: started as a script's background job is (SIGINT inherited ignored)
+    launch = (["-c", "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                     "from deepmetric.cli import main; sys.exit(main(sys.argv[1:]))"]
+              if sigint_ignored else ["-m", "deepmetric.cli"])
+    proc = subprocess.Popen([sys.executable, *launch, "serve", str(index_dir),
                              *(["--host", host] if host is not None else []), "--port", "0", *args],
                             env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 

@@ -31,10 +31,14 @@ def _env() -> dict:
 
 
 # --------------------------------------------------------------------------- Ctrl-C
-def test_ctrl_c_stops_serve_with_one_line_and_exit_code_130(shapes):
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["from_a_terminal", "a_scripts_background_job"])
+def test_ctrl_c_stops_serve_with_one_line_and_exit_code_130(shapes, sigint_ignored):
+    """Also when started as a script's background job (SIGINT inherited ignored): uvicorn stops
+    on SIGINT either way, and before the fix that stop ended with exit 0 and no line (seen in CI
+    when the suite itself ran as a background job)."""
     from serving import request, serve_subprocess
 
-    with serve_subprocess(shapes["index_dir"]) as (url, proc, output):  # 127.0.0.1, port 0
+    with serve_subprocess(shapes["index_dir"], sigint_ignored=sigint_ignored) as (url, proc, output):  # 127.0.0.1
         assert request(url, "GET", "/api/info", timeout=10)[0] == 200
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=60)

@@ -135,6 +135,17 @@ def create_app(index, *, max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, default_k
     return guarded
 
 
+def _sigint_ends_as_ctrl_c() -> None:
+    """A server started as a background job of a script (``deepmetric serve ... &``) inherits
+    SIGINT ignored, so Python installs no KeyboardInterrupt handler; uvicorn still stops on
+    SIGINT, but then returned as if nothing had happened (exit 0, no line). With Python's own
+    handler back, that stop ends as every Ctrl-C does: one line and exit 130."""
+    import signal
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def serve(index_dir, *, host: str = "127.0.0.1", port: int = 8000, checkpoint=None,
           max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB, k: int = 10, device: str = "cpu",
           workers: int = DEFAULT_WORKERS, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
@@ -172,6 +183,7 @@ def serve(index_dir, *, host: str = "127.0.0.1", port: int = 8000, checkpoint=No
 
         gc.collect()
         gc.freeze()  # the loaded model, index and libraries: full collections while serving skip them
+        _sigint_ends_as_ctrl_c()
         server.run(sockets=[sock])
     finally:
         sock.close()
