@@ -139,8 +139,8 @@ CLAIMS = (
                  "run's validation chose (best.pt) instead of the final one, beta 3 - beta 0 is +1.9 [-0.2, +4.1] "
                  "Recall@1: not resolved."),
     Claim("fair_pml", "issue 21 (not a paper claim)",
-          "v1 protocol (BN's SGD protocol, 10 trials, 2-7 finished per loss): BN beats what a user would pick "
-          "from pytorch-metric-learning (ProxyAnchor, "
+          "v1 protocol (BN's SGD protocol, 10 trials, 2-7 finished per loss; superseded by v2's H6): BN beats what "
+          "a user would pick from pytorch-metric-learning (ProxyAnchor, "
           "MultiSimilarity, NormalizedSoftmax, ArcFace; emoji, cross-vendor)",
           _each(EF, [("BN", "pml_proxy_anchor"), ("BN", "pml_multi_similarity"), ("BN", "pml_normalized_softmax"),
                      ("BN", "pml_arcface")], CROSS_VENDOR),
