@@ -296,24 +296,22 @@ def almn_sweep_note(root: Path = STUDIES) -> list[str]:
     beta 3 there separates the margin from the two tunes that H4 compares. Empty before the
     final step has written the file."""
     rows = _read_rows(root / "protocol_v2" / "almn_beta.csv")
-    metric = "cross_domain_recall@1"
-    variants = sorted({r["loss"] for r in rows if r.get("loss", "").startswith("almn_sweep_beta")})
-    ref = "almn_sweep_beta3"
+    metric, prefix = "cross_domain_recall@1", "almn_sweep_beta"
+    variants = sorted({r["loss"] for r in rows if r.get("loss", "").startswith(prefix)})
+    ref = prefix + "3"
     if ref not in variants or len(variants) < 2:
         return []
     cells, crossing = [], 0
     for v in variants:
         if v == ref:
             continue
-        seeds, diffs = paired_values(rows, v, ref, metric, key="loss")
-        st = mean_ci(diffs)
+        st = mean_ci(paired_values(rows, v, ref, metric, key="loss")[1])
         if st["n"] < 2 or math.isnan(st["ci_low"]):
             return []
         crossing += st["ci_low"] <= 0 <= st["ci_high"]
-        beta = v[len("almn_sweep_beta"):]
-        cells.append(f"beta {beta} - beta 3: {_pct(st['mean'])} [{_pct(st['ci_low'])}, {_pct(st['ci_high'])}] "
+        cells.append(f"beta {v[len(prefix):]} - beta 3: {_pct(st['mean'])} [{_pct(st['ci_low'])}, {_pct(st['ci_high'])}] "
                      f"(n={st['n']})")
-    means = ", ".join(f"beta {v[len('almn_sweep_beta'):]} "
+    means = ", ".join(f"beta {v[len(prefix):]} "
                       f"{100 * mean_ci([float(r[metric]) for r in rows if r['loss'] == v])['mean']:.2f}"
                       for v in variants)
     tail = (f"every interval contains 0 ({crossing} of {len(cells)})" if crossing == len(cells)

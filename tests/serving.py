@@ -94,7 +94,7 @@ def serve_subprocess(index_dir, *args, host: str | None = "127.0.0.1", start_tim
                                                          os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = tempfile.TemporaryFile("w+")
-    # sigint_ignored: started as a script's background job is (SIGINT inherited ignored)
+    # sigint_ignored: start it as a script's background job starts (SIGINT inherited ignored)
     launch = (["-c", "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                      "from deepmetric.cli import main; sys.exit(main(sys.argv[1:]))"]
               if sigint_ignored else ["-m", "deepmetric.cli"])
